@@ -1,0 +1,21 @@
+"""megatron-preflight: know what a Megatron checkpoint is, and whether a run can load it, before the job starts."""
+
+from megatron_preflight.errors import PreflightError
+
+__version__ = "0.1.0"
+
+__all__ = ["PreflightError", "__version__", "inspect_checkpoint", "install"]
+
+
+def inspect_checkpoint(path, iteration=None, trust_checkpoint=False):
+    """Discover the layout of the checkpoint at ``path`` (see :func:`megatron_preflight.layout.discover`)."""
+    from megatron_preflight.layout.discover import discover
+
+    return discover(path, iteration=iteration, trust_checkpoint=trust_checkpoint)
+
+
+def install(**kwargs):
+    """Install the Megatron-LM hook (see :mod:`megatron_preflight.hook`)."""
+    from megatron_preflight.hook.install import install as _install
+
+    return _install(**kwargs)

@@ -1,0 +1,366 @@
+"""Discover a checkpoint's layout from a ``--load`` root or an iteration dir, from metadata only."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import naming
+from megatron_preflight.layout.dist import DCP_METADATA, METADATA_JSON, inspect_dist
+from megatron_preflight.layout.foreign import looks_like
+from megatron_preflight.layout.model import Format, Layout, Shard
+from megatron_preflight.torch_file import read_torch_file
+
+log = logging.getLogger(__name__)
+
+# Args that must agree across all shards of one checkpoint.
+CONSISTENT_ARGS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size", "num_layers", "hidden_size",
+    "ffn_hidden_size", "num_attention_heads", "num_query_groups", "num_experts", "padded_vocab_size",
+    "use_distributed_optimizer", "swiglu", "untie_embeddings_and_output_weights",
+)
+
+
+def _is_iteration_dir(path: str) -> bool:
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return False
+    return any(naming.parse_shard_dir_name(e) for e in entries) or METADATA_JSON in entries or DCP_METADATA in entries
+
+
+def _list_iterations(root: str) -> list[int | str]:
+    its: list[int | str] = []
+    for e in os.listdir(root):
+        it = naming.parse_iteration_dir(e)
+        if it is not None and os.path.isdir(os.path.join(root, e)):
+            its.append(it)
+    return sorted(its, key=lambda i: (-1 if i == naming.RELEASE else i))
+
+
+def discover(path: str | os.PathLike, *, iteration: int | str | None = None, trust_checkpoint: bool = False,
+             read_all_shards: bool = True) -> Layout:
+    """Describe the checkpoint at ``path``. Raises :class:`PreflightError` only when ``path`` is not a directory."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path):
+        raise PreflightError("no such file or directory", path=path, fix="pass the --load dir of the run",
+                             code="usage")
+    if not os.path.isdir(path):
+        raise PreflightError("this is a file, not a checkpoint directory", path=path,
+                             fix="pass the dir given to --load (the one holding latest_checkpointed_iteration.txt)",
+                             code="usage")
+    layout = Layout(path=path)
+    iter_dir = _resolve_iteration(layout, path, iteration)
+    if iter_dir is None:
+        if not layout.problems:
+            layout.add("not_megatron", path,
+                       f"this is not a Megatron checkpoint; it looks like {layout.looks_like}",
+                       "pass the dir given to --save/--load (it holds latest_checkpointed_iteration.txt and iter_* dirs)")
+        return layout
+    layout.iter_dir = iter_dir
+    entries = set(os.listdir(iter_dir))
+    shard_names = sorted(e for e in entries if naming.parse_shard_dir_name(e) is not None)
+    is_dist = METADATA_JSON in entries or DCP_METADATA in entries
+    if shard_names and is_dist:
+        layout.add("mixed_formats", iter_dir,
+                   f"the dir holds both legacy shard dirs ({shard_names[0]}, ...) and distributed-checkpoint files; "
+                   "Megatron picks torch_dist when metadata.json exists and ignores the mp_rank_* dirs",
+                   "move one of the two checkpoints to its own --save dir")
+    if is_dist:
+        inspect_dist(layout, iter_dir, trust=trust_checkpoint)
+        _sizes_from_args(layout)
+    elif shard_names:
+        layout.format = Format.TORCH
+        _inspect_legacy(layout, iter_dir, shard_names, trust_checkpoint, read_all_shards)
+    else:
+        layout.looks_like = looks_like(iter_dir)
+        layout.add("no_shards", iter_dir,
+                   f"the iteration dir has no mp_rank_* shard dirs and no distributed-checkpoint files (it is {layout.looks_like})",
+                   "the save was interrupted: load an earlier iteration with --ckpt-step N")
+    layout.total_bytes = _dir_bytes(iter_dir)
+    return layout
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total
+
+
+def _resolve_iteration(layout: Layout, path: str, iteration: int | str | None) -> str | None:
+    """Find the iteration dir; records problems. None when there is nothing Megatron-shaped to inspect."""
+    tracker = os.path.join(path, naming.TRACKER_FILENAME)
+    own_iteration = naming.parse_iteration_dir(os.path.basename(path))
+    if not os.path.exists(tracker) and own_iteration is not None or (
+        not os.path.exists(tracker) and not _list_iterations(path) and _is_iteration_dir(path)
+    ):
+        # An iteration dir was given directly.
+        layout.root = os.path.dirname(path)
+        layout.iteration = own_iteration
+        if iteration is not None and own_iteration is not None and str(iteration) != str(own_iteration):
+            layout.add("usage", path, f"--iteration {iteration} asked for, but this is the dir of iteration {own_iteration}",
+                       "pass the checkpoint root instead")
+        return path
+    layout.root = path
+    layout.available_iterations = _list_iterations(path)
+    if os.path.exists(tracker):
+        try:
+            with open(tracker) as fh:
+                text = fh.read()
+        except OSError as exc:
+            layout.add("unreadable_file", tracker, f"cannot read the tracker ({exc.strerror})", "fix its permissions")
+            text = None
+        if text is not None:
+            parsed = naming.parse_tracker(text)
+            if parsed is None:
+                layout.add("bad_tracker", tracker,
+                           f"the tracker holds {text.strip()[:40]!r}, not an iteration number or 'release'; "
+                           "Megatron prints 'Invalid metadata file' and exits with status 0",
+                           f"write the iteration to load into it (available: {_fmt_its(layout.available_iterations)})")
+            layout.tracker_iteration = parsed
+    elif layout.available_iterations:
+        layout.add("no_tracker", tracker,
+                   "there is no tracker file; Megatron will not load anything and silently starts from random weights",
+                   f"write the iteration into {naming.TRACKER_FILENAME} (e.g. "
+                   f"`echo {layout.available_iterations[-1]} > {tracker}`) or pass --ckpt-step")
+    else:
+        layout.looks_like = looks_like(path)
+        return None
+    wanted = iteration if iteration is not None else layout.tracker_iteration
+    if wanted is None:
+        wanted = layout.available_iterations[-1] if layout.available_iterations else None
+    if wanted is None:
+        layout.add("no_iterations", path, "the tracker exists but there is no iter_* or release dir",
+                   "point --load at the complete checkpoint")
+        return None
+    if isinstance(wanted, str) and wanted != naming.RELEASE:
+        try:
+            wanted = int(wanted)
+        except ValueError:
+            layout.add("usage", path, f"--iteration {wanted!r} is neither a number nor 'release'", "pass a number")
+            return None
+    layout.iteration = wanted
+    iter_dir = os.path.join(path, naming.iteration_dir_name(wanted))
+    if not os.path.isdir(iter_dir):
+        who = "the tracker points" if iteration is None else "you asked for"
+        layout.add("missing_iteration", iter_dir,
+                   f"{who} iteration {wanted}, but its dir does not exist (Megatron fails with a raw FileNotFoundError "
+                   "or starts from scratch)",
+                   f"pick an existing iteration ({_fmt_its(layout.available_iterations)}) with --ckpt-step / "
+                   "--iteration, or fix the tracker")
+        return None
+    return iter_dir
+
+
+def _fmt_its(its: list[int | str]) -> str:
+    return ", ".join(str(i) for i in its) if its else "none"
+
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default) if args is not None else default
+
+
+def _sizes_from_args(layout: Layout) -> None:
+    args = layout.saved_args
+    if args is None:
+        return
+    layout.tp = int(_arg(args, "tensor_model_parallel_size", 1) or 1)
+    layout.pp = int(_arg(args, "pipeline_model_parallel_size", 1) or 1)
+    layout.ep = int(_arg(args, "expert_model_parallel_size", 1) or 1)
+    etp = _arg(args, "expert_tensor_parallel_size")
+    layout.etp = int(etp) if etp is not None else layout.tp
+    vpp = _arg(args, "virtual_pipeline_model_parallel_size")
+    layout.vpp = int(vpp) if vpp not in (None, 1) else None
+    layout.cp = int(_arg(args, "context_parallel_size", 1) or 1)
+    layout.distributed_optimizer = bool(_arg(args, "use_distributed_optimizer", False))
+    layout.sizes_from = "args"
+
+
+def _read_shard(shard: Shard, trust: bool) -> tuple[Shard, Exception | None]:
+    path = os.path.join(shard.path, naming.MODEL_FILENAME)
+    try:
+        shard.meta = read_torch_file(path, trust=trust)
+        if not isinstance(shard.meta, dict):
+            raise PreflightError(f"expected a dict at top level, found {type(shard.meta).__name__}", path=path,
+                                 code="corrupt_file")
+        return shard, None
+    except PreflightError as exc:
+        return shard, exc
+
+
+def _model_keys(meta: dict[str, Any] | None) -> list[str]:
+    if not meta:
+        return []
+    keys: list[str] = []
+    for k, v in meta.items():
+        if (k == "model" or (k.startswith("model") and k[5:].isdigit())) and isinstance(v, dict):
+            keys.extend(v.keys())
+    return keys
+
+
+def has_expert_keys(keys: list[str]) -> bool:
+    return any(".mlp.experts." in k or ".mlp.router." in k for k in keys)
+
+
+def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust: bool, read_all: bool) -> None:
+    for name in shard_names:
+        spath = os.path.join(iter_dir, name)
+        shard = Shard(name=name, tp_rank=None, pp_rank=None, ep_rank=None, path=spath)
+        if os.path.isdir(spath):
+            for f in sorted(os.listdir(spath)):
+                try:
+                    shard.files[f] = os.path.getsize(os.path.join(spath, f))
+                except OSError:
+                    shard.files[f] = 0
+        layout.shards.append(shard)
+    readable = [s for s in layout.shards if naming.MODEL_FILENAME in s.files]
+    for s in layout.shards:
+        if naming.MODEL_FILENAME not in s.files:
+            layout.add("missing_file", os.path.join(s.path, naming.MODEL_FILENAME),
+                       "the shard dir has no model_optim_rng.pt (an interrupted save?)",
+                       "restore it from a complete copy, or load an earlier iteration with --ckpt-step")
+        elif s.files[naming.MODEL_FILENAME] == 0:
+            layout.add("empty_file", os.path.join(s.path, naming.MODEL_FILENAME),
+                       "the file is empty (0 bytes); the save was interrupted",
+                       "restore it from a complete copy, or load an earlier iteration with --ckpt-step")
+    to_read = [s for s in readable if s.files[naming.MODEL_FILENAME] > 0]
+    if not read_all:
+        to_read = to_read[:1]
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(to_read)))) as pool:
+        results = list(pool.map(lambda s: _read_shard(s, trust), to_read))
+    good: list[Shard] = []
+    for shard, err in results:
+        if err is None:
+            good.append(shard)
+        else:
+            code = getattr(err, "code", "corrupt_file")
+            layout.add(code, getattr(err, "path", None) or shard.path, getattr(err, "message", str(err)),
+                       getattr(err, "fix", "") or "")
+    # Saved args: the lowest shard that has them (rank 0's file is what Megatron reads for args).
+    ref = next((s for s in good if isinstance(s.meta, dict) and s.meta.get("args") is not None), None)
+    if ref is not None:
+        layout.saved_args = ref.meta["args"]
+        layout.checkpoint_version = ref.meta.get("checkpoint_version")
+        _sizes_from_args(layout)
+        _check_args_agree(layout, ref, good)
+    else:
+        _sizes_from_names(layout, good)
+    for s in good:
+        it = s.meta.get("iteration", s.meta.get("total_iters")) if s.meta else None
+        if isinstance(it, int) and isinstance(layout.iteration, int) and it != layout.iteration:
+            layout.add("iteration_mismatch", os.path.join(s.path, naming.MODEL_FILENAME),
+                       f"the file says iteration {it} but sits in the dir for iteration {layout.iteration}",
+                       "this shard was copied from another iteration: restore the right one")
+    _check_shard_set(layout)
+    _check_distrib_optim(layout)
+
+
+def _sizes_from_names(layout: Layout, good: list[Shard]) -> None:
+    """No saved args: infer TP/PP/EP from dir names, and PP vs EP from the keys."""
+    layout.sizes_from = "names+keys"
+    layout.notes.append("no saved args in the shard files: sizes inferred from the dir names and the model keys")
+    idx = [naming.parse_shard_dir_name(s.name) or () for s in layout.shards]
+    lens = {len(i) for i in idx}
+    n = max(lens) if lens else 1
+    tp = max((i[0] for i in idx if i), default=0) + 1
+    pp = ep = 1
+    if n == 3:
+        pp = max(i[1] for i in idx if len(i) == 3) + 1
+        ep = max(i[2] for i in idx if len(i) == 3) + 1
+    elif n == 2:
+        second = max(i[1] for i in idx if len(i) == 2) + 1
+        keys = [k for s in good for k in _model_keys(s.meta)]
+        if has_expert_keys(keys):
+            ep = second
+        else:
+            pp = second
+    layout.tp, layout.pp, layout.ep, layout.etp, layout.cp = tp, pp, ep, tp, 1
+    layout.vpp = None
+    if good:
+        chunks = [k for k in good[0].meta if k.startswith("model") and k[5:].isdigit()]
+        if len(chunks) > 1:
+            layout.vpp = len(chunks)
+
+
+def _check_args_agree(layout: Layout, ref: Shard, good: list[Shard]) -> None:
+    ref_args = ref.meta["args"]
+    for s in good:
+        if s is ref:
+            continue
+        args = s.meta.get("args")
+        if args is None:
+            continue
+        diffs = [f"{f}={_arg(args, f)!r} (vs {_arg(ref_args, f)!r} in {ref.name})" for f in CONSISTENT_ARGS
+                 if _arg(args, f) != _arg(ref_args, f)]
+        if diffs:
+            layout.add("args_disagree", os.path.join(s.path, naming.MODEL_FILENAME),
+                       "this shard's saved args disagree with the others: " + ", ".join(diffs)
+                       + "; shards from different runs were mixed",
+                       "restore the iteration dir from one consistent save")
+
+
+def _check_shard_set(layout: Layout) -> None:
+    sizes = naming.ParallelSizes(
+        tp=layout.tp or 1, pp=layout.pp or 1, ep=layout.ep or 1, etp=layout.etp, cp=layout.cp or 1,
+        order="tp-cp-ep-pp-dp" if _arg(layout.saved_args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
+    )
+    layout.dims = naming.dims_class(pp_size=sizes.pp, ep_size=sizes.ep)
+    layout.name_pattern = naming.name_pattern(pp_size=sizes.pp, ep_size=sizes.ep)
+    expected = naming.expected_shards(sizes)
+    present = {s.name for s in layout.shards}
+    for s in layout.shards:
+        coords = expected.get(s.name)
+        if coords is None:
+            idx = naming.parse_shard_dir_name(s.name) or ()
+            coords = naming.assign_shard_indices(idx, pp_size=sizes.pp, ep_size=sizes.ep)
+        if coords is not None:
+            s.tp_rank, s.pp_rank, s.ep_rank = coords
+    layout.missing_shards = [n for n in expected if n not in present]
+    layout.stray_shards = [n for n in sorted(present) if n not in expected]
+    for name in layout.missing_shards:
+        hint = ""
+        if (sizes.tp > sizes.ep * sizes.etp_eff) and sizes.ep * sizes.etp_eff >= 1 and layout.ep is not None:
+            hint = (" (megatron-core <= 0.16 legacy saves silently skip TP ranks when TP > EP x ETP; "
+                    "this checkpoint cannot be loaded at its own layout)")
+        layout.add("missing_shard", os.path.join(layout.iter_dir or "", name),
+                   f"shard dir {name} is missing: a {layout.dims} TP{sizes.tp}/PP{sizes.pp}/EP{sizes.ep}"
+                   f"/ETP{sizes.etp_eff} save writes {len(expected)} dirs{hint}; Megatron would print "
+                   "'could not load the checkpoint' and exit with status 0",
+                   "restore the missing shard from a complete copy, or load an earlier iteration with --ckpt-step")
+    for name in layout.stray_shards:
+        layout.add("stray_shard", os.path.join(layout.iter_dir or "", name),
+                   f"unexpected shard dir for a {layout.dims} TP{sizes.tp}/PP{sizes.pp}/EP{sizes.ep} checkpoint "
+                   f"(expected names like {layout.name_pattern}); it belongs to another save",
+                   "move it out of the iteration dir")
+
+
+def _check_distrib_optim(layout: Layout) -> None:
+    with_file = [s for s in layout.shards if naming.DISTRIB_OPTIM_FILENAME in s.files]
+    if layout.distributed_optimizer is None:
+        layout.distributed_optimizer = bool(with_file)
+    if not layout.distributed_optimizer:
+        return
+    saved_optim = not bool(_arg(layout.saved_args, "no_save_optim", False))
+    if not saved_optim:
+        return
+    for s in layout.shards:
+        if s.name in layout.stray_shards:
+            continue
+        size = s.files.get(naming.DISTRIB_OPTIM_FILENAME)
+        path = os.path.join(s.path, naming.DISTRIB_OPTIM_FILENAME)
+        if size is None:
+            layout.add("missing_file", path,
+                       "the run used the distributed optimizer but this shard has no distrib_optim.pt",
+                       "restore it, or start with --no-load-optim to drop the optimizer state")
+        elif size == 0:
+            layout.add("empty_file", path, "distrib_optim.pt is empty (0 bytes); the save was interrupted",
+                       "restore it, or start with --no-load-optim to drop the optimizer state")

@@ -1,0 +1,142 @@
+"""Metadata of distributed checkpoint formats (torch_dist, zarr, torch_dcp / fsdp_dtensor), read safely.
+
+torch_dist: ``metadata.json`` (``sharded_backend``), ``.metadata`` (PyTorch DCP metadata, a pickle of dataclasses),
+``__<rank>_<n>.distcp`` data files, and the non-tensor state either in ``common.pt`` (megatron-core ≤ 0.16) or as the
+bytes item ``common_state/shard_0_1`` inside a ``.distcp`` file (Megatron-LM main). Only metadata and that small item
+are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.model import Format, Layout
+from megatron_preflight.safe_pickle import safe_loads
+from megatron_preflight.torch_file import read_torch_bytes, read_torch_file
+
+METADATA_JSON = "metadata.json"
+DCP_METADATA = ".metadata"
+COMMON_PT = "common.pt"
+
+
+def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
+    path = os.path.join(iter_dir, DCP_METADATA)
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        return safe_loads(data, source=path, trust=trust)
+    except PreflightError:
+        raise
+    except Exception as exc:
+        raise PreflightError(f"the DCP metadata is truncated or corrupt ({type(exc).__name__}: {exc})", path=path,
+                             fix="restore the iteration dir from a complete copy", code="corrupt_file") from None
+
+
+def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:
+    for index, info in getattr(md, "storage_data", {}).items():
+        if getattr(index, "fqn", "").startswith("common_state"):
+            path = os.path.join(iter_dir, info.relative_path)
+            with open(path, "rb") as fh:
+                fh.seek(info.offset)
+                blob = fh.read(info.length)
+            if len(blob) != info.length:
+                raise PreflightError("the common_state item runs past the end of the file (truncated)", path=path,
+                                     fix="restore the file from a complete copy", code="corrupt_file")
+            return read_torch_bytes(blob, source=f"{path}[common_state]", trust=trust)
+    return None
+
+
+def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
+    """Fill ``layout`` for a torch_dist / zarr / DCP iteration dir."""
+    entries = set(os.listdir(iter_dir))
+    cfg: dict[str, Any] = {}
+    if METADATA_JSON in entries:
+        path = os.path.join(iter_dir, METADATA_JSON)
+        try:
+            with open(path) as fh:
+                cfg = json.load(fh)
+        except (OSError, ValueError) as exc:
+            layout.add("corrupt_file", path, f"metadata.json is not valid JSON ({exc})",
+                       "restore it; for torch_dist it holds {\"sharded_backend\": \"torch_dist\", \"sharded_backend_version\": 1}")
+            cfg = {}
+    backend = cfg.get("sharded_backend")
+    if backend == "zarr":
+        layout.format = Format.ZARR
+        layout.notes.append("zarr checkpoints were removed from megatron-core (0.15+); current Megatron cannot load "
+                            "them: convert with an older Megatron (--ckpt-convert-format torch_dist)")
+    elif backend == "torch_dist" or (METADATA_JSON in entries and DCP_METADATA in entries):
+        layout.format = Format.TORCH_DIST
+    elif DCP_METADATA in entries:
+        layout.format = Format.TORCH_DCP
+    elif backend:
+        layout.format = Format.TORCH_DIST
+        layout.add("unknown_backend", os.path.join(iter_dir, METADATA_JSON),
+                   f"unknown sharded_backend {backend!r}", "use a Megatron version that wrote this checkpoint")
+    common: Any = None
+    md = None
+    if layout.format in (Format.TORCH_DIST, Format.TORCH_DCP):
+        if DCP_METADATA not in entries:
+            layout.add("missing_file", os.path.join(iter_dir, DCP_METADATA),
+                       "the DCP metadata file is missing, so the tensors cannot be located",
+                       "restore the iteration dir from a complete copy")
+        else:
+            try:
+                md = read_dcp_metadata(iter_dir, trust=trust)
+            except PreflightError as exc:
+                layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
+    if md is not None:
+        _check_data_files(layout, iter_dir, md)
+        for key, value in md.state_dict_metadata.items():
+            size = getattr(value, "size", None)
+            if size is not None:
+                layout.dist_tensors[key] = (tuple(size), str(value.properties.dtype))
+        if any(k.startswith("model.") for k in layout.dist_tensors) and layout.format == Format.TORCH_DCP:
+            layout.format = Format.FSDP_DTENSOR
+    if COMMON_PT in entries:
+        try:
+            common = read_torch_file(os.path.join(iter_dir, COMMON_PT), trust=trust)
+        except PreflightError as exc:
+            layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
+    elif md is not None:
+        try:
+            common = _common_from_metadata(iter_dir, md, trust)
+        except PreflightError as exc:
+            layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
+    if isinstance(common, list) and common and isinstance(common[0], dict):
+        common = common[0]
+    if isinstance(common, dict):
+        layout.common_state = common
+        layout.saved_args = common.get("args")
+        layout.checkpoint_version = common.get("checkpoint_version")
+        content = common.get("content_metadata") or {}
+        if isinstance(content, dict):
+            layout.dist_optimizer_sharding = content.get("distrib_optim_sharding_type")
+        it = common.get("iteration")
+        if isinstance(it, int) and isinstance(layout.iteration, int) and it != layout.iteration:
+            layout.add("iteration_mismatch", iter_dir,
+                       f"the checkpoint says iteration {it} but sits in the dir for iteration {layout.iteration}",
+                       "check the tracker and dir names")
+    elif layout.format in (Format.TORCH_DIST, Format.ZARR) and not layout.problems:
+        layout.notes.append("no common state (args) found: parallel sizes unknown")
+
+
+def _check_data_files(layout: Layout, iter_dir: str, md: Any) -> None:
+    needed: dict[str, int] = {}
+    for info in getattr(md, "storage_data", {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for rel, end in sorted(needed.items()):
+        path = os.path.join(iter_dir, rel)
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            layout.add("missing_shard", path, "a data file listed in .metadata is missing",
+                       "restore it from a complete copy of this iteration, or load an earlier one with --ckpt-step")
+            layout.missing_shards.append(rel)
+            continue
+        if size < end:
+            layout.add("corrupt_file", path, f"the data file is truncated ({size} bytes, .metadata needs {end})",
+                       "restore it from a complete copy, or load an earlier iteration with --ckpt-step")

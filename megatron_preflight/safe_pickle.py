@@ -1,0 +1,240 @@
+"""A restricted unpickler for Megatron checkpoints: resolves only an allow-list of globals, never runs code.
+
+A Megatron ``model_optim_rng.pt`` is a pickle. ``pickle`` resolves every ``GLOBAL`` it meets and calls whatever
+``REDUCE`` names, so loading an untrusted file runs the author's code. This module resolves:
+
+* plain containers and value types that Megatron's ``args`` and state hold (``argparse.Namespace``,
+  ``OrderedDict``, torch dtypes and sizes, numpy arrays for RNG state, ``signal.Signals``);
+* torch's tensor-rebuild functions, swapped for hooks supplied by the caller (so tensors can stay on disk);
+* torch.distributed.checkpoint's metadata dataclasses (plain data);
+* any class from Megatron / Transformer Engine / ModelOpt modules as an inert :class:`Placeholder`, whether or not
+  that package is installed (versions differ: ``InferenceCudaGraphScope`` exists only in newer Megatron-LM).
+
+Anything else raises :class:`UnsafePickleError`, unless the caller passes ``trust=True`` (``--trust-checkpoint``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import pickle
+import types
+from typing import Any, Callable
+
+from megatron_preflight.errors import UnsafePickleError
+
+# Module prefixes whose classes become inert placeholders (their data is kept, their code never imported).
+PLACEHOLDER_PREFIXES = ("megatron.", "megatron_", "transformer_engine.", "modelopt.", "nvidia_resiliency_ext.")
+
+
+class Placeholder:
+    """Inert stand-in for a class that is referenced by a pickle but deliberately not imported.
+
+    Holds the constructor arguments (enums: ``Cls(value)``) and any state set by ``BUILD``.
+    """
+
+    _module = "?"
+    _name = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._args = args
+        self._kwargs = kwargs
+        self._state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self._state = state
+
+    @property
+    def value(self) -> Any:
+        """The enum value, for enum-like placeholders (``Cls(value)``)."""
+        return self._args[0] if len(self._args) == 1 else None
+
+    def describe(self) -> str:
+        if len(self._args) == 1 and self._state is None:
+            return f"{self._name}({self._args[0]!r})"
+        if self._state is not None and not self._args:
+            return f"{self._name}({self._state!r})"
+        return f"{self._name}{self._args!r}"
+
+    def __repr__(self) -> str:
+        return f"<{self._module}.{self.describe()}>"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Placeholder)
+            and (self._module, self._name, self._args, self._state)
+            == (other._module, other._name, other._args, other._state)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._module, self._name, repr(self._args)))
+
+
+_placeholder_classes: dict[tuple[str, str], type] = {}
+
+
+def placeholder_class(module: str, name: str) -> type:
+    """The (cached) placeholder class standing for ``module.name``."""
+    key = (module, name)
+    if key not in _placeholder_classes:
+        _placeholder_classes[key] = type(name, (Placeholder,), {"_module": module, "_name": name})
+    return _placeholder_classes[key]
+
+
+def _guarded_reconstructor(cls: Any, base: Any, state: Any) -> Any:
+    """``copyreg._reconstructor`` limited to placeholder classes (never calls foreign ``__new__``)."""
+    if isinstance(cls, type) and issubclass(cls, Placeholder):
+        return cls()
+    raise UnsafePickleError(f"copyreg._reconstructor called on non-allow-listed class {cls!r}")
+
+
+def _static_allow_list() -> dict[tuple[str, str], Any]:
+    import torch
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("collections", "defaultdict"): collections.defaultdict,
+        ("argparse", "Namespace"): argparse.Namespace,
+        ("types", "SimpleNamespace"): types.SimpleNamespace,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("builtins", "slice"): slice,
+        ("builtins", "complex"): complex,
+        ("builtins", "bytearray"): bytearray,
+        ("builtins", "range"): range,
+        ("builtins", "int"): int,
+        ("builtins", "float"): float,
+        ("builtins", "str"): str,
+        ("builtins", "bytes"): bytes,
+        ("builtins", "tuple"): tuple,
+        ("builtins", "list"): list,
+        ("builtins", "dict"): dict,
+        ("builtins", "bool"): bool,
+        ("copyreg", "_reconstructor"): _guarded_reconstructor,
+        ("torch", "Size"): torch.Size,
+        ("torch", "device"): torch.device,
+        ("torch", "layout"): torch.layout,
+        ("torch", "strided"): torch.strided,
+        ("torch", "contiguous_format"): torch.contiguous_format,
+        ("torch", "preserve_format"): torch.preserve_format,
+        ("torch", "memory_format"): torch.memory_format,
+    }
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    try:
+        import numpy
+        from numpy.core import multiarray as np_multiarray  # noqa: F401 (numpy 1.x path, aliased in 2.x)
+    except Exception:  # pragma: no cover - numpy is a torch dependency in practice
+        numpy = None
+    if numpy is not None:
+        try:
+            from numpy._core import multiarray as core_ma
+        except ImportError:  # numpy 1.x
+            from numpy.core import multiarray as core_ma
+        for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+            allowed[(mod, "_reconstruct")] = core_ma._reconstruct
+            allowed[(mod, "scalar")] = core_ma.scalar
+        allowed[("numpy", "ndarray")] = numpy.ndarray
+        allowed[("numpy", "dtype")] = numpy.dtype
+        for name in dir(numpy.dtypes):
+            if name.endswith("DType"):
+                allowed[("numpy.dtypes", name)] = getattr(numpy.dtypes, name)
+        import codecs
+
+        allowed[("_codecs", "encode")] = codecs.encode
+    import signal
+
+    allowed[("signal", "Signals")] = signal.Signals
+    try:
+        from torch.distributed.checkpoint import metadata as dcp_md
+
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        ):
+            if hasattr(dcp_md, name):
+                allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(dcp_md, name)
+        from torch.distributed.checkpoint import filesystem as dcp_fs
+
+        allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_fs._StorageInfo
+        from torch.distributed.checkpoint import planner as dcp_planner
+
+        for name in ("SavePlan", "TensorWriteData", "WriteItem", "WriteItemType", "LoadItemType", "ReadItem"):
+            if hasattr(dcp_planner, name):
+                allowed[("torch.distributed.checkpoint.planner", name)] = getattr(dcp_planner, name)
+        import torch.serialization as ts
+
+        if hasattr(ts, "_get_layout"):
+            allowed[("torch.serialization", "_get_layout")] = ts._get_layout
+    except Exception:  # pragma: no cover - torch built without distributed
+        pass
+    return allowed
+
+
+_ALLOWED: dict[tuple[str, str], Any] | None = None
+
+
+def allowed_globals() -> dict[tuple[str, str], Any]:
+    global _ALLOWED
+    if _ALLOWED is None:
+        _ALLOWED = _static_allow_list()
+    return _ALLOWED
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickler with an allow-list. ``overrides`` maps (module, name) to caller hooks (e.g. tensor rebuild)."""
+
+    def __init__(
+        self,
+        file: io.BufferedIOBase,
+        *,
+        source: str,
+        overrides: dict[tuple[str, str], Any] | None = None,
+        persistent_load: Callable[[Any], Any] | None = None,
+        trust: bool = False,
+    ) -> None:
+        super().__init__(file)
+        self._source = source
+        self._overrides = overrides or {}
+        self._persistent = persistent_load
+        self._trust = trust
+
+    def persistent_load(self, pid: Any) -> Any:  # noqa: D102 - pickle protocol
+        if self._persistent is None:
+            raise UnsafePickleError(
+                "the pickle refers to external storage but none was expected", path=self._source
+            )
+        return self._persistent(pid)
+
+    def find_class(self, module: str, name: str) -> Any:  # noqa: D102 - pickle protocol
+        key = (module, name)
+        if key in self._overrides:
+            return self._overrides[key]
+        allowed = allowed_globals()
+        if key in allowed:
+            return allowed[key]
+        if module.startswith(PLACEHOLDER_PREFIXES) or module in ("megatron",):
+            return placeholder_class(module, name)
+        if self._trust:
+            return super().find_class(module, name)
+        raise UnsafePickleError(
+            f"refused to load: the pickle references `{module}.{name}`, which is not on the allow-list of types "
+            "a Megatron checkpoint contains; loading it could run code from the file",
+            path=self._source,
+            fix="if you trust where this checkpoint came from, rerun with --trust-checkpoint",
+            code="unsafe_pickle",
+        )
+
+
+def safe_loads(data: bytes, *, source: str, trust: bool = False, **kwargs: Any) -> Any:
+    """Unpickle ``data`` with :class:`SafeUnpickler`."""
+    return SafeUnpickler(io.BytesIO(data), source=source, trust=trust, **kwargs).load()

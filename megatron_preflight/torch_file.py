@@ -1,0 +1,273 @@
+"""Read ``torch.save`` zip files without reading tensor bytes, and materialise single tensors lazily (mmap).
+
+A torch zip file holds ``<archive>/data.pkl`` (the object tree, with tensors as references to storages) and one
+uncompressed record ``<archive>/data/<key>`` per storage. :func:`read_torch_file` unpickles only ``data.pkl``
+(through :mod:`megatron_preflight.safe_pickle`) and returns :class:`TensorRef` objects in place of tensors, so a 1 GB
+shard costs what a 1 MB shard costs. :meth:`TorchFile.tensor` maps one storage record and returns a tensor view
+(copy-on-write mmap: the file is never written).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_preflight.errors import CorruptFileError, PreflightError
+from megatron_preflight.safe_pickle import SafeUnpickler
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+    "UntypedStorage": torch.uint8,
+}
+for _name in ("Float8_e4m3fnStorage", "Float8_e5m2Storage"):
+    _dt = getattr(torch, _name.replace("Storage", "").lower(), None)
+    if _dt is not None:
+        _STORAGE_DTYPES[_name] = _dt
+
+
+@dataclass(frozen=True)
+class StorageType:
+    """Stand-in for ``torch.FloatStorage`` & co. inside a pickle: just the dtype."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """One storage record of a torch zip file."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor described by metadata only: where its bytes are, its dtype, shape and strides."""
+
+    file: str
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"TensorRef({tuple(self.shape)}, {self.dtype})"
+
+
+def _rebuild_tensor_hook(file: str):
+    def rebuild(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+        return TensorRef(file, storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
+
+    return rebuild
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *args):
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    return func(*args)
+
+
+def _overrides(file: str) -> dict[tuple[str, str], Any]:
+    hooks: dict[tuple[str, str], Any] = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_hook(file),
+        ("torch._utils", "_rebuild_tensor"): _rebuild_tensor_hook(file),
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+        ("torch.nn.parameter", "Parameter"): lambda data=None, requires_grad=True: data,
+    }
+    for name, dtype in _STORAGE_DTYPES.items():
+        hooks[("torch", name)] = StorageType(dtype)
+        hooks[("torch.storage", name)] = StorageType(dtype)
+    return hooks
+
+
+class TorchFile:
+    """An open ``torch.save`` zip file: metadata via :meth:`load_metadata`, tensors via :meth:`tensor`."""
+
+    def __init__(self, path: str | os.PathLike, *, trust: bool = False) -> None:
+        self.path = os.fspath(path)
+        self.trust = trust
+        self._zip: zipfile.ZipFile | None = None
+        self._mmap: mmap.mmap | None = None
+        self._fh: Any = None
+        self._archive = ""
+        self._offsets: dict[str, tuple[int, int]] = {}
+        self._open()
+
+    # -- opening -------------------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError as exc:
+            raise PreflightError(f"cannot read the file ({exc.strerror})", path=self.path,
+                                 fix="check that it exists and that this user can read it", code="unreadable_file") from None
+        if size == 0:
+            raise CorruptFileError("the file is empty (0 bytes); the save that wrote it was interrupted",
+                                   path=self.path, fix="load an earlier iteration with --ckpt-step, or re-save it",
+                                   code="empty_file")
+        try:
+            self._fh = open(self.path, "rb")
+        except OSError as exc:
+            raise PreflightError(f"cannot open the file ({exc.strerror})", path=self.path,
+                                 fix="check the file's permissions", code="unreadable_file") from None
+        try:
+            self._zip = zipfile.ZipFile(self._fh)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+            self._fh.seek(0)
+            head = self._fh.read(2)
+            self.close()
+            if head[:1] == b"\x80":
+                msg = ("this is an old (pre-zip, torch < 1.6) torch file, or a truncated one; "
+                       "its metadata cannot be read without loading all of it")
+            else:
+                msg = "this is not a torch file, or it is truncated or corrupt (no zip directory at its end)"
+            raise CorruptFileError(msg, path=self.path,
+                                   fix="restore the file from a complete copy, or load an earlier iteration with --ckpt-step",
+                                   code="corrupt_file") from None
+        names = self._zip.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+        if not pkl:
+            self.close()
+            raise CorruptFileError("the zip file has no data.pkl record, so it is not a torch checkpoint",
+                                   path=self.path, fix="point at the Megatron checkpoint directory", code="corrupt_file")
+        self._archive = pkl[0][: -len("data.pkl")]
+        self._size = size
+
+    def close(self) -> None:
+        for obj in (self._zip, self._fh):
+            try:
+                if obj is not None:
+                    obj.close()
+            except Exception:
+                pass
+        self._zip = None
+        self._fh = None
+        # An mmap with live tensor views cannot be closed; it is released when those tensors are.
+        self._mmap = None
+
+    def __enter__(self) -> "TorchFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- metadata ------------------------------------------------------------------------------------------------
+    def load_metadata(self) -> Any:
+        """The unpickled object tree, with :class:`TensorRef` in place of every tensor. Reads only ``data.pkl``."""
+        assert self._zip is not None
+        try:
+            data = self._zip.read(self._archive + "data.pkl")
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            raise CorruptFileError(f"cannot read its data.pkl record ({exc})", path=self.path,
+                                   fix="restore the file from a complete copy", code="corrupt_file") from None
+
+        def persistent_load(pid: Any) -> Any:
+            if not isinstance(pid, tuple) or not pid or pid[0] != "storage":
+                raise CorruptFileError(f"unexpected persistent id {pid!r}", path=self.path, code="corrupt_file")
+            _, stype, key, _location, numel = pid[:5]
+            dtype = stype.dtype if isinstance(stype, StorageType) else torch.uint8
+            return StorageRef(str(key), dtype, int(numel))
+
+        unpickler = SafeUnpickler(io.BytesIO(data), source=self.path, overrides=_overrides(self.path),
+                                  persistent_load=persistent_load, trust=self.trust)
+        try:
+            return unpickler.load()
+        except PreflightError:
+            raise
+        except Exception as exc:  # malformed pickle stream
+            raise CorruptFileError(f"its pickle is malformed ({type(exc).__name__}: {exc})", path=self.path,
+                                   fix="restore the file from a complete copy", code="corrupt_file") from None
+
+    # -- tensor data ---------------------------------------------------------------------------------------------
+    def _record_offset(self, key: str) -> tuple[int, int]:
+        if key in self._offsets:
+            return self._offsets[key]
+        assert self._zip is not None and self._fh is not None
+        name = f"{self._archive}data/{key}"
+        try:
+            info = self._zip.getinfo(name)
+        except KeyError:
+            raise CorruptFileError(f"storage record {name} is missing", path=self.path, code="corrupt_file") from None
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CorruptFileError(f"storage record {name} is compressed", path=self.path, code="corrupt_file")
+        self._fh.seek(info.header_offset)
+        header = self._fh.read(30)
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            raise CorruptFileError(f"bad zip header for {name}", path=self.path, code="corrupt_file")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        start = info.header_offset + 30 + name_len + extra_len
+        if start + info.file_size > self._size:
+            raise CorruptFileError(f"storage record {name} runs past the end of the file (truncated)",
+                                   path=self.path, code="corrupt_file")
+        self._offsets[key] = (start, info.file_size)
+        return self._offsets[key]
+
+    def tensor(self, ref: TensorRef) -> torch.Tensor:
+        """The tensor ``ref`` points at, as a view of a copy-on-write mmap (lazy: pages are read on access)."""
+        start, nbytes = self._record_offset(ref.storage.key)
+        if ref.numel == 0:
+            return torch.empty(ref.shape, dtype=ref.dtype)
+        if self._mmap is None:
+            assert self._fh is not None
+            self._mmap = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        count = nbytes // ref.dtype.itemsize
+        flat = torch.frombuffer(self._mmap, dtype=ref.dtype, count=count, offset=start)
+        return flat.as_strided(ref.shape, ref.stride, ref.offset)
+
+
+def read_torch_file(path: str | os.PathLike, *, trust: bool = False) -> Any:
+    """Metadata of a torch file (tensors as :class:`TensorRef`)."""
+    with TorchFile(path, trust=trust) as f:
+        return f.load_metadata()
+
+
+def read_torch_bytes(data: bytes, *, source: str, trust: bool = False) -> Any:
+    """Metadata of an in-memory ``torch.save`` blob (e.g. the ``common_state`` item of a torch_dist checkpoint)."""
+    import tempfile
+
+    # zipfile needs a seekable file; blobs here are small (tens of KB).
+    with tempfile.NamedTemporaryFile(suffix=".pt") as tmp:
+        tmp.write(data)
+        tmp.flush()
+        try:
+            return read_torch_file(tmp.name, trust=trust)
+        except PreflightError as exc:
+            exc.path = source
+            raise

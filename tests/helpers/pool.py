@@ -1,0 +1,105 @@
+"""A persistent gloo world of worker processes that run the same task on every rank (test-only).
+
+Starting a process and importing megatron.core costs seconds; building a tiny model costs milliseconds. So the test
+session starts one world and reuses it for every layout (``destroy_model_parallel`` + re-init per task).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import sys
+import tempfile
+import traceback
+from typing import Any
+
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _worker(rank: int, world: int, init_file: str, tasks, results) -> None:
+    sys.path.insert(0, ROOT)
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world)
+    import torch
+    import torch.distributed as dist
+
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from tests.helpers import cpu_compat
+
+    cpu_compat.apply()
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        module, func, kwargs = item
+        try:
+            fn = getattr(importlib.import_module(module), func)
+            results.put((rank, True, fn(**kwargs)))
+        except BaseException as exc:  # report and keep serving
+            results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class Pool:
+    def __init__(self, world: int = 4) -> None:
+        self.world = world
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.mkdtemp(prefix="mp_pool_")
+        init_file = os.path.join(self._tmp, "init")
+        self._tasks = [ctx.Queue() for _ in range(world)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(r, world, init_file, self._tasks[r], self._results),
+                                   daemon=False) for r in range(world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, func: str, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        """Run ``module:function`` on every rank with ``kwargs``; the per-rank results, in rank order."""
+        module, name = func.split(":")
+        for q in self._tasks:
+            q.put((module, name, kwargs))
+        out: dict[int, Any] = {}
+        errors = []
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self._results.get(timeout=timeout)
+            except queue.Empty:
+                import signal
+
+                for p in self._procs:  # dump every worker's stack to stderr before giving up
+                    if p.is_alive() and p.pid:
+                        os.kill(p.pid, signal.SIGUSR1)
+                import time
+
+                time.sleep(2)
+                self.close()
+                raise TimeoutError(f"pool task {func} timed out after {timeout}s; ranks done: {sorted(out)}") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}: {value}")
+                out[rank] = None
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return [out[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
