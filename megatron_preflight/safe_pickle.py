@@ -20,7 +20,8 @@ import collections
 import io
 import pickle
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_preflight.errors import UnsafePickleError
 
@@ -126,7 +127,6 @@ def _static_allow_list() -> dict[tuple[str, str], Any]:
             allowed[("torch", name)] = value
     try:
         import numpy
-        from numpy.core import multiarray as np_multiarray  # noqa: F401 (numpy 1.x path, aliased in 2.x)
     except Exception:  # pragma: no cover - numpy is a torch dependency in practice
         numpy = None
     if numpy is not None:

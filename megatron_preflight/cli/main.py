@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_preflight.errors import PreflightError
 

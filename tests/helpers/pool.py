@@ -25,11 +25,11 @@ def _worker(rank: int, world: int, init_file: str, tasks, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world)
-    import torch
-    import torch.distributed as dist
-
     import faulthandler
     import signal
+
+    import torch
+    import torch.distributed as dist
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)

@@ -1,0 +1,42 @@
+import argparse
+import os
+import pickle
+
+import pytest
+
+from megatron_preflight.errors import UnsafePickleError
+from megatron_preflight.safe_pickle import Placeholder, safe_loads
+
+
+def test_plain_megatron_args_roundtrip():
+    ns = argparse.Namespace(a=1, b=[1, 2], c={"x": (1, 2.5)}, d=None)
+    assert safe_loads(pickle.dumps(ns), source="t") == ns
+
+
+def test_missing_megatron_class_becomes_inert_placeholder():
+    # GLOBAL megatron...NoSuchEnum; MARK; INT 3; TUPLE; REDUCE; STOP  (a class no Megatron version has)
+    blob = b"cmegatron.core.transformer.enums\nNoSuchEnum\n(I3\ntR."
+    obj = safe_loads(blob, source="t")
+    assert isinstance(obj, Placeholder) and obj.value == 3 and "NoSuchEnum(3)" in obj.describe()
+
+
+def test_os_system_refused(tmp_path):
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with pytest.raises(UnsafePickleError) as exc:
+        safe_loads(pickle.dumps(Evil()), source="evil.pt")
+    assert "evil.pt" in str(exc.value) and "--trust-checkpoint" in str(exc.value)
+    assert not marker.exists()
+
+
+def test_builtins_eval_refused():
+    class Evil:
+        def __reduce__(self):
+            return (eval, ("1+1",))
+
+    with pytest.raises(UnsafePickleError):
+        safe_loads(pickle.dumps(Evil()), source="e")
