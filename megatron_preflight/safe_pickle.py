@@ -121,7 +121,7 @@ def _static_allow_list() -> dict[tuple[str, str], Any]:
         ("torch", "preserve_format"): torch.preserve_format,
         ("torch", "memory_format"): torch.memory_format,
     }
-    for name in dir(torch):
+    for name in _DTYPE_NAMES:
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype):
             allowed[("torch", name)] = value
@@ -148,6 +148,23 @@ def _static_allow_list() -> dict[tuple[str, str], Any]:
     import signal
 
     allowed[("signal", "Signals")] = signal.Signals
+    return allowed
+
+
+_DTYPE_NAMES = (
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8", "uint8", "int16", "short",
+    "int32", "int", "int64", "long", "bool", "complex64", "complex128", "cfloat", "cdouble", "uint16", "uint32",
+    "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "qint8",
+    "quint8", "qint32",
+)
+
+_ALLOWED: dict[tuple[str, str], Any] | None = None
+_DCP_LOADED = False
+
+
+def _dcp_allow_list() -> dict[tuple[str, str], Any]:
+    """torch.distributed.checkpoint's metadata dataclasses (imported only when a DCP pickle needs them)."""
+    allowed: dict[tuple[str, str], Any] = {}
     try:
         from torch.distributed.checkpoint import metadata as dcp_md
 
@@ -180,13 +197,13 @@ def _static_allow_list() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-_ALLOWED: dict[tuple[str, str], Any] | None = None
-
-
-def allowed_globals() -> dict[tuple[str, str], Any]:
-    global _ALLOWED
+def allowed_globals(module: str = "") -> dict[tuple[str, str], Any]:
+    global _ALLOWED, _DCP_LOADED
     if _ALLOWED is None:
         _ALLOWED = _static_allow_list()
+    if not _DCP_LOADED and module.startswith(("torch.distributed.checkpoint", "torch.serialization")):
+        _DCP_LOADED = True
+        _ALLOWED.update(_dcp_allow_list())
     return _ALLOWED
 
 
@@ -219,7 +236,7 @@ class SafeUnpickler(pickle.Unpickler):
         key = (module, name)
         if key in self._overrides:
             return self._overrides[key]
-        allowed = allowed_globals()
+        allowed = allowed_globals(module)
         if key in allowed:
             return allowed[key]
         if module.startswith(PLACEHOLDER_PREFIXES) or module in ("megatron",):

@@ -1,0 +1,247 @@
+"""Compare a run's args with a checkpoint's layout and saved args: every mismatch, classified, with its fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_preflight.check.findings import Finding, Severity
+from megatron_preflight.check.runtime_args import RuntimeArgs, pad_vocab
+from megatron_preflight.layout.model import Format, Layout
+
+FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _bool_fix(field: str, ckpt_value: bool) -> str:
+    flags = {
+        "swiglu": "--swiglu",
+        "qk_layernorm": "--qk-layernorm",
+        "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+        "group_query_attention": "--group-query-attention",
+        "moe_grouped_gemm": "--moe-grouped-gemm",
+    }
+    if field == "add_bias_linear":
+        return "remove --disable-bias-linear" if ckpt_value else "add --disable-bias-linear"
+    flag = flags.get(field, _flag(field))
+    return f"add {flag}" if ckpt_value else f"remove {flag}"
+
+
+# Architecture fields: (field, explanation). A difference in any of them means the weights do not fit the model.
+ARCH_FIELDS = (
+    ("num_layers", "the number of transformer layers differs"),
+    ("hidden_size", "the hidden size differs"),
+    ("ffn_hidden_size", "the MLP (ffn) hidden size differs"),
+    ("num_attention_heads", "the number of attention heads differs"),
+    ("num_query_groups", "the number of query groups (GQA) differs: the QKV weight has another shape"),
+    ("kv_channels", "kv_channels (head dim) differs"),
+    ("num_experts", "the number of MoE experts differs"),
+    ("moe_ffn_hidden_size", "the expert ffn hidden size differs"),
+    ("position_embedding_type", "the position embedding type differs"),
+    ("normalization", "the normalization differs (LayerNorm has a bias, RMSNorm not)"),
+    ("swiglu", "SwiGLU changes the fc1 weight's shape and meaning"),
+    ("add_bias_linear", "linear-layer biases are present in one and not the other"),
+    ("qk_layernorm", "q/k layernorm weights are present in one and not the other"),
+    ("untie_embeddings_and_output_weights", "tied vs untied output layer: a separate output_layer.weight exists in one"),
+)
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default) if args is not None else default
+
+
+def _norm(field: str, value: Any) -> Any:
+    if field == "num_experts" and value in (0, None):
+        return None
+    if field in ("swiglu", "add_bias_linear", "qk_layernorm", "untie_embeddings_and_output_weights"):
+        return bool(value)
+    if isinstance(value, str):
+        return value.lower() if field == "normalization" else value
+    return value
+
+
+def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    saved = layout.saved_args
+    out: list[Finding] = []
+    if saved is None:
+        out.append(Finding("args", None, None, INFO,
+                           "the checkpoint carries no saved args: the architecture cannot be compared before load",
+                           "make sure the model flags match the run that wrote it"))
+        return out
+    if rt.use_checkpoint_args:
+        out.append(Finding("use_checkpoint_args", True, True, INFO,
+                           "--use-checkpoint-args: Megatron takes the architecture args from the checkpoint", ""))
+        return out
+    for field, why in ARCH_FIELDS:
+        ck = _norm(field, _get(saved, field))
+        run = _norm(field, getattr(rt, field, None))
+        if field == "moe_ffn_hidden_size" and not (ck and run and _norm("num_experts", _get(saved, "num_experts"))):
+            continue
+        if ck is None and run is None:
+            continue
+        if run is None and field not in rt.given:
+            out.append(Finding(field, ck, None, FATAL, f"{field} is not set for the run (the checkpoint has {ck})",
+                               f"add {_flag(field)} {ck}"))
+            continue
+        if ck is None and field in ("kv_channels", "ffn_hidden_size", "num_query_groups"):
+            continue
+        if field == "num_query_groups" and not rt.group_query_attention and not _get(saved, "group_query_attention"):
+            continue  # groups = heads on both sides: a heads change is reported once, as num_attention_heads
+        if field == "kv_channels" and "kv_channels" not in rt.given and _get(saved, "hidden_size") != rt.hidden_size:
+            continue  # derived from hidden / heads: reported as hidden_size
+        if ck != run:
+            fix = _bool_fix(field, bool(ck)) if isinstance(ck, bool) else (
+                f"remove {_flag(field)}" if ck is None else f"set {_flag(field)} {ck}")
+            if field == "num_query_groups" and ck is not None:
+                fix = f"set --group-query-attention --num-query-groups {ck}" if ck != _get(
+                    saved, "num_attention_heads") else "remove --group-query-attention"
+            out.append(Finding(field, ck, run, FATAL, f"{why}: checkpoint {ck}, run {run}", fix))
+    # Learned positions: the table's size is max_position_embeddings.
+    if _norm("position_embedding_type", _get(saved, "position_embedding_type")) == "learned_absolute":
+        ck, run = _get(saved, "max_position_embeddings"), rt.max_position_embeddings
+        if ck is not None and run is not None and ck != run:
+            out.append(Finding("max_position_embeddings", ck, run, FATAL,
+                               "learned position embeddings have max_position_embeddings rows: the table differs",
+                               f"set --max-position-embeddings {ck}"))
+    out.extend(_compare_vocab(layout, rt))
+    out.extend(_compare_dtype(saved, rt))
+    ck_gg, run_gg = bool(_get(saved, "moe_grouped_gemm", False)), rt.moe_grouped_gemm
+    if _get(saved, "num_experts") and ck_gg != run_gg:
+        if layout.format == Format.TORCH:
+            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, FATAL,
+                               "grouped-GEMM experts store weights under other keys (experts.weight1/2) than "
+                               "SequentialMLP (local_experts.N) in a legacy checkpoint", _bool_fix("moe_grouped_gemm", ck_gg)))
+        else:
+            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, INFO,
+                               "torch_dist stores grouped and sequential experts alike: loads either way", ""))
+    ck_impl, run_impl = _get(saved, "transformer_impl"), rt.transformer_impl
+    if ck_impl and run_impl and ck_impl != run_impl:
+        if layout.format == Format.TORCH:
+            out.append(Finding("transformer_impl", ck_impl, run_impl, FATAL,
+                               "legacy checkpoints store layernorms under spec-specific keys (local "
+                               "`input_layernorm` vs Transformer Engine `linear_qkv.layer_norm_weight`)",
+                               f"set --transformer-impl {ck_impl}, or convert to torch_dist with Megatron's "
+                               "--ckpt-convert-format torch_dist (it maps the names)"))
+        else:
+            out.append(Finding("transformer_impl", ck_impl, run_impl, INFO,
+                               "torch_dist maps local and Transformer Engine names to the same keys (dense models)", ""))
+    return out
+
+
+def _compare_vocab(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    saved = layout.saved_args
+    out: list[Finding] = []
+    ck_padded = _get(saved, "padded_vocab_size")
+    ck_vocab = _get(saved, "vocab_size")
+    ck_div = _get(saved, "make_vocab_size_divisible_by", 128) or 128
+    ck_tp = layout.tp or 1
+    if rt.vocab_size is None:
+        if ck_padded is not None:
+            out.append(Finding("vocab_size", ck_vocab or ck_padded, None, INFO,
+                               "the run's vocab size comes from its tokenizer, which is not read here; the padded "
+                               f"vocab must end up {pad_vocab(ck_vocab, rt.make_vocab_size_divisible_by, rt.tp) if ck_vocab else 'compatible'}",
+                               "pass --vocab-size to have it checked"))
+        return out
+    if ck_vocab is not None and ck_vocab != rt.vocab_size:
+        out.append(Finding("vocab_size", ck_vocab, rt.vocab_size, FATAL,
+                           "the vocabulary size differs: the embedding and output layer have other rows",
+                           f"use the tokenizer of the checkpoint (vocab size {ck_vocab})"))
+        return out
+    if ck_padded is not None and ck_vocab is None:
+        # Only the padded size is known: the run's vocab must pad to it at the checkpoint's TP.
+        if pad_vocab(rt.vocab_size, ck_div, ck_tp) != ck_padded:
+            out.append(Finding("padded_vocab_size", ck_padded, rt.padded_vocab_size, FATAL,
+                               f"the run's vocab ({rt.vocab_size}) pads to {pad_vocab(rt.vocab_size, ck_div, ck_tp)} at the "
+                               f"checkpoint's TP{ck_tp}, but the checkpoint has {ck_padded} rows",
+                               "use the tokenizer the checkpoint was trained with"))
+            return out
+    run_padded = rt.padded_vocab_size
+    if ck_padded is not None and run_padded is not None and ck_padded != run_padded:
+        sev = RESHARD if layout.format == Format.TORCH else INFO
+        out.append(Finding("padded_vocab_size", ck_padded, run_padded, sev,
+                           "the padded vocab differs (padding follows make-vocab-size-divisible-by × TP); the real "
+                           f"{rt.vocab_size} rows are kept and the padding is re-made", ""))
+    return out
+
+
+def _compare_dtype(saved: Any, rt: RuntimeArgs) -> list[Finding]:
+    def name(bf16: bool, fp16: bool) -> str:
+        return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+    ck = name(bool(_get(saved, "bf16", False)), bool(_get(saved, "fp16", False)))
+    run = name(rt.bf16, rt.fp16)
+    if ck != run:
+        return [Finding("dtype", ck, run, INFO,
+                        f"training dtype changes {ck} -> {run}: weights are cast on load", "")]
+    return []
+
+
+def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
+    """Is the run's own parallel layout valid? (What Megatron would assert later, or fail on mid-load.)"""
+    out: list[Finding] = []
+    tp, pp, ep, etp, cp = rt.tp, rt.pp, rt.ep, rt.etp, rt.cp
+
+    def bad(field: str, value: Any, msg: str, fix: str) -> None:
+        out.append(Finding(field, None, value, FATAL, msg, fix))
+
+    if rt.num_attention_heads and rt.num_attention_heads % tp:
+        bad("tensor_model_parallel_size", tp, f"{rt.num_attention_heads} attention heads are not divisible by TP{tp}",
+            "choose a TP size that divides the number of heads")
+    if rt.num_query_groups and rt.num_query_groups % tp and rt.group_query_attention:
+        bad("tensor_model_parallel_size", tp, f"{rt.num_query_groups} query groups are not divisible by TP{tp}",
+            "choose a TP size that divides --num-query-groups")
+    if rt.ffn_hidden_size and rt.ffn_hidden_size % tp:
+        bad("tensor_model_parallel_size", tp, f"ffn hidden size {rt.ffn_hidden_size} is not divisible by TP{tp}",
+            "choose a TP size that divides the ffn hidden size")
+    if rt.num_layers:
+        first, last = rt.decoder_first_pipeline_num_layers, rt.decoder_last_pipeline_num_layers
+        if rt.pipeline_model_parallel_layout:
+            pass
+        elif first is None and last is None:
+            if rt.num_layers % pp:
+                bad("pipeline_model_parallel_size", pp, f"{rt.num_layers} layers are not divisible by PP{pp}",
+                    "choose a PP size that divides --num-layers, or set --decoder-first-pipeline-num-layers / "
+                    "--decoder-last-pipeline-num-layers")
+            elif rt.vpp and (rt.num_layers // pp) % rt.vpp:
+                bad("virtual_pipeline_model_parallel_size", rt.vpp,
+                    f"{rt.num_layers // pp} layers per stage are not divisible into {rt.vpp} virtual stages",
+                    "change --num-layers-per-virtual-pipeline-stage")
+        else:
+            rest = rt.num_layers - (first or 0) - (last or 0)
+            middle = pp - (first is not None) - (last is not None)
+            if rest < 0 or (middle > 0 and rest % middle) or (middle == 0 and rest):
+                bad("decoder_first_pipeline_num_layers", (first, last),
+                    f"uneven stages (first={first}, last={last}) do not split {rt.num_layers} layers over PP{pp}",
+                    "fix --decoder-first/last-pipeline-num-layers")
+    lpvs = rt.num_layers_per_virtual_pipeline_stage
+    if lpvs and pp > 1 and rt.num_layers and rt.num_layers % pp == 0 and (rt.num_layers // pp) % lpvs:
+        bad("virtual_pipeline_model_parallel_size", lpvs,
+            f"{rt.num_layers // pp} layers per pipeline stage are not divisible by "
+            f"--num-layers-per-virtual-pipeline-stage {lpvs}", "choose a divisor of the layers per stage")
+    if rt.num_layers_per_virtual_pipeline_stage and pp == 1:
+        bad("num_layers_per_virtual_pipeline_stage", rt.num_layers_per_virtual_pipeline_stage,
+            "a virtual pipeline needs PP > 1", "remove --num-layers-per-virtual-pipeline-stage")
+    if rt.num_experts:
+        if rt.num_experts % ep:
+            bad("expert_model_parallel_size", ep, f"{rt.num_experts} experts are not divisible by EP{ep}",
+                "choose an EP size that divides --num-experts")
+        if etp > 1 and rt.add_bias_linear:
+            bad("expert_tensor_parallel_size", etp, "MoE biases are only supported with expert-tensor-parallel size 1",
+                "add --disable-bias-linear or set --expert-tensor-parallel-size 1")
+        moe_ffn = rt.moe_ffn_hidden_size or rt.ffn_hidden_size
+        if moe_ffn and moe_ffn % etp:
+            bad("expert_tensor_parallel_size", etp, f"expert ffn size {moe_ffn} is not divisible by ETP{etp}",
+                "choose an ETP size that divides it")
+    elif ep > 1:
+        bad("expert_model_parallel_size", ep, "expert parallelism without --num-experts",
+            "remove --expert-model-parallel-size or add --num-experts")
+    if rt.world_size:
+        if rt.world_size % (tp * pp * cp):
+            bad("world_size", rt.world_size, f"world size {rt.world_size} is not divisible by TP·PP·CP = {tp * pp * cp}",
+                "change the number of GPUs or the parallel sizes")
+        elif rt.world_size % (etp * ep * pp):
+            bad("world_size", rt.world_size, f"world size {rt.world_size} is not divisible by ETP·EP·PP = {etp * ep * pp}",
+                "change the number of GPUs, EP or ETP")
+    return out

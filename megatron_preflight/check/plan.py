@@ -1,0 +1,264 @@
+"""The pre-flight plan: findings, the loader to use, and the verdict — as data, for the CLI and the Megatron hook."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
+from megatron_preflight.check.findings import Finding, Severity
+from megatron_preflight.check.runtime_args import RuntimeArgs, from_namespace
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.layout.model import Format, Layout
+
+log = logging.getLogger(__name__)
+
+FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
+
+# Optimizer sharding types Megatron's DistributedOptimizer can reload across a (TP, PP) change.
+FULLY_RESHARDABLE = {"fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor"}
+
+
+class Verdict(str, enum.Enum):
+    LOAD = "load"
+    RESHARD = "reshard"
+    FAIL = "fail"
+
+
+class Loader(str, enum.Enum):
+    NON_EP = "non-ep"
+    EP_3D = "3d-ep"
+    DIST = "dist"
+    RESHARD = "reshard"
+
+
+@dataclass
+class Plan:
+    verdict: Verdict
+    loader: Loader | None
+    findings: list[Finding]
+    layout: Layout
+    runtime: RuntimeArgs
+    load_optimizer: bool = True
+    load_rng: bool = True
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fatal(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == FATAL]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict.value,
+            "loader": self.loader.value if self.loader else None,
+            "findings": [f.to_json() for f in self.findings],
+            "load_optimizer": self.load_optimizer,
+            "load_rng": self.load_rng,
+            "seconds": round(self.seconds, 4),
+            "notes": self.notes,
+            "layout": self.layout.to_json(),
+        }
+
+
+def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bool]:
+    """Parallel-layout differences (reshard) and whether any model-sharding size differs."""
+    out: list[Finding] = []
+    saved = layout.saved_args
+    moe = bool(getattr(saved, "num_experts", None)) if saved is not None else bool(layout.ep and layout.ep > 1)
+    ck_first = getattr(saved, "decoder_first_pipeline_num_layers", None) if saved is not None else None
+    ck_last = getattr(saved, "decoder_last_pipeline_num_layers", None) if saved is not None else None
+    pairs = [
+        ("tensor_model_parallel_size", layout.tp, rt.tp),
+        ("pipeline_model_parallel_size", layout.pp, rt.pp),
+        ("expert_model_parallel_size", layout.ep, rt.ep),
+        ("virtual_pipeline_model_parallel_size", layout.vpp, rt.vpp),
+        ("decoder_first_pipeline_num_layers", ck_first, rt.decoder_first_pipeline_num_layers),
+        ("decoder_last_pipeline_num_layers", ck_last, rt.decoder_last_pipeline_num_layers),
+    ]
+    if moe:
+        pairs.append(("expert_tensor_parallel_size", layout.etp, rt.etp))
+    changed = False
+    for name, ck, run in pairs:
+        if ck is None and name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "expert_model_parallel_size", "expert_tensor_parallel_size"):
+            continue
+        if ck != run:
+            changed = True
+            if layout.format == Format.TORCH:
+                msg = (f"the parallel layout differs ({name}: checkpoint {ck}, run {run}); Megatron's own legacy "
+                       "loader cannot load it (it fails with an assert, a size mismatch, or exits 0 with "
+                       "'could not load the checkpoint')")
+                fix = ("megatron-preflight reshards it in memory at load (--preflight auto), or offline: "
+                       f"megatron-preflight reshard {layout.root or layout.path} NEW_DIR "
+                       f"--tensor-model-parallel-size {rt.tp} --pipeline-model-parallel-size {rt.pp} "
+                       f"--expert-model-parallel-size {rt.ep}")
+            else:
+                msg = (f"the parallel layout differs ({name}: checkpoint {ck}, run {run}); "
+                       f"{layout.format.value if layout.format else 'the'} format reshards model weights at load")
+                fix = ""
+            out.append(Finding(name, ck, run, RESHARD, msg, fix))
+    if rt.cp != (layout.cp or 1):
+        out.append(Finding("context_parallel_size", layout.cp, rt.cp, INFO,
+                           "context parallelism does not shard weights", ""))
+    return out, changed
+
+
+def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[list[Finding], bool, bool]:
+    """Optimizer and RNG state: what can be carried across, and what must be dropped (never silently)."""
+    out: list[Finding] = []
+    skip_optim = rt.no_load_optim or rt.finetune
+    skip_rng = rt.no_load_rng or rt.finetune
+    load_optim, load_rng = not skip_optim, not skip_rng
+    saved = layout.saved_args
+    ck_dopt = bool(layout.distributed_optimizer)
+    has_optim = True
+    if layout.format == Format.TORCH and layout.shards and layout.shards[0].meta is not None:
+        has_optim = "optimizer" in layout.shards[0].meta
+    elif layout.common_state is not None:
+        has_optim = "optimizer" in layout.common_state or layout.dist_optimizer_sharding is not None
+    if not has_optim and load_optim:
+        out.append(Finding("optimizer", "absent", "load", INFO,
+                           "the checkpoint has no optimizer state (saved with --no-save-optim); Megatron starts the "
+                           "optimizer fresh", "add --no-load-optim to say so explicitly"))
+        load_optim = False
+    if load_optim and ck_dopt != rt.use_distributed_optimizer and layout.format == Format.TORCH:
+        out.append(Finding("use_distributed_optimizer", ck_dopt, rt.use_distributed_optimizer, FATAL,
+                           "the optimizer state was saved by "
+                           + ("the distributed optimizer (distrib_optim.pt)" if ck_dopt else "the plain optimizer")
+                           + " and cannot be loaded by the other one",
+                           ("add --use-distributed-optimizer" if ck_dopt else "remove --use-distributed-optimizer")
+                           + ", or add --no-load-optim to start the optimizer fresh"))
+    if changed and load_optim:
+        if layout.format == Format.TORCH:
+            what = "distrib_optim.pt (flat per-bucket buffers tied to the saved layout)" if ck_dopt else \
+                "the optimizer state (its param order and shapes follow the saved layout)"
+            out.append(Finding("optimizer", "saved", "load", FATAL,
+                               f"the layout changes and {what} cannot be carried across; it would have to be dropped",
+                               "add --no-load-optim (and keep the weights), or --finetune"))
+        elif ck_dopt or layout.dist_optimizer_sharding:
+            sharding = layout.dist_optimizer_sharding or "dp_reshardable"
+            tp_pp_change = (layout.tp, layout.pp) != (rt.tp, rt.pp)
+            ep_change = (layout.ep or 1) != rt.ep or ((layout.etp or layout.tp) != rt.etp and
+                                                       bool(getattr(saved, "num_experts", None)))
+            if tp_pp_change and sharding not in FULLY_RESHARDABLE:
+                out.append(Finding("optimizer", sharding, f"TP{rt.tp} PP{rt.pp}", FATAL,
+                                   f"Megatron fails here with '(TP, PP) mismatch after resume ... not supported for "
+                                   f"DistributedOptimizer with sharding type {sharding}'",
+                                   "add --no-load-optim; or re-save at the old layout with "
+                                   "--dist-ckpt-optim-fully-reshardable and load that"))
+            elif ep_change:
+                out.append(Finding("optimizer", f"EP{layout.ep}", f"EP{rt.ep}", FATAL,
+                                   "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
+                                   "('Could not find parameter group with key ...')",
+                                   "add --no-load-optim"))
+        elif layout.format in (Format.TORCH_DIST, Format.ZARR):
+            ep_change = (layout.ep or 1) != rt.ep
+            if ep_change and has_optim:
+                out.append(Finding("optimizer", f"EP{layout.ep}", f"EP{rt.ep}", FATAL,
+                                   "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
+                                   "('Could not find parameter group with key ...')", "add --no-load-optim"))
+    if changed and load_rng:
+        out.append(Finding("rng_state", f"TP{layout.tp} PP{layout.pp}", f"TP{rt.tp} PP{rt.pp}", INFO,
+                           "RNG states are per (TP, PP) rank and cannot be mapped to another layout: they are not "
+                           "loaded (as with --no-load-rng); training continues with fresh RNG streams",
+                           "add --no-load-rng to silence this"))
+        load_rng = False
+    if skip_optim:
+        out.append(Finding("optimizer", "saved", "not loaded", INFO,
+                           "--no-load-optim/--finetune: the optimizer state is not loaded", ""))
+    return out, load_optim, load_rng
+
+
+def _format_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    out: list[Finding] = []
+    fmt = layout.format
+    if fmt is None:
+        return out
+    if fmt == Format.ZARR:
+        out.append(Finding("ckpt_format", "zarr", rt.ckpt_format, FATAL,
+                           "zarr checkpoints were removed from megatron-core 0.15+: current Megatron cannot load them",
+                           "convert with an older Megatron: --ckpt-convert-format torch_dist --ckpt-convert-save DIR"))
+    elif fmt in (Format.TORCH_DIST,) and rt.ckpt_format == "torch" and not rt.auto_detect_ckpt_format:
+        out.append(Finding("ckpt_format", fmt.value, "torch", FATAL,
+                           "Megatron raises 'Detected load from a distributed checkpoint, but neither --use-dist-ckpt "
+                           "nor --auto-detect-ckpt-format is set'",
+                           "add --auto-detect-ckpt-format or set --ckpt-format torch_dist (the hook does this for you)"))
+    elif fmt == Format.TORCH and rt.ckpt_format != "torch":
+        out.append(Finding("ckpt_format", "torch", rt.ckpt_format, INFO,
+                           "legacy checkpoint, run saves in another format: Megatron auto-detects it on load "
+                           "(and never compares TP/PP then)", ""))
+    elif fmt in (Format.FSDP_DTENSOR, Format.TORCH_DCP) and rt.ckpt_format != fmt.value:
+        out.append(Finding("ckpt_format", fmt.value, rt.ckpt_format, FATAL,
+                           f"a {fmt.value} checkpoint is only loaded with --ckpt-format {fmt.value}",
+                           f"set --ckpt-format {fmt.value}"))
+    return out
+
+
+def _problem_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    out = []
+    for p in layout.problems:
+        if p.code == "no_tracker" and rt.ckpt_step is not None:
+            continue
+        if p.code == "bad_tracker" and rt.ckpt_step is not None:
+            continue
+        j = p.to_json()
+        out.append(Finding("checkpoint", p.code, p.path, FATAL, j["message"], p.fix or "see message"))
+    if layout.format is None and not layout.problems:
+        out.append(Finding("checkpoint", None, layout.path, FATAL, "this is not a Megatron checkpoint",
+                           "pass the --load dir of a Megatron run"))
+    return out
+
+
+def plan_from_layout(layout: Layout, rt: RuntimeArgs, t0: float | None = None) -> Plan:
+    t0 = time.perf_counter() if t0 is None else t0
+    findings: list[Finding] = []
+    findings += _problem_findings(layout, rt)
+    findings += check_runtime_layout(rt)
+    if layout.format is not None:
+        findings += _format_findings(layout, rt)
+        findings += compare_architecture(layout, rt)
+        lay, changed = _layout_findings(layout, rt)
+        findings += lay
+        state, load_optim, load_rng = _state_findings(layout, rt, changed)
+        findings += state
+    else:
+        changed, load_optim, load_rng = False, False, False
+    if layout.format == Format.TORCH:
+        loader = Loader.RESHARD if changed else (Loader.EP_3D if (layout.ep or 1) > 1 else Loader.NON_EP)
+    elif layout.format is not None:
+        loader = Loader.DIST
+    else:
+        loader = None
+    if any(f.severity == FATAL for f in findings):
+        verdict = Verdict.FAIL
+    elif loader == Loader.RESHARD:
+        verdict = Verdict.RESHARD
+    else:
+        verdict = Verdict.LOAD
+    order = {FATAL: 0, RESHARD: 1, INFO: 2}
+    findings.sort(key=lambda f: order[f.severity])
+    return Plan(verdict, loader, findings, layout, rt, load_optimizer=load_optim, load_rng=load_rng,
+                seconds=time.perf_counter() - t0)
+
+
+def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
+              iteration: int | str | None = None, trust_checkpoint: bool = False) -> Plan:
+    """The library API: the plan for loading ``checkpoint`` with ``args`` (a RuntimeArgs, Namespace or dict)."""
+    t0 = time.perf_counter()
+    if isinstance(args, RuntimeArgs):
+        rt = args
+    elif isinstance(args, dict):
+        from megatron_preflight.check.runtime_args import from_mapping
+
+        rt = from_mapping(args)
+    else:
+        rt = from_namespace(args)
+    if iteration is None and rt.ckpt_step is not None:
+        iteration = rt.ckpt_step
+    layout = discover(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint)
+    return plan_from_layout(layout, rt, t0)

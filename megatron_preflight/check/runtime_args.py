@@ -1,0 +1,258 @@
+"""A run's args, from a Megatron ``Namespace``, from ``pretrain_gpt.py`` flags, or from YAML — one typed object.
+
+Flags use Megatron's own names; unknown flags are ignored; Megatron's derived defaults are applied (ffn = 4·hidden,
+or the SwiGLU default; kv_channels = hidden / heads; query groups = heads without GQA; ETP follows TP; VPP from
+``--num-layers-per-virtual-pipeline-stage`` or ``--num-virtual-stages-per-pipeline-rank``; padded vocab).
+Needs neither megatron.training nor megatron.core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+
+
+@dataclass
+class RuntimeArgs:
+    """The args of the run about to start (Megatron's attribute names). None = not given / unknown."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    pipeline_model_parallel_layout: str | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    group_query_attention: bool = False
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_grouped_gemm: bool = False
+    vocab_size: int | None = None
+    padded_vocab_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int | None = None
+    seq_length: int | None = None
+    position_embedding_type: str = "learned_absolute"
+    normalization: str = "LayerNorm"
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    transformer_impl: str = "transformer_engine"
+    use_distributed_optimizer: bool = False
+    ckpt_format: str = "torch_dist"
+    auto_detect_ckpt_format: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    use_checkpoint_args: bool = False
+    use_mp_args_from_checkpoint_args: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    sequence_parallel: bool = False
+    load: str | None = None
+    ckpt_step: int | None = None
+    exit_on_missing_checkpoint: bool = False
+    world_size: int | None = None
+    use_tp_pp_dp_mapping: bool = False
+    given: set[str] = field(default_factory=set)  # fields the user set explicitly
+
+    # -- derived values ------------------------------------------------------------------------------------------
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def vpp(self) -> int | None:
+        return self.virtual_pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int | None:
+        if not self.world_size:
+            return None
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    def derive(self) -> "RuntimeArgs":
+        """Apply Megatron's derived defaults (as ``validate_args`` and the tokenizer do). Idempotent."""
+        if self.num_attention_heads and self.hidden_size and self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if not self.group_query_attention and self.num_attention_heads:
+            self.num_query_groups = self.num_attention_heads
+        elif self.num_query_groups is None:
+            self.num_query_groups = 1
+        if self.ffn_hidden_size is None and self.hidden_size:
+            if self.swiglu:
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_experts and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.max_position_embeddings is None and self.seq_length is not None:
+            self.max_position_embeddings = self.seq_length
+        if self.virtual_pipeline_model_parallel_size is None:
+            if self.num_layers_per_virtual_pipeline_stage and self.num_layers and self.pp > 1:
+                per_stage = self.num_layers // self.pp
+                if per_stage % self.num_layers_per_virtual_pipeline_stage == 0:
+                    self.virtual_pipeline_model_parallel_size = per_stage // self.num_layers_per_virtual_pipeline_stage
+            elif self.num_virtual_stages_per_pipeline_rank:
+                self.virtual_pipeline_model_parallel_size = self.num_virtual_stages_per_pipeline_rank
+        if self.virtual_pipeline_model_parallel_size == 1:
+            self.virtual_pipeline_model_parallel_size = None
+        if self.padded_vocab_size is None and self.vocab_size:
+            self.padded_vocab_size = pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, self.tp)
+        return self
+
+
+def pad_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocab: a multiple of ``make_vocab_size_divisible_by × TP``."""
+    m = divisible_by * tp
+    return ((vocab + m - 1) // m) * m
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(RuntimeArgs) if f.name != "given"}
+# Flags that set a boolean field to the opposite of its flag name.
+_NEGATIVE_FLAGS = {"--disable-bias-linear": "add_bias_linear"}
+_ALIASES = {"--nproc": "world_size", "--nproc-per-node": "world_size", "--nproc_per_node": "world_size"}
+
+
+def from_namespace(ns: Any) -> RuntimeArgs:
+    """From a Megatron args ``Namespace`` (or any object with those attributes)."""
+    values = vars(ns) if hasattr(ns, "__dict__") else dict(ns)
+    return from_mapping(values)
+
+
+def from_mapping(values: dict[str, Any]) -> RuntimeArgs:
+    args = RuntimeArgs()
+    for name, value in values.items():
+        key = name.replace("-", "_")
+        if key == "disable_bias_linear":
+            key, value = "add_bias_linear", not bool(value)
+        if key in _FIELDS and value is not None:
+            setattr(args, key, _coerce(key, value))
+            args.given.add(key)
+    if "params_dtype" in values and values["params_dtype"] is not None:
+        text = str(values["params_dtype"])
+        args.bf16 = args.bf16 or "bfloat16" in text
+        args.fp16 = args.fp16 or "float16" in text and "bfloat16" not in text
+    return args.derive()
+
+
+def _coerce(key: str, value: Any) -> Any:
+    default = _FIELDS[key].default
+    typ = _FIELDS[key].type
+    if isinstance(default, bool) or typ == "bool":
+        if isinstance(value, str):
+            return value.lower() in ("1", "true", "yes", "on")
+        return bool(value)
+    if "int" in str(typ) and not isinstance(value, bool):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise PreflightError(f"argument {key} must be an integer, got {value!r}", fix=f"pass an integer for {key}",
+                                 code="usage") from None
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name, f in _FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(f.default, bool):
+            p.add_argument(flag, dest=name, action="store_true", default=None)
+        else:
+            p.add_argument(flag, dest=name, default=None)
+    p.add_argument("--disable-bias-linear", dest="disable_bias_linear", action="store_true", default=None)
+    for alias, dest in _ALIASES.items():
+        p.add_argument(alias, dest=f"alias_{dest}_{alias}", default=None)
+    p.add_argument("--nnodes", dest="nnodes", default=None)
+    p.add_argument("--yaml-cfg", dest="yaml_cfg", default=None)
+    return p
+
+
+def from_cli(argv: list[str], env: dict[str, str] | None = None) -> RuntimeArgs:
+    """From ``pretrain_gpt.py`` flags. Unknown flags are ignored. World size: ``--world-size``, ``--nproc``
+    (× ``--nnodes``), or the torchrun env (``WORLD_SIZE``)."""
+    env = dict(os.environ if env is None else env)
+    ns, _unknown = _parser().parse_known_args(argv)
+    values = {k: v for k, v in vars(ns).items() if v is not None and not k.startswith("alias_")}
+    nnodes = int(values.pop("nnodes", 1) or 1)
+    yaml_cfg = values.pop("yaml_cfg", None)
+    for k, v in vars(ns).items():
+        if k.startswith("alias_") and v is not None:
+            values["world_size"] = int(v) * nnodes
+    if "world_size" not in values and env.get("WORLD_SIZE"):
+        values["world_size"] = env["WORLD_SIZE"]
+    if yaml_cfg:
+        merged = _yaml_values(yaml_cfg)
+        merged.update(values)
+        values = merged
+    return from_mapping(values)
+
+
+def _yaml_values(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise PreflightError(f"cannot read the YAML config ({exc.strerror})", path=path, code="usage") from None
+    except yaml.YAMLError as exc:
+        raise PreflightError(f"the YAML config is not valid YAML ({exc})", path=path, code="usage") from None
+    if not isinstance(data, dict):
+        raise PreflightError("the YAML config must be a mapping of Megatron arg names to values", path=path,
+                             code="usage")
+    flat: dict[str, Any] = {}
+
+    def walk(d: dict[str, Any]) -> None:  # Megatron's --yaml-cfg nests sections (e.g. model_parallel: {...})
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v)
+            else:
+                flat[str(k)] = v
+
+    walk(data)
+    return flat
+
+
+def from_yaml(path: str, overrides: list[str] | None = None, env: dict[str, str] | None = None) -> RuntimeArgs:
+    """From a YAML file of Megatron arg names (``--config run.yaml``); command-line flags override it."""
+    values = _yaml_values(path)
+    if overrides:
+        cli = from_cli(overrides, env)
+        values.update({k: getattr(cli, k) for k in cli.given})
+    elif env and env.get("WORLD_SIZE") and "world_size" not in values:
+        values["world_size"] = env["WORLD_SIZE"]
+    return from_mapping(values)

@@ -1,0 +1,179 @@
+"""The pre-flight plan on real Megatron-LM checkpoints: verdict, loader, every finding with its fix."""
+
+import argparse
+
+import pytest
+
+from megatron_preflight.check.plan import Loader, Verdict, make_plan
+from megatron_preflight.check.runtime_args import from_cli, from_namespace, from_yaml
+from tests.conftest import fixture_path
+
+TINY = ("--num-layers 4 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --vocab-size 100 --tokenizer-type NullTokenizer --transformer-impl local").split()
+MOE = "--num-experts 4 --moe-router-topk 2".split()
+
+
+def plan(name, *flags):
+    return make_plan(fixture_path(name), from_cli(TINY + list(flags)))
+
+
+def fields(p, severity=None):
+    return [f.field for f in p.findings if severity is None or f.severity.value == severity]
+
+
+@pytest.mark.parametrize("name, flags, loader", [
+    ("tp1_torch", ["--world-size", "1"], Loader.NON_EP),
+    ("tp2_torch", ["--tensor-model-parallel-size", "2", "--world-size", "2"], Loader.NON_EP),
+    ("pp2_torch", ["--pipeline-model-parallel-size", "2", "--world-size", "2"], Loader.NON_EP),
+    ("moe_ep2_torch", MOE + ["--expert-model-parallel-size", "2", "--world-size", "2"], Loader.EP_3D),
+    ("tp2_distopt_torch", ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], Loader.NON_EP),
+    ("tp2_torch_dist", ["--tensor-model-parallel-size", "2"], Loader.DIST),
+    ("moe_ep2_torch_dist", MOE + ["--expert-model-parallel-size", "2"], Loader.DIST),
+])
+def test_matching_args_load(name, flags, loader):
+    p = plan(name, *flags)
+    assert p.verdict == Verdict.LOAD, [f.to_json() for f in p.fatal]
+    assert p.loader == loader
+    assert fields(p, "fatal") == [] and fields(p, "reshard") == []
+
+
+@pytest.mark.parametrize("name, flags, changed", [
+    ("tp2_torch", ["--tensor-model-parallel-size", "1"], "tensor_model_parallel_size"),
+    ("tp1_torch", ["--tensor-model-parallel-size", "2"], "tensor_model_parallel_size"),
+    ("pp2_torch", [], "pipeline_model_parallel_size"),
+    ("tp1_torch", ["--pipeline-model-parallel-size", "2"], "pipeline_model_parallel_size"),
+    ("moe_ep2_torch", MOE, "expert_model_parallel_size"),
+    ("moe_ep2_torch", MOE + ["--expert-model-parallel-size", "4"], "expert_model_parallel_size"),
+])
+def test_legacy_layout_change_reshards(name, flags, changed):
+    p = plan(name, *flags, "--no-load-optim")
+    assert p.verdict == Verdict.RESHARD and p.loader == Loader.RESHARD, [f.to_json() for f in p.fatal]
+    assert changed in fields(p, "reshard")
+    assert not p.load_rng and "rng_state" in fields(p, "info")
+
+
+def test_legacy_layout_change_never_drops_optimizer_silently():
+    p = plan("tp2_torch", "--tensor-model-parallel-size", "1")
+    assert p.verdict == Verdict.FAIL
+    opt = [f for f in p.fatal if f.field == "optimizer"]
+    assert opt and "--no-load-optim" in opt[0].fix
+    assert plan("tp2_torch", "--tensor-model-parallel-size", "1", "--finetune").verdict == Verdict.RESHARD
+
+
+def test_legacy_distopt_layout_change_fails_with_fix():
+    p = plan("tp2_distopt_torch", "--use-distributed-optimizer")
+    assert p.verdict == Verdict.FAIL and "distrib_optim.pt" in p.fatal[0].message
+    assert "--no-load-optim" in p.fatal[0].fix
+    assert plan("tp2_distopt_torch", "--use-distributed-optimizer", "--no-load-optim").verdict == Verdict.RESHARD
+
+
+def test_dist_layout_change_loads_via_dist():
+    p = plan("tp2_torch_dist")  # TP2 -> TP1
+    assert p.verdict == Verdict.LOAD and p.loader == Loader.DIST
+    assert "tensor_model_parallel_size" in fields(p, "reshard")
+
+
+def test_dist_ep_change_with_optimizer_predicts_megatron_failure():
+    p = plan("moe_ep2_torch_dist", *MOE)
+    assert p.verdict == Verdict.FAIL and "Could not find parameter group" in p.fatal[0].message
+    assert plan("moe_ep2_torch_dist", *MOE, "--no-load-optim").verdict == Verdict.LOAD
+
+
+def test_dist_ckpt_with_runtime_torch_format():
+    p = plan("tp2_torch_dist", "--tensor-model-parallel-size", "2", "--ckpt-format", "torch")
+    assert p.verdict == Verdict.FAIL and "ckpt_format" in fields(p, "fatal")
+    assert plan("tp2_torch_dist", "--tensor-model-parallel-size", "2", "--ckpt-format", "torch",
+                "--auto-detect-ckpt-format").verdict == Verdict.LOAD
+
+
+ARCH_CHANGES = [
+    ("num_layers", ["--num-layers", "6"]),
+    ("hidden_size", ["--hidden-size", "64"]),
+    ("ffn_hidden_size", ["--ffn-hidden-size", "128"]),
+    ("num_attention_heads", ["--num-attention-heads", "2"]),
+    ("num_query_groups", ["--group-query-attention", "--num-query-groups", "2"]),
+    ("kv_channels", ["--kv-channels", "16"]),
+    ("num_experts", MOE),
+    ("position_embedding_type", ["--position-embedding-type", "rope"]),
+    ("max_position_embeddings", ["--max-position-embeddings", "64"]),
+    ("normalization", ["--normalization", "RMSNorm"]),
+    ("swiglu", ["--swiglu"]),
+    ("add_bias_linear", ["--disable-bias-linear"]),
+    ("qk_layernorm", ["--qk-layernorm"]),
+    ("untie_embeddings_and_output_weights", ["--untie-embeddings-and-output-weights"]),
+    ("vocab_size", ["--vocab-size", "200"]),
+    ("transformer_impl", ["--transformer-impl", "transformer_engine"]),
+]
+
+
+@pytest.mark.parametrize("field, flags", ARCH_CHANGES, ids=[c[0] for c in ARCH_CHANGES])
+def test_each_architecture_field_is_fatal(field, flags):
+    p = plan("tp1_torch", *flags)
+    assert p.verdict == Verdict.FAIL
+    f = [f for f in p.fatal if f.field == field]
+    assert len(f) == 1, [x.to_json() for x in p.findings]
+    assert f[0].fix and f[0].message
+
+
+def test_every_changed_field_reported_at_once():
+    flags = ["--hidden-size", "64", "--num-attention-heads", "8", "--swiglu", "--disable-bias-linear",
+             "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2"]
+    p = plan("tp1_torch", *flags)
+    fatal = fields(p, "fatal")
+    for field in ("hidden_size", "num_attention_heads", "swiglu", "add_bias_linear", "normalization",
+                  "untie_embeddings_and_output_weights"):
+        assert fatal.count(field) == 1, (field, fatal)
+    assert "tensor_model_parallel_size" in fields(p, "reshard")
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--tensor-model-parallel-size", "3"], "tensor_model_parallel_size"),
+    (["--pipeline-model-parallel-size", "3"], "pipeline_model_parallel_size"),
+    (MOE + ["--expert-model-parallel-size", "3"], "expert_model_parallel_size"),
+    (["--tensor-model-parallel-size", "2", "--world-size", "3"], "world_size"),
+    (MOE + ["--expert-model-parallel-size", "4", "--world-size", "2"], "world_size"),
+    (MOE + ["--expert-tensor-parallel-size", "2", "--tensor-model-parallel-size", "2"], "expert_tensor_parallel_size"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "virtual_pipeline_model_parallel_size"),
+    (["--expert-model-parallel-size", "2"], "expert_model_parallel_size"),
+])
+def test_invalid_runtime_layouts(flags, field):
+    p = plan("tp1_torch", *flags)
+    assert p.verdict == Verdict.FAIL
+    assert field in fields(p, "fatal"), [f.to_json() for f in p.findings]
+
+
+def test_three_sources_give_the_same_plan(tmp_path):
+    flags = TINY + MOE + ["--expert-model-parallel-size", "1", "--no-load-optim", "--world-size", "2"]
+    from_flags = make_plan(fixture_path("moe_ep2_torch"), from_cli(flags))
+    ns = argparse.Namespace(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=32,
+                            max_position_embeddings=32, vocab_size=100, transformer_impl="local", num_experts=4,
+                            moe_router_topk=2, expert_model_parallel_size=1, tensor_model_parallel_size=1,
+                            pipeline_model_parallel_size=1, no_load_optim=True, world_size=2,
+                            tokenizer_type="NullTokenizer", padded_vocab_size=None, unrelated_arg="x")
+    from_ns = make_plan(fixture_path("moe_ep2_torch"), from_namespace(ns))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("num_layers: 4\nhidden_size: 32\nffn_hidden_size: 64\nnum_attention_heads: 4\nseq_length: 32\n"
+                   "max_position_embeddings: 32\nvocab_size: 100\ntransformer_impl: local\nnum_experts: 4\n"
+                   "moe_router_topk: 2\nno_load_optim: true\nworld_size: 2\n")
+    from_cfg = make_plan(fixture_path("moe_ep2_torch"), from_yaml(str(cfg)))
+    views = [(p.verdict, p.loader, [f.to_json() for f in p.findings]) for p in (from_flags, from_ns, from_cfg)]
+    assert views[0] == views[1] == views[2]
+    assert views[0][0] == Verdict.RESHARD
+
+
+def test_damaged_checkpoint_is_fatal(real_fixture):
+    import os
+    import shutil
+
+    root = real_fixture("tp2_torch")
+    shutil.rmtree(os.path.join(root, "iter_0000002", "mp_rank_01"))
+    p = make_plan(root, from_cli(TINY + ["--tensor-model-parallel-size", "2"]))
+    assert p.verdict == Verdict.FAIL and "checkpoint" in fields(p, "fatal")
+
+
+def test_json_shape():
+    j = plan("tp2_torch", "--no-load-optim").to_json()
+    assert j["verdict"] == "reshard" and j["loader"] == "reshard"
+    assert {"field", "checkpoint", "runtime", "severity", "message", "fix"} <= set(j["findings"][0])
+    assert j["layout"]["tp"] == 2
