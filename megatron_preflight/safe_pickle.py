@@ -38,13 +38,31 @@ class Placeholder:
     _module = "?"
     _name = "?"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Placeholder":
+        obj = super().__new__(cls)
+        obj._new_args = args  # NEWOBJ: cls.__new__(cls, *args), no __init__
+        obj._args = ()
+        obj._kwargs = {}
+        obj._state = None
+        obj._called = False
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # REDUCE: cls(*args)
         self._args = args
         self._kwargs = kwargs
-        self._state: Any = None
+        self._called = True
+
+    def __reduce__(self) -> Any:
+        """Pickle back as the original class (see :mod:`megatron_preflight.pickling`)."""
+        import copyreg
+
+        if self._called:
+            return (type(self), self._args) if self._state is None else (type(self), self._args, self._state)
+        return (copyreg.__newobj__, (type(self), *self._new_args), self._state)
 
     def __setstate__(self, state: Any) -> None:
         self._state = state
+        self._called = getattr(self, "_called", False)
 
     @property
     def value(self) -> Any:

@@ -1,0 +1,75 @@
+"""``megatron-preflight reshard SRC DST --tensor-model-parallel-size N ... [--verify] [--workers W]``
+(or ``... SRC DST -- <the new run's pretrain_gpt.py flags>``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron_preflight.reshard.api import TargetLayout
+
+
+def _int(v: str | None) -> int | None:
+    return None if v is None else int(v)
+
+
+def target_from(ns: argparse.Namespace) -> TargetLayout:
+    if ns.megatron_args:
+        from megatron_preflight.check.runtime_args import from_cli
+
+        rt = from_cli(ns.megatron_args)
+        given = rt.given
+        return TargetLayout(
+            tp=rt.tp if "tensor_model_parallel_size" in given else None,
+            pp=rt.pp if "pipeline_model_parallel_size" in given else None,
+            ep=rt.ep if "expert_model_parallel_size" in given else None,
+            etp=rt.expert_tensor_parallel_size,
+            vpp=rt.vpp,
+            first_stage_layers=rt.decoder_first_pipeline_num_layers,
+            last_stage_layers=rt.decoder_last_pipeline_num_layers,
+            vocab_size=rt.vocab_size,
+            make_vocab_size_divisible_by=rt.make_vocab_size_divisible_by if "make_vocab_size_divisible_by" in given
+            else None,
+        )
+    return TargetLayout(
+        tp=_int(ns.tensor_model_parallel_size), pp=_int(ns.pipeline_model_parallel_size),
+        ep=_int(ns.expert_model_parallel_size), etp=_int(ns.expert_tensor_parallel_size),
+        num_layers_per_virtual_pipeline_stage=_int(ns.num_layers_per_virtual_pipeline_stage),
+        first_stage_layers=_int(ns.decoder_first_pipeline_num_layers),
+        last_stage_layers=_int(ns.decoder_last_pipeline_num_layers),
+        vocab_size=_int(ns.vocab_size), padded_vocab_size=_int(ns.padded_vocab_size),
+    )
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from megatron_preflight.reshard.writer import write_resharded
+
+    summary = write_resharded(ns.src, ns.dst, target_from(ns), workers=ns.workers, verify=ns.verify,
+                              iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
+                              progress=not ns.no_progress)
+    print(summary.render())
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("reshard", help="write a legacy checkpoint at another TP/PP/EP/ETP/VPP layout",
+                       description="Sizes not given keep the source's; ETP follows the target TP unless given; no "
+                                   "virtual pipeline unless given. Or give the new run's pretrain_gpt.py flags after --.")
+    p.add_argument("src", help="source checkpoint root (never written to)")
+    p.add_argument("dst", help="new checkpoint root (must not exist, or be empty)")
+    p.add_argument("--tensor-model-parallel-size", "--tp")
+    p.add_argument("--pipeline-model-parallel-size", "--pp")
+    p.add_argument("--expert-model-parallel-size", "--ep")
+    p.add_argument("--expert-tensor-parallel-size", "--etp")
+    p.add_argument("--num-layers-per-virtual-pipeline-stage")
+    p.add_argument("--decoder-first-pipeline-num-layers")
+    p.add_argument("--decoder-last-pipeline-num-layers")
+    p.add_argument("--vocab-size", help="true vocab size (needed when the checkpoint does not record it and the "
+                                        "padding changes)")
+    p.add_argument("--padded-vocab-size")
+    p.add_argument("--iteration")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="parallel processes")
+    p.add_argument("--verify", action="store_true", help="check every written tensor against its source slices")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trust-checkpoint", action="store_true")
+    p.set_defaults(func=_run)

@@ -1,0 +1,78 @@
+"""Execute a rank plan: read only the planned source slices (lazily, via mmap) into freshly allocated tensors."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from megatron_preflight.layout import naming
+from megatron_preflight.reshard.planner import RankPlan
+from megatron_preflight.torch_file import TensorRef, TorchFile
+
+
+class SourceFiles:
+    """Open source shard files on demand (one :class:`TorchFile` per shard), and count bytes read."""
+
+    def __init__(self, iter_dir: str, trust: bool = False) -> None:
+        self.iter_dir = iter_dir
+        self.trust = trust
+        self._files: dict[str, TorchFile] = {}
+        self.bytes_read = 0
+
+    def file(self, shard: str) -> TorchFile:
+        if shard not in self._files:
+            self._files[shard] = TorchFile(os.path.join(self.iter_dir, shard, naming.MODEL_FILENAME), trust=self.trust)
+        return self._files[shard]
+
+    def tensor(self, shard: str, ref: TensorRef) -> torch.Tensor:
+        return self.file(shard).tensor(ref)
+
+    def materialize(self, shard: str, value: Any) -> Any:
+        """A copy of ``value`` with every TensorRef inside replaced by its tensor (for carried non-model state)."""
+        if isinstance(value, TensorRef):
+            t = self.tensor(shard, value).clone()
+            self.bytes_read += t.numel() * t.element_size()
+            return t
+        if isinstance(value, dict):
+            return type(value)((k, self.materialize(shard, v)) for k, v in value.items()) if not isinstance(
+                value, OrderedDict) else OrderedDict((k, self.materialize(shard, v)) for k, v in value.items())
+        if isinstance(value, list):
+            return [self.materialize(shard, v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self.materialize(shard, v) for v in value)
+        return value
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _narrow(t: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
+    if spec is None:
+        return t
+    dim, start, length = spec
+    return t.narrow(dim, start, length)
+
+
+def execute(plan: RankPlan, files: SourceFiles) -> dict[str, OrderedDict[str, Any]]:
+    """The model state dicts (``model`` or ``model0..N``) of the planned rank."""
+    out: dict[str, OrderedDict[str, Any]] = {c: OrderedDict() for c in plan.chunks}
+    for tp in plan.tensors:
+        if tp.shape is None:
+            out[tp.chunk][tp.key] = tp.value
+            continue
+        dst = torch.zeros(tp.shape, dtype=tp.dtype) if tp.zero_fill else torch.empty(tp.shape, dtype=tp.dtype)
+        for op in tp.ops:
+            src = _narrow(files.tensor(op.shard, op.ref), op.src)
+            target = _narrow(dst, op.dst)
+            if src.shape != target.shape:
+                raise RuntimeError(f"plan error for {tp.key}: source slice {tuple(src.shape)} vs target "
+                                   f"{tuple(target.shape)}")
+            target.copy_(src)
+            files.bytes_read += src.numel() * src.element_size()
+        out[tp.chunk][tp.key] = dst
+    return out

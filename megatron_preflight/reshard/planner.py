@@ -1,0 +1,324 @@
+"""Plan a target rank's state dict from the on-disk shards: which source tensors, which slices, where they go.
+
+Every local tensor is a piece of a *global* tensor (as in megatron-core's ShardedTensor: a global shape, and an
+offset along the split dim). The planner indexes the source pieces by global key, then for each tensor the target
+rank owns, intersects its target segments with the source segments. The plan is data; nothing is read here but
+metadata, so planning any layout is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.model import Layout
+from megatron_preflight.reshard.rules import KeyInfo, Rule, parse_key, rule_for, segments
+from megatron_preflight.reshard.topology import Topology
+from megatron_preflight.torch_file import TensorRef
+
+GlobalKey = tuple  # (layer or None, expert or None, style, suffix)
+
+
+@dataclass
+class SourcePiece:
+    shard: str
+    ref: Any  # TensorRef, or a plain value (extra state)
+    group_rank: int
+    group_size: int
+
+
+@dataclass
+class GlobalEntry:
+    key: GlobalKey
+    info: KeyInfo
+    rule: Rule
+    pieces: dict[int, SourcePiece] = field(default_factory=dict)
+
+    def global_len(self) -> int | None:
+        """Length of the global tensor along the split dim (None for replicated / extra)."""
+        if self.rule.dim is None:
+            return None
+        piece = next(iter(self.pieces.values()))
+        ref = piece.ref
+        return ref.shape[self.rule.dim] * piece.group_size
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    shard: str
+    ref: TensorRef
+    src: tuple[int, int, int] | None  # (dim, start, length) in the source tensor; None = whole tensor
+    dst: tuple[int, int, int] | None  # (dim, start, length) in the target tensor
+
+
+@dataclass
+class TensorPlan:
+    chunk: str  # "model" or "model{v}"
+    key: str
+    shape: tuple[int, ...] | None  # None for non-tensor values
+    dtype: Any
+    ops: list[CopyOp]
+    value: Any = None  # non-tensor value (extra state)
+    zero_fill: bool = False  # rows not covered by any op (re-made vocab padding) are zeros
+
+
+@dataclass
+class RankPlan:
+    coords: dict[str, int]
+    shard_name: str
+    chunks: list[str]
+    tensors: list[TensorPlan]
+
+    @property
+    def sources(self) -> list[str]:
+        return sorted({op.shard for t in self.tensors for op in t.ops})
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for t in self.tensors:
+            if t.shape is not None:
+                n = 1
+                for s in t.shape:
+                    n *= s
+                total += n * t.dtype.itemsize
+        return total
+
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default) if args is not None else default
+
+
+def source_topology(layout: Layout) -> Topology:
+    args = layout.saved_args
+    return Topology(
+        num_layers=int(_arg(args, "num_layers", 0) or _count_layers(layout)),
+        tp=layout.tp or 1, pp=layout.pp or 1, ep=layout.ep or 1, etp=layout.etp, vpp=layout.vpp,
+        first_stage_layers=_arg(args, "decoder_first_pipeline_num_layers"),
+        last_stage_layers=_arg(args, "decoder_last_pipeline_num_layers"),
+        num_experts=_arg(args, "num_experts") or _count_experts(layout),
+        cp=layout.cp or 1,
+        order="tp-cp-ep-pp-dp" if _arg(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
+    )
+
+
+def _chunks_of(meta: dict[str, Any]) -> list[tuple[int, str]]:
+    if "model" in meta and isinstance(meta["model"], dict):
+        return [(0, "model")]
+    out = [(int(k[5:]), k) for k in meta if k.startswith("model") and k[5:].isdigit() and isinstance(meta[k], dict)]
+    return sorted(out)
+
+
+def _count_layers(layout: Layout) -> int:
+    total = 0
+    for s in layout.shards:
+        if s.meta is None or s.tp_rank != 0 or s.ep_rank not in (0, None):
+            continue
+        for _, ck in _chunks_of(s.meta):
+            total += len({parse_key(k).layer for k in s.meta[ck] if parse_key(k).layer is not None})
+    return total
+
+
+def _count_experts(layout: Layout) -> int | None:
+    local = set()
+    for s in layout.shards:
+        if s.meta is None:
+            continue
+        for _, ck in _chunks_of(s.meta):
+            for k in s.meta[ck]:
+                info = parse_key(k)
+                if info.expert is not None:
+                    local.add(info.expert)
+        break
+    return len(local) * (layout.ep or 1) if local else None
+
+
+def is_tied(layout: Layout) -> bool:
+    args = layout.saved_args
+    if args is not None and hasattr(args, "untie_embeddings_and_output_weights"):
+        return not bool(args.untie_embeddings_and_output_weights)
+    # No args: tied iff a PP=1 shard has no output_layer.weight.
+    for s in layout.shards:
+        if s.meta and (layout.pp or 1) == 1:
+            return all("output_layer.weight" not in s.meta[ck] for _, ck in _chunks_of(s.meta))
+    return True
+
+
+def index_sources(layout: Layout, src: Topology) -> OrderedDict[GlobalKey, GlobalEntry]:
+    """Every global tensor of the checkpoint and the source pieces that hold it."""
+    swiglu = bool(_arg(layout.saved_args, "swiglu", False))
+    tied = is_tied(layout)
+    dirs = src.shard_dirs()
+    index: OrderedDict[GlobalKey, GlobalEntry] = OrderedDict()
+    shards = sorted(layout.shards, key=lambda s: (s.pp_rank or 0, s.tp_rank or 0, s.ep_rank or 0))
+    for shard in shards:
+        coords = dirs.get(shard.name)
+        if coords is None or shard.meta is None:
+            continue
+        for chunk_idx, ck in _chunks_of(shard.meta):
+            for key, value in shard.meta[ck].items():
+                if tied and key == "output_layer.weight":
+                    continue  # the tied copy of the word embeddings: served from the embedding
+                info = parse_key(key)
+                rule = rule_for(info, swiglu=swiglu)
+                layer = src.global_layer(coords["pp"], chunk_idx, info.layer) if info.layer is not None else None
+                expert = src.global_expert(coords["ep"], info.expert) if info.expert is not None else None
+                gkey = (layer, expert, info.style, info.suffix)
+                entry = index.get(gkey)
+                if entry is None:
+                    entry = index[gkey] = GlobalEntry(gkey, info, rule)
+                if rule.group == "etp":
+                    grank, gsize = coords["etp"], src.etp_eff
+                else:
+                    grank, gsize = coords["tp"], src.tp
+                entry.pieces.setdefault(grank, SourcePiece(shard.name, value, grank, gsize))
+    for entry in index.values():
+        if entry.rule.dim is not None:
+            size = next(iter(entry.pieces.values())).group_size
+            missing = [r for r in range(size) if r not in entry.pieces]
+            if missing:
+                raise PreflightError(
+                    f"tensor {entry.info.render(entry.key[0], entry.key[1])} has no source for "
+                    f"{'expert-' if entry.rule.group == 'etp' else ''}tensor-parallel rank(s) {missing}",
+                    path=layout.iter_dir, fix="the checkpoint is incomplete: restore the missing shards",
+                    code="missing_shard")
+    return index
+
+
+@dataclass
+class VocabInfo:
+    source_padded: int | None
+    target_padded: int | None
+
+
+def target_vocab(layout: Layout, tgt: Topology, padded_vocab_size: int | None, vocab_size: int | None,
+                 divisible_by: int | None) -> int | None:
+    """Padded vocab rows at the target TP (Megatron's rule), from the true vocab size when it is known."""
+    if padded_vocab_size:
+        return padded_vocab_size
+    args = layout.saved_args
+    div = divisible_by or int(_arg(args, "make_vocab_size_divisible_by", 128) or 128)
+    true = vocab_size or _arg(args, "vocab_size")
+    src_padded = _arg(args, "padded_vocab_size")
+    m = div * tgt.tp
+    if true:
+        return ((int(true) + m - 1) // m) * m
+    if src_padded is None:
+        return None
+    src_m = div * (layout.tp or 1)
+    if m % src_m == 0:  # rounding up the padded size to a coarser multiple gives the same result
+        return ((src_padded + m - 1) // m) * m
+    raise PreflightError(
+        f"the checkpoint does not record its true vocab size (padded_vocab_size={src_padded} at TP{layout.tp}), "
+        f"so the padded vocab at TP{tgt.tp} is ambiguous", path=layout.iter_dir,
+        fix="pass --vocab-size (the tokenizer's vocab size) or --padded-vocab-size", code="usage")
+
+
+def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: Topology, tgt: Topology, coords: dict[str, int],
+              *, tied: bool, target_padded_vocab: int | None, shard_name: str = "") -> RankPlan:
+    """The plan for the target rank at ``coords`` (its tp, pp, ep, etp ranks)."""
+    stage, ep_rank = coords["pp"], coords["ep"]
+    chunk_names = ["model"] if tgt.chunks == 1 else [f"model{v}" for v in range(tgt.chunks)]
+    tensors: list[TensorPlan] = []
+    emb_key = (None, None, "plain", "embedding.word_embeddings.weight")
+    for gkey, entry in index.items():
+        layer, expert, _style, suffix = gkey
+        if layer is not None:
+            t_stage, chunk, local = tgt.place_layer(layer)
+            if t_stage != stage:
+                continue
+        else:
+            local = None
+            if suffix.startswith("embedding."):
+                if stage != 0:
+                    continue
+                chunk = 0
+            elif suffix.startswith(("decoder.final_", "output_layer.")):
+                if stage != tgt.pp - 1:
+                    continue
+                chunk = tgt.chunks - 1
+            else:
+                raise PreflightError(f"no placement rule for non-layer key {suffix}", code="unknown_key")
+        local_expert = None
+        if expert is not None:
+            e_rank, local_expert = tgt.place_expert(expert)
+            if e_rank != ep_rank:
+                continue
+        key = entry.info.render(local, local_expert)
+        tensors.append(_plan_tensor(entry, chunk_names[chunk], key, coords, src, tgt, target_padded_vocab))
+    if tied and tgt.pp > 1 and stage == tgt.pp - 1 and emb_key in index:
+        # The last stage holds its own copy of the tied word embeddings as output_layer.weight.
+        tensors.append(_plan_tensor(index[emb_key], chunk_names[-1], "output_layer.weight", coords, src, tgt,
+                                    target_padded_vocab))
+    return RankPlan(coords, shard_name, chunk_names, tensors)
+
+
+def _plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int], src: Topology, tgt: Topology,
+                 target_padded_vocab: int | None) -> TensorPlan:
+    rule = entry.rule
+    first = next(iter(entry.pieces.values()))
+    if rule.kind == "extra" or not isinstance(first.ref, TensorRef):
+        if isinstance(first.ref, TensorRef):
+            return TensorPlan(chunk, key, first.ref.shape, first.ref.dtype, [CopyOp(first.shard, first.ref, None, None)])
+        return TensorPlan(chunk, key, None, None, [], value=first.ref)
+    ref: TensorRef = first.ref
+    if rule.dim is None:  # replicated
+        return TensorPlan(chunk, key, ref.shape, ref.dtype, [CopyOp(first.shard, ref, None, None)])
+    dim = rule.dim
+    t_rank, t_size = (coords["etp"], tgt.etp_eff) if rule.group == "etp" else (coords["tp"], tgt.tp)
+    g_len = entry.global_len()
+    assert g_len is not None
+    if rule.kind == "vocab":
+        t_global = target_padded_vocab or g_len
+    else:
+        t_global = g_len
+    if t_global % t_size or (rule.kind == "glu" and (t_global // 2) % t_size):
+        raise PreflightError(f"tensor {key}: {t_global} rows along dim {dim} do not split over {t_size} ranks",
+                             code="layout")
+    shape = list(ref.shape)
+    shape[dim] = t_global // t_size
+    ops: list[CopyOp] = []
+    covered = 0
+    t_rule = rule if rule.kind != "vocab" else Rule("column", rule.group)
+    s_rule = t_rule
+    for tg, tn, tl in segments(t_rule, t_global, t_size, t_rank):
+        for piece in entry.pieces.values():
+            for sg, sn, sl in segments(s_rule, g_len, piece.group_size, piece.group_rank):
+                lo, hi = max(tg, sg), min(tg + tn, sg + sn)
+                if lo >= hi:
+                    continue
+                ops.append(CopyOp(piece.shard, piece.ref, (dim, sl + lo - sg, hi - lo), (dim, tl + lo - tg, hi - lo)))
+                covered += hi - lo
+    return TensorPlan(chunk, key, tuple(shape), ref.dtype, ops, zero_fill=covered < shape[dim])
+
+
+def rewrite_args(args: Any, tgt: Topology, padded_vocab: int | None) -> Any:
+    """The saved args, rewritten to the target layout (what Megatron's check_checkpoint_args compares)."""
+    if args is None:
+        return None
+    new = argparse.Namespace(**vars(args))
+    new.tensor_model_parallel_size = tgt.tp
+    new.pipeline_model_parallel_size = tgt.pp
+    new.expert_model_parallel_size = tgt.ep
+    new.expert_tensor_parallel_size = tgt.etp_eff
+    new.virtual_pipeline_model_parallel_size = tgt.vpp
+    if hasattr(new, "num_layers_per_virtual_pipeline_stage") or tgt.vpp:
+        new.num_layers_per_virtual_pipeline_stage = (tgt.num_layers // (tgt.pp * tgt.vpp)) if tgt.vpp else None
+    if hasattr(new, "num_virtual_stages_per_pipeline_rank"):
+        new.num_virtual_stages_per_pipeline_rank = None
+    new.decoder_first_pipeline_num_layers = tgt.first_stage_layers
+    new.decoder_last_pipeline_num_layers = tgt.last_stage_layers
+    if padded_vocab is not None:
+        new.padded_vocab_size = padded_vocab
+    world = tgt.sizes.min_world()
+    if hasattr(new, "world_size"):
+        new.world_size = world
+    if hasattr(new, "data_parallel_size"):
+        new.data_parallel_size = world // (tgt.tp * tgt.pp * tgt.cp)
+    for name in ("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"):
+        if hasattr(new, name):
+            setattr(new, name, tgt.tp if name.startswith("tensor") else tgt.etp_eff)
+    return new
