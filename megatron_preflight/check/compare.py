@@ -48,6 +48,11 @@ ARCH_FIELDS = (
 )
 
 
+def _derived_kv(saved: Any, kv: Any) -> bool:
+    h, n = _get(saved, "hidden_size"), _get(saved, "num_attention_heads")
+    return bool(h and n and kv == h // n)
+
+
 def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default) if args is not None else default
 
@@ -89,8 +94,9 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             continue
         if field == "num_query_groups" and not rt.group_query_attention and not _get(saved, "group_query_attention"):
             continue  # groups = heads on both sides: a heads change is reported once, as num_attention_heads
-        if field == "kv_channels" and "kv_channels" not in rt.given and _get(saved, "hidden_size") != rt.hidden_size:
-            continue  # derived from hidden / heads: reported as hidden_size
+        if field == "kv_channels" and _derived_kv(saved, ck) and rt.hidden_size and rt.num_attention_heads and \
+                run == rt.hidden_size // rt.num_attention_heads:
+            continue  # hidden / heads on both sides: the difference is reported as hidden_size / heads
         if ck != run:
             fix = _bool_fix(field, bool(ck)) if isinstance(ck, bool) else (
                 f"remove {_flag(field)}" if ck is None else f"set {_flag(field)} {ck}")

@@ -120,8 +120,8 @@ class Resharder:
         return self.plan_for_coords(coords, name)
 
     # -- building ------------------------------------------------------------------------------------------------
-    def build(self, plan: RankPlan, files: SourceFiles | None = None) -> dict[str, Any]:
-        """The full legacy state dict for ``plan``: args (rewritten), carried state, and the model chunk(s)."""
+    def header(self, files: SourceFiles | None = None) -> dict[str, Any]:
+        """The non-model part of every target file: args (rewritten to the target layout) and carried state."""
         own = files is None
         files = files or SourceFiles(self.layout.iter_dir or "", trust=self.trust)
         try:
@@ -133,13 +133,24 @@ class Resharder:
             for key in CARRIED:
                 if key in meta:
                     state[key] = files.materialize(first.name, meta[key])
-            state.update(execute(plan, files))
             known = set(CARRIED) | set(NOT_MAPPABLE) | {"args"}
             for key, value in meta.items():
                 if key in known or key == "model" or (key.startswith("model") and key[5:].isdigit()):
                     continue
                 state[key] = files.materialize(first.name, value)
                 log.warning("carried top-level entry %r from %s unchanged", key, first.name)
+            return state
+        finally:
+            if own:
+                files.close()
+
+    def build(self, plan: RankPlan, files: SourceFiles | None = None) -> dict[str, Any]:
+        """The full legacy state dict for ``plan``: args (rewritten), carried state, and the model chunk(s)."""
+        own = files is None
+        files = files or SourceFiles(self.layout.iter_dir or "", trust=self.trust)
+        try:
+            state = self.header(files)
+            state.update(execute(plan, files))
             return state
         finally:
             if own:

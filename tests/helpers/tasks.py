@@ -30,28 +30,34 @@ def write_both(spec: dict, layout: dict, legacy_root: str, dist_root: str, itera
     return forward(chunks, s, lay) if lay.pp == 1 and not lay.vpp else None
 
 
-def reshard_and_compare(spec: dict, layout: dict, legacy_root: str, dist_root: str, iteration: int = 10) -> Any:
+def reshard_and_compare(spec: dict, layout: dict, legacy_root: str, dist_root: str, iteration: int = 10,
+                        reference: bool = True) -> Any:
     """At ``layout``: load our in-memory reshard of the legacy checkpoint into a model (strict), and compare every
     tensor with what megatron-core's own torch_dist resharding loads. Returns (max abs diff of tensors, logits)."""
     from megatron.core import parallel_state as ps
+
     from megatron_preflight.reshard.api import TargetLayout, build_rank_state_dict
 
     s, lay = ModelSpec(**spec), Layout(**layout)
     ours = build(s, lay, seed=99)
-    ref = build(s, lay, seed=77)
-    load_dist(ref, lay, dist_root, iteration)
+    ref = build(s, lay, seed=77) if reference else None
+    if ref is not None:
+        load_dist(ref, lay, dist_root, iteration)
     target = TargetLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, vpp=lay.vpp)
     rank = torch.distributed.get_rank()
     sd = build_rank_state_dict(legacy_root, target, rank=rank, world_size=torch.distributed.get_world_size())
     keys = ["model"] if len(ours) == 1 else [f"model{i}" for i in range(len(ours))]
     worst = 0.0
-    for key, chunk, rchunk in zip(keys, ours, ref, strict=False):
+    for i, (key, chunk) in enumerate(zip(keys, ours, strict=True)):
         chunk.load_state_dict(sd[key], strict=True)
-        theirs = rchunk.state_dict()
+        if ref is None:
+            continue
+        theirs = ref[i].state_dict()
         for name, value in chunk.state_dict().items():
             if isinstance(value, torch.Tensor):
                 worst = max(worst, (value.float() - theirs[name].float()).abs().max().item() if value.numel() else 0.0)
     logits = forward(ours, s, lay) if lay.pp == 1 and not lay.vpp else None
-    ref_logits = forward(ref, s, lay) if lay.pp == 1 and not lay.vpp else None
+    ref_logits = forward(ref, s, lay) if ref is not None and lay.pp == 1 and not lay.vpp else None
     del ps
     return {"max_tensor_diff": worst, "logits": logits, "ref_logits": ref_logits}
+

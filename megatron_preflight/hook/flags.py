@@ -1,0 +1,23 @@
+"""The flags the hook adds to Megatron's argument parser."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+MODES = ("off", "check", "auto")
+
+
+def add_preflight_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("megatron-preflight", "checkpoint pre-flight check (megatron-preflight)")
+    group.add_argument("--preflight", choices=MODES, default=os.environ.get("MEGATRON_PREFLIGHT", "off"),
+                       help="off: Megatron as usual. check: compare the run with the checkpoint before the model is "
+                            "built; any fatal finding stops every rank with one report. auto: also pick the loader "
+                            "and reshard legacy checkpoints in memory.")
+    group.add_argument("--preflight-report", default=os.environ.get("MEGATRON_PREFLIGHT_REPORT"),
+                       help="write the plan (JSON) here, from rank 0")
+    group.add_argument("--preflight-allow-missing-checkpoint", action="store_true",
+                       help="--load points at no checkpoint and that is fine (start from scratch)")
+    group.add_argument("--preflight-trust-checkpoint", action="store_true",
+                       help="allow pickled types outside the allow-list when reading checkpoint metadata")
+    return parser

@@ -1,0 +1,124 @@
+"""Install the hook into Megatron-LM by wrapping module attributes (no Megatron file is edited).
+
+Seams (names are looked up at call time in the importing module, so each is patched where it is used):
+
+* ``megatron.training.arguments.add_megatron_arguments`` — adds ``--preflight`` & co. to every Megatron parser
+  (the script's own ``extra_args_provider`` still runs after it);
+* ``megatron.training.training.setup_model_and_optimizer`` — runs the check after torch.distributed and the
+  parallel state are up and before the model, optimizer and data loaders are built;
+* ``megatron.training.training.load_checkpoint`` and ``megatron.training.checkpointing.load_checkpoint`` — load
+  through the chosen loader;
+* ``megatron.training.checkpointing._load_base_checkpoint`` — replaced, only during a ``reshard`` load, by the
+  in-memory resharder.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+
+log = logging.getLogger("megatron_preflight")
+
+CHECKED_VERSIONS = ("Megatron-LM main d98e8a64 (2026-08-22, megatron-core 0.20.0)",)
+
+REQUIRED = (
+    ("megatron.training.arguments", "add_megatron_arguments"),
+    ("megatron.training.training", "setup_model_and_optimizer"),
+    ("megatron.training.training", "load_checkpoint"),
+    ("megatron.training.checkpointing", "load_checkpoint"),
+    ("megatron.training.checkpointing", "_load_base_checkpoint"),
+    ("megatron.training.global_vars", "get_args"),
+)
+
+_INSTALLED = False
+
+
+def _resolve(module: str, name: str) -> tuple[Any, Any]:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise PreflightError(
+            f"cannot import {module} ({exc}); megatron-preflight's hook needs Megatron-LM (megatron.training) on "
+            "the Python path", fix="run from a Megatron-LM checkout (or add it to PYTHONPATH); checked with: "
+            + "; ".join(CHECKED_VERSIONS), code="megatron_version") from None
+    if not hasattr(mod, name):
+        raise PreflightError(
+            f"this Megatron-LM has no {module}.{name}, which the hook wraps; it is another Megatron-LM version",
+            fix="use --preflight off with this version, or a supported one: " + "; ".join(CHECKED_VERSIONS),
+            code="megatron_version")
+    return mod, getattr(mod, name)
+
+
+def _wrapped(fn: Callable) -> bool:
+    return bool(getattr(fn, "__megatron_preflight__", False))
+
+
+def _mark(fn: Callable) -> Callable:
+    fn.__megatron_preflight__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def install() -> None:
+    """Patch Megatron-LM in this process. Idempotent. Raises PreflightError naming anything missing."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    resolved = {(m, n): _resolve(m, n) for m, n in REQUIRED}
+    from megatron_preflight.hook import legacy_load, runtime
+    from megatron_preflight.hook.flags import add_preflight_arguments
+
+    args_mod, add_args = resolved[("megatron.training.arguments", "add_megatron_arguments")]
+    if not _wrapped(add_args):
+        @functools.wraps(add_args)
+        def add_megatron_arguments(parser, *a, **k):
+            parser = add_args(parser, *a, **k)
+            return add_preflight_arguments(parser)
+
+        args_mod.add_megatron_arguments = _mark(add_megatron_arguments)
+
+    training_mod, setup = resolved[("megatron.training.training", "setup_model_and_optimizer")]
+    _, get_args = resolved[("megatron.training.global_vars", "get_args")]
+    if not _wrapped(setup):
+        @functools.wraps(setup)
+        def setup_model_and_optimizer(*a, **k):
+            runtime.preflight(get_args())
+            return setup(*a, **k)
+
+        training_mod.setup_model_and_optimizer = _mark(setup_model_and_optimizer)
+
+    ckpt_mod, base_loader = resolved[("megatron.training.checkpointing", "_load_base_checkpoint")]
+
+    def make_load_wrapper(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", *a, **k):
+            decision = runtime.current()
+            if decision is None or decision.loader != "reshard" or load_arg != "load":
+                return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
+
+            def reshard_base(load_dir, args, rank0=False, sharded_state_dict=None, *ba, **bk):
+                from megatron.training.checkpointing import CheckpointType
+
+                state, name, release = legacy_load.resharded_state_dict(load_dir, args, rank0=rank0)
+                return state, name, release, CheckpointType.LEGACY
+
+            ckpt_mod._load_base_checkpoint = reshard_base
+            try:
+                result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
+            finally:
+                ckpt_mod._load_base_checkpoint = base_loader
+            runtime._say(f"loaded through the in-memory resharder (iteration {result[0] if result else '?'})")
+            return result
+
+        return _mark(load_checkpoint)
+
+    for module in ("megatron.training.training", "megatron.training.checkpointing"):
+        mod, fn = resolved[(module, "load_checkpoint")]
+        if not _wrapped(fn):
+            mod.load_checkpoint = make_load_wrapper(fn)
+    _INSTALLED = True
+    log.debug("megatron-preflight hook installed")

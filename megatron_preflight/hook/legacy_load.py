@@ -1,0 +1,74 @@
+"""The in-memory resharding loader: stands in for Megatron's ``_load_base_checkpoint`` on legacy checkpoints whose
+layout differs from the run's, handing Megatron each rank's state dict exactly as if read from a file of the run's
+layout. The rest of Megatron's load (iteration, scheduler, strict key check, --no-load-optim/--no-load-rng,
+--finetune) behaves as usual."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
+
+log = logging.getLogger("megatron_preflight")
+
+_RESHARDERS: dict[tuple, Resharder] = {}
+
+
+def target_from_args(args: Any) -> TargetLayout:
+    return TargetLayout(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+        etp=getattr(args, "expert_tensor_parallel_size", None),
+        vpp=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
+        last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None),
+        padded_vocab_size=getattr(args, "padded_vocab_size", None),
+        vocab_size=getattr(args, "vocab_size", None),
+        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None),
+    )
+
+
+def resharder_for(load_dir: str, args: Any) -> Resharder:
+    iteration = getattr(args, "ckpt_step", None)
+    key = (os.path.abspath(load_dir), iteration, tuple(sorted(vars(target_from_args(args)).items())))
+    if key not in _RESHARDERS:
+        _RESHARDERS[key] = open_resharder(load_dir, target_from_args(args), iteration=iteration,
+                                          trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)))
+    return _RESHARDERS[key]
+
+
+def runtime_coordinates(world_rank: int, world: int, resharder: Resharder) -> dict[str, int]:
+    """This rank's (tp, pp, ep, etp) ranks: from Megatron's parallel state when it is up, else Megatron's rank
+    layout computed from the sizes."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+                    "ep": ps.get_expert_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank()}
+    except Exception:  # pragma: no cover - megatron.core missing or older
+        pass
+    return resharder.tgt.rank_coordinates(world_rank, world)
+
+
+def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False) -> tuple[dict[str, Any], str, bool]:
+    """(state_dict, a checkpoint name for Megatron's messages, release) for this rank."""
+    from megatron_preflight.hook import consensus
+    from megatron_preflight.layout import naming
+
+    r = resharder_for(load_dir, args)
+    release = r.layout.iteration == naming.RELEASE
+    name = os.path.join(r.layout.iter_dir or load_dir, f"<resharded to TP{r.tgt.tp} PP{r.tgt.pp} EP{r.tgt.ep}>")
+    if rank0:
+        # The format pre-read / args read: Megatron needs args, iteration and the version, not the weights.
+        return r.header(), name, release
+    coords = runtime_coordinates(consensus.rank(), consensus.world_size(), r)
+    plan = r.plan_for_coords(coords, naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"],
+                                                           pp_size=r.tgt.pp, ep_size=r.tgt.ep))
+    state = r.build(plan)
+    log.info("built rank state dict from %s (%d tensors, %.1f MiB)", ", ".join(plan.sources), len(plan.tensors),
+             plan.nbytes / 2**20)
+    return state, name, release

@@ -1,0 +1,146 @@
+"""What the hook does at job start, independent of Megatron-LM's module layout (testable with megatron-core alone).
+
+``preflight(args)`` runs once, after torch.distributed is up and before the model is built: rank 0 reads the
+checkpoint metadata and makes the plan, every rank receives the same :class:`Decision`, and a fatal verdict exits
+every rank with status 1 (rank 0 prints the one-screen report first). The decision is then applied to ``args``
+(loader, optimizer / RNG state) and logged on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatron_preflight.hook import consensus
+
+log = logging.getLogger("megatron_preflight")
+
+EXIT_FAIL = 1
+
+
+@dataclass
+class Decision:
+    """The plan, reduced to plain data every rank can act on."""
+
+    mode: str
+    verdict: str  # load | reshard | fail | skip
+    loader: str | None
+    load_optimizer: bool = True
+    load_rng: bool = True
+    checkpoint: str | None = None
+    report: str = ""
+    plan: dict[str, Any] = field(default_factory=dict)
+    applied: list[str] = field(default_factory=list)
+
+
+_CURRENT: Decision | None = None
+
+
+def current() -> Decision | None:
+    """The decision of this process's pre-flight run (None before it ran, or with --preflight off)."""
+    return _CURRENT
+
+
+def reset() -> None:
+    global _CURRENT
+    _CURRENT = None
+
+
+def _say(msg: str) -> None:
+    if consensus.rank() == 0:
+        print(f"[megatron-preflight] {msg}", flush=True)
+
+
+def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
+    from megatron_preflight.check.plan import Verdict, make_plan
+    from megatron_preflight.check.runtime_args import from_namespace
+    from megatron_preflight.cli.check_cmd import render_plan
+
+    rt = from_namespace(args)
+    if not rt.world_size:
+        rt.world_size = consensus.world_size()
+    plan = make_plan(load_dir, rt, trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)))
+    allow_missing = bool(getattr(args, "preflight_allow_missing_checkpoint", False))
+    if allow_missing and plan.layout.format is None and any(
+            p.code in ("not_megatron", "no_iterations") for p in plan.layout.problems):
+        return Decision(mode, "skip", None, checkpoint=load_dir,
+                        report=f"no checkpoint in {load_dir}; starting from scratch (--preflight-allow-missing-checkpoint)")
+    verdict = plan.verdict.value
+    report = render_plan(plan)
+    if mode == "check" and plan.verdict == Verdict.RESHARD:
+        verdict = "fail"
+        report += ("\n--preflight check loads as Megatron would, and Megatron cannot load this legacy checkpoint at "
+                   "another layout. Fix: run with --preflight auto (in-memory reshard), or reshard offline with "
+                   "`megatron-preflight reshard`.")
+    if verdict == "fail" and plan.layout.format is None and not allow_missing:
+        report += ("\nIf starting from scratch is intended, add --preflight-allow-missing-checkpoint.")
+    return Decision(mode, verdict, plan.loader.value if plan.loader else None, plan.load_optimizer, plan.load_rng,
+                    load_dir, report, plan.to_json())
+
+
+def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:
+    from megatron_preflight.errors import PreflightError
+
+    if isinstance(exc, PreflightError):
+        text = str(exc)
+    else:
+        text = (f"internal error while checking the checkpoint ({type(exc).__name__}: {exc}); this is a bug in "
+                "megatron-preflight: rerun with --preflight off to bypass it, and report it")
+    return Decision(mode, "fail", None, checkpoint=load_dir, report=text)
+
+
+def preflight(args: Any) -> Decision | None:
+    """Run the pre-flight check for Megatron ``args`` (all ranks call it). Exits every rank on a fatal verdict."""
+    global _CURRENT
+    mode = getattr(args, "preflight", "off") or "off"
+    if mode == "off":
+        return None
+    load_dir = getattr(args, "load", None) or getattr(args, "pretrained_checkpoint", None)
+    if not load_dir:
+        _CURRENT = Decision(mode, "skip", None, report="no --load: nothing to check")
+        return _CURRENT
+    decision = consensus.decide_on_rank0(lambda: _make_decision(args, mode, load_dir),
+                                         lambda exc: _error_decision(mode, load_dir, exc))
+    _CURRENT = decision
+    report_path = getattr(args, "preflight_report", None)
+    if report_path and consensus.rank() == 0:
+        tmp = report_path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(asdict(decision), fh, indent=1, default=str)
+        os.replace(tmp, report_path)
+    if decision.verdict == "fail":
+        if consensus.rank() == 0:
+            print(decision.report, file=sys.stderr, flush=True)
+            print("[megatron-preflight] the job must not start: stopping every rank (exit 1)", file=sys.stderr,
+                  flush=True)
+        raise SystemExit(EXIT_FAIL)
+    apply_decision(args, decision)
+    return decision
+
+
+def apply_decision(args: Any, d: Decision) -> None:
+    """Set the args the chosen loader needs; say so on rank 0."""
+    if d.verdict == "skip":
+        _say(d.report)
+        return
+    _say(f"checkpoint {d.checkpoint}: verdict {d.verdict}, loader {d.loader}")
+    if d.loader == "dist" and not getattr(args, "auto_detect_ckpt_format", False) and \
+            getattr(args, "ckpt_format", "torch_dist") == "torch":
+        args.auto_detect_ckpt_format = True
+        d.applied.append("auto_detect_ckpt_format=True")
+    if d.loader == "reshard":
+        if not getattr(args, "no_load_rng", False):
+            args.no_load_rng = True
+            d.applied.append("no_load_rng=True (RNG state cannot be mapped to another layout)")
+        if not getattr(args, "no_load_optim", False):
+            args.no_load_optim = True
+            d.applied.append("no_load_optim=True (the optimizer state is not resharded)")
+    elif not d.load_rng and not getattr(args, "no_load_rng", False):
+        args.no_load_rng = True
+        d.applied.append("no_load_rng=True")
+    for item in d.applied:
+        _say(f"applied: {item}")

@@ -1,0 +1,142 @@
+"""install() wires the hook into Megatron-LM's seams. megatron.training is not on PyPI, so these tests use a FAKE
+megatron.training (named as such): small modules with the same seams (module globals looked up at call time).
+The real Megatron-LM is exercised by tests/hook/test_megatron_lm.py when MEGATRON_LM_ROOT is set."""
+
+import argparse
+import enum
+import sys
+import types
+
+import pytest
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.hook import install as install_mod
+from megatron_preflight.hook import runtime
+from tests.conftest import fixture_path
+
+
+def make_fake_megatron_training(monkeypatch, drop=None):
+    """FAKE megatron.training with Megatron-LM's seams."""
+    pkg = types.ModuleType("megatron.training")
+    pkg.__path__ = []
+    arguments = types.ModuleType("megatron.training.arguments")
+    training = types.ModuleType("megatron.training.training")
+    checkpointing = types.ModuleType("megatron.training.checkpointing")
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    state = {"args": None, "base_calls": []}
+
+    def add_megatron_arguments(parser):
+        parser.add_argument("--load")
+        parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+        return parser
+
+    def parse_args(extra_args_provider=None):
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        parser = arguments.add_megatron_arguments(parser)
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return parser
+
+    class CheckpointType(enum.Enum):
+        LEGACY = 1
+
+    def _load_base_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, **kw):
+        state["base_calls"].append("megatron")
+        return None, "", False, None
+
+    def ckpt_load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True, **kw):
+        sd, name, release, kind = checkpointing._load_base_checkpoint(state["args"].load, state["args"], rank0=False)
+        state["loaded"] = (sd, kind)
+        return (sd or {}).get("iteration", 0), 0
+
+    def setup_model_and_optimizer(*a, **k):
+        state["setup_called"] = True
+        return training.load_checkpoint(None, None, None)
+
+    arguments.add_megatron_arguments = add_megatron_arguments
+    arguments.parse_args = parse_args
+    checkpointing.CheckpointType = CheckpointType
+    checkpointing._load_base_checkpoint = _load_base_checkpoint
+    checkpointing.load_checkpoint = ckpt_load_checkpoint
+    training.load_checkpoint = ckpt_load_checkpoint
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+    global_vars.get_args = lambda: state["args"]
+    mods = {"megatron.training": pkg, "megatron.training.arguments": arguments, "megatron.training.training": training,
+            "megatron.training.checkpointing": checkpointing, "megatron.training.global_vars": global_vars}
+    if drop:
+        delattr(mods[drop[0]], drop[1])
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(install_mod, "_INSTALLED", False)
+    runtime.reset()
+    return mods, state
+
+
+TINY = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=32,
+            max_position_embeddings=32, vocab_size=100, padded_vocab_size=128, transformer_impl="local",
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+            ckpt_format="torch")
+
+
+def test_flag_added_and_extra_args_provider_kept(monkeypatch):
+    mods, _ = make_fake_megatron_training(monkeypatch)
+    install_mod.install()
+
+    def extra(parser):
+        parser.add_argument("--my-script-flag", default="x")
+        return parser
+
+    ns = mods["megatron.training.arguments"].parse_args(extra).parse_args(["--preflight", "auto", "--my-script-flag",
+                                                                            "y"])
+    assert ns.preflight == "auto" and ns.my_script_flag == "y" and ns.preflight_report is None
+    default = mods["megatron.training.arguments"].parse_args().parse_args([])
+    assert default.preflight == "off"
+
+
+def test_reshard_load_goes_through_the_resharder(monkeypatch):
+    mods, state = make_fake_megatron_training(monkeypatch)
+    install_mod.install()
+    state["args"] = argparse.Namespace(**TINY, load=fixture_path("tp2_torch"), preflight="auto", no_load_optim=True)
+    mods["megatron.training.training"].setup_model_and_optimizer()
+    sd, kind = state["loaded"]
+    assert kind.name == "LEGACY" and state["base_calls"] == []
+    assert sd["args"].tensor_model_parallel_size == 1 and sd["iteration"] == 2
+    assert sd["model"]["embedding.word_embeddings.weight"].shape == (128, 32)
+    assert state["args"].no_load_rng is True
+    # Megatron's own base loader is back in place afterwards.
+    assert mods["megatron.training.checkpointing"]._load_base_checkpoint.__name__ == "_load_base_checkpoint"
+
+
+def test_matching_layout_uses_megatrons_loader(monkeypatch):
+    mods, state = make_fake_megatron_training(monkeypatch)
+    install_mod.install()
+    state["args"] = argparse.Namespace(**dict(TINY, tensor_model_parallel_size=2, world_size=2), load=fixture_path("tp2_torch"),
+                                       preflight="auto")
+    mods["megatron.training.training"].setup_model_and_optimizer()
+    assert state["base_calls"] == ["megatron"] and runtime.current().loader == "non-ep"
+
+
+def test_fatal_mismatch_stops_before_setup(monkeypatch):
+    mods, state = make_fake_megatron_training(monkeypatch)
+    install_mod.install()
+    state["args"] = argparse.Namespace(**dict(TINY, hidden_size=64), load=fixture_path("tp1_torch"), preflight="check")
+    with pytest.raises(SystemExit) as exc:
+        mods["megatron.training.training"].setup_model_and_optimizer()
+    assert exc.value.code == 1 and "setup_called" not in state
+
+
+def test_off_is_a_pass_through(monkeypatch):
+    mods, state = make_fake_megatron_training(monkeypatch)
+    install_mod.install()
+    state["args"] = argparse.Namespace(**TINY, load=fixture_path("pp2_torch"), preflight="off")
+    mods["megatron.training.training"].setup_model_and_optimizer()
+    assert state["base_calls"] == ["megatron"] and runtime.current() is None
+
+
+@pytest.mark.parametrize("missing", [("megatron.training.checkpointing", "_load_base_checkpoint"),
+                                     ("megatron.training.training", "setup_model_and_optimizer")])
+def test_missing_seam_is_a_clear_error(monkeypatch, missing):
+    make_fake_megatron_training(monkeypatch, drop=missing)
+    with pytest.raises(PreflightError) as exc:
+        install_mod.install()
+    assert missing[1] in str(exc.value) and "d98e8a64" in str(exc.value)

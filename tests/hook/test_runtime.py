@@ -1,0 +1,110 @@
+"""The hook's job-start logic under real torch.distributed (gloo, several processes): one reader, one decision,
+every rank exits non-zero on a fatal verdict, nobody hangs."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_preflight.hook import runtime
+from tests.conftest import fixture_path
+
+TINY = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=32,
+            max_position_embeddings=32, vocab_size=100, transformer_impl="local", tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1, expert_model_parallel_size=1)
+
+WORKER = textwrap.dedent("""
+    import argparse, json, os, sys, time
+    import torch.distributed as dist
+    rank, world, init, spec = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+    dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
+    if rank != 0:
+        # Only rank 0 may read the checkpoint: make any read on other ranks blow up.
+        import megatron_preflight.layout.discover as d
+        def no_read(*a, **k):
+            raise AssertionError("rank %d read the checkpoint" % rank)
+        d.discover = no_read
+        import megatron_preflight.check.plan as p
+        p.discover = no_read
+    from megatron_preflight.hook import runtime
+    args = argparse.Namespace(**spec)
+    t = time.time()
+    decision = runtime.preflight(args)
+    print(json.dumps({"rank": rank, "verdict": decision.verdict, "loader": decision.loader,
+                      "no_load_rng": getattr(args, "no_load_rng", None), "seconds": time.time() - t}), flush=True)
+""")
+
+
+def run_world(tmp_path, spec, world=3, timeout=120):
+    init = str(tmp_path / "init")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), init, json.dumps(spec)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    out = []
+    for p in procs:
+        so, se = p.communicate(timeout=timeout)
+        out.append((p.returncode, so, se))
+    return out
+
+
+def test_fatal_verdict_exits_every_rank_with_one_report(tmp_path):
+    spec = dict(TINY, preflight="check", load=fixture_path("tp2_torch"), tensor_model_parallel_size=2,
+                hidden_size=64, num_layers=8, world_size=2)
+    results = run_world(tmp_path, spec)
+    assert [rc for rc, _, _ in results] == [1, 1, 1]
+    reports = [se for _, _, se in results if "FAIL" in se]
+    assert len(reports) == 1  # rank 0 only
+    assert "hidden_size" in reports[0] and "num_layers" in reports[0]
+    assert reports[0].count("hidden_size") >= 1 and "Traceback" not in reports[0]
+
+
+def test_every_rank_gets_the_same_decision(tmp_path):
+    spec = dict(TINY, preflight="auto", load=fixture_path("tp2_torch"), no_load_optim=True, world_size=3)
+    results = run_world(tmp_path, spec)
+    assert [rc for rc, _, _ in results] == [0, 0, 0], [se[-2000:] for _, _, se in results]
+    decisions = [json.loads(so.strip().splitlines()[-1]) for _, so, _ in results]
+    assert {(d["verdict"], d["loader"], d["no_load_rng"]) for d in decisions} == {("reshard", "reshard", True)}
+
+
+def test_check_mode_refuses_what_megatron_cannot_load(tmp_path):
+    spec = dict(TINY, preflight="check", load=fixture_path("pp2_torch"), no_load_optim=True, world_size=2)
+    results = run_world(tmp_path, spec, world=2)
+    assert [rc for rc, _, _ in results] == [1, 1]
+    assert "--preflight auto" in results[0][2]
+
+
+def test_missing_checkpoint_fails_unless_allowed(tmp_path):
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    args = argparse.Namespace(**TINY, preflight="check", load=str(empty))
+    with pytest.raises(SystemExit) as exc:
+        runtime.preflight(args)
+    assert exc.value.code == 1
+    args.preflight_allow_missing_checkpoint = True
+    assert runtime.preflight(args).verdict == "skip"
+
+
+def test_off_and_no_load_do_nothing():
+    args = argparse.Namespace(**TINY, preflight="off", load=fixture_path("pp2_torch"))
+    before = dict(vars(args))
+    assert runtime.preflight(args) is None and vars(args) == before
+    args = argparse.Namespace(**TINY, preflight="check", load=None)
+    assert runtime.preflight(args).verdict == "skip"
+
+
+def test_report_file(tmp_path):
+    report = tmp_path / "plan.json"
+    args = argparse.Namespace(**TINY, preflight="auto", load=fixture_path("moe_ep2_torch"), num_experts=4,
+                              expert_model_parallel_size=2, preflight_report=str(report))
+    d = runtime.preflight(args)
+    assert d.verdict == "load" and d.loader == "3d-ep"
+    j = json.loads(report.read_text())
+    assert j["verdict"] == "load" and j["plan"]["layout"]["ep"] == 2
