@@ -239,6 +239,15 @@ class TorchFile:
         self._offsets[key] = (start, info.file_size)
         return self._offsets[key]
 
+    def release_pages(self) -> None:
+        """Drop the mapped pages read so far from this process's memory (they are re-read from the file if needed).
+        Keeps the resident set at about one tensor while streaming through a big shard."""
+        if self._mmap is not None and hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self._mmap.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
     def tensor(self, ref: TensorRef) -> torch.Tensor:
         """The tensor ``ref`` points at, as a view of a copy-on-write mmap (lazy: pages are read on access)."""
         start, nbytes = self._record_offset(ref.storage.key)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from megatron_preflight.layout import naming
-from megatron_preflight.reshard.planner import RankPlan
+from megatron_preflight.reshard.planner import RankPlan, TensorPlan
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
 
@@ -45,6 +45,10 @@ class SourceFiles:
             return tuple(self.materialize(shard, v) for v in value)
         return value
 
+    def release_pages(self) -> None:
+        for f in self._files.values():
+            f.release_pages()
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -58,21 +62,24 @@ def _narrow(t: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
     return t.narrow(dim, start, length)
 
 
+def build_tensor(tp: TensorPlan, files: SourceFiles) -> torch.Tensor:
+    """One planned target tensor, filled from its source slices."""
+    assert tp.shape is not None
+    dst = torch.zeros(tp.shape, dtype=tp.dtype) if tp.zero_fill else torch.empty(tp.shape, dtype=tp.dtype)
+    for op in tp.ops:
+        src = _narrow(files.tensor(op.shard, op.ref), op.src)
+        target = _narrow(dst, op.dst)
+        if src.shape != target.shape:
+            raise RuntimeError(f"plan error for {tp.key}: source slice {tuple(src.shape)} vs target "
+                               f"{tuple(target.shape)}")
+        target.copy_(src)
+        files.bytes_read += src.numel() * src.element_size()
+    return dst
+
+
 def execute(plan: RankPlan, files: SourceFiles) -> dict[str, OrderedDict[str, Any]]:
     """The model state dicts (``model`` or ``model0..N``) of the planned rank."""
     out: dict[str, OrderedDict[str, Any]] = {c: OrderedDict() for c in plan.chunks}
     for tp in plan.tensors:
-        if tp.shape is None:
-            out[tp.chunk][tp.key] = tp.value
-            continue
-        dst = torch.zeros(tp.shape, dtype=tp.dtype) if tp.zero_fill else torch.empty(tp.shape, dtype=tp.dtype)
-        for op in tp.ops:
-            src = _narrow(files.tensor(op.shard, op.ref), op.src)
-            target = _narrow(dst, op.dst)
-            if src.shape != target.shape:
-                raise RuntimeError(f"plan error for {tp.key}: source slice {tuple(src.shape)} vs target "
-                                   f"{tuple(target.shape)}")
-            target.copy_(src)
-            files.bytes_read += src.numel() * src.element_size()
-        out[tp.chunk][tp.key] = dst
+        out[tp.chunk][tp.key] = tp.value if tp.shape is None else build_tensor(tp, files)
     return out

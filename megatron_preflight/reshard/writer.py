@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from megatron_preflight import pickling
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
 from megatron_preflight.reshard.executor import SourceFiles
 from megatron_preflight.reshard.planner import RankPlan
+from megatron_preflight.reshard.stream_save import save_streaming
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
 log = logging.getLogger(__name__)
@@ -74,12 +74,10 @@ def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | 
     plan = r.plan_for_coords(r.tgt.shard_dirs()[name], name)
     files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
-        state = r.build(plan, files)
         out_dir = os.path.join(iter_out, name)
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, naming.MODEL_FILENAME)
-        torch.save(state, path, pickle_module=pickling)
-        del state
+        save_streaming(r.header(files), plan, files, path)
         checked = verify_shard(plan, path, files) if verify else 0
         return files.bytes_read, os.path.getsize(path), checked
     finally:

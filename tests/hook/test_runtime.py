@@ -39,7 +39,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def run_world(tmp_path, spec, world=3, timeout=120):
+def run_world(tmp_path, spec, world=3, timeout=400):
     init = str(tmp_path / "init")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

@@ -1,0 +1,161 @@
+"""Offline resharding speed and memory on ~1 GB legacy checkpoints, against the I/O floor.
+
+Builds (once, in --work) a dense GPT checkpoint (16 layers, hidden 1024, ffn 4096, vocab 50304, fp32, TP2; model
+only, ~1.0 GB) and an MoE one (6 layers, hidden 1024, 8 experts of ffn 2048, EP2), with Megatron-Core's local-spec
+key names. For each case it runs `megatron-preflight reshard` in a fresh process (--workers 1) and prints: wall
+seconds, peak RSS of that process, bytes read and written, and the ratio of the I/O floor to our time, where the
+floor is reading every source byte plus writing as many bytes as we wrote, with plain file I/O in the same run.
+
+Usage: python benchmarks/bench_reshard.py [--work DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+H, FFN, VOCAB = 1024, 4096, 50304
+
+
+def _layer(prefix: str, tp: int, moe: int | None, ep: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(len(prefix))
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    sd = {
+        prefix + "input_layernorm.weight": torch.ones(H), prefix + "input_layernorm.bias": torch.zeros(H),
+        prefix + "self_attention.linear_qkv.weight": r(3 * H // tp, H),
+        prefix + "self_attention.linear_qkv.bias": r(3 * H // tp),
+        prefix + "self_attention.linear_proj.weight": r(H, H // tp), prefix + "self_attention.linear_proj.bias": r(H),
+        prefix + "pre_mlp_layernorm.weight": torch.ones(H), prefix + "pre_mlp_layernorm.bias": torch.zeros(H),
+    }
+    if moe:
+        sd[prefix + "mlp.router.weight"] = r(moe, H)
+        for j in range(moe // ep):
+            e = f"{prefix}mlp.experts.local_experts.{j}."
+            sd[e + "linear_fc1.weight"] = r(2048, H)
+            sd[e + "linear_fc2.weight"] = r(H, 2048)
+    else:
+        sd[prefix + "mlp.linear_fc1.weight"] = r(FFN // tp, H)
+        sd[prefix + "mlp.linear_fc1.bias"] = r(FFN // tp)
+        sd[prefix + "mlp.linear_fc2.weight"] = r(H, FFN // tp)
+        sd[prefix + "mlp.linear_fc2.bias"] = r(H)
+    return sd
+
+
+def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None) -> None:
+    os.makedirs(root, exist_ok=True)
+    names = ([(f"mp_rank_{t:02d}", t, 0) for t in range(tp)] if ep == 1 else
+             [(f"mp_rank_00_{e:03d}", 0, e) for e in range(ep)])
+    for name, t, e in names:
+        model: dict[str, torch.Tensor] = {
+            "embedding.word_embeddings.weight": torch.randn(VOCAB // tp, H),
+            "embedding.position_embeddings.weight": torch.randn(2048, H),
+        }
+        for i in range(layers):
+            model.update(_layer(f"decoder.layers.{i}.", tp, moe, ep))
+        model["decoder.final_layernorm.weight"] = torch.ones(H)
+        model["decoder.final_layernorm.bias"] = torch.zeros(H)
+        args = argparse.Namespace(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1 if moe else tp, virtual_pipeline_model_parallel_size=None, num_layers=layers,
+            hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=16, num_query_groups=16, kv_channels=64,
+            num_experts=moe, padded_vocab_size=VOCAB, vocab_size=50257, make_vocab_size_divisible_by=128, swiglu=False,
+            add_bias_linear=not moe, untie_embeddings_and_output_weights=False, use_distributed_optimizer=False,
+            ckpt_format="torch", world_size=max(tp, ep), data_parallel_size=max(tp, ep) // tp)
+        d = os.path.join(root, "iter_0000001", name)
+        os.makedirs(d, exist_ok=True)
+        torch.save({"args": args, "iteration": 1, "checkpoint_version": 3.0, "model": model},
+                   os.path.join(d, "model_optim_rng.pt"))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("1")
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(path) for f in fs)
+
+
+def io_floor(src: str, out_bytes: int, scratch: str) -> float:
+    """Seconds to read every source byte and write ``out_bytes``, with plain buffered file I/O."""
+    t0 = time.perf_counter()
+    buf = bytearray(16 << 20)
+    for dp, _, fs in os.walk(src):
+        for f in fs:
+            with open(os.path.join(dp, f), "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+    path = os.path.join(scratch, "floor.bin")
+    with open(path, "wb") as fh:
+        left = out_bytes
+        while left > 0:
+            n = min(left, len(buf))
+            fh.write(memoryview(buf)[:n])
+            left -= n
+        fh.flush()
+        os.fsync(fh.fileno())
+    secs = time.perf_counter() - t0
+    os.remove(path)
+    return secs
+
+
+def run_case(src: str, dst: str, flags: list[str]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", src, dst, "--workers", "1",
+                        "--no-progress", *flags], capture_output=True, text=True)
+    secs = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"reshard failed: {r.stderr}")
+    # include the writes in the timing (the floor fsyncs too)
+    for dp, _, fs in os.walk(dst):
+        for f in fs:
+            with open(os.path.join(dp, f), "rb+") as fh:
+                os.fsync(fh.fileno())
+    return time.perf_counter() - t0 if secs else secs, r.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--keep", action="store_true")
+    ns = ap.parse_args()
+    work = ns.work or tempfile.mkdtemp(prefix="bench_reshard_")
+    dense, moe = os.path.join(work, "dense_tp2"), os.path.join(work, "moe_ep2")
+    if not os.path.exists(dense):
+        make_checkpoint(dense, layers=16, tp=2, ep=1, moe=None)
+    if not os.path.exists(moe):
+        make_checkpoint(moe, layers=6, tp=1, ep=2, moe=8)
+    cases = [
+        ("dense TP2 -> TP1", dense, ["--tp", "1"]),
+        ("dense TP2 -> TP2 PP2", dense, ["--pp", "2"]),
+        ("dense TP2 -> TP4", dense, ["--tp", "4"]),
+        ("MoE EP2 -> EP1", moe, ["--ep", "1"]),
+        ("MoE EP2 -> EP4", moe, ["--ep", "4"]),
+    ]
+    rows = []
+    for label, src, flags in cases:
+        dst = os.path.join(work, "out")
+        shutil.rmtree(dst, ignore_errors=True)
+        secs, out = run_case(src, dst, flags)
+        rss = float(re.search(r"peak RSS (\d+) MiB", out).group(1))
+        read = float(re.search(r"read ([\d.]+) MiB", out).group(1))
+        written = dir_bytes(dst)
+        floor = io_floor(src, written, work)
+        rows.append((label, dir_bytes(src), secs, rss, read, written / 2**20, floor, floor / secs))
+        shutil.rmtree(dst, ignore_errors=True)
+    print(f"{'case':<22}{'src GB':>8}{'wall s':>8}{'peak RSS MiB':>14}{'read MiB':>10}{'written MiB':>13}"
+          f"{'floor s':>9}{'floor/ours':>11}")
+    for label, sb, secs, rss, read, written, floor, ratio in rows:
+        print(f"{label:<22}{sb / 1e9:>8.2f}{secs:>8.2f}{rss:>14.0f}{read:>10.0f}{written:>13.0f}{floor:>9.2f}"
+              f"{ratio:>11.2f}")
+    if not ns.keep and not ns.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

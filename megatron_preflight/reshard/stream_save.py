@@ -1,0 +1,103 @@
+"""Write a target shard as a standard ``torch.save`` zip file, one tensor at a time.
+
+``torch.save`` needs every tensor in memory at once; a resharded TP1 shard of a big model would then cost its whole
+size in RAM. Here the object tree is pickled first with small stubs in place of tensors (exactly the records
+``torch.save`` would write: ``_rebuild_tensor_v2`` over a persistent storage id), then each tensor is built from its
+source slices, written as its storage record, and freed. Peak memory ≈ the largest target tensor. ``torch.load``
+(and Megatron) read the result like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from megatron_preflight import pickling
+from megatron_preflight.reshard.executor import SourceFiles, build_tensor
+from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+
+_STORAGE_NAMES = {
+    torch.float32: "FloatStorage", torch.float64: "DoubleStorage", torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
+    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage", torch.bool: "BoolStorage",
+}
+
+
+class _StorageStub:
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorStub:
+    """Pickles as ``torch._utils._rebuild_tensor_v2(storage, 0, shape, stride, False, OrderedDict())``."""
+
+    def __init__(self, storage: _StorageStub, shape: tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, tuple(shape)
+
+    def __reduce__(self) -> Any:
+        stride, acc = [], 1
+        for s in reversed(self.shape):
+            stride.append(acc)
+            acc *= s
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, OrderedDict()))
+
+
+class _Pickler(pickling.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageStub):
+            return ("storage", getattr(torch, _STORAGE_NAMES[obj.dtype]), obj.key, "cpu", obj.numel)
+        return None
+
+
+def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, path: str) -> int:
+    """Write ``header`` plus the model chunks of ``plan`` to ``path``; returns the bytes of tensor data written."""
+    pending: list[tuple[_StorageStub, Any]] = []
+
+    def stub_for(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            value = value.contiguous()
+            s = _StorageStub(str(len(pending)), value.dtype, value.numel())
+            pending.append((s, value))
+            return _TensorStub(s, tuple(value.shape))
+        if isinstance(value, dict):
+            return type(value)((k, stub_for(v)) for k, v in value.items())
+        if isinstance(value, list):
+            return [stub_for(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(stub_for(v) for v in value)
+        return value
+
+    state: dict[str, Any] = {k: stub_for(v) for k, v in header.items()}
+    for chunk in plan.chunks:
+        state[chunk] = OrderedDict()
+    for tp in plan.tensors:
+        if tp.shape is None:
+            state[tp.chunk][tp.key] = tp.value
+            continue
+        n = 1
+        for s in tp.shape:
+            n *= s
+        stub = _StorageStub(str(len(pending)), tp.dtype, n)
+        pending.append((stub, tp))
+        state[tp.chunk][tp.key] = _TensorStub(stub, tp.shape)
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(state)
+    data = buf.getvalue()
+    writer = torch._C.PyTorchFileWriter(path)
+    writer.write_record("data.pkl", data, len(data))
+    writer.write_record(".format_version", "1", 1)
+    writer.write_record("byteorder", "little", 6)
+    written = 0
+    for stub, source in pending:
+        t = build_tensor(source, files) if isinstance(source, TensorPlan) else source
+        nbytes = t.numel() * t.element_size()
+        writer.write_record(f"data/{stub.key}", t.untyped_storage(), nbytes)
+        written += nbytes
+        del t
+        files.release_pages()
+    writer.write_end_of_file()
+    return written

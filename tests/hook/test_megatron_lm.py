@@ -1,0 +1,86 @@
+"""End to end against the REAL Megatron-LM pretrain_gpt.py (skipped unless MEGATRON_LM_ROOT is set).
+
+Environment: MEGATRON_LM_ROOT (a Megatron-LM checkout), MEGATRON_LM_PYTHON (a Python with Megatron-LM's
+dependencies and megatron-preflight installed; default: this one), MEGATRON_LM_PYTHONPATH (extra entries, e.g. the
+CPU shim of shared/tools/megatron-lm-cpu), MEGATRON_LM_EXTRA_ARGS (extra flags, e.g. the CPU flags).
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import fixture_path
+
+ROOT = os.environ.get("MEGATRON_LM_ROOT")
+pytestmark = pytest.mark.skipif(not ROOT, reason="MEGATRON_LM_ROOT is not set: no real Megatron-LM checkout here "
+                                                  "(megatron.training is not on PyPI)")
+
+TINY = ("--num-layers 4 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 1 "
+        "--global-batch-size 2 --lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 100 --seed 1234 --log-interval 1 --eval-iters 0 "
+        "--eval-interval 1000 --train-iters 3 --use-checkpoint-opt-param-scheduler").split()
+
+
+def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700):
+    python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
+    extra_path = [os.environ.get("MEGATRON_LM_PYTHONPATH", ""), ROOT]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in extra_path + [env.get("PYTHONPATH", "")] if p)
+    dst = tmp_path / os.path.basename(ckpt)
+    if not dst.exists():
+        shutil.copytree(ckpt, dst)
+    launch = ["-m", "megatron_preflight.run", "pretrain_gpt.py"] if plugin else ["pretrain_gpt.py"]
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+           *launch, *TINY, *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), "--load", str(dst), *flags]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return r.returncode, r.stdout + r.stderr
+
+
+def loss(log):
+    m = re.search(r"iteration +3/ +3 .*?lm loss: ([0-9.E+-]+)", log)
+    return m.group(1) if m else None
+
+
+def test_tp2_legacy_at_tp1_auto_equals_megatrons_dist_reshard(tmp_path):
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 1, "--preflight", "auto", "--no-load-optim",
+                  "--ckpt-format", "torch")
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log
+    rc2, log2 = run(tmp_path, fixture_path("tp2_torch_dist"), 1, "--no-load-optim", "--no-load-rng",
+                    "--ckpt-format", "torch_dist", plugin=False, port=29701)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log) is not None and loss(log) == loss(log2)
+
+
+@pytest.mark.parametrize("name, flags", [
+    ("pp2_torch", []),
+    ("moe_ep2_torch", ["--num-experts", "4", "--moe-router-topk", "2"]),
+])
+def test_pp2_and_ep2_legacy_at_1_auto(tmp_path, name, flags):
+    nproc = 2 if name.startswith("moe") else 1
+    rc, log = run(tmp_path, fixture_path(name), nproc, "--preflight", "auto", "--no-load-optim",
+                  "--ckpt-format", "torch", *flags, port=29702)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log and loss(log)
+
+
+def test_architecture_mismatch_fails_every_rank_before_model_build(tmp_path):
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--preflight", "check", "--tensor-model-parallel-size",
+                  "2", "--hidden-size", "64", "--ckpt-format", "torch", port=29703)
+    assert rc != 0
+    assert "hidden_size" in log and "the job must not start" in log
+    assert "number of parameters" not in log  # the model was never built
+    assert log.count("exitcode  : 1") >= 1 or "exitcode: 1" in log
+
+
+def test_off_behaves_like_megatron(tmp_path):
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--preflight", "off", "--tensor-model-parallel-size", "2",
+                  "--ckpt-format", "torch", port=29704)
+    rc2, log2 = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2",
+                    "--ckpt-format", "torch", plugin=False, port=29705)
+    assert rc == rc2 == 0 and loss(log) == loss(log2) and "[megatron-preflight]" not in log
