@@ -61,6 +61,8 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     from megatron_preflight.cli.check_cmd import render_plan
 
     rt = from_namespace(args)
+    if mode == "auto":
+        rt.auto_detect_ckpt_format = True  # auto mode turns it on for a dist checkpoint (apply_decision)
     if not rt.world_size:
         rt.world_size = consensus.world_size()
     plan = make_plan(load_dir, rt, trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)))
@@ -128,7 +130,7 @@ def apply_decision(args: Any, d: Decision) -> None:
         _say(d.report)
         return
     _say(f"checkpoint {d.checkpoint}: verdict {d.verdict}, loader {d.loader}")
-    if d.loader == "dist" and not getattr(args, "auto_detect_ckpt_format", False) and \
+    if d.mode == "auto" and d.loader == "dist" and not getattr(args, "auto_detect_ckpt_format", False) and \
             getattr(args, "ckpt_format", "torch_dist") == "torch":
         args.auto_detect_ckpt_format = True
         d.applied.append("auto_detect_ckpt_format=True")

@@ -63,9 +63,12 @@ class Pool:
         for p in self._procs:
             p.start()
 
-    def run(self, func: str, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+    def run(self, func: str, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
         """Run ``module:function`` on every rank with ``kwargs``; the per-rank results, in rank order."""
         module, name = func.split(":")
+        dead = [p.pid for p in self._procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"pool workers {dead} are gone (an earlier task timed out or crashed)")
         for q in self._tasks:
             q.put((module, name, kwargs))
         out: dict[int, Any] = {}

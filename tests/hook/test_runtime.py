@@ -102,9 +102,20 @@ def test_off_and_no_load_do_nothing():
 
 def test_report_file(tmp_path):
     report = tmp_path / "plan.json"
-    args = argparse.Namespace(**TINY, preflight="auto", load=fixture_path("moe_ep2_torch"), num_experts=4,
-                              expert_model_parallel_size=2, preflight_report=str(report))
+    args = argparse.Namespace(**dict(TINY, expert_model_parallel_size=2), preflight="auto", num_experts=4,
+                              load=fixture_path("moe_ep2_torch"), preflight_report=str(report), world_size=2)
     d = runtime.preflight(args)
     assert d.verdict == "load" and d.loader == "3d-ep"
     j = json.loads(report.read_text())
     assert j["verdict"] == "load" and j["plan"]["layout"]["ep"] == 2
+
+
+def test_auto_mode_turns_on_format_detection_for_dist_checkpoints():
+    args = argparse.Namespace(**dict(TINY, tensor_model_parallel_size=2, world_size=2), load=fixture_path("tp2_torch_dist"),
+                              preflight="auto", auto_detect_ckpt_format=False)
+    d = runtime.preflight(args)
+    assert d.loader == "dist" and args.auto_detect_ckpt_format is True
+    args = argparse.Namespace(**dict(TINY, tensor_model_parallel_size=2, world_size=2), load=fixture_path("tp2_torch_dist"),
+                              preflight="check", auto_detect_ckpt_format=False)
+    with pytest.raises(SystemExit):
+        runtime.preflight(args)
