@@ -112,10 +112,10 @@ def test_report_file(tmp_path):
 
 def test_auto_mode_turns_on_format_detection_for_dist_checkpoints():
     args = argparse.Namespace(**dict(TINY, tensor_model_parallel_size=2, world_size=2), load=fixture_path("tp2_torch_dist"),
-                              preflight="auto", auto_detect_ckpt_format=False)
+                              preflight="auto", auto_detect_ckpt_format=False, ckpt_format="torch")
     d = runtime.preflight(args)
     assert d.loader == "dist" and args.auto_detect_ckpt_format is True
     args = argparse.Namespace(**dict(TINY, tensor_model_parallel_size=2, world_size=2), load=fixture_path("tp2_torch_dist"),
-                              preflight="check", auto_detect_ckpt_format=False)
+                              preflight="check", auto_detect_ckpt_format=False, ckpt_format="torch")
     with pytest.raises(SystemExit):
         runtime.preflight(args)

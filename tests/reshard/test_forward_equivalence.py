@@ -3,6 +3,9 @@
 A model at layout A writes a legacy checkpoint and its torch_dist twin. At layout B, every rank loads the state dict
 our resharder builds in memory (``load_state_dict(strict=True)``) into a real model; its tensors must equal, bit for
 bit, what megatron-core's own torch_dist resharding loads at B, and (PP = 1) its logits must match A's.
+
+These run on a 2-process world: with 4 processes on 2 cores, gloo's busy-polling collectives inside torch_dist
+saves and loads slow to minutes or stall. TP 1 -> 4 needs 4 processes and is checked by logits only.
 """
 
 from dataclasses import asdict
@@ -21,7 +24,6 @@ MOE_SWIGLU = ModelSpec(num_experts=4, swiglu=True, bias=False)
 CASES = [
     ("dense tp2->tp1", DENSE, Layout(tp=2), Layout(tp=1)),
     ("dense tp1->tp2", DENSE, Layout(tp=1), Layout(tp=2)),
-    ("dense tp1->tp4", DENSE, Layout(tp=1), Layout(tp=4)),
     ("dense pp2->pp1", DENSE, Layout(pp=2), Layout(pp=1)),
     ("dense pp1->pp2", DENSE, Layout(pp=1), Layout(pp=2)),
     ("moe ep2->ep1", MOE, Layout(ep=2), Layout(ep=1)),
@@ -29,6 +31,7 @@ CASES = [
     ("moe tp2ep2etp1->tp1ep1", MOE, Layout(tp=2, ep=2, etp=1), Layout(tp=1, ep=1)),
     ("moe swiglu tp2etp2->tp1", MOE_SWIGLU, Layout(tp=2, etp=2), Layout(tp=1)),
     ("gqa swiglu tp2->tp1", GQA_SWIGLU, Layout(tp=2), Layout(tp=1)),
+    ("gqa swiglu tp1->tp2", GQA_SWIGLU, Layout(tp=1), Layout(tp=2)),
     ("vpp2 -> none", DENSE, Layout(pp=2, vpp=2), Layout(pp=1)),
     ("untied pp2->tp2", UNTIED, Layout(pp=2), Layout(tp=2)),
 ]
@@ -38,7 +41,8 @@ NO_DIST_REFERENCE: set[str] = set()
 
 
 @pytest.mark.parametrize("name, spec, src, dst", CASES, ids=[c[0] for c in CASES])
-def test_resharded_model_matches(mcore_pool, tmp_path, name, spec, src, dst):
+def test_resharded_model_matches(mcore_pool2, tmp_path, name, spec, src, dst):
+    mcore_pool = mcore_pool2
     legacy, dist = str(tmp_path / "legacy"), str(tmp_path / "dist")
     logits_a = mcore_pool.run("tests.helpers.tasks:write_both", spec=asdict(spec), layout=asdict(src),
                               legacy_root=legacy, dist_root=dist)[0]
@@ -55,6 +59,16 @@ def test_resharded_model_matches(mcore_pool, tmp_path, name, spec, src, dst):
             diff = (out[0]["logits"] - logits_a).abs().max().item()
             assert diff <= 1e-5, diff
             assert torch.isfinite(out[0]["logits"]).all()
+
+
+def test_dense_tp1_to_tp4_logits(mcore_pool, tmp_path):
+    """TP 1 -> 4 on a 4-process world: logits against the source model (no torch_dist round, see module doc)."""
+    spec, legacy = DENSE, str(tmp_path / "legacy")
+    logits_a = mcore_pool.run("tests.helpers.tasks:write_checkpoint", spec=asdict(spec), layout=asdict(Layout(tp=1)),
+                              root=legacy)[0]
+    out = mcore_pool.run("tests.helpers.tasks:reshard_and_compare", spec=asdict(spec), layout=asdict(Layout(tp=4)),
+                         legacy_root=legacy, dist_root="", reference=False)
+    assert (out[0]["logits"] - logits_a).abs().max().item() <= 1e-5
 
 
 def test_rope_model_roundtrip(mcore_pool, tmp_path):
