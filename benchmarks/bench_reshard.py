@@ -53,7 +53,7 @@ def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None
     os.makedirs(root, exist_ok=True)
     names = ([(f"mp_rank_{t:02d}", t, 0) for t in range(tp)] if ep == 1 else
              [(f"mp_rank_00_{e:03d}", 0, e) for e in range(ep)])
-    for name, t, e in names:
+    for name, _t, _e in names:
         model: dict[str, torch.Tensor] = {
             "embedding.word_embeddings.weight": torch.randn(VOCAB // tp, H),
             "embedding.position_embeddings.weight": torch.randn(2048, H),
