@@ -46,7 +46,7 @@ def _run(ns: argparse.Namespace) -> int:
 
     summary = write_resharded(ns.src, ns.dst, target_from(ns), workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
-                              progress=not ns.no_progress)
+                              progress=not ns.no_progress, drop_optimizer=ns.drop_optimizer)
     print(summary.render())
     return 0
 
@@ -70,6 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iteration")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="parallel processes")
     p.add_argument("--verify", action="store_true", help="check every written tensor against its source slices")
+    p.add_argument("--drop-optimizer", action="store_true",
+                   help="accept that the optimizer state is not carried (it is tied to the saved layout)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true")
     p.set_defaults(func=_run)

@@ -119,9 +119,22 @@ def preflight(args: Any) -> Decision | None:
             print(decision.report, file=sys.stderr, flush=True)
             print("[megatron-preflight] the job must not start: stopping every rank (exit 1)", file=sys.stderr,
                   flush=True)
+        _release_process_groups()
         raise SystemExit(EXIT_FAIL)
     apply_decision(args, decision)
     return decision
+
+
+def _release_process_groups() -> None:
+    """Tear down torch.distributed locally before exiting, so no rank aborts in a communicator destructor while
+    its peers are already gone (every rank got the same decision; no collective follows)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # pragma: no cover - best effort on the way out
+        pass
 
 
 def apply_decision(args: Any, d: Decision) -> None:

@@ -135,7 +135,7 @@ def _progress(done: int, total: int, name: str, enabled: bool) -> None:
 
 def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 1, verify: bool = False,
                     iteration: int | str | None = None, trust_checkpoint: bool = False,
-                    progress: bool = False) -> Summary:
+                    progress: bool = False, drop_optimizer: bool = False) -> Summary:
     """Reshard the legacy checkpoint at ``src`` into a new checkpoint root ``dst`` at ``target``."""
     t0 = time.perf_counter()
     src_abs, dst_abs = os.path.abspath(src), os.path.abspath(dst)
@@ -146,6 +146,11 @@ def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 
         raise PreflightError("the destination is inside the source checkpoint", path=dst_abs,
                              fix="write the new checkpoint somewhere else: the source is never written to", code="usage")
     r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint)
+    if "optimizer" in r.dropped and not drop_optimizer:
+        raise PreflightError("the source holds optimizer state, which follows the saved layout and is not resharded; "
+                             "writing the new layout would drop it", path=r.layout.iter_dir,
+                             fix="pass --drop-optimizer to write the weights without it (then start the run with "
+                                 "--no-load-optim)", code="usage")
     names = list(r.tgt.shard_dirs())
     parent = os.path.dirname(dst_abs) or "."
     os.makedirs(parent, exist_ok=True)
