@@ -62,8 +62,9 @@ def _narrow(t: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
     return t.narrow(dim, start, length)
 
 
-def build_tensor(tp: TensorPlan, files: SourceFiles) -> torch.Tensor:
-    """One planned target tensor, filled from its source slices."""
+def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> torch.Tensor:
+    """One planned target tensor, filled from its source slices (``release``: drop each source's mapped pages right
+    after its slice is copied, so the resident set stays near the target tensor)."""
     assert tp.shape is not None
     dst = torch.zeros(tp.shape, dtype=tp.dtype) if tp.zero_fill else torch.empty(tp.shape, dtype=tp.dtype)
     for op in tp.ops:
@@ -74,6 +75,9 @@ def build_tensor(tp: TensorPlan, files: SourceFiles) -> torch.Tensor:
                                f"{tuple(target.shape)}")
         target.copy_(src)
         files.bytes_read += src.numel() * src.element_size()
+        if release:
+            del src
+            files.file(op.shard).release_pages()
     return dst
 
 

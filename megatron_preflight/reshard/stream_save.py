@@ -93,7 +93,7 @@ def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, p
     writer.write_record("byteorder", "little", 6)
     written = 0
     for stub, source in pending:
-        t = build_tensor(source, files) if isinstance(source, TensorPlan) else source
+        t = build_tensor(source, files, release=True) if isinstance(source, TensorPlan) else source
         nbytes = t.numel() * t.element_size()
         writer.write_record(f"data/{stub.key}", t.untyped_storage(), nbytes)
         written += nbytes

@@ -55,7 +55,15 @@ class Summary:
 
 
 def _peak_rss() -> int:
+    """Peak resident set of this process (VmHWM: reset at exec, unlike ru_maxrss) and of its worker processes."""
     self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    self_kb = int(line.split()[1])
+    except OSError:
+        pass
     child_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return max(self_kb, child_kb) * 1024
 
