@@ -36,6 +36,7 @@ WORKER = textwrap.dedent("""
     decision = runtime.preflight(args)
     print(json.dumps({"rank": rank, "verdict": decision.verdict, "loader": decision.loader,
                       "no_load_rng": getattr(args, "no_load_rng", None), "seconds": time.time() - t}), flush=True)
+    dist.destroy_process_group()  # a clean exit (gloo may abort in its destructor at interpreter exit otherwise)
 """)
 
 
