@@ -26,7 +26,6 @@ class Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can 
             return
         super().save_global(obj, name)
 
-    dispatch = dict(pickle._Pickler.dispatch)
 
 
 Unpickler = pickle.Unpickler
@@ -34,4 +33,3 @@ load = pickle.load
 dump = pickle.dump
 loads = pickle.loads
 dumps = pickle.dumps
-__name__ = "megatron_preflight.pickling"

@@ -27,28 +27,22 @@ def real_fixture(tmp_path):
     return make
 
 
-@pytest.fixture(scope="session")
-def mcore_pool():
+def _pool(world: int):
     pytest.importorskip("megatron.core")
     from tests.helpers.pool import Pool
 
-    pool = Pool(world=4)
+    pool = Pool(world=world)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def mcore_pool():
+    """A 4-process world (TP4 layouts need it)."""
+    yield from _pool(4)
 
 
 @pytest.fixture(scope="session")
 def mcore_pool2():
     """A 2-process world: fewer processes than cores, so gloo collectives in torch_dist saves/loads do not starve."""
-    pytest.importorskip("megatron.core")
-    from tests.helpers.pool import Pool
-
-    pool = Pool(world=2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="session")
-def ckpt_cache(tmp_path_factory):
-    """Session cache of checkpoints written by real megatron-core models: key -> root dir."""
-    return {"_dir": str(tmp_path_factory.mktemp("mcore_ckpts"))}
+    yield from _pool(2)

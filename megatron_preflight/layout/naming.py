@@ -143,19 +143,24 @@ def rank_coordinates(rank: int, world: int, sizes: ParallelSizes) -> dict[str, i
     }
 
 
-def expected_shards(sizes: ParallelSizes, world: int | None = None) -> dict[str, tuple[int, int, int]]:
-    """Shard dir name -> (tp, pp, ep) for every dir a legacy save at ``sizes`` writes (dp == 0 or edp == 0).
+def shard_writers(sizes: ParallelSizes, world: int | None = None) -> dict[str, dict[str, int]]:
+    """Shard dir name -> the coordinates (tp, pp, ep, etp, ...) of the first rank that writes it, for every dir a
+    legacy save at ``sizes`` writes (ranks with dp == 0 or edp == 0).
 
     The set does not depend on the data-parallel size, so ``world`` defaults to the smallest valid one.
     """
     world = world or sizes.min_world()
-    out: dict[str, tuple[int, int, int]] = {}
+    out: dict[str, dict[str, int]] = {}
     for rank in range(world):
         c = rank_coordinates(rank, world, sizes)
         if c["dp"] == 0 or c["edp"] == 0:
-            name = shard_dir_name(c["tp"], c["pp"], c["ep"], pp_size=sizes.pp, ep_size=sizes.ep)
-            out.setdefault(name, (c["tp"], c["pp"], c["ep"]))
+            out.setdefault(shard_dir_name(c["tp"], c["pp"], c["ep"], pp_size=sizes.pp, ep_size=sizes.ep), c)
     return dict(sorted(out.items()))
+
+
+def expected_shards(sizes: ParallelSizes, world: int | None = None) -> dict[str, tuple[int, int, int]]:
+    """Shard dir name -> (tp, pp, ep) for every dir a legacy save at ``sizes`` writes."""
+    return {name: (c["tp"], c["pp"], c["ep"]) for name, c in shard_writers(sizes, world).items()}
 
 
 def shard_for_rank(rank: int, world: int, sizes: ParallelSizes) -> tuple[str, dict[str, int]]:

@@ -111,12 +111,9 @@ class Resharder:
                          target_padded_vocab=self.padded_vocab, shard_name=name)
 
     def plan_for_rank(self, rank: int, world_size: int | None = None) -> RankPlan:
-        world = world_size or self.tgt.sizes.min_world()
-        coords = self.tgt.rank_coordinates(rank, world)
         from megatron_preflight.layout import naming
 
-        name = naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"], pp_size=self.tgt.pp,
-                                     ep_size=self.tgt.ep)
+        name, coords = naming.shard_for_rank(rank, world_size or self.tgt.sizes.min_world(), self.tgt.sizes)
         return self.plan_for_coords(coords, name)
 
     # -- building ------------------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ class SourceFiles:
             self.bytes_read += t.numel() * t.element_size()
             return t
         if isinstance(value, dict):
-            return type(value)((k, self.materialize(shard, v)) for k, v in value.items()) if not isinstance(
-                value, OrderedDict) else OrderedDict((k, self.materialize(shard, v)) for k, v in value.items())
+            kind = OrderedDict if isinstance(value, OrderedDict) else dict
+            return kind((k, self.materialize(shard, v)) for k, v in value.items())
         if isinstance(value, list):
             return [self.materialize(shard, v) for v in value]
         if isinstance(value, tuple):

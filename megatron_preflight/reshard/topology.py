@@ -115,15 +115,7 @@ class Topology:
 
     def shard_dirs(self) -> dict[str, dict[str, int]]:
         """Every shard dir this layout writes -> coordinates (tp, pp, ep, etp) of a rank that writes it."""
-        sizes = self.sizes
-        world = sizes.min_world()
-        out: dict[str, dict[str, int]] = {}
-        for rank in range(world):
-            c = naming.rank_coordinates(rank, world, sizes)
-            if c["dp"] == 0 or c["edp"] == 0:
-                name = naming.shard_dir_name(c["tp"], c["pp"], c["ep"], pp_size=self.pp, ep_size=self.ep)
-                out.setdefault(name, c)
-        return dict(sorted(out.items()))
+        return naming.shard_writers(self.sizes)
 
     def rank_coordinates(self, rank: int, world: int) -> dict[str, int]:
         return naming.rank_coordinates(rank, world, self.sizes)

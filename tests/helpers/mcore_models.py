@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -247,6 +247,3 @@ def forward(chunks, spec: ModelSpec, layout: Layout) -> torch.Tensor | None:
         out = chunks[0](ids, pos, mask, runtime_gather_output=True)
     return out[..., : spec.vocab].clone() if torch.distributed.get_rank() == 0 else None
 
-
-def as_dicts(spec: ModelSpec, layout: Layout) -> tuple[dict, dict]:
-    return asdict(spec), asdict(layout)
