@@ -135,11 +135,17 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
                            + ", or add --no-load-optim to start the optimizer fresh"))
     if changed and load_optim:
         if layout.format == Format.TORCH:
-            what = "distrib_optim.pt (flat per-bucket buffers tied to the saved layout)" if ck_dopt else \
-                "the optimizer state (its param order and shapes follow the saved layout)"
-            out.append(Finding("optimizer", "saved", "load", FATAL,
-                               f"the layout changes and {what} cannot be carried across; it would have to be dropped",
-                               "add --no-load-optim (and keep the weights), or --finetune"))
+            problem = _plain_optimizer_problem(layout) if not ck_dopt else \
+                "distrib_optim.pt holds flat per-bucket buffers tied to the saved layout"
+            if problem is None:
+                out.append(Finding("optimizer", "plain", "resharded", RESHARD,
+                                   "the plain optimizer's state (exp_avg, exp_avg_sq, fp32 master copies) is resharded "
+                                   "with the weights, by the same split rules", ""))
+            else:
+                out.append(Finding("optimizer", "saved", "load", FATAL,
+                                   f"the layout changes and the optimizer state cannot be carried across ({problem}); "
+                                   "it would have to be dropped",
+                                   "add --no-load-optim (and keep the weights), or --finetune"))
         elif ck_dopt or layout.dist_optimizer_sharding:
             sharding = layout.dist_optimizer_sharding or "dp_reshardable"
             tp_pp_change = (layout.tp, layout.pp) != (rt.tp, rt.pp)
@@ -172,6 +178,19 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
         out.append(Finding("optimizer", "saved", "not loaded", INFO,
                            "--no-load-optim/--finetune: the optimizer state is not loaded", ""))
     return out, load_optim, load_rng
+
+
+def _plain_optimizer_problem(layout: Layout) -> str | None:
+    """Why the plain optimizer state of a legacy checkpoint cannot be resharded (None: it can), from metadata."""
+    from megatron_preflight.errors import PreflightError
+    from megatron_preflight.reshard.optimizer import index_optimizer
+    from megatron_preflight.reshard.planner import source_topology
+
+    try:
+        index_optimizer(layout, source_topology(layout))
+    except PreflightError as e:
+        return e.message
+    return None
 
 
 def _format_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:

@@ -1,5 +1,5 @@
 """``megatron-preflight reshard SRC DST --tensor-model-parallel-size N ... [--verify] [--workers W]``
-(or ``... SRC DST -- <the new run's pretrain_gpt.py flags>``)."""
+(or ``... SRC DST -- <the new run's pretrain_gpt.py flags>``). Under torchrun, every rank writes its share."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ def _run(ns: argparse.Namespace) -> int:
 
     summary = write_resharded(ns.src, ns.dst, target_from(ns), workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
-                              progress=not ns.no_progress, drop_optimizer=ns.drop_optimizer)
-    print(summary.render())
+                              progress=not ns.no_progress, drop_optimizer=ns.drop_optimizer, distributed=True)
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        print(summary.render())
     return 0
 
 
@@ -71,7 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="parallel processes")
     p.add_argument("--verify", action="store_true", help="check every written tensor against its source slices")
     p.add_argument("--drop-optimizer", action="store_true",
-                   help="accept that the optimizer state is not carried (it is tied to the saved layout)")
+                   help="leave the optimizer state out (needed for a distributed optimizer's distrib_optim.pt, which "
+                        "cannot be resharded; the plain optimizer's state is resharded otherwise)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true")
     p.set_defaults(func=_run)

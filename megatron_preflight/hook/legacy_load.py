@@ -1,7 +1,7 @@
 """The in-memory resharding loader: stands in for Megatron's ``_load_base_checkpoint`` on legacy checkpoints whose
 layout differs from the run's, handing Megatron each rank's state dict exactly as if read from a file of the run's
-layout. The rest of Megatron's load (iteration, scheduler, strict key check, --no-load-optim/--no-load-rng,
---finetune) behaves as usual."""
+layout, the plain optimizer's state included. The rest of Megatron's load (iteration, scheduler, strict key check,
+optimizer.load_state_dict, --no-load-optim/--no-load-rng, --finetune) behaves as usual."""
 
 from __future__ import annotations
 
@@ -33,10 +33,12 @@ def target_from_args(args: Any) -> TargetLayout:
 
 def resharder_for(load_dir: str, args: Any) -> Resharder:
     iteration = getattr(args, "ckpt_step", None)
-    key = (os.path.abspath(load_dir), iteration, tuple(sorted(vars(target_from_args(args)).items())))
+    keep_optimizer = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
+    key = (os.path.abspath(load_dir), iteration, keep_optimizer, tuple(sorted(vars(target_from_args(args)).items())))
     if key not in _RESHARDERS:
         _RESHARDERS[key] = open_resharder(load_dir, target_from_args(args), iteration=iteration,
-                                          trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)))
+                                          trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)),
+                                          keep_optimizer=keep_optimizer)
     return _RESHARDERS[key]
 
 

@@ -151,9 +151,9 @@ def apply_decision(args: Any, d: Decision) -> None:
         if not getattr(args, "no_load_rng", False):
             args.no_load_rng = True
             d.applied.append("no_load_rng=True (RNG state cannot be mapped to another layout)")
-        if not getattr(args, "no_load_optim", False):
+        if not d.load_optimizer and not getattr(args, "no_load_optim", False):
             args.no_load_optim = True
-            d.applied.append("no_load_optim=True (the optimizer state is not resharded)")
+            d.applied.append("no_load_optim=True (the checkpoint holds no optimizer state to reshard)")
     elif not d.load_rng and not getattr(args, "no_load_rng", False):
         args.no_load_rng = True
         d.applied.append("no_load_rng=True")

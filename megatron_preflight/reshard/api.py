@@ -14,6 +14,12 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.executor import SourceFiles, execute
+from megatron_preflight.reshard.optimizer import (
+    OptimizerIndex,
+    OptimizerNotReshardable,
+    index_optimizer,
+    plan_optimizer,
+)
 from megatron_preflight.reshard.planner import (
     RankPlan,
     index_sources,
@@ -32,8 +38,6 @@ CARRIED = ("iteration", "checkpoint_version", "num_floating_point_operations_so_
            "rerun_state_machine", "total_iters")
 NOT_MAPPABLE = {
     "rng_state": "RNG states are per (TP, PP) rank and cannot be mapped to another layout; load with --no-load-rng",
-    "optimizer": "the optimizer state follows the saved layout (param order, shapes, distrib_optim.pt buffers) and "
-                 "is not resharded; load with --no-load-optim",
 }
 
 
@@ -62,7 +66,10 @@ class Resharder:
     layout: Layout
     target: TargetLayout
     trust: bool = False
+    keep_optimizer: bool = True  # reshard the plain optimizer's state with the weights (False: leave it out)
     dropped: dict[str, str] = field(default_factory=dict)
+    optimizer_index: OptimizerIndex | None = None
+    optimizer_problem: PreflightError | None = None
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -100,6 +107,14 @@ class Resharder:
                                          t.make_vocab_size_divisible_by) if has_vocab else None
         meta = lay.shards[0].meta or {}
         self.dropped = {k: v for k, v in NOT_MAPPABLE.items() if k in meta}
+        if "optimizer" in meta:
+            try:
+                self.optimizer_index = index_optimizer(lay, self.src)
+            except OptimizerNotReshardable as e:
+                self.optimizer_problem = e
+                self.dropped["optimizer"] = f"not resharded: {e.message}; load with --no-load-optim"
+            if self.optimizer_index is not None and not self.keep_optimizer:
+                self.dropped["optimizer"] = "left out on request (--drop-optimizer); load with --no-load-optim"
 
     # -- planning ------------------------------------------------------------------------------------------------
     def shard_plans(self) -> dict[str, RankPlan]:
@@ -107,8 +122,11 @@ class Resharder:
         return {name: self.plan_for_coords(coords, name) for name, coords in self.tgt.shard_dirs().items()}
 
     def plan_for_coords(self, coords: dict[str, int], name: str = "") -> RankPlan:
-        return plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied,
+        plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied,
                          target_padded_vocab=self.padded_vocab, shard_name=name)
+        if self.optimizer_index is not None and self.keep_optimizer:
+            plan.optimizer = plan_optimizer(self.optimizer_index, plan, self.src, self.tgt, self.padded_vocab)
+        return plan
 
     def plan_for_rank(self, rank: int, world_size: int | None = None) -> RankPlan:
         from megatron_preflight.layout import naming
@@ -130,7 +148,7 @@ class Resharder:
             for key in CARRIED:
                 if key in meta:
                     state[key] = files.materialize(first.name, meta[key])
-            known = set(CARRIED) | set(NOT_MAPPABLE) | {"args"}
+            known = set(CARRIED) | set(NOT_MAPPABLE) | {"args", "optimizer"}
             for key, value in meta.items():
                 if key in known or key == "model" or (key.startswith("model") and key[5:].isdigit()):
                     continue
@@ -155,18 +173,18 @@ class Resharder:
 
 
 def open_resharder(checkpoint: str | Layout, target: TargetLayout, *, iteration: int | str | None = None,
-                   trust_checkpoint: bool = False) -> Resharder:
+                   trust_checkpoint: bool = False, keep_optimizer: bool = True) -> Resharder:
     layout = checkpoint if isinstance(checkpoint, Layout) else discover(checkpoint, iteration=iteration,
                                                                         trust_checkpoint=trust_checkpoint)
-    return Resharder(layout, target, trust=trust_checkpoint)
+    return Resharder(layout, target, trust=trust_checkpoint, keep_optimizer=keep_optimizer)
 
 
 def build_rank_state_dict(checkpoint: str | Layout | Resharder, target_layout: TargetLayout, rank: int,
                           world_size: int | None = None, *, iteration: int | str | None = None,
                           trust_checkpoint: bool = False) -> dict[str, Any]:
     """The state dict runtime rank ``rank`` (of ``world_size``) loads, at ``target_layout``: exactly what Megatron's
-    ``load_checkpoint`` reads from a legacy file of that layout (``model`` or ``model0..N`` for VPP). The optimizer
-    and RNG state are not in it (see :data:`NOT_MAPPABLE`)."""
+    ``load_checkpoint`` reads from a legacy file of that layout (``model`` or ``model0..N`` for VPP), with the plain
+    optimizer's state resharded alongside. The RNG state is not in it (see :data:`NOT_MAPPABLE`)."""
     r = checkpoint if isinstance(checkpoint, Resharder) else open_resharder(
         checkpoint, target_layout, iteration=iteration, trust_checkpoint=trust_checkpoint)
     return r.build(r.plan_for_rank(rank, world_size))

@@ -81,9 +81,25 @@ def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> t
     return dst
 
 
-def execute(plan: RankPlan, files: SourceFiles) -> dict[str, OrderedDict[str, Any]]:
-    """The model state dicts (``model`` or ``model0..N``) of the planned rank."""
-    out: dict[str, OrderedDict[str, Any]] = {c: OrderedDict() for c in plan.chunks}
+def build_tree(tree: Any, files: SourceFiles) -> Any:
+    """A copy of ``tree`` with every :class:`TensorPlan` inside built into its tensor."""
+    if isinstance(tree, TensorPlan):
+        return tree.value if tree.shape is None else build_tensor(tree, files)
+    if isinstance(tree, dict):
+        return type(tree)((k, build_tree(v, files)) for k, v in tree.items())
+    if isinstance(tree, list):
+        return [build_tree(v, files) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(build_tree(v, files) for v in tree)
+    return tree
+
+
+def execute(plan: RankPlan, files: SourceFiles) -> dict[str, Any]:
+    """The model state dicts (``model`` or ``model0..N``) of the planned rank, and its ``optimizer`` state when the
+    plan carries one."""
+    out: dict[str, Any] = {c: OrderedDict() for c in plan.chunks}
     for tp in plan.tensors:
         out[tp.chunk][tp.key] = tp.value if tp.shape is None else build_tensor(tp, files)
+    if plan.optimizer is not None:
+        out["optimizer"] = build_tree(plan.optimizer, files)
     return out

@@ -36,6 +36,7 @@ class GlobalEntry:
     info: KeyInfo
     rule: Rule
     pieces: dict[int, SourcePiece] = field(default_factory=dict)
+    order: tuple[int, int] = (0, 0)  # where the key sits in its layer (or section), as Megatron's modules order it
 
     def global_len(self) -> int | None:
         """Length of the global tensor along the split dim (None for replicated / extra)."""
@@ -63,6 +64,7 @@ class TensorPlan:
     ops: list[CopyOp]
     value: Any = None  # non-tensor value (extra state)
     zero_fill: bool = False  # rows not covered by any op (re-made vocab padding) are zeros
+    gkey: GlobalKey | None = None  # the global tensor this is a piece of (None: not a model tensor)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class RankPlan:
     shard_name: str
     chunks: list[str]
     tensors: list[TensorPlan]
+    optimizer: Any = None  # the optimizer state tree (TensorPlan leaves), when it is resharded
 
     @property
     def sources(self) -> list[str]:
@@ -147,34 +150,85 @@ def is_tied(layout: Layout) -> bool:
     return True
 
 
-def index_sources(layout: Layout, src: Topology) -> OrderedDict[GlobalKey, GlobalEntry]:
-    """Every global tensor of the checkpoint and the source pieces that hold it."""
+@dataclass(frozen=True)
+class SourceKey:
+    """One entry of a source shard's model chunk, placed in the global model."""
+
+    shard: str
+    chunk: int
+    key: str
+    value: Any
+    info: KeyInfo
+    rule: Rule
+    gkey: GlobalKey
+    group_rank: int
+    group_size: int
+    order: tuple[int, int]
+
+
+def _layer_orders(keys: list[str]) -> dict[str, tuple[int, int]]:
+    """Each key's place inside its layer, as (slot, sub-slot) independent of the local expert index: Megatron's
+    module order, read from the source. Sequential experts form one block (expert-major inside it); TE-grouped
+    expert weights sort by name, then expert."""
+    out: dict[str, tuple[int, int]] = {}
+    first: dict[tuple[int | None, str, str], int] = {}
+    block: dict[int | None, int] = {}
+    pos: dict[int | None, int] = {}
+    for key in keys:
+        info = parse_key(key)
+        layer = info.layer
+        p = pos[layer] = pos.get(layer, -1) + 1
+        slot = first.setdefault((layer, info.style, info.suffix), p)
+        if info.style == "seq_expert":
+            start = block.setdefault(layer, p)
+            out[key] = (start, slot - start)
+        else:
+            out[key] = (slot, 0)
+    return out
+
+
+def iter_source_keys(layout: Layout, src: Topology) -> Any:
+    """Every model-chunk entry of every source shard, with its global key and split group coordinates."""
     swiglu = bool(_arg(layout.saved_args, "swiglu", False))
-    tied = is_tied(layout)
     dirs = src.shard_dirs()
-    index: OrderedDict[GlobalKey, GlobalEntry] = OrderedDict()
     shards = sorted(layout.shards, key=lambda s: (s.pp_rank or 0, s.tp_rank or 0, s.ep_rank or 0))
     for shard in shards:
         coords = dirs.get(shard.name)
         if coords is None or shard.meta is None:
             continue
         for chunk_idx, ck in _chunks_of(shard.meta):
+            orders = _layer_orders(list(shard.meta[ck]))
             for key, value in shard.meta[ck].items():
-                if tied and key == "output_layer.weight":
-                    continue  # the tied copy of the word embeddings: served from the embedding
                 info = parse_key(key)
                 rule = rule_for(info, swiglu=swiglu)
                 layer = src.global_layer(coords["pp"], chunk_idx, info.layer) if info.layer is not None else None
                 expert = src.global_expert(coords["ep"], info.expert) if info.expert is not None else None
-                gkey = (layer, expert, info.style, info.suffix)
-                entry = index.get(gkey)
-                if entry is None:
-                    entry = index[gkey] = GlobalEntry(gkey, info, rule)
                 if rule.group == "etp":
                     grank, gsize = coords["etp"], src.etp_eff
                 else:
                     grank, gsize = coords["tp"], src.tp
-                entry.pieces.setdefault(grank, SourcePiece(shard.name, value, grank, gsize))
+                yield SourceKey(shard.name, chunk_idx, key, value, info, rule, (layer, expert, info.style, info.suffix),
+                                grank, gsize, orders[key])
+
+
+def index_sources(layout: Layout, src: Topology) -> OrderedDict[GlobalKey, GlobalEntry]:
+    """Every global tensor of the checkpoint and the source pieces that hold it."""
+    tied = is_tied(layout)
+    index: OrderedDict[GlobalKey, GlobalEntry] = OrderedDict()
+    for sk in iter_source_keys(layout, src):
+        if tied and sk.key == "output_layer.weight":
+            continue  # the tied copy of the word embeddings: served from the embedding
+        entry = index.get(sk.gkey)
+        if entry is None:
+            order = sk.order if sk.info.layer is not None else (len(index), 0)
+            entry = index[sk.gkey] = GlobalEntry(sk.gkey, sk.info, sk.rule, order=order)
+        entry.pieces.setdefault(sk.group_rank, SourcePiece(sk.shard, sk.value, sk.group_rank, sk.group_size))
+    check_complete(index, layout)
+    return index
+
+
+def check_complete(index: Any, layout: Layout) -> None:
+    """Every split tensor has a piece from every rank of its group."""
     for entry in index.values():
         if entry.rule.dim is not None:
             size = next(iter(entry.pieces.values())).group_size
@@ -185,7 +239,6 @@ def index_sources(layout: Layout, src: Topology) -> OrderedDict[GlobalKey, Globa
                     f"{'expert-' if entry.rule.group == 'etp' else ''}tensor-parallel rank(s) {missing}",
                     path=layout.iter_dir, fix="the checkpoint is incomplete: restore the missing shards",
                     code="missing_shard")
-    return index
 
 
 @dataclass
@@ -222,7 +275,7 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: Topology, tgt: To
     """The plan for the target rank at ``coords`` (its tp, pp, ep, etp ranks)."""
     stage, ep_rank = coords["pp"], coords["ep"]
     chunk_names = ["model"] if tgt.chunks == 1 else [f"model{v}" for v in range(tgt.chunks)]
-    tensors: list[TensorPlan] = []
+    tensors: list[tuple[tuple, TensorPlan]] = []
     emb_key = (None, None, "plain", "embedding.word_embeddings.weight")
     for gkey, entry in index.items():
         layer, expert, _style, suffix = gkey
@@ -230,16 +283,17 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: Topology, tgt: To
             t_stage, chunk, local = tgt.place_layer(layer)
             if t_stage != stage:
                 continue
+            section = 1
         else:
             local = None
             if suffix.startswith("embedding."):
                 if stage != 0:
                     continue
-                chunk = 0
+                chunk, section = 0, 0
             elif suffix.startswith(("decoder.final_", "output_layer.")):
                 if stage != tgt.pp - 1:
                     continue
-                chunk = tgt.chunks - 1
+                chunk, section = tgt.chunks - 1, 2
             else:
                 raise PreflightError(f"no placement rule for non-layer key {suffix}", code="unknown_key")
         local_expert = None
@@ -248,12 +302,21 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: Topology, tgt: To
             if e_rank != ep_rank:
                 continue
         key = entry.info.render(local, local_expert)
-        tensors.append(_plan_tensor(entry, chunk_names[chunk], key, coords, src, tgt, target_padded_vocab))
+        # Megatron's module order: chunk, then embedding / layers / head, then the key's place in its layer.
+        order = (chunk, section, local or 0, entry.order[0], local_expert or 0,
+                 entry.order[1])
+        tensors.append((order, _plan_tensor(entry, chunk_names[chunk], key, coords, src, tgt, target_padded_vocab)))
+    tensors.sort(key=lambda item: item[0])
+    out = [t for _, t in tensors]
     if tied and tgt.pp > 1 and stage == tgt.pp - 1 and emb_key in index:
-        # The last stage holds its own copy of the tied word embeddings as output_layer.weight.
-        tensors.append(_plan_tensor(index[emb_key], chunk_names[-1], "output_layer.weight", coords, src, tgt,
-                                    target_padded_vocab))
-    return RankPlan(coords, shard_name, chunk_names, tensors)
+        # The last stage holds its own copy of the tied word embeddings as output_layer.weight (a parameter: it
+        # comes before the head's _extra_state, as in the module's state dict).
+        head = _plan_tensor(index[emb_key], chunk_names[-1], "output_layer.weight", coords, src, tgt,
+                            target_padded_vocab)
+        at = next((i for i, t in enumerate(out) if t.chunk == head.chunk and t.key == "output_layer._extra_state"),
+                  len(out))
+        out.insert(at, head)
+    return RankPlan(coords, shard_name, chunk_names, out)
 
 
 def _plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int], src: Topology, tgt: Topology,
@@ -262,11 +325,12 @@ def _plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int
     first = next(iter(entry.pieces.values()))
     if rule.kind == "extra" or not isinstance(first.ref, TensorRef):
         if isinstance(first.ref, TensorRef):
-            return TensorPlan(chunk, key, first.ref.shape, first.ref.dtype, [CopyOp(first.shard, first.ref, None, None)])
-        return TensorPlan(chunk, key, None, None, [], value=first.ref)
+            return TensorPlan(chunk, key, first.ref.shape, first.ref.dtype, [CopyOp(first.shard, first.ref, None, None)],
+                              gkey=entry.key)
+        return TensorPlan(chunk, key, None, None, [], value=first.ref, gkey=entry.key)
     ref: TensorRef = first.ref
     if rule.dim is None:  # replicated
-        return TensorPlan(chunk, key, ref.shape, ref.dtype, [CopyOp(first.shard, ref, None, None)])
+        return TensorPlan(chunk, key, ref.shape, ref.dtype, [CopyOp(first.shard, ref, None, None)], gkey=entry.key)
     dim = rule.dim
     t_rank, t_size = (coords["etp"], tgt.etp_eff) if rule.group == "etp" else (coords["tp"], tgt.tp)
     g_len = entry.global_len()
@@ -292,7 +356,7 @@ def _plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int
                     continue
                 ops.append(CopyOp(piece.shard, piece.ref, (dim, sl + lo - sg, hi - lo), (dim, tl + lo - tg, hi - lo)))
                 covered += hi - lo
-    return TensorPlan(chunk, key, tuple(shape), ref.dtype, ops, zero_fill=covered < shape[dim])
+    return TensorPlan(chunk, key, tuple(shape), ref.dtype, ops, zero_fill=covered < shape[dim], gkey=entry.key)
 
 
 def rewrite_args(args: Any, tgt: Topology, padded_vocab: int | None) -> Any:

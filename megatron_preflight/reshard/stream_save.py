@@ -54,10 +54,20 @@ class _Pickler(pickling.Pickler):
 
 
 def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, path: str) -> int:
-    """Write ``header`` plus the model chunks of ``plan`` to ``path``; returns the bytes of tensor data written."""
+    """Write ``header`` plus the model chunks (and optimizer state) of ``plan`` to ``path``; returns the bytes of
+    tensor data written."""
     pending: list[tuple[_StorageStub, Any]] = []
 
     def stub_for(value: Any) -> Any:
+        if isinstance(value, TensorPlan):
+            if value.shape is None:
+                return value.value
+            n = 1
+            for s in value.shape:
+                n *= s
+            stub = _StorageStub(str(len(pending)), value.dtype, n)
+            pending.append((stub, value))
+            return _TensorStub(stub, value.shape)
         if isinstance(value, torch.Tensor):
             value = value.contiguous()
             s = _StorageStub(str(len(pending)), value.dtype, value.numel())
@@ -75,15 +85,9 @@ def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, p
     for chunk in plan.chunks:
         state[chunk] = OrderedDict()
     for tp in plan.tensors:
-        if tp.shape is None:
-            state[tp.chunk][tp.key] = tp.value
-            continue
-        n = 1
-        for s in tp.shape:
-            n *= s
-        stub = _StorageStub(str(len(pending)), tp.dtype, n)
-        pending.append((stub, tp))
-        state[tp.chunk][tp.key] = _TensorStub(stub, tp.shape)
+        state[tp.chunk][tp.key] = stub_for(tp)
+    if plan.optimizer is not None:
+        state["optimizer"] = stub_for(plan.optimizer)
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(state)
     data = buf.getvalue()

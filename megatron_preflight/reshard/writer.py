@@ -21,9 +21,11 @@ import torch
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
+from megatron_preflight.reshard import share
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
 from megatron_preflight.reshard.executor import SourceFiles
-from megatron_preflight.reshard.planner import RankPlan
+from megatron_preflight.reshard.optimizer import iter_plans
+from megatron_preflight.reshard.planner import RankPlan, TensorPlan
 from megatron_preflight.reshard.stream_save import save_streaming
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
@@ -71,9 +73,9 @@ def _peak_rss() -> int:
 _WORKER: Resharder | None = None
 
 
-def _init_worker(src: str, target: TargetLayout, iteration: Any, trust: bool) -> None:
+def _init_worker(src: str, target: TargetLayout, iteration: Any, trust: bool, keep_optimizer: bool) -> None:
     global _WORKER
-    _WORKER = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust)
+    _WORKER = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=keep_optimizer)
 
 
 def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | None = None) -> tuple[int, int, int]:
@@ -93,41 +95,53 @@ def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | 
 
 
 def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+    return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) if t.numel() else 0
 
 
 def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
-    """Re-read a written shard and check every planned slice against its source slice (crc32). Returns the number of
-    tensors checked; raises on any difference."""
+    """Re-read a written shard and check every planned slice (model and optimizer state) against its source slice
+    (crc32). Returns the number of tensors checked; raises on any difference."""
     checked = 0
     with TorchFile(path) as out:
         meta = out.load_metadata()
-        for tp in plan.tensors:
-            written = meta[tp.chunk].get(tp.key, "<missing>")
-            if tp.shape is None:
-                if written != tp.value:
-                    raise PreflightError(f"verify: {tp.key} differs from its source value", path=path, code="verify")
-                continue
-            if not isinstance(written, TensorRef) or tuple(written.shape) != tuple(tp.shape):
-                raise PreflightError(f"verify: {tp.key} is missing or has the wrong shape", path=path, code="verify")
-            dst = out.tensor(written)
-            mask = torch.zeros(tp.shape[tp.ops[0].dst[0]] if tp.ops and tp.ops[0].dst else 0, dtype=torch.bool)
-            for op in tp.ops:
-                src = files.tensor(op.shard, op.ref)
-                s = src if op.src is None else src.narrow(*op.src)
-                d = dst if op.dst is None else dst.narrow(*op.dst)
-                if _crc(s) != _crc(d):
-                    raise PreflightError(f"verify: {tp.key} does not match its source slice in {op.shard}", path=path,
-                                         code="verify")
-                if op.dst is not None:
-                    mask[op.dst[1]: op.dst[1] + op.dst[2]] = True
-            if tp.zero_fill and len(mask) and not bool(mask.all()):
-                dim = tp.ops[0].dst[0]
-                rest = dst.index_select(dim, torch.nonzero(~mask).flatten())
-                if bool(rest.any()):
-                    raise PreflightError(f"verify: padding rows of {tp.key} are not zero", path=path, code="verify")
-            checked += 1
+        planned = [((tp.chunk, tp.key), tp) for tp in plan.tensors]
+        planned += [(("optimizer", *p), tp) for p, tp in iter_plans(plan.optimizer)]
+        for where, tp in planned:
+            written: Any = meta
+            for part in where:
+                try:
+                    written = written[part]
+                except (KeyError, IndexError, TypeError):
+                    written = "<missing>"
+                    break
+            _verify_tensor(tp, written, out, files, path)
+            checked += tp.shape is not None
     return checked
+
+
+def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFiles, path: str) -> None:
+    if tp.shape is None:
+        if written != tp.value:
+            raise PreflightError(f"verify: {tp.key} differs from its source value", path=path, code="verify")
+        return
+    if not isinstance(written, TensorRef) or tuple(written.shape) != tuple(tp.shape):
+        raise PreflightError(f"verify: {tp.key} is missing or has the wrong shape", path=path, code="verify")
+    dst = out.tensor(written)
+    mask = torch.zeros(tp.shape[tp.ops[0].dst[0]] if tp.ops and tp.ops[0].dst else 0, dtype=torch.bool)
+    for op in tp.ops:
+        src = files.tensor(op.shard, op.ref)
+        s = src if op.src is None else src.narrow(*op.src)
+        d = dst if op.dst is None else dst.narrow(*op.dst)
+        if _crc(s) != _crc(d):
+            raise PreflightError(f"verify: {tp.key} does not match its source slice in {op.shard}", path=path,
+                                 code="verify")
+        if op.dst is not None:
+            mask[op.dst[1]: op.dst[1] + op.dst[2]] = True
+    if tp.zero_fill and len(mask) and not bool(mask.all()):
+        dim = tp.ops[0].dst[0]
+        rest = dst.index_select(dim, torch.nonzero(~mask).flatten())
+        if bool(rest.any()):
+            raise PreflightError(f"verify: padding rows of {tp.key} are not zero", path=path, code="verify")
 
 
 def _progress(done: int, total: int, name: str, enabled: bool) -> None:
@@ -143,59 +157,130 @@ def _progress(done: int, total: int, name: str, enabled: bool) -> None:
 
 def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 1, verify: bool = False,
                     iteration: int | str | None = None, trust_checkpoint: bool = False,
-                    progress: bool = False, drop_optimizer: bool = False) -> Summary:
-    """Reshard the legacy checkpoint at ``src`` into a new checkpoint root ``dst`` at ``target``."""
+                    progress: bool = False, drop_optimizer: bool = False, distributed: bool = False) -> Summary:
+    """Reshard the legacy checkpoint at ``src`` into a new checkpoint root ``dst`` at ``target``. Under torchrun
+    (``distributed``), every rank writes its share of the shards (see :mod:`share`)."""
     t0 = time.perf_counter()
+    grp = share.from_env() if distributed else None
+    try:
+        summary = _write(src, dst, target, workers=workers, verify=verify, iteration=iteration,
+                         trust_checkpoint=trust_checkpoint, progress=progress, drop_optimizer=drop_optimizer, grp=grp)
+    finally:
+        if grp is not None:
+            grp.close()
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _agree(grp: share.Share | None, error: BaseException | None) -> None:
+    """Every rank raises the first error any rank had (so no rank waits on, or renames for, a failed one)."""
+    if grp is None:
+        if error is not None:
+            raise error
+        return
+    msg = None if error is None else (error.render() if isinstance(error, PreflightError) else repr(error))
+    errors = [(r, m) for r, m in enumerate(grp.gather(msg)) if m is not None]
+    if error is not None:
+        raise error
+    if errors:
+        rank, m = errors[0]
+        raise PreflightError(f"rank {rank} failed: {m}", code="reshard")
+
+
+def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bool, iteration: int | str | None,
+           trust_checkpoint: bool, progress: bool, drop_optimizer: bool, grp: share.Share | None) -> Summary:
     src_abs, dst_abs = os.path.abspath(src), os.path.abspath(dst)
-    if os.path.exists(dst_abs) and (not os.path.isdir(dst_abs) or os.listdir(dst_abs)):
-        raise PreflightError("the destination exists and is not empty", path=dst_abs,
-                             fix="pass a new directory (the source is never overwritten)", code="usage")
-    if dst_abs == src_abs or dst_abs.startswith(src_abs + os.sep):
-        raise PreflightError("the destination is inside the source checkpoint", path=dst_abs,
-                             fix="write the new checkpoint somewhere else: the source is never written to", code="usage")
-    r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint)
-    if "optimizer" in r.dropped and not drop_optimizer:
-        raise PreflightError("the source holds optimizer state, which follows the saved layout and is not resharded; "
-                             "writing the new layout would drop it", path=r.layout.iter_dir,
-                             fix="pass --drop-optimizer to write the weights without it (then start the run with "
-                                 "--no-load-optim)", code="usage")
+    root = grp is None or grp.rank == 0
+    error: BaseException | None = None
+    r: Resharder | None = None
+    try:
+        if os.path.exists(dst_abs) and (not os.path.isdir(dst_abs) or os.listdir(dst_abs)):
+            raise PreflightError("the destination exists and is not empty", path=dst_abs,
+                                 fix="pass a new directory (the source is never overwritten)", code="usage")
+        if dst_abs == src_abs or dst_abs.startswith(src_abs + os.sep):
+            raise PreflightError("the destination is inside the source checkpoint", path=dst_abs,
+                                 fix="write the new checkpoint somewhere else: the source is never written to",
+                                 code="usage")
+        r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint,
+                           keep_optimizer=not drop_optimizer)
+        if r.optimizer_problem is not None and not drop_optimizer:
+            p = r.optimizer_problem
+            raise PreflightError(f"the source holds optimizer state that cannot be resharded ({p.message}); writing "
+                                 "the new layout would drop it", path=p.path or r.layout.iter_dir,
+                                 fix="pass --drop-optimizer to write the weights without it (then start the run with "
+                                     "--no-load-optim)", code="usage")
+    except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
+        error = e
+    _agree(grp, error)
+    assert r is not None
     names = list(r.tgt.shard_dirs())
     parent = os.path.dirname(dst_abs) or "."
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(dst_abs)}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     iteration_value = r.layout.iteration if r.layout.iteration is not None else 0
-    iter_out = os.path.join(tmp, naming.iteration_dir_name(iteration_value))
-    os.makedirs(iter_out)
-    summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs)
-    try:
-        results: list[tuple[int, int, int]] = []
-        if workers > 1 and len(names) > 1:
-            import multiprocessing as mp
-
-            ctx = mp.get_context("spawn")
-            with ProcessPoolExecutor(max_workers=min(workers, len(names)), mp_context=ctx, initializer=_init_worker,
-                                     initargs=(src, target, iteration, trust_checkpoint)) as pool:
-                futures = {pool.submit(_write_shard, n, iter_out, verify): n for n in names}
-                for i, fut in enumerate(futures, 1):
-                    results.append(fut.result())
-                    _progress(i, len(names), futures[fut], progress)
-        else:
-            for i, name in enumerate(names, 1):
-                results.append(_write_shard(name, iter_out, verify, r))
-                _progress(i, len(names), name, progress)
-        for read, written, checked in results:
-            summary.bytes_read += read
-            summary.bytes_written += written
-            summary.verified_tensors += checked
-        with open(os.path.join(tmp, naming.TRACKER_FILENAME), "w") as fh:  # the tracker last
-            fh.write(str(iteration_value))
-        if os.path.isdir(dst_abs):
-            os.rmdir(dst_abs)  # empty (checked above)
-        os.rename(tmp, dst_abs)
-    except BaseException:
+    if root:
+        os.makedirs(parent, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, naming.iteration_dir_name(iteration_value)))
+    mine = names
+    if grp is not None:
+        tmp = grp.broadcast(tmp)  # after rank 0 made it
+        plans = r.shard_plans()
+        owner = share.deal({n: p.nbytes for n, p in plans.items()}, grp.world)
+        mine = [n for n in names if owner[n] == grp.rank]
+    iter_out = os.path.join(tmp, naming.iteration_dir_name(iteration_value))
+    summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs)
+    results: list[tuple[int, int, int]] = []
+    error = None
+    try:
+        results = _write_shards(r, mine, iter_out, src, target, workers=workers, verify=verify, iteration=iteration,
+                                trust=trust_checkpoint, progress=progress and root, keep_optimizer=not drop_optimizer)
+    except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
+        error = e
+    try:
+        _agree(grp, error)
+    except BaseException:
+        if root:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    summary.seconds = time.perf_counter() - t0
-    summary.peak_rss_bytes = _peak_rss()
+    totals = [(sum(x[0] for x in results), sum(x[1] for x in results), sum(x[2] for x in results), _peak_rss())]
+    if grp is not None:
+        totals = grp.gather(totals[0])
+    summary.bytes_read = sum(t[0] for t in totals)
+    summary.bytes_written = sum(t[1] for t in totals)
+    summary.verified_tensors = sum(t[2] for t in totals)
+    summary.peak_rss_bytes = max(t[3] for t in totals)
+    error = None
+    if root:
+        try:
+            with open(os.path.join(tmp, naming.TRACKER_FILENAME), "w") as fh:  # the tracker last
+                fh.write(str(iteration_value))
+            if os.path.isdir(dst_abs):
+                os.rmdir(dst_abs)  # empty (checked above)
+            os.rename(tmp, dst_abs)
+        except BaseException as e:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = e
+    _agree(grp, error)
     return summary
+
+
+def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, target: TargetLayout, *, workers: int,
+                  verify: bool, iteration: Any, trust: bool, progress: bool,
+                  keep_optimizer: bool) -> list[tuple[int, int, int]]:
+    """Write ``names`` into ``iter_out`` (in worker processes when ``workers`` > 1): (read, written, verified)."""
+    results: list[tuple[int, int, int]] = []
+    if workers > 1 and len(names) > 1:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(workers, len(names)), mp_context=ctx, initializer=_init_worker,
+                                 initargs=(src, target, iteration, trust, keep_optimizer)) as pool:
+            futures = {pool.submit(_write_shard, n, iter_out, verify): n for n in names}
+            for i, fut in enumerate(futures, 1):
+                results.append(fut.result())
+                _progress(i, len(names), futures[fut], progress)
+    else:
+        for i, name in enumerate(names, 1):
+            results.append(_write_shard(name, iter_out, verify, r))
+            _progress(i, len(names), name, progress)
+    return results

@@ -1,8 +1,10 @@
 """The pre-flight plan on real Megatron-LM checkpoints: verdict, loader, every finding with its fix."""
 
 import argparse
+import os
 
 import pytest
+import torch
 
 from megatron_preflight.check.plan import Loader, Verdict, make_plan
 from megatron_preflight.check.runtime_args import from_cli, from_namespace, from_yaml
@@ -14,7 +16,7 @@ MOE = "--num-experts 4 --moe-router-topk 2".split()
 
 
 def plan(name, *flags):
-    return make_plan(fixture_path(name), from_cli(TINY + list(flags)))
+    return make_plan(name if os.path.isabs(name) else fixture_path(name), from_cli(TINY + list(flags)))
 
 
 def fields(p, severity=None):
@@ -52,12 +54,36 @@ def test_legacy_layout_change_reshards(name, flags, changed):
     assert not p.load_rng and "rng_state" in fields(p, "info")
 
 
-def test_legacy_layout_change_never_drops_optimizer_silently():
+def test_legacy_layout_change_reshards_plain_optimizer():
     p = plan("tp2_torch", "--tensor-model-parallel-size", "1")
+    assert p.verdict == Verdict.RESHARD and p.load_optimizer
+    opt = [f for f in p.findings if f.field == "optimizer"]
+    assert opt and opt[0].runtime == "resharded"
+
+
+def _regroup_optimizer(root):
+    """Rewrite every shard so one bias sits in the weight-decay group: param groups Megatron's default rules do not
+    make (as custom per-parameter settings would)."""
+    from megatron_preflight import pickling
+    from megatron_preflight.reshard.api import TargetLayout, open_resharder
+
+    r = open_resharder(root, TargetLayout())
+    for name, coords in r.tgt.shard_dirs().items():
+        sd = r.build(r.plan_for_coords(coords, name))
+        groups = sd["optimizer"]["param_groups"]
+        groups[0]["params"].append(groups[1]["params"].pop(0))
+        torch.save(sd, os.path.join(root, "iter_0000002", name, "model_optim_rng.pt"), pickle_module=pickling)
+
+
+def test_legacy_layout_change_never_drops_optimizer_silently(real_fixture):
+    root = real_fixture("tp2_torch")
+    _regroup_optimizer(root)
+    p = plan(root, "--tensor-model-parallel-size", "1")
     assert p.verdict == Verdict.FAIL
     opt = [f for f in p.fatal if f.field == "optimizer"]
-    assert opt and "--no-load-optim" in opt[0].fix
-    assert plan("tp2_torch", "--tensor-model-parallel-size", "1", "--finetune").verdict == Verdict.RESHARD
+    assert opt and "--no-load-optim" in opt[0].fix and "param group" in opt[0].message
+    assert plan(root, "--tensor-model-parallel-size", "1", "--finetune").verdict == Verdict.RESHARD
+    assert plan(root, "--tensor-model-parallel-size", "2").verdict == Verdict.LOAD  # its own layout: loads as is
 
 
 def test_legacy_distopt_layout_change_fails_with_fix():

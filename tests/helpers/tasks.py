@@ -47,8 +47,14 @@ def reshard_and_compare(spec: dict, layout: dict, legacy_root: str, dist_root: s
     rank = torch.distributed.get_rank()
     sd = build_rank_state_dict(legacy_root, target, rank=rank, world_size=torch.distributed.get_world_size())
     keys = ["model"] if len(ours) == 1 else [f"model{i}" for i in range(len(ours))]
+    from megatron_preflight.reshard.optimizer import is_param
+
     worst = 0.0
+    order_ok = True
     for i, (key, chunk) in enumerate(zip(keys, ours, strict=True)):
+        # The optimizer numbers parameters in named_parameters() order: our key order must be the model's.
+        ours_order = [k for k, v in sd[key].items() if is_param(k, v)]
+        order_ok &= ours_order == [n for n, _ in chunk.named_parameters()]
         chunk.load_state_dict(sd[key], strict=True)
         if ref is None:
             continue
@@ -59,5 +65,5 @@ def reshard_and_compare(spec: dict, layout: dict, legacy_root: str, dist_root: s
     logits = forward(ours, s, lay) if lay.pp == 1 and not lay.vpp else None
     ref_logits = forward(ref, s, lay) if ref is not None and lay.pp == 1 and not lay.vpp else None
     del ps
-    return {"max_tensor_diff": worst, "logits": logits, "ref_logits": ref_logits}
+    return {"max_tensor_diff": worst, "logits": logits, "ref_logits": ref_logits, "param_order_ok": order_ok}
 

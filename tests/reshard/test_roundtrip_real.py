@@ -33,7 +33,7 @@ def model_tensors(root):
 
 
 def assert_same_weights(a, b):
-    assert a.keys() == b.keys()
+    assert list(a) == list(b)  # same keys, in the same (Megatron module) order
     for k in a:
         (x, tp_rank), (y, _) = a[k], b[k]
         if not isinstance(x, torch.Tensor):
@@ -49,13 +49,53 @@ def assert_same_weights(a, b):
             assert torch.equal(x, y), k
 
 
+def _flat(tree, path=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat(v, (*path, k))
+    elif isinstance(tree, (list, tuple)) and not (path and path[-1] == "params"):
+        for i, v in enumerate(tree):
+            yield from _flat(v, (*path, i))
+    else:
+        yield path, tree
+
+
+def optimizer_entries(root):
+    """{(shard, path...): value} over the optimizer state of every shard (tensors read with our lazy reader)."""
+    layout = discover(root)
+    out = {}
+    for s in layout.shards:
+        with TorchFile(os.path.join(s.path, "model_optim_rng.pt")) as f:
+            for path, v in _flat(s.meta.get("optimizer")):
+                out[(s.name, *path)] = (f.tensor(v).clone() if isinstance(v, TensorRef) else v, s.tp_rank)
+    return out
+
+
+def assert_same_optimizer(a, b):
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b), key=str)[:5]
+    for k in a:
+        (x, tp_rank), (y, _) = a[k], b[k]
+        if not isinstance(x, torch.Tensor):
+            assert x == y, k
+            continue
+        assert x.shape == y.shape and x.dtype == y.dtype, k
+        if x.dim() == 2 and x.shape[0] == 128:  # the word-embedding / head state: 128 local padded vocab rows
+            real = max(0, min(128, VOCAB - tp_rank * 128))
+            assert torch.equal(x[:real], y[:real]), k
+            assert torch.equal(y[real:], x[real:]) or not bool(y[real:].any()), k
+        else:
+            assert torch.equal(x, y), k
+
+
 def roundtrip(tmp, name, target, back):
+    """A -> B -> A with the optimizer state: the weights and every Adam state tensor come back bit-exact."""
     mid, out = os.path.join(tmp, "mid"), os.path.join(tmp, "back")
-    write_resharded(fixture_path(name), mid, target, drop_optimizer=True)
+    write_resharded(fixture_path(name), mid, target)
     mid_layout = discover(mid)
     assert mid_layout.ok, mid_layout.problems
-    write_resharded(mid, out, back)
+    write_resharded(mid, out, back, verify=True)
     assert_same_weights(model_tensors(fixture_path(name)), model_tensors(out))
+    assert_same_optimizer(optimizer_entries(fixture_path(name)), optimizer_entries(out))
     return mid_layout
 
 
@@ -100,12 +140,13 @@ def test_random_layouts_roundtrip(tmp_path_factory, lay, name):
 
 
 def dist_globals(name):
-    """The global tensors of a torch_dist twin, loaded with torch.distributed.checkpoint (no process group)."""
+    """The global tensors of a torch_dist twin (weights and optimizer state), loaded with
+    torch.distributed.checkpoint (no process group)."""
     import torch.distributed.checkpoint as dcp
 
     layout = discover(fixture_path(name))
     sd = {k: torch.empty(shape, dtype=getattr(torch, dt.split(".")[1])) for k, (shape, dt) in layout.dist_tensors.items()
-          if "optimizer" not in k and "rng" not in k}
+          if "rng" not in k}
     dcp.load(sd, checkpoint_id=layout.iter_dir, no_dist=True)
     return sd
 
@@ -114,35 +155,55 @@ LOCAL_TO_DIST = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                  "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
+def twin_tensor(g, key, prefix=""):
+    """The twin's global tensor (layer- and expert-stacked in torch_dist) that a TP1 legacy key corresponds to."""
+    parts = key.split(".")
+    if parts[:2] != ["decoder", "layers"]:
+        return g[prefix + key]
+    layer, rest = int(parts[2]), ".".join(parts[3:])
+    for a, b in LOCAL_TO_DIST.items():
+        rest = rest.replace(a, b) if rest.startswith(a) else rest
+    if ".local_experts." in rest:
+        _, tail = rest.split(".local_experts.")
+        expert, tail = tail.split(".", 1)
+        return g[prefix + "decoder.layers.mlp.experts.experts." + tail][layer, int(expert)]
+    return g[prefix + "decoder.layers." + rest][layer]
+
+
 @pytest.mark.parametrize("legacy, dist, target", [
     ("tp2_torch", "tp2_torch_dist", TargetLayout(tp=1)),
     ("moe_ep2_torch", "moe_ep2_torch_dist", TargetLayout(ep=1)),
 ])
 def test_tp1_reshard_equals_megatrons_torch_dist_twin(legacy, dist, target):
-    """Megatron's own global view of the same weights is the ground truth for a TP1·PP1·EP1 reshard."""
+    """Megatron's own global view of the same weights and Adam state is the ground truth for a TP1·PP1·EP1
+    reshard."""
+    from megatron_preflight.reshard.optimizer import iter_plans
+
     g = dist_globals(dist)
     r = open_resharder(fixture_path(legacy), target)
-    sd = r.build(r.plan_for_rank(0))["model"]
+    plan = r.plan_for_rank(0)
+    built = r.build(plan)
     compared = 0
-    for key, value in sd.items():
+    for key, value in built["model"].items():
         if not isinstance(value, torch.Tensor):
             continue
-        parts = key.split(".")
-        if parts[:2] == ["decoder", "layers"]:
-            layer, rest = int(parts[2]), ".".join(parts[3:])
-            for a, b in LOCAL_TO_DIST.items():
-                rest = rest.replace(a, b) if rest.startswith(a) else rest
-            if ".local_experts." in rest:
-                _, tail = rest.split(".local_experts.")
-                expert, tail = tail.split(".", 1)
-                ref = g["decoder.layers.mlp.experts.experts." + tail][layer, int(expert)]
-            else:
-                ref = g["decoder.layers." + rest][layer]
-        else:
-            ref = g[key]
+        ref = twin_tensor(g, key)
         if "word_embeddings" in key:
             assert torch.equal(value[:VOCAB], ref[:VOCAB]), key
         else:
             assert torch.equal(value, ref), key
         compared += 1
     assert compared >= 40
+    opt = 0
+    for path, tp in iter_plans(plan.optimizer):
+        if "state" not in path or tp.key.endswith("#step"):
+            continue
+        value = built["optimizer"]
+        for part in path:
+            value = value[part]
+        param, field = tp.key.split("#")
+        ref = twin_tensor(g, param, f"optimizer.state.{field}.")
+        rows = VOCAB if "word_embeddings" in param else None
+        assert torch.equal(value[:rows], ref[:rows]), tp.key
+        opt += 1
+    assert opt == 2 * len([k for k in built["model"] if not k.endswith("_extra_state")])

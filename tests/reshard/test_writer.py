@@ -14,9 +14,10 @@ from tests.layout.test_problems import _snapshot
 
 
 def test_refuses_to_drop_optimizer_silently(tmp_path):
+    # A distributed optimizer's distrib_optim.pt cannot be resharded: refused unless the user accepts dropping it.
     with pytest.raises(PreflightError) as exc:
-        write_resharded(fixture_path("tp2_torch"), str(tmp_path / "out"), TargetLayout(tp=1))
-    assert "--drop-optimizer" in str(exc.value)
+        write_resharded(fixture_path("tp2_distopt_torch"), str(tmp_path / "out"), TargetLayout(tp=1))
+    assert "--drop-optimizer" in str(exc.value) and "distrib_optim.pt" in str(exc.value)
     assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
 
 
@@ -49,3 +50,20 @@ def test_target_from_megatron_flags(tmp_path):
     rc = main(["reshard", fixture_path("moe_ep2_torch"), str(dst), "--drop-optimizer", "--no-progress", "--",
                "--expert-model-parallel-size", "1", "--num-experts", "4", "--hidden-size", "32"])
     assert rc == 0 and discover(str(dst)).ep == 1
+
+
+def test_drop_optimizer_leaves_it_out_and_says_so(tmp_path, capsys):
+    dst = tmp_path / "tp1"
+    assert main(["reshard", fixture_path("tp2_torch"), str(dst), "--tp", "1", "--drop-optimizer", "--no-progress"]) == 0
+    assert "not carried: optimizer" in capsys.readouterr().out
+    layout = discover(str(dst))
+    assert layout.ok and "optimizer" not in layout.shards[0].meta
+
+
+def test_plain_optimizer_carried_by_default(tmp_path, capsys):
+    dst = tmp_path / "tp1"
+    assert main(["reshard", fixture_path("tp2_torch"), str(dst), "--tp", "1", "--verify", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "not carried: optimizer" not in out and "not carried: rng_state" in out
+    opt = discover(str(dst)).shards[0].meta["optimizer"]
+    assert [len(g["params"]) for g in opt["param_groups"]] == [18, 34] and len(opt["state"]) == 52

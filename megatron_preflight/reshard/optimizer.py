@@ -1,0 +1,294 @@
+"""The plain (non-distributed) optimizer state of a legacy checkpoint, resharded with the parameters' own rules.
+
+What Megatron stores under ``optimizer`` in ``model_optim_rng.pt``:
+
+* fp32 (``FP32Optimizer``): the torch optimizer's state dict, ``{'state': {i: {...}}, 'param_groups': [{...,
+  'params': [i, ...]}]}``;
+* fp16 / bf16 (``Float16OptimizerWithFloat16Params``): ``{'optimizer': <that>, 'fp32_from_fp16_params': [[fp32 master
+  per half-precision param] per group], 'grad_scaler': ...}``;
+* a ChainedOptimizer of several parts (dense + expert): a list of those.
+
+Torch numbers the parameters group after group; Megatron fills each group in ``named_parameters()`` order over the
+model chunks. Which group a parameter is in is inferred from the group settings (expert-parallel or not, no weight
+decay for biases and 1-D tensors, decoupled LR for the embedding and head) and then checked against every group's
+size and every state tensor's shape on disk: a checkpoint whose groups follow other rules is refused, never guessed.
+
+The distributed optimizer keeps its tensors in ``distrib_optim.pt`` (flat per-bucket buffers); that is not handled.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.model import Layout
+from megatron_preflight.reshard.planner import (
+    CopyOp,
+    GlobalEntry,
+    GlobalKey,
+    RankPlan,
+    SourceKey,
+    SourcePiece,
+    TensorPlan,
+    _plan_tensor,
+    is_tied,
+    iter_source_keys,
+)
+from megatron_preflight.reshard.topology import Topology
+from megatron_preflight.torch_file import TensorRef
+
+MASTER = "@master"  # field name of a Float16 optimizer's fp32 master copy
+_BUFFERS = ("router.expert_bias",)  # persistent buffers in the model state dict: not parameters
+_HALF = (torch.float16, torch.bfloat16)
+_DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+class OptimizerNotReshardable(PreflightError):
+    """The optimizer state cannot be mapped to parameters safely."""
+
+
+@dataclass
+class SubOptimizer:
+    """One part of the (possibly chained) optimizer state of one shard."""
+
+    wrapped: bool  # Float16 wrapper around the torch state dict
+    outer: OrderedDict[str, Any]  # the wrapper's entries (None placeholders where the torch sd / masters go)
+    inner_extra: OrderedDict[str, Any]  # torch state dict entries other than state / param_groups
+    groups: list[dict[str, Any]]  # group settings, without 'params'
+    group_params: list[list[int]]
+    state: dict[int, dict[str, Any]]
+    masters: list[list[Any]] | None
+
+
+def parse_optimizer(value: Any, where: str) -> tuple[bool, list[SubOptimizer]]:
+    """(is it a chained list, its parts) of a shard's ``optimizer`` entry."""
+    chained = isinstance(value, list)
+    parts = value if chained else [value]
+    subs = []
+    for part in parts:
+        if not isinstance(part, dict):
+            raise OptimizerNotReshardable(f"the optimizer state has an unknown form ({type(part).__name__})",
+                                          path=where, code="optimizer")
+        wrapped = "optimizer" in part and isinstance(part["optimizer"], dict)
+        inner = part["optimizer"] if wrapped else part
+        groups = inner.get("param_groups")
+        if not isinstance(groups, list) or "state" not in inner or any("params" not in g for g in groups):
+            raise OptimizerNotReshardable(
+                "the optimizer state holds no per-parameter tensors here (distributed optimizer: they are in "
+                "distrib_optim.pt as flat buffers tied to the saved layout)", path=where, code="optimizer")
+        masters = part.get("fp32_from_fp16_params") if wrapped else None
+        outer = OrderedDict((k, None if k in ("optimizer", "fp32_from_fp16_params") else v)
+                            for k, v in part.items()) if wrapped else OrderedDict()
+        subs.append(SubOptimizer(
+            wrapped, outer, OrderedDict((k, v) for k, v in inner.items() if k not in ("state", "param_groups")),
+            [{k: v for k, v in g.items() if k != "params"} for g in groups], [list(g["params"]) for g in groups],
+            dict(inner["state"]), list(masters) if masters is not None else None))
+    return chained, subs
+
+
+def is_param(key: str, value: Any) -> bool:
+    """Whether a model state-dict entry is a parameter (not extra state, not a persistent buffer)."""
+    return isinstance(value, (TensorRef, torch.Tensor, TensorPlan)) and not key.endswith(("_extra_state", *_BUFFERS))
+
+
+@dataclass
+class OptimizerIndex:
+    """The optimizer state of every source shard, indexed by global parameter (like the model index)."""
+
+    chained: bool
+    template: list[SubOptimizer]  # structure and settings, from the first shard
+    template_shard: str
+    membership: dict[GlobalKey, tuple[int, int]] = field(default_factory=dict)
+    fields: dict[GlobalKey, OrderedDict[str, GlobalEntry | SourcePiece]] = field(default_factory=dict)
+
+
+def _candidates(subs: list[SubOptimizer], sk: SourceKey) -> list[tuple[int, int]]:
+    shape = sk.value.shape
+    expert = sk.info.expert is not None
+    no_wd = sk.key.endswith(".bias") or len(shape) == 1
+    decoupled_any = any(g.get("is_decoupled_lr") for sub in subs for g in sub.groups)
+    out = []
+    for s, sub in enumerate(subs):
+        for g, st in enumerate(sub.groups):
+            if "is_expert_parallel" in st and bool(st["is_expert_parallel"]) != expert:
+                continue
+            wd = st.get("wd_mult", st.get("weight_decay"))
+            if wd is not None and (float(wd) == 0.0) != no_wd:
+                continue
+            if decoupled_any and bool(st.get("is_decoupled_lr")) != (sk.info.suffix in _DECOUPLED):
+                continue
+            out.append((s, g))
+    if len({s for s, _ in out}) > 1 and len(subs) == 2:  # old chained dense + expert parts without the flag
+        out = [c for c in out if c[0] == (1 if expert else 0)]
+    return out
+
+
+def _assign(subs: list[SubOptimizer], params: list[SourceKey],
+            where: str) -> dict[str, tuple[int, int, int, int | None]]:
+    """{chunk:key: (part, group, optimizer index, position among the group's fp32 masters)} for one shard, checked
+    against the group sizes and the state shapes."""
+    fix = "start the run with --no-load-optim (weights only), or reshard offline with --drop-optimizer"
+    by_group: dict[tuple[int, int], list[SourceKey]] = {}
+    for sk in params:
+        cands = _candidates(subs, sk)
+        if len(cands) != 1:
+            raise OptimizerNotReshardable(
+                f"cannot tell which optimizer param group holds {sk.key} ({len(cands)} candidates): the groups do "
+                "not follow Megatron's default rules (custom lr-mult / weight-decay settings?)", path=where, fix=fix,
+                code="optimizer")
+        by_group.setdefault(cands[0], []).append(sk)
+    out: dict[str, tuple[int, int, int, int | None]] = {}
+    for s, sub in enumerate(subs):
+        for g, ids in enumerate(sub.group_params):
+            members = by_group.get((s, g), [])
+            if len(members) != len(ids):
+                raise OptimizerNotReshardable(
+                    f"optimizer param group {g}{f' of part {s}' if len(subs) > 1 else ''} holds {len(ids)} "
+                    f"parameters, but the model entries that belong to it number {len(members)}", path=where,
+                    fix=fix, code="optimizer")
+            half = [sk for sk in members if sk.value.dtype in _HALF]
+            if sub.masters is not None and len(sub.masters[g]) != len(half):
+                raise OptimizerNotReshardable(
+                    f"optimizer param group {g} holds {len(sub.masters[g])} fp32 master copies for {len(half)} "
+                    "half-precision parameters", path=where, fix=fix, code="optimizer")
+            master_pos = {id(sk): i for i, sk in enumerate(half)}
+            for sk, idx in zip(members, ids, strict=True):
+                for name, v in sub.state.get(idx, {}).items():
+                    if isinstance(v, TensorRef) and v.shape and tuple(v.shape) != tuple(sk.value.shape):
+                        raise OptimizerNotReshardable(
+                            f"optimizer state {name} of entry {idx} has shape {tuple(v.shape)}, but the parameter "
+                            f"placed there ({sk.key}) has {tuple(sk.value.shape)}: the param order is not Megatron's",
+                            path=where, fix=fix, code="optimizer")
+                out[f"{sk.chunk}:{sk.key}"] = (s, g, idx, master_pos.get(id(sk)))
+    return out
+
+
+def index_optimizer(layout: Layout, src: Topology) -> OptimizerIndex | None:
+    """Index the optimizer state of every source shard; None when the checkpoint has none. Raises
+    :class:`OptimizerNotReshardable` when it cannot be mapped safely."""
+    shards = [s for s in layout.shards if s.meta is not None and "optimizer" in s.meta]
+    if not shards:
+        return None
+    tied = is_tied(layout)
+    parsed = {s.name: parse_optimizer(s.meta["optimizer"], s.path) for s in shards}
+    by_shard: dict[str, list[SourceKey]] = {}
+    for sk in iter_source_keys(layout, src):
+        by_shard.setdefault(sk.shard, []).append(sk)
+    first = min(parsed, key=lambda n: [s.name for s in layout.shards].index(n))
+    index = OptimizerIndex(parsed[first][0], parsed[first][1], first)
+    for shard in shards:
+        chained, subs = parsed[shard.name]
+        keys = by_shard.get(shard.name, [])
+        params = [sk for sk in keys if is_param(sk.key, sk.value)]
+        slots = _assign(subs, params, shard.path)
+        for sk in params:
+            s, g, idx, mpos = slots[f"{sk.chunk}:{sk.key}"]
+            if tied and sk.key == "output_layer.weight":
+                continue  # the tied head copy: its state equals the embedding's, which serves it
+            known = index.membership.setdefault(sk.gkey, (s, g))
+            if known != (s, g):
+                raise OptimizerNotReshardable(f"{sk.key} sits in different optimizer groups on different shards",
+                                              path=shard.path, code="optimizer")
+            fields = index.fields.setdefault(sk.gkey, OrderedDict())
+            for name, v in subs[s].state.get(idx, {}).items():
+                _add_field(fields, name, v, sk)
+            masters = subs[s].masters
+            if masters is not None and mpos is not None:
+                _add_field(fields, MASTER, masters[g][mpos], sk)
+    return index
+
+
+def _add_field(fields: OrderedDict[str, Any], name: str, value: Any, sk: SourceKey) -> None:
+    if isinstance(value, TensorRef) and tuple(value.shape) == tuple(sk.value.shape) and value.shape:
+        entry = fields.get(name)
+        if entry is None:
+            entry = fields[name] = GlobalEntry(sk.gkey, sk.info, sk.rule)
+        entry.pieces.setdefault(sk.group_rank, SourcePiece(sk.shard, value, sk.group_rank, sk.group_size))
+    else:
+        fields.setdefault(name, SourcePiece(sk.shard, value, 0, 1))  # per-param scalars (step): carried
+
+
+def _carry(shard: str, value: Any, path: str) -> Any:
+    """A carried value with each tensor inside made a whole-tensor copy plan."""
+    if isinstance(value, TensorRef):
+        return TensorPlan("optimizer", path, tuple(value.shape), value.dtype, [CopyOp(shard, value, None, None)])
+    if isinstance(value, dict):
+        return type(value)((k, _carry(shard, v, f"{path}.{k}")) for k, v in value.items())
+    if isinstance(value, list):
+        return [_carry(shard, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return tuple(_carry(shard, v, f"{path}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def plan_optimizer(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: Topology,
+                   target_padded_vocab: int | None) -> Any:
+    """The target rank's optimizer state, as a tree whose tensors are :class:`TensorPlan` leaves."""
+    members: dict[tuple[int, int], list[TensorPlan]] = {}
+    for tp in plan.tensors:
+        if tp.shape is None or tp.gkey is None or not is_param(tp.key, tp):
+            continue
+        slot = index.membership.get(tp.gkey)
+        if slot is None:
+            raise OptimizerNotReshardable(f"no optimizer state found for parameter {tp.key}",
+                                          fix="start the run with --no-load-optim", code="optimizer")
+        members.setdefault(slot, []).append(tp)
+    parts = []
+    for s, sub in enumerate(index.template):
+        state: dict[int, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        masters: list[list[Any]] = []
+        idx = 0
+        for g, settings in enumerate(sub.groups):
+            ids, group_masters = [], []
+            for tp in members.get((s, g), []):
+                ids.append(idx)
+                entry_state: dict[str, Any] = {}
+                for name, f in index.fields.get(tp.gkey, {}).items():
+                    where = f"{tp.key}#{name}"
+                    if isinstance(f, GlobalEntry):
+                        fp = _plan_tensor(f, "optimizer", where, plan.coords, src, tgt, target_padded_vocab)
+                        fp.gkey = None
+                    else:
+                        fp = _carry(f.shard, f.ref, where)
+                    if name == MASTER:
+                        group_masters.append(fp)
+                    else:
+                        entry_state[name] = fp
+                if entry_state:
+                    state[idx] = entry_state
+                idx += 1
+            groups.append({**settings, "params": ids})
+            masters.append(group_masters)
+        inner: OrderedDict[str, Any] = OrderedDict([("state", state), ("param_groups", groups)])
+        for k, v in sub.inner_extra.items():
+            inner[k] = _carry(index.template_shard, v, f"optimizer.{k}")
+        if not sub.wrapped:
+            parts.append(inner)
+            continue
+        outer: OrderedDict[str, Any] = OrderedDict()
+        for k, v in sub.outer.items():
+            if k == "optimizer":
+                outer[k] = inner
+            elif k == "fp32_from_fp16_params":
+                outer[k] = masters
+            else:
+                outer[k] = _carry(index.template_shard, v, f"optimizer.{k}")
+        parts.append(outer)
+    return parts if index.chained else parts[0]
+
+
+def iter_plans(tree: Any, path: tuple = ()) -> Any:
+    """(path, TensorPlan) for every tensor plan inside an optimizer tree."""
+    if isinstance(tree, TensorPlan):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from iter_plans(v, (*path, k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from iter_plans(v, (*path, i))
