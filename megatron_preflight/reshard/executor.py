@@ -66,17 +66,35 @@ def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> t
     """One planned target tensor, filled from its source slices (``release``: drop each source's mapped pages right
     after its slice is copied, so the resident set stays near the target tensor)."""
     assert tp.shape is not None
-    dst = torch.zeros(tp.shape, dtype=tp.dtype) if tp.zero_fill else torch.empty(tp.shape, dtype=tp.dtype)
+    return build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, release)
+
+
+def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False) -> torch.Tensor:
+    """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time."""
+    assert tp.shape is not None
+    whole = not tp.shape or (r0 == 0 and r1 == tp.shape[0])
+    shape = tp.shape if whole else (r1 - r0, *tp.shape[1:])
+    dst = torch.zeros(shape, dtype=tp.dtype) if tp.zero_fill else torch.empty(shape, dtype=tp.dtype)
     for op in tp.ops:
-        src = _narrow(files.tensor(op.shard, op.ref), op.src)
-        target = _narrow(dst, op.dst)
-        if src.shape != target.shape:
-            raise RuntimeError(f"plan error for {tp.key}: source slice {tuple(src.shape)} vs target "
-                               f"{tuple(target.shape)}")
-        target.copy_(src)
-        files.bytes_read += src.numel() * src.element_size()
+        src = files.tensor(op.shard, op.ref)
+        if whole:
+            s, d = _narrow(src, op.src), _narrow(dst, op.dst)
+        elif op.dst is None or op.dst[0] != 0:  # whole tensor, or split along another dim: rows line up
+            s, d = _narrow(src.narrow(0, r0, r1 - r0), op.src), _narrow(dst, op.dst)
+        else:  # split along dim 0: the part of this op that falls in r0:r1
+            assert op.src is not None
+            _, d_start, n = op.dst
+            lo, hi = max(d_start, r0), min(d_start + n, r1)
+            if lo >= hi:
+                continue
+            s = src.narrow(0, op.src[1] + lo - d_start, hi - lo)
+            d = dst.narrow(0, lo - r0, hi - lo)
+        if s.shape != d.shape:
+            raise RuntimeError(f"plan error for {tp.key}: source slice {tuple(s.shape)} vs target {tuple(d.shape)}")
+        d.copy_(s)
+        files.bytes_read += s.numel() * s.element_size()
         if release:
-            del src
+            del s, src
             files.file(op.shard).release_pages()
     return dst
 

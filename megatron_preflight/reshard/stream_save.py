@@ -10,14 +10,19 @@ source slices, written as its storage record, and freed. Peak memory ≈ the lar
 from __future__ import annotations
 
 import io
+import os
+import zlib
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from megatron_preflight import pickling
-from megatron_preflight.reshard.executor import SourceFiles, build_tensor
+from megatron_preflight.reshard.executor import SourceFiles, build_rows
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+from megatron_preflight.reshard.zip_writer import TorchZipWriter
+
+CHUNK_BYTES = 16 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
 
 _STORAGE_NAMES = {
     torch.float32: "FloatStorage", torch.float64: "DoubleStorage", torch.float16: "HalfStorage",
@@ -90,18 +95,43 @@ def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, p
         state["optimizer"] = stub_for(plan.optimizer)
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(state)
-    data = buf.getvalue()
-    writer = torch._C.PyTorchFileWriter(path)
-    writer.write_record("data.pkl", data, len(data))
-    writer.write_record(".format_version", "1", 1)
-    writer.write_record("byteorder", "little", 6)
     written = 0
-    for stub, source in pending:
-        t = build_tensor(source, files, release=True) if isinstance(source, TensorPlan) else source
-        nbytes = t.numel() * t.element_size()
-        writer.write_record(f"data/{stub.key}", t.untyped_storage(), nbytes)
-        written += nbytes
-        del t
-        files.release_pages()
-    writer.write_end_of_file()
+    archive = os.path.splitext(os.path.basename(path))[0] or "archive"
+    with TorchZipWriter(path, archive) as zw:
+        zw.write("data.pkl", buf.getvalue())
+        zw.write(".format_version", b"1")
+        zw.write("byteorder", b"little")
+        for stub, source in pending:
+            nbytes = stub.numel * stub.dtype.itemsize
+            with zw.open(f"data/{stub.key}", nbytes) as fh:
+                for part in _pieces(source, files):
+                    fh.write(part.reshape(-1).view(torch.uint8).numpy().data)
+                    del part
+                    files.release_pages()
+            written += nbytes
+        zw.write("version", b"3\n")
+        zw.write(".data/serialization_id", _serialization_id(path, written).encode())
     return written
+
+
+def _pieces(source: Any, files: SourceFiles) -> Any:
+    """A target tensor in row chunks of about CHUNK_BYTES (a carried tensor: whole)."""
+    if not isinstance(source, TensorPlan):
+        yield source.contiguous()
+        return
+    shape = source.shape
+    assert shape is not None
+    if not shape or shape[0] == 0:
+        yield build_rows(source, files, 0, shape[0] if shape else 1, release=True)
+        return
+    row = source.dtype.itemsize
+    for s in shape[1:]:
+        row *= s
+    step = max(1, CHUNK_BYTES // max(row, 1))
+    for r0 in range(0, shape[0], step):
+        yield build_rows(source, files, r0, min(r0 + step, shape[0]), release=True)
+
+
+def _serialization_id(path: str, nbytes: int) -> str:
+    """A stable id for the file (torch stamps one per file; its value is not interpreted on load)."""
+    return f"{zlib.crc32(f'{os.path.basename(path)}:{nbytes}'.encode()):040d}"

@@ -1,0 +1,52 @@
+"""A ``torch.save``-compatible zip archive written record by record, each record streamed in pieces.
+
+``torch._C.PyTorchFileWriter`` takes each record as one buffer, so a 200 MB tensor must sit whole in memory. This
+writer streams a record in chunks instead. The layout is what torch writes: every record stored (no compression)
+under ``<archive>/``, the data of each record aligned to 64 bytes (a padding extra field, as torch does), zip64
+where needed; ``torch.load`` and ``torch.load(mmap=True)`` read the result.
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from typing import IO
+
+ALIGN = 64
+_PAD_ID = 0x4246  # "FB", the padding extra field torch's own writer uses
+
+
+class TorchZipWriter:
+    def __init__(self, path: str, archive: str = "archive") -> None:
+        self.archive = archive
+        self._zf = zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+
+    def _info(self, name: str, size: int) -> tuple[zipfile.ZipInfo, bool]:
+        info = zipfile.ZipInfo(f"{self.archive}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type = zipfile.ZIP_STORED
+        info.file_size = size
+        zip64 = size >= zipfile.ZIP64_LIMIT - 1024
+        fp = self._zf.fp
+        assert fp is not None
+        start = fp.tell() + 30 + len(info.filename.encode()) + (20 if zip64 else 0) + 4
+        pad = (-start) % ALIGN
+        info.extra = struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
+        return info, zip64
+
+    def open(self, name: str, size: int) -> IO[bytes]:
+        """A writable stream for record ``name`` of exactly ``size`` bytes."""
+        info, zip64 = self._info(name, size)
+        return self._zf.open(info, "w", force_zip64=zip64)
+
+    def write(self, name: str, data: bytes) -> None:
+        with self.open(name, len(data)) as fh:
+            fh.write(data)
+
+    def close(self) -> None:
+        self._zf.close()
+
+    def __enter__(self) -> TorchZipWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
