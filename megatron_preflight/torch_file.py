@@ -100,7 +100,13 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *args):
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
+    """A tensor saved with Python attributes (Megatron's fp32 master copies carry its TP attributes): the tensor; the
+    attributes and the type marker are not needed to read or reshard it."""
     return func(*args)
+
+
+class _TensorType:
+    """Stands in for ``torch.Tensor`` as the ``new_type`` argument of ``_rebuild_from_type_v2`` (never called)."""
 
 
 def _overrides(file: str) -> dict[tuple[str, str], Any]:
@@ -110,6 +116,7 @@ def _overrides(file: str) -> dict[tuple[str, str], Any]:
         ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
         ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
         ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+        ("torch", "Tensor"): _TensorType,
         ("torch.nn.parameter", "Parameter"): lambda data=None, requires_grad=True: data,
     }
     for name, dtype in _STORAGE_DTYPES.items():

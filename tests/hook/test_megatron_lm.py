@@ -26,6 +26,12 @@ TINY = ("--num-layers 4 --hidden-size 32 --ffn-hidden-size 64 --num-attention-he
         "--eval-interval 1000 --train-iters 3 --use-checkpoint-opt-param-scheduler").split()
 
 
+# tests/fixtures/megatron-lm/LOCAL_FIXTURES.md: bf16 (fp32 master copies in the optimizer state), GQA, SwiGLU, RoPE,
+# RMSNorm, untied head, no biases.
+BF16_GQA = ("--bf16 --group-query-attention --num-query-groups 2 --swiglu --position-embedding-type rope "
+            "--untie-embeddings-and-output-weights --normalization RMSNorm --disable-bias-linear").split()
+
+
 def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700):
     python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
@@ -64,7 +70,8 @@ def test_tp2_legacy_at_tp1_auto_equals_megatrons_dist_reshard(tmp_path):
     ("moe_ep2_torch", "moe_ep2_torch_dist", 2,
      ["--num-experts", "4", "--moe-router-topk", "2", "--tensor-model-parallel-size", "2",
       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
-], ids=["tp2->tp1", "pp2->pp1", "moe ep2->tp2ep2etp1"])
+    ("bf16_gqa_tp2_torch", "bf16_gqa_tp2_torch_dist", 1, BF16_GQA),
+], ids=["tp2->tp1", "pp2->pp1", "moe ep2->tp2ep2etp1", "bf16 gqa swiglu rope untied tp2->tp1"])
 def test_resharded_adam_state_trains_like_megatrons_dist_reshard(tmp_path, legacy, dist, nproc, flags):
     """With the optimizer state loaded (no --no-load-optim): the Adam moments decide the updates of iterations 3 and
     4, so the iteration-4 loss equals Megatron's own reshard of the torch_dist twin (weights and optimizer) only if
@@ -79,6 +86,29 @@ def test_resharded_adam_state_trains_like_megatrons_dist_reshard(tmp_path, legac
     rc2, log2 = run(tmp_path, fixture_path(dist), nproc, "--no-load-rng", "--ckpt-format", "torch_dist",
                     "--train-iters", "4", *flags, plugin=False, port=29711)
     assert rc2 == 0, log2[-3000:]
+    assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+@pytest.mark.parametrize("legacy, dist, nproc, target, flags", [
+    ("tp2_torch", "tp2_torch_dist", 1, ["--tp", "1"], []),
+    ("moe_ep2_torch", "moe_ep2_torch_dist", 2, ["--tp", "2", "--ep", "2", "--etp", "1"],
+     ["--num-experts", "4", "--moe-router-topk", "2", "--tensor-model-parallel-size", "2",
+      "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
+], ids=["tp2->tp1", "moe ep2->tp2ep2etp1"])
+def test_offline_reshard_loads_in_plain_megatron(tmp_path, legacy, dist, nproc, target, flags):
+    """`megatron-preflight reshard` output, weights and Adam state, resumed by Megatron WITHOUT the plugin: the
+    losses of iterations 3 and 4 equal Megatron's own reshard of the torch_dist twin."""
+    out = tmp_path / "resharded"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(legacy), str(out),
+                        *target, "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rc, log = run(tmp_path, str(out), nproc, "--ckpt-format", "torch", "--no-load-rng", "--train-iters", "4", *flags,
+                  plugin=False, port=29712)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = run(tmp_path, fixture_path(dist), nproc, "--no-load-rng", "--ckpt-format", "torch_dist",
+                    "--train-iters", "4", *flags, plugin=False, port=29713)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None
     assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
 
 

@@ -17,6 +17,11 @@ CASES = {
                               dopt=True),
     "tp2_torch_dist": dict(format=Format.TORCH_DIST, tp=2, pp=1, ep=1, dims=None, shards=[], dopt=False),
     "moe_ep2_torch_dist": dict(format=Format.TORCH_DIST, tp=1, pp=1, ep=2, dims=None, shards=[], dopt=False),
+    # bf16: the optimizer's fp32 master copies are pickled with their TP attributes (_rebuild_from_type_v2 over
+    # torch.Tensor), which the safe reader must accept without running anything.
+    "bf16_gqa_tp2_torch": dict(format=Format.TORCH, tp=2, pp=1, ep=1, dims="1D", shards=["mp_rank_00", "mp_rank_01"],
+                               dopt=False),
+    "bf16_gqa_tp2_torch_dist": dict(format=Format.TORCH_DIST, tp=2, pp=1, ep=1, dims=None, shards=[], dopt=False),
 }
 
 
