@@ -131,6 +131,8 @@ def _static_allow_list() -> dict[tuple[str, str], Any]:
         ("builtins", "dict"): dict,
         ("builtins", "bool"): bool,
         ("copyreg", "_reconstructor"): _guarded_reconstructor,
+        # Transformer Engine's _extra_state (FP8 metadata) is a BytesIO of torch.save bytes: an inert buffer here.
+        ("_io", "BytesIO"): io.BytesIO,
         ("torch", "Size"): torch.Size,
         ("torch", "device"): torch.device,
         ("torch", "layout"): torch.layout,
