@@ -9,7 +9,9 @@ What Megatron stores under ``optimizer`` in ``model_optim_rng.pt``:
 * a ChainedOptimizer of several parts (dense + expert): a list of those.
 
 Torch numbers the parameters group after group; Megatron fills each group in ``named_parameters()`` order over the
-model chunks. Which group a parameter is in is inferred from the group settings (expert-parallel or not, no weight
+model chunks. Expert weights are "expert-parallel" (their own optimizer part, groups flagged ``is_expert_parallel``)
+only when EP > 1 or ETP != TP; otherwise they sit in the dense groups, and a single part is saved as a dict, not a
+list. So the target's parts are laid out for the target layout, not copied from the source. Which group a parameter is in is inferred from the group settings (expert-parallel or not, no weight
 decay for biases and 1-D tensors, decoupled LR for the embedding and head) and then checked against every group's
 size and every state tensor's shape on disk: a checkpoint whose groups follow other rules is refused, never guessed.
 
@@ -95,20 +97,33 @@ def is_param(key: str, value: Any) -> bool:
     return isinstance(value, (TensorRef, torch.Tensor, TensorPlan)) and not key.endswith(("_extra_state", *_BUFFERS))
 
 
+def experts_are_expert_parallel(topo: Topology) -> bool:
+    """Whether expert weights use the expert topology (their own optimizer part) at this layout."""
+    return topo.ep > 1 or topo.etp_eff != topo.tp
+
+
+def _signature(settings: dict[str, Any]) -> str:
+    """A param group's identity across optimizer parts: its settings, whichever part it is in."""
+    return repr(sorted((k, repr(v)) for k, v in settings.items() if k not in ("params", "is_expert_parallel")))
+
+
 @dataclass
 class OptimizerIndex:
     """The optimizer state of every source shard, indexed by global parameter (like the model index)."""
 
-    chained: bool
-    template: list[SubOptimizer]  # structure and settings, from the first shard
+    template: SubOptimizer  # wrapper structure, from the first shard's first part
     template_shard: str
-    membership: dict[GlobalKey, tuple[int, int]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # group signatures, in Megatron's group order
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # signature -> settings (without params)
+    dense: set[str] = field(default_factory=set)  # signatures holding non-expert params (anywhere)
+    expert: set[str] = field(default_factory=set)  # signatures holding expert params (anywhere)
+    membership: dict[GlobalKey, str] = field(default_factory=dict)  # param -> group signature
     fields: dict[GlobalKey, OrderedDict[str, GlobalEntry | SourcePiece]] = field(default_factory=dict)
 
 
-def _candidates(subs: list[SubOptimizer], sk: SourceKey) -> list[tuple[int, int]]:
+def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) -> list[tuple[int, int]]:
     shape = sk.value.shape
-    expert = sk.info.expert is not None
+    expert = sk.info.expert is not None and expert_parallel
     no_wd = sk.key.endswith(".bias") or len(shape) == 1
     decoupled_any = any(g.get("is_decoupled_lr") for sub in subs for g in sub.groups)
     out = []
@@ -127,14 +142,14 @@ def _candidates(subs: list[SubOptimizer], sk: SourceKey) -> list[tuple[int, int]
     return out
 
 
-def _assign(subs: list[SubOptimizer], params: list[SourceKey],
-            where: str) -> dict[str, tuple[int, int, int, int | None]]:
+def _assign(subs: list[SubOptimizer], params: list[SourceKey], where: str,
+            expert_parallel: bool) -> dict[str, tuple[int, int, int, int | None]]:
     """{chunk:key: (part, group, optimizer index, position among the group's fp32 masters)} for one shard, checked
     against the group sizes and the state shapes."""
     fix = "start the run with --no-load-optim (weights only), or reshard offline with --drop-optimizer"
     by_group: dict[tuple[int, int], list[SourceKey]] = {}
     for sk in params:
-        cands = _candidates(subs, sk)
+        cands = _candidates(subs, sk, expert_parallel)
         if len(cands) != 1:
             raise OptimizerNotReshardable(
                 f"cannot tell which optimizer param group holds {sk.key} ({len(cands)} candidates): the groups do "
@@ -179,18 +194,27 @@ def index_optimizer(layout: Layout, src: Topology) -> OptimizerIndex | None:
     for sk in iter_source_keys(layout, src):
         by_shard.setdefault(sk.shard, []).append(sk)
     first = min(parsed, key=lambda n: [s.name for s in layout.shards].index(n))
-    index = OptimizerIndex(parsed[first][0], parsed[first][1], first)
+    index = OptimizerIndex(parsed[first][1][0], first)
+    expert_parallel = experts_are_expert_parallel(src)
     for shard in shards:
-        chained, subs = parsed[shard.name]
+        _, subs = parsed[shard.name]
+        for sub in subs:
+            for settings in sub.groups:
+                sig = _signature(settings)
+                if sig not in index.settings:
+                    index.order.append(sig)
+                    index.settings[sig] = {**settings, "is_expert_parallel": False}
         keys = by_shard.get(shard.name, [])
         params = [sk for sk in keys if is_param(sk.key, sk.value)]
-        slots = _assign(subs, params, shard.path)
+        slots = _assign(subs, params, shard.path, expert_parallel)
         for sk in params:
             s, g, idx, mpos = slots[f"{sk.chunk}:{sk.key}"]
+            sig = _signature(subs[s].groups[g])
+            (index.expert if sk.info.expert is not None else index.dense).add(sig)
             if tied and sk.key == "output_layer.weight":
                 continue  # the tied head copy: its state equals the embedding's, which serves it
-            known = index.membership.setdefault(sk.gkey, (s, g))
-            if known != (s, g):
+            known = index.membership.setdefault(sk.gkey, sig)
+            if known != sig:
                 raise OptimizerNotReshardable(f"{sk.key} sits in different optimizer groups on different shards",
                                               path=shard.path, code="optimizer")
             fields = index.fields.setdefault(sk.gkey, OrderedDict())
@@ -227,59 +251,71 @@ def _carry(shard: str, value: Any, path: str) -> Any:
 
 def plan_optimizer(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: Topology,
                    target_padded_vocab: int | None) -> Any:
-    """The target rank's optimizer state, as a tree whose tensors are :class:`TensorPlan` leaves."""
-    members: dict[tuple[int, int], list[TensorPlan]] = {}
+    """The target rank's optimizer state, as a tree whose tensors are :class:`TensorPlan` leaves: one part (a dict),
+    or a dense and an expert part (a list) when the target's experts are expert-parallel."""
+    split = bool(index.expert) and experts_are_expert_parallel(tgt)
+    if split:
+        layout = [(False, [g for g in index.order if g in index.dense]),
+                  (True, [g for g in index.order if g in index.expert])]
+    else:
+        layout = [(False, [g for g in index.order if g in index.dense | index.expert])]
+    members: dict[tuple[int, str], list[TensorPlan]] = {}
     for tp in plan.tensors:
         if tp.shape is None or tp.gkey is None or not is_param(tp.key, tp):
             continue
-        slot = index.membership.get(tp.gkey)
-        if slot is None:
+        sig = index.membership.get(tp.gkey)
+        if sig is None:
             raise OptimizerNotReshardable(f"no optimizer state found for parameter {tp.key}",
                                           fix="start the run with --no-load-optim", code="optimizer")
-        members.setdefault(slot, []).append(tp)
-    parts = []
-    for s, sub in enumerate(index.template):
-        state: dict[int, dict[str, Any]] = {}
-        groups: list[dict[str, Any]] = []
-        masters: list[list[Any]] = []
-        idx = 0
-        for g, settings in enumerate(sub.groups):
-            ids, group_masters = [], []
-            for tp in members.get((s, g), []):
-                ids.append(idx)
-                entry_state: dict[str, Any] = {}
-                for name, f in index.fields.get(tp.gkey, {}).items():
-                    where = f"{tp.key}#{name}"
-                    if isinstance(f, GlobalEntry):
-                        fp = _plan_tensor(f, "optimizer", where, plan.coords, src, tgt, target_padded_vocab)
-                        fp.gkey = None
-                    else:
-                        fp = _carry(f.shard, f.ref, where)
-                    if name == MASTER:
-                        group_masters.append(fp)
-                    else:
-                        entry_state[name] = fp
-                if entry_state:
-                    state[idx] = entry_state
-                idx += 1
-            groups.append({**settings, "params": ids})
-            masters.append(group_masters)
-        inner: OrderedDict[str, Any] = OrderedDict([("state", state), ("param_groups", groups)])
-        for k, v in sub.inner_extra.items():
-            inner[k] = _carry(index.template_shard, v, f"optimizer.{k}")
-        if not sub.wrapped:
-            parts.append(inner)
-            continue
-        outer: OrderedDict[str, Any] = OrderedDict()
-        for k, v in sub.outer.items():
-            if k == "optimizer":
-                outer[k] = inner
-            elif k == "fp32_from_fp16_params":
-                outer[k] = masters
-            else:
-                outer[k] = _carry(index.template_shard, v, f"optimizer.{k}")
-        parts.append(outer)
-    return parts if index.chained else parts[0]
+        part = 1 if split and tp.gkey[1] is not None else 0
+        members.setdefault((part, sig), []).append(tp)
+    parts = [_plan_part(index, plan, src, tgt, target_padded_vocab, p, is_expert, sigs, members)
+             for p, (is_expert, sigs) in enumerate(layout)]
+    return parts if len(parts) > 1 else parts[0]
+
+
+def _plan_part(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: Topology, target_padded_vocab: int | None,
+               part: int, is_expert: bool, sigs: list[str], members: dict[tuple[int, str], list[TensorPlan]]) -> Any:
+    sub = index.template
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    masters: list[list[Any]] = []
+    idx = 0
+    for sig in sigs:
+        ids, group_masters = [], []
+        for tp in members.get((part, sig), []):
+            ids.append(idx)
+            entry_state: dict[str, Any] = {}
+            for name, f in index.fields.get(tp.gkey, {}).items():
+                where = f"{tp.key}#{name}"
+                if isinstance(f, GlobalEntry):
+                    fp = _plan_tensor(f, "optimizer", where, plan.coords, src, tgt, target_padded_vocab)
+                    fp.gkey = None
+                else:
+                    fp = _carry(f.shard, f.ref, where)
+                if name == MASTER:
+                    group_masters.append(fp)
+                else:
+                    entry_state[name] = fp
+            if entry_state:
+                state[idx] = entry_state
+            idx += 1
+        groups.append({**index.settings[sig], "is_expert_parallel": is_expert, "params": ids})
+        masters.append(group_masters)
+    inner: OrderedDict[str, Any] = OrderedDict([("state", state), ("param_groups", groups)])
+    for k, v in sub.inner_extra.items():
+        inner[k] = _carry(index.template_shard, v, f"optimizer.{k}")
+    if not sub.wrapped:
+        return inner
+    outer: OrderedDict[str, Any] = OrderedDict()
+    for k, v in sub.outer.items():
+        if k == "optimizer":
+            outer[k] = inner
+        elif k == "fp32_from_fp16_params":
+            outer[k] = masters
+        else:
+            outer[k] = _carry(index.template_shard, v, f"optimizer.{k}")
+    return outer
 
 
 def iter_plans(tree: Any, path: tuple = ()) -> Any:

@@ -32,6 +32,13 @@ BF16_GQA = ("--bf16 --group-query-attention --num-query-groups 2 --swiglu --posi
             "--untie-embeddings-and-output-weights --normalization RMSNorm --disable-bias-linear").split()
 
 
+FP16_QKLN = "--fp16 --initial-loss-scale 256 --qk-layernorm --position-embedding-type rope".split()
+VPP_QKLN = "--qk-layernorm --swiglu".split()
+MOE_SHARED = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "64",
+              "--moe-layer-freq", "([0]+[1]*3)", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+              "--disable-bias-linear", "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
+
+
 def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700):
     python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
@@ -71,7 +78,12 @@ def test_tp2_legacy_at_tp1_auto_equals_megatrons_dist_reshard(tmp_path):
      ["--num-experts", "4", "--moe-router-topk", "2", "--tensor-model-parallel-size", "2",
       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
     ("bf16_gqa_tp2_torch", "bf16_gqa_tp2_torch_dist", 1, BF16_GQA),
-], ids=["tp2->tp1", "pp2->pp1", "moe ep2->tp2ep2etp1", "bf16 gqa swiglu rope untied tp2->tp1"])
+    ("fp16_qkln_tp2_torch", "fp16_qkln_tp2_torch_dist", 1, FP16_QKLN),
+    ("vpp_qkln_pp2_torch", "vpp_qkln_pp2_torch_dist", 2, VPP_QKLN + ["--tensor-model-parallel-size", "2"]),
+    ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist", 2, MOE_SHARED + ["--expert-model-parallel-size",
+                                                                                     "2"]),
+], ids=["tp2->tp1", "pp2->pp1", "moe ep2->tp2ep2etp1", "bf16 gqa swiglu rope untied tp2->tp1", "fp16 qk-ln tp2->tp1",
+        "vpp2 pp2->tp2", "moe shared-experts tp2pp2ep2->ep2dp2"])
 def test_resharded_adam_state_trains_like_megatrons_dist_reshard(tmp_path, legacy, dist, nproc, flags):
     """With the optimizer state loaded (no --no-load-optim): the Adam moments decide the updates of iterations 3 and
     4, so the iteration-4 loss equals Megatron's own reshard of the torch_dist twin (weights and optimizer) only if
@@ -110,6 +122,23 @@ def test_offline_reshard_loads_in_plain_megatron(tmp_path, legacy, dist, nproc, 
     assert rc2 == 0, log2[-3000:]
     assert loss(log, 4, 4) is not None
     assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+def test_moe_optimizer_merged_into_dense_groups_at_ep1(tmp_path):
+    """TP2·PP2·EP2 -> TP1·PP1·EP1: the experts stop being expert-parallel, so their Adam state moves from the expert
+    optimizer part into the dense groups. Megatron's own torch_dist load cannot do this ("Could not find parameter
+    group ..."); the losses must match the EP2·DP2 run that Megatron can load (the same model and data, so the same
+    trajectory up to reduction order)."""
+    rc, log = run(tmp_path, fixture_path("moe_shared_tp2pp2ep2_torch"), 1, "--preflight", "auto", "--ckpt-format",
+                  "torch", "--train-iters", "4", *MOE_SHARED, port=29714)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log
+    rc2, log2 = run(tmp_path, fixture_path("moe_shared_tp2pp2ep2_torch_dist"), 2, "--no-load-rng", "--ckpt-format",
+                    "torch_dist", "--train-iters", "4", *MOE_SHARED, "--expert-model-parallel-size", "2", plugin=False,
+                    port=29715)
+    assert rc2 == 0, log2[-3000:]
+    for it in (3, 4):
+        assert abs(float(loss(log, it, 4)) - float(loss(log2, it, 4))) <= 2e-6
 
 
 def test_pp2_legacy_at_pp1_auto(tmp_path):
