@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Any
 
+from megatron_preflight.layout.model import Layout
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
 
 log = logging.getLogger("megatron_preflight")
@@ -36,10 +37,32 @@ def resharder_for(load_dir: str, args: Any) -> Resharder:
     keep_optimizer = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
     key = (os.path.abspath(load_dir), iteration, keep_optimizer, tuple(sorted(vars(target_from_args(args)).items())))
     if key not in _RESHARDERS:
-        _RESHARDERS[key] = open_resharder(load_dir, target_from_args(args), iteration=iteration,
-                                          trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)),
-                                          keep_optimizer=keep_optimizer)
+        trust = bool(getattr(args, "preflight_trust_checkpoint", False))
+        _RESHARDERS[key] = open_resharder(shared_layout(load_dir, iteration, trust), target_from_args(args),
+                                          trust_checkpoint=trust, keep_optimizer=keep_optimizer)
     return _RESHARDERS[key]
+
+
+def shared_layout(load_dir: str, iteration: Any, trust: bool) -> Layout:
+    """The checkpoint's layout (every shard's metadata), read by rank 0 only and sent to every rank: one reader of
+    the shared filesystem instead of one per rank. Called by every rank at the same point (collective)."""
+    from megatron_preflight.errors import PreflightError
+    from megatron_preflight.hook import consensus
+    from megatron_preflight.layout import discover, transport
+
+    def read() -> tuple[str, Any]:
+        return "ok", transport.dumps(discover(load_dir, iteration=iteration, trust_checkpoint=trust))
+
+    def failed(exc: BaseException) -> tuple[str, Any]:
+        if isinstance(exc, PreflightError):
+            return "error", (exc.message, exc.path, exc.fix, exc.code)
+        return "error", (f"reading the checkpoint failed: {exc!r}", load_dir, "", "internal")
+
+    kind, payload = consensus.decide_on_rank0(read, failed)
+    if kind == "error":
+        message, path, fix, code = payload
+        raise PreflightError(message, path=path, fix=fix, code=code)
+    return transport.loads(payload)
 
 
 def runtime_coordinates(world_rank: int, world: int, resharder: Resharder) -> dict[str, int]:
