@@ -206,13 +206,17 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
         if rt.pipeline_model_parallel_layout:
             pass
         elif first is None and last is None:
-            if rt.num_layers % pp:
-                bad("pipeline_model_parallel_size", pp, f"{rt.num_layers} layers are not divisible by PP{pp}",
+            # --account-for-{embedding,loss}-in-pipeline-split count the embedding / loss as a layer
+            n = rt.num_layers + (rt.account_for_embedding_in_pipeline_split and pp > 1) + \
+                (rt.account_for_loss_in_pipeline_split and pp > 1)
+            what = "layers" if n == rt.num_layers else "layers (with the embedding/loss counted as layers)"
+            if n % pp:
+                bad("pipeline_model_parallel_size", pp, f"{n} {what} are not divisible by PP{pp}",
                     "choose a PP size that divides --num-layers, or set --decoder-first-pipeline-num-layers / "
                     "--decoder-last-pipeline-num-layers")
-            elif rt.vpp and (rt.num_layers // pp) % rt.vpp:
+            elif rt.vpp and (n // pp) % rt.vpp:
                 bad("virtual_pipeline_model_parallel_size", rt.vpp,
-                    f"{rt.num_layers // pp} layers per stage are not divisible into {rt.vpp} virtual stages",
+                    f"{n // pp} {what} per stage are not divisible into {rt.vpp} virtual stages",
                     "change --num-layers-per-virtual-pipeline-stage")
         else:
             rest = rt.num_layers - (first or 0) - (last or 0)
@@ -222,9 +226,11 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
                     f"uneven stages (first={first}, last={last}) do not split {rt.num_layers} layers over PP{pp}",
                     "fix --decoder-first/last-pipeline-num-layers")
     lpvs = rt.num_layers_per_virtual_pipeline_stage
-    if lpvs and pp > 1 and rt.num_layers and rt.num_layers % pp == 0 and (rt.num_layers // pp) % lpvs:
+    split_layers = (rt.num_layers or 0) + rt.account_for_embedding_in_pipeline_split + \
+        rt.account_for_loss_in_pipeline_split
+    if lpvs and pp > 1 and split_layers and split_layers % pp == 0 and (split_layers // pp) % lpvs:
         bad("virtual_pipeline_model_parallel_size", lpvs,
-            f"{rt.num_layers // pp} layers per pipeline stage are not divisible by "
+            f"{split_layers // pp} layers per pipeline stage are not divisible by "
             f"--num-layers-per-virtual-pipeline-stage {lpvs}", "choose a divisor of the layers per stage")
     if rt.num_layers_per_virtual_pipeline_stage and pp == 1:
         bad("num_layers_per_virtual_pipeline_stage", rt.num_layers_per_virtual_pipeline_stage,

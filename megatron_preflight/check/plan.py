@@ -80,6 +80,10 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
         ("decoder_first_pipeline_num_layers", ck_first, rt.decoder_first_pipeline_num_layers),
         ("decoder_last_pipeline_num_layers", ck_last, rt.decoder_last_pipeline_num_layers),
     ]
+    if (layout.pp or 1) > 1 or rt.pp > 1:  # where the embedding / loss count as a layer (moves layers between stages)
+        for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+            ck = bool(getattr(saved, name, False)) if saved is not None else False
+            pairs.append((name, ck and (layout.pp or 1) > 1, getattr(rt, name) and rt.pp > 1))
     if moe:
         pairs.append(("expert_tensor_parallel_size", layout.etp, rt.etp))
     changed = False

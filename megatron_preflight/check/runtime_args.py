@@ -32,6 +32,8 @@ class RuntimeArgs:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     pipeline_model_parallel_layout: str | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     num_layers: int | None = None
     hidden_size: int | None = None
     ffn_hidden_size: int | None = None

@@ -30,6 +30,8 @@ def target_from(ns: argparse.Namespace) -> TargetLayout:
             vocab_size=rt.vocab_size,
             make_vocab_size_divisible_by=rt.make_vocab_size_divisible_by if "make_vocab_size_divisible_by" in given
             else None,
+            embedding_in_split=rt.account_for_embedding_in_pipeline_split,
+            loss_in_split=rt.account_for_loss_in_pipeline_split,
         )
     return TargetLayout(
         tp=_int(ns.tensor_model_parallel_size), pp=_int(ns.pipeline_model_parallel_size),

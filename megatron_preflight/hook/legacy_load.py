@@ -29,6 +29,8 @@ def target_from_args(args: Any) -> TargetLayout:
         padded_vocab_size=getattr(args, "padded_vocab_size", None),
         vocab_size=getattr(args, "vocab_size", None),
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None),
+        embedding_in_split=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        loss_in_split=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
     )
 
 

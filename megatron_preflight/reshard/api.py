@@ -57,6 +57,8 @@ class TargetLayout:
     padded_vocab_size: int | None = None
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int | None = None
+    embedding_in_split: bool = False  # --account-for-embedding-in-pipeline-split at the target
+    loss_in_split: bool = False  # --account-for-loss-in-pipeline-split at the target
 
 
 @dataclass
@@ -89,13 +91,14 @@ class Resharder:
         pp = t.pp or self.src.pp
         vpp = t.vpp
         if vpp is None and t.num_layers_per_virtual_pipeline_stage:
-            per_stage = self.src.num_layers // pp
+            per_stage = (self.src.num_layers + t.embedding_in_split + t.loss_in_split) // pp
             vpp = per_stage // t.num_layers_per_virtual_pipeline_stage
         self.tgt = Topology(
             num_layers=self.src.num_layers, tp=tp, pp=pp, ep=t.ep or self.src.ep,
             etp=t.etp if t.etp is not None else tp, vpp=vpp if vpp and vpp > 1 else None,
             first_stage_layers=t.first_stage_layers, last_stage_layers=t.last_stage_layers,
             num_experts=self.src.num_experts, cp=1, order=self.src.order,
+            embedding_in_split=t.embedding_in_split, loss_in_split=t.loss_in_split,
         )
         self.tgt.stage_layer_counts()  # validates
         if self.tgt.num_experts:

@@ -9,6 +9,7 @@ metadata, so planning any layout is instant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,7 +98,7 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
 
 def source_topology(layout: Layout) -> Topology:
     args = layout.saved_args
-    return Topology(
+    topo = Topology(
         num_layers=int(_arg(args, "num_layers", 0) or _count_layers(layout)),
         tp=layout.tp or 1, pp=layout.pp or 1, ep=layout.ep or 1, etp=layout.etp, vpp=layout.vpp,
         first_stage_layers=_arg(args, "decoder_first_pipeline_num_layers"),
@@ -105,7 +106,31 @@ def source_topology(layout: Layout) -> Topology:
         num_experts=_arg(args, "num_experts") or _count_experts(layout),
         cp=layout.cp or 1,
         order="tp-cp-ep-pp-dp" if _arg(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
+        embedding_in_split=bool(_arg(args, "account_for_embedding_in_pipeline_split", False)),
+        loss_in_split=bool(_arg(args, "account_for_loss_in_pipeline_split", False)),
     )
+    observed = _observed_layer_counts(layout, topo)
+    return dataclasses.replace(topo, observed=observed) if observed is not None else topo
+
+
+def _observed_layer_counts(layout: Layout, topo: Topology) -> tuple[tuple[int, ...], ...] | None:
+    """Layers per (chunk, stage) as the shards hold them: whatever scheme placed them (uneven stages, the
+    embedding/loss counted as layers, a custom pipeline layout), the keys say where each layer is. None when a
+    stage was not read or the counts do not add up to the model's layers."""
+    dirs = topo.shard_dirs()
+    counts: dict[tuple[int, int], int] = {}
+    for s in layout.shards:
+        coords = dirs.get(s.name)
+        if coords is None or not isinstance(s.meta, dict):
+            continue
+        for chunk, ck in _chunks_of(s.meta):
+            layers = {parse_key(k).layer for k in s.meta[ck]} - {None}
+            key = (chunk, coords["pp"])
+            counts[key] = max(counts.get(key, 0), len(layers))
+    table = tuple(tuple(counts.get((c, p), -1) for p in range(topo.pp)) for c in range(topo.chunks))
+    if any(n < 0 for row in table for n in row) or sum(map(sum, table)) != topo.num_layers:
+        return None
+    return table
 
 
 def _chunks_of(meta: dict[str, Any]) -> list[tuple[int, str]]:
@@ -375,6 +400,10 @@ def rewrite_args(args: Any, tgt: Topology, padded_vocab: int | None) -> Any:
         new.num_virtual_stages_per_pipeline_rank = None
     new.decoder_first_pipeline_num_layers = tgt.first_stage_layers
     new.decoder_last_pipeline_num_layers = tgt.last_stage_layers
+    for name, value in (("account_for_embedding_in_pipeline_split", tgt.embedding_in_split),
+                        ("account_for_loss_in_pipeline_split", tgt.loss_in_split)):
+        if hasattr(new, name) or value:
+            setattr(new, name, value)
     if padded_vocab is not None:
         new.padded_vocab_size = padded_vocab
     world = tgt.sizes.min_world()

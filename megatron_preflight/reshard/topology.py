@@ -25,6 +25,9 @@ class Topology:
     num_experts: int | None = None
     cp: int = 1
     order: str = "tp-cp-ep-dp-pp"
+    embedding_in_split: bool = False  # --account-for-embedding-in-pipeline-split
+    loss_in_split: bool = False  # --account-for-loss-in-pipeline-split
+    observed: tuple[tuple[int, ...], ...] | None = None  # [chunk][stage] layer counts read from the shards
 
     @property
     def etp_eff(self) -> int:
@@ -38,7 +41,7 @@ class Topology:
     def sizes(self) -> naming.ParallelSizes:
         return naming.ParallelSizes(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp, order=self.order)
 
-    def stage_layer_counts(self) -> list[int]:
+    def _planned_stage_counts(self) -> list[int]:
         """Layers on each pipeline stage (Megatron's even split, or uneven first/last stages)."""
         first, last, pp, n = self.first_stage_layers, self.last_stage_layers, self.pp, self.num_layers
         if pp == 1:
@@ -61,18 +64,41 @@ class Topology:
             counts[-1] = last
         return counts
 
-    @cached_property
-    def _layer_table(self) -> dict[int, tuple[int, int, int]]:
-        counts = self.stage_layer_counts()
-        v = self.chunks
-        for p, c in enumerate(counts):
+    def chunk_layer_counts(self) -> list[list[int]]:
+        """Layers in each (virtual chunk, stage), ``[chunk][stage]``: as read from the shards when known (any scheme
+        Megatron used), else Megatron's rules: an even split, uneven first/last stages, or the embedding / loss
+        counted as a layer of the first / last stage (``--account-for-*-in-pipeline-split``)."""
+        if self.observed is not None:
+            return [list(row) for row in self.observed]
+        v, pp, n = self.chunks, self.pp, self.num_layers
+        if (self.embedding_in_split or self.loss_in_split) and pp > 1:
+            total = n + self.embedding_in_split + self.loss_in_split
+            if total % (pp * v):
+                raise PreflightError(f"{n} layers plus the embedding/loss do not split over PP{pp}"
+                                     + (f" x VPP{v}" if v > 1 else ""), code="layout")
+            counts = [[total // (pp * v)] * pp for _ in range(v)]
+            counts[0][0] -= self.embedding_in_split
+            counts[-1][-1] -= self.loss_in_split
+            return counts
+        stages = self._planned_stage_counts()
+        for p, c in enumerate(stages):
             if c % v:
                 raise PreflightError(f"stage {p} has {c} layers, not divisible into {v} virtual chunks", code="layout")
+        return [[c // v for c in stages] for _ in range(v)]
+
+    def stage_layer_counts(self) -> list[int]:
+        """Layers on each pipeline stage, all chunks together."""
+        counts = self.chunk_layer_counts()
+        return [sum(row[p] for row in counts) for p in range(self.pp)]
+
+    @cached_property
+    def _layer_table(self) -> dict[int, tuple[int, int, int]]:
+        counts = self.chunk_layer_counts()
         table: dict[int, tuple[int, int, int]] = {}
         g = 0
-        for chunk in range(v):
-            for p, c in enumerate(counts):
-                for local in range(c // v):
+        for chunk, row in enumerate(counts):  # Megatron numbers layers chunk-major: chunk 0 of every stage first
+            for p, c in enumerate(row):
+                for local in range(c):
                     table[g] = (p, chunk, local)
                     g += 1
         return table
