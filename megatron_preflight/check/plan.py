@@ -106,6 +106,13 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
                        f"{layout.format.value if layout.format else 'the'} format reshards model weights at load")
                 fix = ""
             out.append(Finding(name, ck, run, RESHARD, msg, fix))
+    if changed and layout.format == Format.TORCH and rt.pipeline_model_parallel_layout:
+        out.append(Finding("pipeline_model_parallel_layout", None, rt.pipeline_model_parallel_layout, FATAL,
+                           "the run places layers with --pipeline-model-parallel-layout, which the resharder does "
+                           "not model: it would build the wrong layers for some stages",
+                           "reshard to an even split (or --decoder-first/last-pipeline-num-layers, "
+                           "--account-for-embedding/loss-in-pipeline-split) instead, or convert the checkpoint to "
+                           "torch_dist with Megatron and let its dist loader place the layers"))
     if rt.cp != (layout.cp or 1):
         out.append(Finding("context_parallel_size", layout.cp, rt.cp, INFO,
                            "context parallelism does not shard weights", ""))

@@ -203,3 +203,22 @@ def test_json_shape():
     assert j["verdict"] == "reshard" and j["loader"] == "reshard"
     assert {"field", "checkpoint", "runtime", "severity", "message", "fix"} <= set(j["findings"][0])
     assert j["layout"]["tp"] == 2
+
+
+def test_reshard_to_a_custom_pipeline_layout_is_refused():
+    p = plan("pp2_torch", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|ttL",
+             "--world-size", "2")
+    assert p.verdict == Verdict.LOAD or "pipeline_model_parallel_layout" not in fields(p, "fatal")
+    p = plan("pp2_torch", "--pipeline-model-parallel-size", "1", "--pipeline-model-parallel-layout", "Etttt|L")
+    assert p.verdict == Verdict.FAIL and "pipeline_model_parallel_layout" in fields(p, "fatal")
+
+
+def test_embedding_counted_in_pipeline_split_is_a_layout():
+    five = ["--num-layers", "5", "--world-size", "2"]
+    root = "acct_emb_pp2_torch"  # 5 layers over PP2: [2, 3]
+    assert plan(root, *five, "--pipeline-model-parallel-size", "2",
+                "--account-for-embedding-in-pipeline-split").verdict == Verdict.LOAD
+    p = plan(root, *five, "--pipeline-model-parallel-size", "1")
+    assert p.verdict == Verdict.RESHARD and "account_for_embedding_in_pipeline_split" in fields(p, "reshard")
+    p = plan(root, *five, "--pipeline-model-parallel-size", "2")  # 5 layers do not split evenly over PP2
+    assert p.verdict == Verdict.FAIL and "pipeline_model_parallel_size" in fields(p, "fatal")
