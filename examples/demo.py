@@ -30,16 +30,16 @@ def main() -> int:
         # Same layout: loads as is. Another layout: reshard. Another architecture: fail, every field listed.
         failures += run("check", os.path.join(FIXTURES, "moe_ep2_torch"), "--", *tiny, "--num-experts", "4",
                         "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--world-size", "2") != 0
-        failures += run("check", os.path.join(FIXTURES, "pp2_torch"), "--", *tiny, "--world-size", "1",
-                        "--no-load-optim") != 0
+        failures += run("check", os.path.join(FIXTURES, "pp2_torch"), "--", *tiny, "--world-size", "1") != 0
         rc = run("check", os.path.join(FIXTURES, "tp2_torch"), "--", *tiny[:2], "--hidden-size", "64",
                  *tiny[4:], "--tensor-model-parallel-size", "2", "--world-size", "2")
         failures += rc != 1
     if "reshard" in steps and os.path.exists(os.path.join(HERE, "..", "megatron_preflight", "reshard", "api.py")):
         with tempfile.TemporaryDirectory() as tmp:
             dst = os.path.join(tmp, "tp1")
+            # Weights and the Adam state (exp_avg, exp_avg_sq), every tensor checked against its source slices.
             failures += run("reshard", os.path.join(FIXTURES, "tp2_torch"), dst,
-                            "--tensor-model-parallel-size", "1", "--verify", "--drop-optimizer") != 0
+                            "--tensor-model-parallel-size", "1", "--verify") != 0
             failures += run("inspect", dst) != 0
     print(f"\ndemo finished: {'OK' if not failures else f'{failures} step(s) did not behave as expected'}")
     return 1 if failures else 0
