@@ -1,8 +1,8 @@
 """Offline resharding speed and memory on ~1 GB legacy checkpoints, against the I/O floor.
 
 Builds (once, in --work) a dense GPT checkpoint (16 layers, hidden 1024, ffn 4096, vocab 50304, fp32, TP2; model
-only, ~1.0 GB) and an MoE one (6 layers, hidden 1024, 8 experts of ffn 2048, EP2), with Megatron-Core's local-spec
-key names. For each case it runs `megatron-preflight reshard` in a fresh process (--workers 1) and prints: wall
+only, ~1.0 GB), an MoE one (6 layers, hidden 1024, 8 experts of ffn 2048, EP2), and a dense one with the plain
+optimizer's Adam state (4 layers, ~1.3 GB: weights + exp_avg + exp_avg_sq), with Megatron-Core's local-spec key names. For each case it runs `megatron-preflight reshard` in a fresh process (--workers 1) and prints: wall
 seconds, peak RSS of that process, bytes read and written, and the ratio of the I/O floor to our time, where the
 floor is reading every source byte plus writing as many bytes as we wrote, with plain file I/O in the same run.
 
@@ -49,7 +49,28 @@ def _layer(prefix: str, tp: int, moe: int | None, ep: int) -> dict[str, torch.Te
     return sd
 
 
-def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None) -> None:
+def adam_state(model: dict[str, torch.Tensor]) -> dict:
+    """A plain (fp32) Megatron optimizer state for ``model``: groups [weight decay, no weight decay], params numbered
+    group after group in model order, exp_avg / exp_avg_sq per param."""
+    groups: list[list[str]] = [[], []]
+    for k, v in model.items():
+        groups[1 if k.endswith(".bias") or v.dim() == 1 else 0].append(k)
+    state, params, idx = {}, [], 0
+    for names in groups:
+        ids = []
+        for k in names:
+            state[idx] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(model[k]),
+                          "exp_avg_sq": torch.rand_like(model[k])}
+            ids.append(idx)
+            idx += 1
+        params.append(ids)
+    settings = dict(is_expert_parallel=False, default_config=True, lr_mult=1.0, is_decoupled_lr=False, lr=1e-4,
+                    betas=(0.9, 0.999), eps=1e-8, amsgrad=False)
+    return {"state": state, "param_groups": [dict(settings, wd_mult=1.0, weight_decay=0.01, params=params[0]),
+                                             dict(settings, wd_mult=0.0, weight_decay=0.0, params=params[1])]}
+
+
+def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None, adam: bool = False) -> None:
     os.makedirs(root, exist_ok=True)
     names = ([(f"mp_rank_{t:02d}", t, 0) for t in range(tp)] if ep == 1 else
              [(f"mp_rank_00_{e:03d}", 0, e) for e in range(ep)])
@@ -71,8 +92,10 @@ def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None
             ckpt_format="torch", world_size=max(tp, ep), data_parallel_size=max(tp, ep) // tp)
         d = os.path.join(root, "iter_0000001", name)
         os.makedirs(d, exist_ok=True)
-        torch.save({"args": args, "iteration": 1, "checkpoint_version": 3.0, "model": model},
-                   os.path.join(d, "model_optim_rng.pt"))
+        state = {"args": args, "iteration": 1, "checkpoint_version": 3.0, "model": model}
+        if adam:
+            state["optimizer"] = adam_state(model)
+        torch.save(state, os.path.join(d, "model_optim_rng.pt"))
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
         fh.write("1")
 
@@ -126,16 +149,21 @@ def main() -> None:
     ns = ap.parse_args()
     work = ns.work or tempfile.mkdtemp(prefix="bench_reshard_")
     dense, moe = os.path.join(work, "dense_tp2"), os.path.join(work, "moe_ep2")
+    adam = os.path.join(work, "dense_adam_tp2")
     if not os.path.exists(dense):
         make_checkpoint(dense, layers=16, tp=2, ep=1, moe=None)
     if not os.path.exists(moe):
         make_checkpoint(moe, layers=6, tp=1, ep=2, moe=8)
+    if not os.path.exists(adam):
+        make_checkpoint(adam, layers=4, tp=2, ep=1, moe=None, adam=True)
     cases = [
         ("dense TP2 -> TP1", dense, ["--tp", "1"]),
         ("dense TP2 -> TP2 PP2", dense, ["--pp", "2"]),
         ("dense TP2 -> TP4", dense, ["--tp", "4"]),
         ("MoE EP2 -> EP1", moe, ["--ep", "1"]),
         ("MoE EP2 -> EP4", moe, ["--ep", "4"]),
+        ("dense+Adam TP2 -> TP1", adam, ["--tp", "1"]),
+        ("dense+Adam TP2 -> PP2", adam, ["--pp", "2"]),
     ]
     rows = []
     for label, src, flags in cases:
