@@ -3,7 +3,9 @@
 Seams (names are looked up at call time in the importing module, so each is patched where it is used):
 
 * ``megatron.training.arguments.add_megatron_arguments`` — adds ``--preflight`` & co. to every Megatron parser
-  (the script's own ``extra_args_provider`` still runs after it);
+  (the script's own ``extra_args_provider`` still runs after it). Megatron-LM before 2025-03 (core <= 0.11) has no
+  such function: there ``parse_args`` is wrapped instead (in ``arguments`` and where ``initialize`` imported it), so
+  its ``extra_args_provider`` also adds the preflight flags;
 * ``megatron.training.training.setup_model_and_optimizer`` — runs the check after torch.distributed and the
   parallel state are up and before the model, optimizer and data loaders are built;
 * ``megatron.training.training.load_checkpoint`` and ``megatron.training.checkpointing.load_checkpoint`` — load
@@ -25,9 +27,12 @@ from megatron_preflight.errors import PreflightError
 log = logging.getLogger("megatron_preflight")
 
 CHECKED_VERSIONS = ("Megatron-LM main d98e8a64 (2026-08-22, megatron-core 0.20.0)",)
+# The argument seam: the newer function, or (older Megatron-LM) parse_args, where it is defined and where it is used.
+ARGS_SEAMS = (("megatron.training.arguments", "add_megatron_arguments"),
+              ("megatron.training.arguments", "parse_args"))
+PARSE_ARGS_USERS = ("megatron.training.initialize",)
 
 REQUIRED = (
-    ("megatron.training.arguments", "add_megatron_arguments"),
     ("megatron.training.training", "setup_model_and_optimizer"),
     ("megatron.training.training", "load_checkpoint"),
     ("megatron.training.checkpointing", "load_checkpoint"),
@@ -63,6 +68,42 @@ def _mark(fn: Callable) -> Callable:
     return fn
 
 
+def _install_args_seam(add_preflight_arguments: Callable) -> None:
+    """Add the preflight flags to Megatron's parser, through whichever seam this Megatron-LM has."""
+    args_mod = importlib.import_module("megatron.training.arguments")
+    add_args = getattr(args_mod, "add_megatron_arguments", None)
+    if add_args is not None:
+        if not _wrapped(add_args):
+            @functools.wraps(add_args)
+            def add_megatron_arguments(parser, *a, **k):
+                parser = add_args(parser, *a, **k)
+                return add_preflight_arguments(parser)
+
+            args_mod.add_megatron_arguments = _mark(add_megatron_arguments)
+        return
+    _, parse = _resolve(*ARGS_SEAMS[1])  # older Megatron-LM: no add_megatron_arguments
+    if _wrapped(parse):
+        return
+
+    @functools.wraps(parse)
+    def parse_args(extra_args_provider=None, *a, **k):
+        def provider(parser):
+            parser = add_preflight_arguments(parser)
+            return extra_args_provider(parser) if extra_args_provider is not None else parser
+
+        return parse(provider, *a, **k)
+
+    wrapped = _mark(parse_args)
+    args_mod.parse_args = wrapped
+    for user in PARSE_ARGS_USERS:
+        try:
+            mod = importlib.import_module(user)
+        except ImportError:  # pragma: no cover - not every version has it
+            continue
+        if getattr(mod, "parse_args", None) is parse:
+            mod.parse_args = wrapped
+
+
 def install() -> None:
     """Patch Megatron-LM in this process. Idempotent. Raises PreflightError naming anything missing."""
     global _INSTALLED
@@ -72,14 +113,7 @@ def install() -> None:
     from megatron_preflight.hook import legacy_load, runtime
     from megatron_preflight.hook.flags import add_preflight_arguments
 
-    args_mod, add_args = resolved[("megatron.training.arguments", "add_megatron_arguments")]
-    if not _wrapped(add_args):
-        @functools.wraps(add_args)
-        def add_megatron_arguments(parser, *a, **k):
-            parser = add_args(parser, *a, **k)
-            return add_preflight_arguments(parser)
-
-        args_mod.add_megatron_arguments = _mark(add_megatron_arguments)
+    _install_args_seam(add_preflight_arguments)
 
     training_mod, setup = resolved[("megatron.training.training", "setup_model_and_optimizer")]
     _, get_args = resolved[("megatron.training.global_vars", "get_args")]
@@ -103,7 +137,8 @@ def install() -> None:
             def reshard_base(load_dir, args, rank0=False, sharded_state_dict=None, *ba, **bk):
                 from megatron.training.checkpointing import CheckpointType
 
-                state, name, release = legacy_load.resharded_state_dict(load_dir, args, rank0=rank0)
+                state, name, release = legacy_load.resharded_state_dict(load_dir, args, rank0=rank0,
+                                                                        optimizer=optimizer)
                 return state, name, release, CheckpointType.LEGACY
 
             ckpt_mod._load_base_checkpoint = reshard_base

@@ -81,8 +81,26 @@ def runtime_coordinates(world_rank: int, world: int, resharder: Resharder) -> di
     return resharder.tgt.rank_coordinates(world_rank, world)
 
 
-def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False) -> tuple[dict[str, Any], str, bool]:
-    """(state_dict, a checkpoint name for Megatron's messages, release) for this rank."""
+def live_groups(optimizer: Any) -> list[list[tuple[tuple, int]]] | None:
+    """The running optimizer's param groups, per part: (settings key, parameter count), in its order."""
+    from megatron_preflight.reshard.optimizer import GROUP_KEY
+
+    if optimizer is None:
+        return None
+    out = []
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        groups = getattr(getattr(part, "optimizer", None), "param_groups", None)
+        if groups is None:
+            return None
+        out.append([(tuple(g.get(k) for k in GROUP_KEY), len(g["params"])) for g in groups])
+    return out
+
+
+def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
+                         optimizer: Any = None) -> tuple[dict[str, Any], str, bool]:
+    """(state_dict, a checkpoint name for Megatron's messages, release) for this rank. With the run's ``optimizer``,
+    the resharded optimizer state's param groups are put in that optimizer's order (which older Megatron-LM
+    versions choose per rank)."""
     from megatron_preflight.hook import consensus
     from megatron_preflight.layout import naming
 
@@ -96,6 +114,11 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False) -> tu
     plan = r.plan_for_coords(coords, naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"],
                                                            pp_size=r.tgt.pp, ep_size=r.tgt.ep))
     state = r.build(plan)
+    groups = live_groups(optimizer)
+    if "optimizer" in state and groups is not None:
+        from megatron_preflight.reshard.optimizer import align_groups
+
+        state["optimizer"] = align_groups(state["optimizer"], groups)
     log.info("built rank state dict from %s (%d tensors, %.1f MiB)", ", ".join(plan.sources), len(plan.tensors),
              plan.nbytes / 2**20)
     return state, name, release

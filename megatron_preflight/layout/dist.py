@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.safe_pickle import safe_loads
+from megatron_preflight.safe_pickle import Placeholder, safe_loads
 from megatron_preflight.torch_file import read_torch_bytes, read_torch_file
 
 METADATA_JSON = "metadata.json"
@@ -27,12 +28,21 @@ def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
     with open(path, "rb") as fh:
         data = fh.read()
     try:
-        return safe_loads(data, source=path, trust=trust)
+        md = safe_loads(data, source=path, trust=trust)
     except PreflightError:
         raise
     except Exception as exc:
         raise PreflightError(f"the DCP metadata is truncated or corrupt ({type(exc).__name__}: {exc})", path=path,
                              fix="restore the iteration dir from a complete copy", code="corrupt_file") from None
+    if isinstance(md, Placeholder) and isinstance(md._state, dict):
+        # megatron-core's own Metadata subclass (MCoreMetadata, written by Megatron-LM of 2025): its fields, read
+        # as plain attributes (state_dict_metadata, storage_data, mcore_data, ...).
+        md = types.SimpleNamespace(**md._state)
+    if not hasattr(md, "state_dict_metadata"):
+        raise PreflightError(f"the DCP metadata holds a {type(md).__name__}, not checkpoint metadata", path=path,
+                             fix="this is not a torch_dist checkpoint Megatron wrote; check the --load dir",
+                             code="corrupt_file")
+    return md
 
 
 def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:

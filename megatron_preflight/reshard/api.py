@@ -15,6 +15,7 @@ from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.executor import SourceFiles, execute
 from megatron_preflight.reshard.optimizer import (
+    PROVENANCE_KEY,
     OptimizerIndex,
     OptimizerNotReshardable,
     index_optimizer,
@@ -151,7 +152,12 @@ class Resharder:
             for key in CARRIED:
                 if key in meta:
                     state[key] = files.materialize(first.name, meta[key])
-            known = set(CARRIED) | set(NOT_MAPPABLE) | {"args", "optimizer"}
+            if self.optimizer_index is not None and self.keep_optimizer:
+                state[PROVENANCE_KEY] = {
+                    "resharded_from": self.layout.path,
+                    "optimizer_group_order": "per_rank" if self.optimizer_index.per_rank_order else "sorted",
+                }
+            known = set(CARRIED) | set(NOT_MAPPABLE) | {"args", "optimizer", PROVENANCE_KEY}
             for key, value in meta.items():
                 if key in known or key == "model" or (key.startswith("model") and key[5:].isdigit()):
                     continue

@@ -44,6 +44,7 @@ from megatron_preflight.reshard.topology import Topology
 from megatron_preflight.torch_file import TensorRef
 
 MASTER = "@master"  # field name of a Float16 optimizer's fp32 master copy
+PROVENANCE_KEY = "megatron_preflight"  # top-level entry our outputs carry (Megatron ignores unknown entries)
 _BUFFERS = ("router.expert_bias",)  # persistent buffers in the model state dict: not parameters
 _HALF = (torch.float16, torch.bfloat16)
 _DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -119,6 +120,9 @@ class OptimizerIndex:
     expert: set[str] = field(default_factory=set)  # signatures holding expert params (anywhere)
     membership: dict[GlobalKey, str] = field(default_factory=dict)  # param -> group signature
     fields: dict[GlobalKey, OrderedDict[str, GlobalEntry | SourcePiece]] = field(default_factory=dict)
+    # Megatron-LM before ~2026 orders each rank's groups by the first parameter it meets (then the groups only other
+    # ranks have); newer ones sort them the same on every rank. True when the source shows per-rank orders.
+    per_rank_order: bool = False
 
 
 def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) -> list[tuple[int, int]]:
@@ -196,9 +200,16 @@ def index_optimizer(layout: Layout, src: Topology) -> OptimizerIndex | None:
     first = min(parsed, key=lambda n: [s.name for s in layout.shards].index(n))
     index = OptimizerIndex(parsed[first][1][0], first)
     expert_parallel = experts_are_expert_parallel(src)
+    # An earlier reshard by this tool records the rule (a one-rank checkpoint cannot show it).
+    marks = [s.meta.get(PROVENANCE_KEY) for s in shards]
+    index.per_rank_order = any(isinstance(m, dict) and m.get("optimizer_group_order") == "per_rank" for m in marks)
+    seen_orders: dict[int, list[str]] = {}
     for shard in shards:
         _, subs = parsed[shard.name]
-        for sub in subs:
+        for part, sub in enumerate(subs):
+            sigs = [_signature(settings) for settings in sub.groups]
+            if seen_orders.setdefault(part, sigs) != sigs:
+                index.per_rank_order = True
             for settings in sub.groups:
                 sig = _signature(settings)
                 if sig not in index.settings:
@@ -269,9 +280,71 @@ def plan_optimizer(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: To
                                           fix="start the run with --no-load-optim", code="optimizer")
         part = 1 if split and tp.gkey[1] is not None else 0
         members.setdefault((part, sig), []).append(tp)
+    if index.per_rank_order:  # this rank's groups in the order it meets their first parameter, then the others
+        layout = [(is_expert, _first_met(sigs, [tp for (p, _), tps in members.items() if p == part for tp in tps],
+                                         plan, index)) for part, (is_expert, sigs) in enumerate(layout)]
     parts = [_plan_part(index, plan, src, tgt, target_padded_vocab, p, is_expert, sigs, members)
              for p, (is_expert, sigs) in enumerate(layout)]
     return parts if len(parts) > 1 else parts[0]
+
+
+def _first_met(sigs: list[str], tensors: list[TensorPlan], plan: RankPlan, index: OptimizerIndex) -> list[str]:
+    mine = {id(t) for t in tensors}
+    met: list[str] = []
+    for tp in plan.tensors:
+        if id(tp) in mine:
+            sig = index.membership[tp.gkey]  # type: ignore[index]
+            if sig not in met:
+                met.append(sig)
+    return met + [g for g in sigs if g not in met]
+
+
+GROUP_KEY = ("wd_mult", "lr_mult", "is_decoupled_lr", "is_expert_parallel")
+
+
+def align_groups(state: Any, live: list[list[tuple[tuple, int]]]) -> Any:
+    """Reorder the param groups of a planned/built optimizer state to the running optimizer's: ``live`` lists, per
+    optimizer part, each group's (settings key over :data:`GROUP_KEY`, parameter count) in the optimizer's order.
+    Parameters are renumbered and fp32 masters follow their groups. Raises when the groups cannot be matched."""
+    parts = state if isinstance(state, list) else [state]
+    if len(parts) != len(live):
+        raise OptimizerNotReshardable(f"the run's optimizer has {len(live)} part(s) but the resharded state has "
+                                      f"{len(parts)}", fix="start the run with --no-load-optim", code="optimizer")
+    return [_align_part(p, groups) for p, groups in zip(parts, live, strict=True)] if isinstance(state, list) \
+        else _align_part(state, live[0])
+
+
+def _align_part(part: Any, live: list[tuple[tuple, int]]) -> Any:
+    inner = part["optimizer"] if "fp32_from_fp16_params" in part else part
+    groups = inner["param_groups"]
+    keys = [(tuple(g.get(k) for k in GROUP_KEY), len(g["params"])) for g in groups]
+    if keys == list(live):
+        return part
+    order: list[int] = []
+    for want in live:
+        match = next((i for i, k in enumerate(keys) if k == want and i not in order), None)
+        if match is None:
+            raise OptimizerNotReshardable(
+                f"the run's optimizer has a param group {dict(zip(GROUP_KEY, want[0], strict=True))} of {want[1]} "
+                "parameters that the resharded state does not", fix="start the run with --no-load-optim",
+                code="optimizer")
+        order.append(match)
+    if len(order) != len(groups):
+        raise OptimizerNotReshardable("the run's optimizer and the resharded state have different param groups",
+                                      fix="start the run with --no-load-optim", code="optimizer")
+    renumber: dict[int, int] = {}
+    new_groups = []
+    for i in order:
+        ids = []
+        for old in groups[i]["params"]:
+            renumber[old] = len(renumber)
+            ids.append(renumber[old])
+        new_groups.append({**groups[i], "params": ids})
+    inner["param_groups"] = new_groups
+    inner["state"] = {renumber[k]: v for k, v in inner["state"].items()}
+    if "fp32_from_fp16_params" in part:
+        part["fp32_from_fp16_params"] = [part["fp32_from_fp16_params"][i] for i in order]
+    return part
 
 
 def _plan_part(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: Topology, target_padded_vocab: int | None,

@@ -140,3 +140,33 @@ def test_missing_seam_is_a_clear_error(monkeypatch, missing):
     with pytest.raises(PreflightError) as exc:
         install_mod.install()
     assert missing[1] in str(exc.value) and "d98e8a64" in str(exc.value)
+
+
+def test_older_megatron_without_add_megatron_arguments(monkeypatch):
+    """Megatron-LM before 2025-03 (core <= 0.11) builds its parser inside parse_args; the flags come in through a
+    wrapped parse_args, also where megatron.training.initialize imported it (FAKE modules, as above)."""
+    make_fake_megatron_training(monkeypatch, drop=("megatron.training.arguments", "add_megatron_arguments"))
+    arguments = sys.modules["megatron.training.arguments"]
+
+    def old_parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        parser.add_argument("--load")
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return parser
+
+    arguments.parse_args = old_parse_args
+    initialize = types.ModuleType("megatron.training.initialize")
+    initialize.parse_args = old_parse_args  # `from megatron.training.arguments import parse_args`
+    monkeypatch.setitem(sys.modules, "megatron.training.initialize", initialize)
+    monkeypatch.setattr(install_mod, "_INSTALLED", False)
+    install_mod.install()
+
+    def script_flags(parser):
+        parser.add_argument("--my-script-flag")
+        return parser
+
+    for parse in (arguments.parse_args, initialize.parse_args):
+        ns = parse(script_flags).parse_args(["--preflight", "auto", "--my-script-flag", "x", "--load", "/ckpt"])
+        assert (ns.preflight, ns.my_script_flag, ns.load) == ("auto", "x", "/ckpt")
+    assert initialize.parse_args(None).parse_args([]).preflight == "off"

@@ -111,6 +111,8 @@ SOURCES = {
     "moe_shared_tp2pp2ep2_torch": (TargetLayout(tp=2, pp=2, ep=2, etp=1), dict(num_experts=4)),
     # 5 layers over PP2 with the embedding counted as a layer: stage 0 holds 2 layers, stage 1 holds 3
     "acct_emb_pp2_torch": (TargetLayout(tp=1, pp=2, embedding_in_split=True), dict(num_experts=None)),
+    # Megatron-LM core_r0.14: optimizer param groups ordered per rank (stage 1 starts with the no-decay group)
+    "v14_tp2pp2_torch": (TargetLayout(tp=2, pp=2), dict(num_experts=None)),
 }
 
 
@@ -128,6 +130,7 @@ SOURCES = {
     ("acct_emb_pp2_torch", TargetLayout(pp=1)), ("acct_emb_pp2_torch", TargetLayout(pp=5, tp=2)),
     ("acct_emb_pp2_torch", TargetLayout(pp=3, embedding_in_split=True)),
     ("acct_emb_pp2_torch", TargetLayout(pp=7, embedding_in_split=True, loss_in_split=True)),  # end stages: 0 layers
+    ("v14_tp2pp2_torch", TargetLayout(tp=1, pp=1)), ("v14_tp2pp2_torch", TargetLayout(tp=4, pp=4)),
 ])
 def test_fixture_roundtrip_bit_exact(tmp_path, name, target):
     back, _ = SOURCES[name]
@@ -239,3 +242,33 @@ def test_tp1_reshard_equals_megatrons_torch_dist_twin(legacy, dist, target):
         opt += 1
     masters = 1 if "fp32_from_fp16_params" in built["optimizer"] else 0
     assert opt == (2 + masters) * len([k for k, v in built["model"].items() if is_param(k, v)])
+
+
+def test_group_order_follows_the_saving_megatron():
+    """Megatron-LM main sorts param groups the same on every rank; core_r0.14 orders them per rank by the first
+    parameter met. The target follows what the source shows (a round trip above restores it bit-exact)."""
+    r = open_resharder(fixture_path("v14_tp2pp2_torch"), TargetLayout(tp=2, pp=2))
+    assert r.optimizer_index.per_rank_order
+    last = r.plan_for_coords(r.tgt.shard_dirs()["mp_rank_00_001"], "mp_rank_00_001").optimizer
+    assert [g["wd_mult"] for g in last["param_groups"]] == [0.0, 1.0]
+    r = open_resharder(fixture_path("tp2_torch"), TargetLayout(tp=2, pp=2))
+    assert not r.optimizer_index.per_rank_order
+    last = r.plan_for_coords(r.tgt.shard_dirs()["mp_rank_00_001"], "mp_rank_00_001").optimizer
+    assert [g["wd_mult"] for g in last["param_groups"]] == [1.0, 0.0]
+
+
+def test_align_groups_to_the_running_optimizer():
+    """The hook puts the groups in the live optimizer's order; parameters are renumbered with their state."""
+    from megatron_preflight.reshard.optimizer import GROUP_KEY, align_groups
+
+    r = open_resharder(fixture_path("tp2_torch"), TargetLayout(tp=2, pp=2))
+    opt = r.build(r.plan_for_coords(r.tgt.shard_dirs()["mp_rank_00_001"], "mp_rank_00_001"))["optimizer"]
+    before = {i: s["exp_avg"].clone() for i, s in opt["state"].items()}
+    groups = [g["params"] for g in opt["param_groups"]]
+    live = [[(tuple(g.get(k) for k in GROUP_KEY), len(g["params"])) for g in reversed(opt["param_groups"])]]
+    out = align_groups(opt, live)
+    assert [len(g["params"]) for g in out["param_groups"]] == [len(groups[1]), len(groups[0])]
+    moved = groups[1] + groups[0]  # old indices in the new order
+    assert all(torch.equal(out["state"][new]["exp_avg"], before[old]) for new, old in enumerate(moved))
+    with pytest.raises(PreflightError):
+        align_groups(opt, [[((0.5, 1.0, False, False), 3)]])
