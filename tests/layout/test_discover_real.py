@@ -22,6 +22,12 @@ CASES = {
     "bf16_gqa_tp2_torch": dict(format=Format.TORCH, tp=2, pp=1, ep=1, dims="1D", shards=["mp_rank_00", "mp_rank_01"],
                                dopt=False),
     "bf16_gqa_tp2_torch_dist": dict(format=Format.TORCH_DIST, tp=2, pp=1, ep=1, dims=None, shards=[], dopt=False),
+    # Megatron-LM core_r0.14 (2025-10): its torch_dist .metadata is megatron-core's MCoreMetadata subclass
+    "v14_tp2_torch": dict(format=Format.TORCH, tp=2, pp=1, ep=1, dims="1D", shards=["mp_rank_00", "mp_rank_01"],
+                          dopt=False),
+    "v14_tp2pp2_torch": dict(format=Format.TORCH, tp=2, pp=2, ep=1, dims="2D", dopt=False,
+                             shards=["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]),
+    "v14_tp2_torch_dist": dict(format=Format.TORCH_DIST, tp=2, pp=1, ep=1, dims=None, shards=[], dopt=False),
 }
 
 

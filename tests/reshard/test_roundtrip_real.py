@@ -206,6 +206,7 @@ def twin_tensor(g, key, prefix=""):
     ("vpp_qkln_pp2_torch", "vpp_qkln_pp2_torch_dist", TargetLayout(pp=1)),
     ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist", TargetLayout(tp=1, pp=1, ep=1)),
     ("acct_emb_pp2_torch", "acct_emb_pp2_torch_dist", TargetLayout(pp=1)),
+    ("v14_tp2_torch", "v14_tp2_torch_dist", TargetLayout(tp=1)),  # Megatron-LM core_r0.14
 ])
 def test_tp1_reshard_equals_megatrons_torch_dist_twin(legacy, dist, target):
     """Megatron's own global view of the same weights and Adam state is the ground truth for a TP1·PP1·EP1
