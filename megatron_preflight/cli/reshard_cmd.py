@@ -44,9 +44,14 @@ def target_from(ns: argparse.Namespace) -> TargetLayout:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    import dataclasses
+
     from megatron_preflight.reshard.writer import write_resharded
 
-    summary = write_resharded(ns.src, ns.dst, target_from(ns), workers=ns.workers, verify=ns.verify,
+    target = target_from(ns)
+    if ns.optimizer_group_order:
+        target = dataclasses.replace(target, optimizer_group_order=ns.optimizer_group_order.replace("-", "_"))
+    summary = write_resharded(ns.src, ns.dst, target, workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                               progress=not ns.no_progress, drop_optimizer=ns.drop_optimizer, distributed=True)
     if int(os.environ.get("RANK", "0") or 0) == 0:
@@ -76,6 +81,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drop-optimizer", action="store_true",
                    help="leave the optimizer state out (needed for a distributed optimizer's distrib_optim.pt, which "
                         "cannot be resharded; the plain optimizer's state is resharded otherwise)")
+    p.add_argument("--optimizer-group-order", choices=("sorted", "per-rank"),
+                   help="how the Megatron-LM that loads DST orders optimizer param groups: sorted (2026-01 on, "
+                        "megatron-core >= 0.16) or per-rank (earlier); default: as the source checkpoint shows it")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true")
     p.set_defaults(func=_run)

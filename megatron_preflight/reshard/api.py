@@ -60,6 +60,9 @@ class TargetLayout:
     make_vocab_size_divisible_by: int | None = None
     embedding_in_split: bool = False  # --account-for-embedding-in-pipeline-split at the target
     loss_in_split: bool = False  # --account-for-loss-in-pipeline-split at the target
+    # How the target's Megatron-LM orders optimizer param groups: "sorted" (2026-01 on, core >= 0.16: the same on
+    # every rank) or "per_rank" (earlier: by the first parameter each rank meets). None: as the source shows it.
+    optimizer_group_order: str | None = None
 
 
 @dataclass
@@ -117,6 +120,8 @@ class Resharder:
             except OptimizerNotReshardable as e:
                 self.optimizer_problem = e
                 self.dropped["optimizer"] = f"not resharded: {e.message}; load with --no-load-optim"
+            if self.optimizer_index is not None and t.optimizer_group_order:
+                self.optimizer_index.per_rank_order = t.optimizer_group_order == "per_rank"
             if self.optimizer_index is not None and not self.keep_optimizer:
                 self.dropped["optimizer"] = "left out on request (--drop-optimizer); load with --no-load-optim"
 

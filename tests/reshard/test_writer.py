@@ -117,3 +117,14 @@ def test_written_files_load_with_torch_load(tmp_path, monkeypatch):
         for (_, _, key), (t, _) in ours.items():
             assert torch.equal(sd["model"][key], t) if isinstance(t, torch.Tensor) else sd["model"][key] == t
         assert len(sd["optimizer"]["state"]) == 52
+
+
+def test_optimizer_group_order_flag(tmp_path):
+    """A TP-only source cannot show how its Megatron orders param groups; the loading version can be named."""
+    for order, want in (("per-rank", [0.0, 1.0]), ("sorted", [1.0, 0.0])):
+        dst = tmp_path / order
+        assert main(["reshard", fixture_path("tp2_torch"), str(dst), "--pp", "2", "--no-progress",
+                     "--optimizer-group-order", order]) == 0
+        last = discover(str(dst)).shards[-1]  # mp_rank_01_001: a last stage, which meets a layernorm first
+        assert last.name.endswith("_001")
+        assert [g["wd_mult"] for g in last.meta["optimizer"]["param_groups"]] == want
