@@ -45,6 +45,9 @@ def render_layout(layout: Layout, *, max_shards: int = 16) -> str:
         if layout.dist_optimizer_sharding:
             dist_opt += f" ({layout.dist_optimizer_sharding})"
         lines.append(f"dist. optim {dist_opt}")
+        optim = _optimizer_line(layout)
+        if optim:
+            lines.append(f"optimizer   {optim}")
         lines.append(f"size        {human_bytes(layout.total_bytes)}")
         args = layout.saved_args
         if args is not None:
@@ -74,3 +77,26 @@ def render_layout(layout: Layout, *, max_shards: int = 16) -> str:
     elif layout.format is not None:
         lines.append("status      OK: complete and consistent")
     return "\n".join(lines)
+
+
+def _optimizer_line(layout: Layout) -> str | None:
+    """What the plain optimizer state of a legacy checkpoint is, and whether it can follow a layout change."""
+    from megatron_preflight.layout.model import Format
+
+    first = layout.shards[0].meta if layout.shards else None
+    if layout.format != Format.TORCH or not isinstance(first, dict) or layout.problems:
+        return None
+    if "optimizer" not in first:
+        return "none saved (--no-save-optim)"
+    from megatron_preflight.errors import PreflightError
+    from megatron_preflight.reshard.optimizer import index_optimizer, parse_optimizer
+    from megatron_preflight.reshard.planner import source_topology
+
+    try:
+        _, parts = parse_optimizer(first["optimizer"], layout.shards[0].path)
+        index = index_optimizer(layout, source_topology(layout))
+    except PreflightError as e:
+        return f"not reshardable: {e.message}"
+    kind = "fp32 masters (bf16/fp16 run)" if parts[0].wrapped else "fp32"
+    order = "ordered per rank" if index and index.per_rank_order else "in the same order on every rank"
+    return f"plain, {kind}, {len(parts)} part(s), param groups {order}; reshardable with the weights"

@@ -4,6 +4,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from megatron_preflight.cli.main import main
 from tests.conftest import fixture_path
 
@@ -48,3 +50,16 @@ def test_console_script_no_traceback(tmp_path):
     r = subprocess.run(cmd + ["inspect", str(tmp_path / "c")], capture_output=True, text=True)
     assert r.returncode == 1
     assert "Traceback" not in r.stdout + r.stderr and "corrupt_file" in r.stdout
+
+
+@pytest.mark.parametrize("name, want", [
+    ("tp2_torch", "plain, fp32, 1 part(s), param groups in the same order on every rank; reshardable"),
+    ("moe_ep2_torch", "plain, fp32, 2 part(s)"),
+    ("bf16_gqa_tp2_torch", "fp32 masters (bf16/fp16 run)"),
+    ("v14_tp2pp2_torch", "param groups ordered per rank"),
+    ("tp2_distopt_torch", "not reshardable: the optimizer state holds no per-parameter tensors"),
+])
+def test_inspect_says_what_the_optimizer_state_is(capsys, name, want):
+    assert main(["inspect", fixture_path(name)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("optimizer"))
+    assert want in line
