@@ -125,11 +125,17 @@ class OptimizerIndex:
     per_rank_order: bool = False
 
 
+def _decoupled(settings: dict[str, Any]) -> bool:
+    """A --decoupled-lr group (the embedding and head): flagged by older Megatron-LM; Megatron-LM main marks it only
+    as a group whose LR schedule is not the default one."""
+    return bool(settings.get("is_decoupled_lr")) or settings.get("default_config") is False
+
+
 def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) -> list[tuple[int, int]]:
     shape = sk.value.shape
     expert = sk.info.expert is not None and expert_parallel
     no_wd = sk.key.endswith(".bias") or len(shape) == 1
-    decoupled_any = any(g.get("is_decoupled_lr") for sub in subs for g in sub.groups)
+    decoupled_any = any(_decoupled(g) for sub in subs for g in sub.groups)
     out = []
     for s, sub in enumerate(subs):
         for g, st in enumerate(sub.groups):
@@ -138,7 +144,7 @@ def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) 
             wd = st.get("wd_mult", st.get("weight_decay"))
             if wd is not None and (float(wd) == 0.0) != no_wd:
                 continue
-            if decoupled_any and bool(st.get("is_decoupled_lr")) != (sk.info.suffix in _DECOUPLED):
+            if decoupled_any and _decoupled(st) != (sk.info.suffix in _DECOUPLED):
                 continue
             out.append((s, g))
     if len({s for s, _ in out}) > 1 and len(subs) == 2:  # old chained dense + expert parts without the flag

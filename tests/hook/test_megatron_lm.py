@@ -82,11 +82,14 @@ def test_tp2_legacy_at_tp1_auto_equals_megatrons_dist_reshard(tmp_path):
     ("vpp_qkln_pp2_torch", "vpp_qkln_pp2_torch_dist", 2, VPP_QKLN + ["--tensor-model-parallel-size", "2"]),
     ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist", 2, MOE_SHARED + ["--expert-model-parallel-size",
                                                                                      "2"]),
+    ("declr_tp2_torch", "declr_tp2_torch_dist", 2, ["--decoupled-lr", "5e-4", "--decoupled-min-lr", "5e-5",
+                                                    "--pipeline-model-parallel-size", "2"]),
     ("acct_emb_pp2_torch", "acct_emb_pp2_torch_dist", 1, ["--num-layers", "5"]),
     ("acct_emb_pp2_torch", "acct_emb_pp2_torch_dist", 3, ["--num-layers", "5", "--pipeline-model-parallel-size", "3",
                                                           "--account-for-embedding-in-pipeline-split"]),
 ], ids=["tp2->tp1", "pp2->pp1", "moe ep2->tp2ep2etp1", "bf16 gqa swiglu rope untied tp2->tp1", "fp16 qk-ln tp2->tp1",
-        "vpp2 pp2->tp2", "moe shared-experts tp2pp2ep2->ep2dp2", "embedding-in-split pp2 [2,3] -> pp1",
+        "vpp2 pp2->tp2", "moe shared-experts tp2pp2ep2->ep2dp2", "decoupled-lr tp2->pp2",
+        "embedding-in-split pp2 [2,3] -> pp1",
         "embedding-in-split pp2 [2,3] -> pp3 [1,2,2]"])
 def test_resharded_adam_state_trains_like_megatrons_dist_reshard(tmp_path, legacy, dist, nproc, flags):
     """With the optimizer state loaded (no --no-load-optim): the Adam moments decide the updates of iterations 3 and

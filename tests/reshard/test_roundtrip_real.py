@@ -107,6 +107,7 @@ SOURCES = {
     "acct_emb_pp2_torch": (TargetLayout(tp=1, pp=2, embedding_in_split=True), dict(num_experts=None)),
     # Megatron-LM core_r0.14: optimizer param groups ordered per rank (stage 1 starts with the no-decay group)
     "v14_tp2pp2_torch": (TargetLayout(tp=2, pp=2), dict(num_experts=None)),
+    "declr_tp2_torch": (TargetLayout(tp=2, pp=1), dict(num_experts=None)),  # --decoupled-lr: a third group
 }
 
 
@@ -125,6 +126,7 @@ SOURCES = {
     ("acct_emb_pp2_torch", TargetLayout(pp=3, embedding_in_split=True)),
     ("acct_emb_pp2_torch", TargetLayout(pp=7, embedding_in_split=True, loss_in_split=True)),  # end stages: 0 layers
     ("v14_tp2pp2_torch", TargetLayout(tp=1, pp=1)), ("v14_tp2pp2_torch", TargetLayout(tp=4, pp=4)),
+    ("declr_tp2_torch", TargetLayout(tp=1, pp=2)),
 ])
 def test_fixture_roundtrip_bit_exact(tmp_path, name, target):
     back, _ = SOURCES[name]
@@ -201,6 +203,7 @@ def twin_tensor(g, key, prefix=""):
     ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist", TargetLayout(tp=1, pp=1, ep=1)),
     ("acct_emb_pp2_torch", "acct_emb_pp2_torch_dist", TargetLayout(pp=1)),
     ("v14_tp2_torch", "v14_tp2_torch_dist", TargetLayout(tp=1)),  # Megatron-LM core_r0.14
+    ("declr_tp2_torch", "declr_tp2_torch_dist", TargetLayout(tp=1)),
 ])
 def test_tp1_reshard_equals_megatrons_torch_dist_twin(legacy, dist, target):
     """Megatron's own global view of the same weights and Adam state is the ground truth for a TP1·PP1·EP1
