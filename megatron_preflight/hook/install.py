@@ -144,6 +144,9 @@ def install() -> None:
             ckpt_mod._load_base_checkpoint = reshard_base
             try:
                 result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
+            except PreflightError as exc:  # our own, clear errors: one message and exit 1, never a traceback
+                runtime.fail_load(exc)
+                raise
             finally:
                 ckpt_mod._load_base_checkpoint = base_loader
             runtime._say(f"loaded through the in-memory resharder (iteration {result[0] if result else '?'})")

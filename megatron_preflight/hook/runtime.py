@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus
 
 log = logging.getLogger("megatron_preflight")
@@ -123,6 +124,16 @@ def preflight(args: Any) -> Decision | None:
         raise SystemExit(EXIT_FAIL)
     apply_decision(args, decision)
     return decision
+
+
+def fail_load(exc: BaseException) -> None:
+    """The in-memory reshard failed on this rank: one message naming the file and the fix (no traceback), then exit 1
+    (torchrun stops the other ranks)."""
+    what = exc.render() if isinstance(exc, PreflightError) else f"{type(exc).__name__}: {exc}"
+    print(f"[megatron-preflight] rank {consensus.rank()}: loading through the resharder failed: {what}",
+          file=sys.stderr, flush=True)
+    _release_process_groups()
+    raise SystemExit(EXIT_FAIL)
 
 
 def _release_process_groups() -> None:

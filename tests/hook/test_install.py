@@ -170,3 +170,35 @@ def test_older_megatron_without_add_megatron_arguments(monkeypatch):
         ns = parse(script_flags).parse_args(["--preflight", "auto", "--my-script-flag", "x", "--load", "/ckpt"])
         assert (ns.preflight, ns.my_script_flag, ns.load) == ("auto", "x", "/ckpt")
     assert initialize.parse_args(None).parse_args([]).preflight == "off"
+
+
+def test_reshard_load_carries_the_optimizer_state(monkeypatch):
+    mods, state = make_fake_megatron_training(monkeypatch)
+    install_mod.install()
+    state["args"] = argparse.Namespace(**TINY, load=fixture_path("tp2_torch"), preflight="auto")
+    mods["megatron.training.training"].setup_model_and_optimizer()
+    sd, _ = state["loaded"]
+    assert [len(g["params"]) for g in sd["optimizer"]["param_groups"]] == [18, 34]
+    assert not getattr(state["args"], "no_load_optim", False)
+
+
+def test_reshard_failure_is_one_message_and_exit_1(monkeypatch, capsys):
+    from megatron_preflight.errors import PreflightError
+    from megatron_preflight.hook import legacy_load
+
+    mods, state = make_fake_megatron_training(monkeypatch)
+    install_mod.install()
+
+    def broken(*a, **k):
+        raise PreflightError("a source slice is unreadable", path="/ckpt/iter_0000002/mp_rank_01/model_optim_rng.pt",
+                             fix="restore the file", code="corrupt_file")
+
+    monkeypatch.setattr(legacy_load, "resharded_state_dict", broken)
+    state["args"] = argparse.Namespace(**TINY, load=fixture_path("tp2_torch"), preflight="auto")
+    with pytest.raises(SystemExit) as exc:
+        mods["megatron.training.training"].setup_model_and_optimizer()
+    err = capsys.readouterr().err
+    assert exc.value.code == 1
+    assert "loading through the resharder failed" in err and "mp_rank_01/model_optim_rng.pt" in err
+    assert "restore the file" in err and "Traceback" not in err
+    assert mods["megatron.training.checkpointing"]._load_base_checkpoint.__name__ == "_load_base_checkpoint"
