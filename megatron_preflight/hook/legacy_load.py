@@ -53,7 +53,11 @@ def shared_layout(load_dir: str, iteration: Any, trust: bool) -> Layout:
     from megatron_preflight.layout import discover, transport
 
     def read() -> tuple[str, Any]:
-        return "ok", transport.dumps(discover(load_dir, iteration=iteration, trust_checkpoint=trust))
+        from megatron_preflight.hook import runtime
+
+        checked = runtime.CHECKED_LAYOUTS.get(os.path.abspath(load_dir))  # what the check on this rank just read
+        layout = checked if checked is not None else discover(load_dir, iteration=iteration, trust_checkpoint=trust)
+        return "ok", transport.dumps(layout)
 
     def failed(exc: BaseException) -> tuple[str, Any]:
         if isinstance(exc, PreflightError):

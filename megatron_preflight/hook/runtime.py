@@ -56,6 +56,10 @@ def _say(msg: str) -> None:
         print(f"[megatron-preflight] {msg}", flush=True)
 
 
+# Rank 0's layouts from the check, by --load dir, for the resharder to reuse (see legacy_load.shared_layout).
+CHECKED_LAYOUTS: dict[str, Any] = {}
+
+
 def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     from megatron_preflight.check.plan import Verdict, make_plan
     from megatron_preflight.check.runtime_args import from_namespace
@@ -67,6 +71,7 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     if not rt.world_size:
         rt.world_size = consensus.world_size()
     plan = make_plan(load_dir, rt, trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)))
+    CHECKED_LAYOUTS[os.path.abspath(load_dir)] = plan.layout  # the resharder reuses it: the metadata is read once
     allow_missing = bool(getattr(args, "preflight_allow_missing_checkpoint", False))
     if allow_missing and plan.layout.format is None and any(
             p.code in ("not_megatron", "no_iterations") for p in plan.layout.problems):

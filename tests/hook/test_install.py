@@ -202,3 +202,25 @@ def test_reshard_failure_is_one_message_and_exit_1(monkeypatch, capsys):
     assert "loading through the resharder failed" in err and "mp_rank_01/model_optim_rng.pt" in err
     assert "restore the file" in err and "Traceback" not in err
     assert mods["megatron.training.checkpointing"]._load_base_checkpoint.__name__ == "_load_base_checkpoint"
+
+
+def test_resharder_reuses_the_layout_the_check_read(monkeypatch):
+    """Rank 0 reads the checkpoint's metadata once: the check's layout feeds the resharder."""
+    import megatron_preflight.layout as layout_pkg
+    from megatron_preflight.hook import legacy_load
+
+    reads = []
+
+    def counted(*a, **k):
+        reads.append(a)
+        raise AssertionError("the checkpoint metadata was read a second time")
+
+    mods, state = make_fake_megatron_training(monkeypatch)
+    install_mod.install()
+    monkeypatch.setattr(legacy_load, "_RESHARDERS", {})  # no resharder cached by an earlier test
+    monkeypatch.setattr(layout_pkg, "discover", counted)
+    state["args"] = argparse.Namespace(**TINY, load=fixture_path("tp2_torch"), preflight="auto")
+    mods["megatron.training.training"].setup_model_and_optimizer()
+    sd, _ = state["loaded"]
+    assert sd["args"].tensor_model_parallel_size == 1 and reads == []
+    assert legacy_load._RESHARDERS  # the resharder was built in this test, from the check's layout
