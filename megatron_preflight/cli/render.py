@@ -93,7 +93,7 @@ def _optimizer_line(layout: Layout) -> str | None:
     from megatron_preflight.reshard.planner import source_topology
 
     try:
-        _, parts = parse_optimizer(first["optimizer"], layout.shards[0].path)
+        parts = parse_optimizer(first["optimizer"], layout.shards[0].path)
         index = index_optimizer(layout, source_topology(layout))
     except PreflightError as e:
         return f"not reshardable: {e.message}"

@@ -10,6 +10,7 @@ import torch
 
 from megatron_preflight.layout import naming
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
 
@@ -32,18 +33,15 @@ class SourceFiles:
 
     def materialize(self, shard: str, value: Any) -> Any:
         """A copy of ``value`` with every TensorRef inside replaced by its tensor (for carried non-model state)."""
-        if isinstance(value, TensorRef):
-            t = self.tensor(shard, value).clone()
+
+        def leaf(v: Any, _path: tuple) -> Any:
+            if not isinstance(v, TensorRef):
+                return v
+            t = self.tensor(shard, v).clone()
             self.bytes_read += t.numel() * t.element_size()
             return t
-        if isinstance(value, dict):
-            kind = OrderedDict if isinstance(value, OrderedDict) else dict
-            return kind((k, self.materialize(shard, v)) for k, v in value.items())
-        if isinstance(value, list):
-            return [self.materialize(shard, v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(self.materialize(shard, v) for v in value)
-        return value
+
+        return map_leaves(value, leaf)
 
     def release_pages(self) -> None:
         for f in self._files.values():
@@ -101,15 +99,8 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
 
 def build_tree(tree: Any, files: SourceFiles) -> Any:
     """A copy of ``tree`` with every :class:`TensorPlan` inside built into its tensor."""
-    if isinstance(tree, TensorPlan):
-        return tree.value if tree.shape is None else build_tensor(tree, files)
-    if isinstance(tree, dict):
-        return type(tree)((k, build_tree(v, files)) for k, v in tree.items())
-    if isinstance(tree, list):
-        return [build_tree(v, files) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(build_tree(v, files) for v in tree)
-    return tree
+    return map_leaves(tree, lambda v, _p: (v.value if v.shape is None else build_tensor(v, files))
+                      if isinstance(v, TensorPlan) else v)
 
 
 def execute(plan: RankPlan, files: SourceFiles) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from megatron_preflight.reshard.planner import (
     iter_source_keys,
 )
 from megatron_preflight.reshard.topology import Topology
+from megatron_preflight.reshard.tree import iter_leaves, map_leaves
 from megatron_preflight.torch_file import TensorRef
 
 MASTER = "@master"  # field name of a Float16 optimizer's fp32 master copy
@@ -67,10 +68,9 @@ class SubOptimizer:
     masters: list[list[Any]] | None
 
 
-def parse_optimizer(value: Any, where: str) -> tuple[bool, list[SubOptimizer]]:
-    """(is it a chained list, its parts) of a shard's ``optimizer`` entry."""
-    chained = isinstance(value, list)
-    parts = value if chained else [value]
+def parse_optimizer(value: Any, where: str) -> list[SubOptimizer]:
+    """The parts of a shard's ``optimizer`` entry (a chained optimizer saves a list, a single one a dict)."""
+    parts = value if isinstance(value, list) else [value]
     subs = []
     for part in parts:
         if not isinstance(part, dict):
@@ -90,7 +90,7 @@ def parse_optimizer(value: Any, where: str) -> tuple[bool, list[SubOptimizer]]:
             wrapped, outer, OrderedDict((k, v) for k, v in inner.items() if k not in ("state", "param_groups")),
             [{k: v for k, v in g.items() if k != "params"} for g in groups], [list(g["params"]) for g in groups],
             dict(inner["state"]), list(masters) if masters is not None else None))
-    return chained, subs
+    return subs
 
 
 def is_param(key: str, value: Any) -> bool:
@@ -204,14 +204,14 @@ def index_optimizer(layout: Layout, src: Topology) -> OptimizerIndex | None:
     for sk in iter_source_keys(layout, src):
         by_shard.setdefault(sk.shard, []).append(sk)
     first = min(parsed, key=lambda n: [s.name for s in layout.shards].index(n))
-    index = OptimizerIndex(parsed[first][1][0], first)
+    index = OptimizerIndex(parsed[first][0], first)
     expert_parallel = experts_are_expert_parallel(src)
     # An earlier reshard by this tool records the rule (a one-rank checkpoint cannot show it).
     marks = [s.meta.get(PROVENANCE_KEY) for s in shards]
     index.per_rank_order = any(isinstance(m, dict) and m.get("optimizer_group_order") == "per_rank" for m in marks)
     seen_orders: dict[int, list[str]] = {}
     for shard in shards:
-        _, subs = parsed[shard.name]
+        subs = parsed[shard.name]
         for part, sub in enumerate(subs):
             sigs = [_signature(settings) for settings in sub.groups]
             if seen_orders.setdefault(part, sigs) != sigs:
@@ -255,15 +255,14 @@ def _add_field(fields: OrderedDict[str, Any], name: str, value: Any, sk: SourceK
 
 def _carry(shard: str, value: Any, path: str) -> Any:
     """A carried value with each tensor inside made a whole-tensor copy plan."""
-    if isinstance(value, TensorRef):
-        return TensorPlan("optimizer", path, tuple(value.shape), value.dtype, [CopyOp(shard, value, None, None)])
-    if isinstance(value, dict):
-        return type(value)((k, _carry(shard, v, f"{path}.{k}")) for k, v in value.items())
-    if isinstance(value, list):
-        return [_carry(shard, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        return tuple(_carry(shard, v, f"{path}[{i}]") for i, v in enumerate(value))
-    return value
+
+    def leaf(v: Any, sub: tuple) -> Any:
+        if not isinstance(v, TensorRef):
+            return v
+        where = path + "".join(f"[{k}]" for k in sub)
+        return TensorPlan("optimizer", where, tuple(v.shape), v.dtype, [CopyOp(shard, v, None, None)])
+
+    return map_leaves(value, leaf)
 
 
 def plan_optimizer(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: Topology,
@@ -397,13 +396,6 @@ def _plan_part(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: Topolo
     return outer
 
 
-def iter_plans(tree: Any, path: tuple = ()) -> Any:
+def iter_plans(tree: Any) -> Any:
     """(path, TensorPlan) for every tensor plan inside an optimizer tree."""
-    if isinstance(tree, TensorPlan):
-        yield path, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from iter_plans(v, (*path, k))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from iter_plans(v, (*path, i))
+    return ((path, leaf) for path, leaf in iter_leaves(tree) if isinstance(leaf, TensorPlan))

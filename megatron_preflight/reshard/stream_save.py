@@ -20,6 +20,7 @@ import torch
 from megatron_preflight import pickling
 from megatron_preflight.reshard.executor import SourceFiles, build_rows
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.reshard.zip_writer import TorchZipWriter
 
 CHUNK_BYTES = 16 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
@@ -63,28 +64,25 @@ def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, p
     tensor data written."""
     pending: list[tuple[_StorageStub, Any]] = []
 
-    def stub_for(value: Any) -> Any:
+    def stub(value: Any, _path: tuple = ()) -> Any:
         if isinstance(value, TensorPlan):
             if value.shape is None:
                 return value.value
             n = 1
             for s in value.shape:
                 n *= s
-            stub = _StorageStub(str(len(pending)), value.dtype, n)
-            pending.append((stub, value))
-            return _TensorStub(stub, value.shape)
+            storage = _StorageStub(str(len(pending)), value.dtype, n)
+            pending.append((storage, value))
+            return _TensorStub(storage, value.shape)
         if isinstance(value, torch.Tensor):
             value = value.contiguous()
-            s = _StorageStub(str(len(pending)), value.dtype, value.numel())
-            pending.append((s, value))
-            return _TensorStub(s, tuple(value.shape))
-        if isinstance(value, dict):
-            return type(value)((k, stub_for(v)) for k, v in value.items())
-        if isinstance(value, list):
-            return [stub_for(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(stub_for(v) for v in value)
+            storage = _StorageStub(str(len(pending)), value.dtype, value.numel())
+            pending.append((storage, value))
+            return _TensorStub(storage, tuple(value.shape))
         return value
+
+    def stub_for(tree: Any) -> Any:
+        return map_leaves(tree, stub)
 
     state: dict[str, Any] = {k: stub_for(v) for k, v in header.items()}
     for chunk in plan.chunks:

@@ -208,7 +208,7 @@ def test_json_shape():
 def test_reshard_to_a_custom_pipeline_layout_is_refused():
     p = plan("pp2_torch", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|ttL",
              "--world-size", "2")
-    assert p.verdict == Verdict.LOAD or "pipeline_model_parallel_layout" not in fields(p, "fatal")
+    assert "pipeline_model_parallel_layout" not in fields(p, "fatal")  # no reshard: Megatron places the layers
     p = plan("pp2_torch", "--pipeline-model-parallel-size", "1", "--pipeline-model-parallel-layout", "Etttt|L")
     assert p.verdict == Verdict.FAIL and "pipeline_model_parallel_layout" in fields(p, "fatal")
 

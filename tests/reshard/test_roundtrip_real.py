@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import discover
 from megatron_preflight.reshard.api import TargetLayout, open_resharder
+from megatron_preflight.reshard.tree import iter_leaves
 from megatron_preflight.reshard.writer import write_resharded
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
@@ -54,24 +55,13 @@ def assert_same_weights(a, b):
     _assert_same(a, b, lambda k, x: "word_embeddings" in k[2] or k[2] == "output_layer.weight")
 
 
-def _flat(tree, path=()):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flat(v, (*path, k))
-    elif isinstance(tree, (list, tuple)) and not (path and path[-1] == "params"):
-        for i, v in enumerate(tree):
-            yield from _flat(v, (*path, i))
-    else:
-        yield path, tree
-
-
 def optimizer_entries(root):
     """{(shard, path...): value} over the optimizer state of every shard (tensors read with our lazy reader)."""
     layout = discover(root)
     out = {}
     for s in layout.shards:
         with TorchFile(os.path.join(s.path, "model_optim_rng.pt")) as f:
-            for path, v in _flat(s.meta.get("optimizer")):
+            for path, v in iter_leaves(s.meta.get("optimizer")):
                 out[(s.name, *path)] = (f.tensor(v).clone() if isinstance(v, TensorRef) else v, s.tp_rank)
     return out
 
