@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_preflight.check.findings import Finding, Severity
-from megatron_preflight.check.runtime_args import RuntimeArgs, pad_vocab
+from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout.model import Format, Layout
+from megatron_preflight.parallel import LayoutError, pad_vocab
 
 FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
 
@@ -192,6 +193,12 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
     def bad(field: str, value: Any, msg: str, fix: str) -> None:
         out.append(Finding(field, None, value, FATAL, msg, fix))
 
+    try:  # layers over stages and virtual stages: the one layout type decides, as for the resharder
+        layout = rt.layout()
+        if rt.num_layers and not rt.pipeline_model_parallel_layout:
+            layout.chunk_layer_counts()
+    except LayoutError as e:
+        bad(e.field or "pipeline_model_parallel_size", None, e.message, e.fix or "")
     if rt.num_attention_heads and rt.num_attention_heads % tp:
         bad("tensor_model_parallel_size", tp, f"{rt.num_attention_heads} attention heads are not divisible by TP{tp}",
             "choose a TP size that divides the number of heads")
@@ -201,37 +208,6 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
     if rt.ffn_hidden_size and rt.ffn_hidden_size % tp:
         bad("tensor_model_parallel_size", tp, f"ffn hidden size {rt.ffn_hidden_size} is not divisible by TP{tp}",
             "choose a TP size that divides the ffn hidden size")
-    if rt.num_layers:
-        first, last = rt.decoder_first_pipeline_num_layers, rt.decoder_last_pipeline_num_layers
-        if rt.pipeline_model_parallel_layout:
-            pass
-        elif first is None and last is None:
-            # --account-for-{embedding,loss}-in-pipeline-split count the embedding / loss as a layer
-            n = rt.num_layers + (rt.account_for_embedding_in_pipeline_split and pp > 1) + \
-                (rt.account_for_loss_in_pipeline_split and pp > 1)
-            what = "layers" if n == rt.num_layers else "layers (with the embedding/loss counted as layers)"
-            if n % pp:
-                bad("pipeline_model_parallel_size", pp, f"{n} {what} are not divisible by PP{pp}",
-                    "choose a PP size that divides --num-layers, or set --decoder-first-pipeline-num-layers / "
-                    "--decoder-last-pipeline-num-layers")
-            elif rt.vpp and (n // pp) % rt.vpp:
-                bad("virtual_pipeline_model_parallel_size", rt.vpp,
-                    f"{n // pp} {what} per stage are not divisible into {rt.vpp} virtual stages",
-                    "change --num-layers-per-virtual-pipeline-stage")
-        else:
-            rest = rt.num_layers - (first or 0) - (last or 0)
-            middle = pp - (first is not None) - (last is not None)
-            if rest < 0 or (middle > 0 and rest % middle) or (middle == 0 and rest):
-                bad("decoder_first_pipeline_num_layers", (first, last),
-                    f"uneven stages (first={first}, last={last}) do not split {rt.num_layers} layers over PP{pp}",
-                    "fix --decoder-first/last-pipeline-num-layers")
-    lpvs = rt.num_layers_per_virtual_pipeline_stage
-    split_layers = (rt.num_layers or 0) + rt.account_for_embedding_in_pipeline_split + \
-        rt.account_for_loss_in_pipeline_split
-    if lpvs and pp > 1 and split_layers and split_layers % pp == 0 and (split_layers // pp) % lpvs:
-        bad("virtual_pipeline_model_parallel_size", lpvs,
-            f"{split_layers // pp} layers per pipeline stage are not divisible by "
-            f"--num-layers-per-virtual-pipeline-stage {lpvs}", "choose a divisor of the layers per stage")
     if rt.num_layers_per_virtual_pipeline_stage and pp == 1:
         bad("num_layers_per_virtual_pipeline_stage", rt.num_layers_per_virtual_pipeline_stage,
             "a virtual pipeline needs PP > 1", "remove --num-layers-per-virtual-pipeline-stage")

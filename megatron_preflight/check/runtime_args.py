@@ -14,7 +14,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.parallel import pad_vocab
 
 
 @dataclass
@@ -123,24 +125,17 @@ class RuntimeArgs:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.max_position_embeddings is None and self.seq_length is not None:
             self.max_position_embeddings = self.seq_length
-        if self.virtual_pipeline_model_parallel_size is None:
-            if self.num_layers_per_virtual_pipeline_stage and self.num_layers and self.pp > 1:
-                per_stage = self.num_layers // self.pp
-                if per_stage % self.num_layers_per_virtual_pipeline_stage == 0:
-                    self.virtual_pipeline_model_parallel_size = per_stage // self.num_layers_per_virtual_pipeline_stage
-            elif self.num_virtual_stages_per_pipeline_rank:
-                self.virtual_pipeline_model_parallel_size = self.num_virtual_stages_per_pipeline_rank
-        if self.virtual_pipeline_model_parallel_size == 1:
+        try:  # an impossible split is reported by the check (parallel.LayoutError), not here
+            self.virtual_pipeline_model_parallel_size = parallel.derive_vpp(self)
+        except parallel.LayoutError:
             self.virtual_pipeline_model_parallel_size = None
         if self.padded_vocab_size is None and self.vocab_size:
             self.padded_vocab_size = pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, self.tp)
         return self
 
-
-def pad_vocab(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padded vocab: a multiple of ``make_vocab_size_divisible_by × TP``."""
-    m = divisible_by * tp
-    return ((vocab + m - 1) // m) * m
+    def layout(self) -> parallel.ParallelLayout:
+        """The run's parallel layout (the one builder, :func:`parallel.from_args`)."""
+        return parallel.from_args(self)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RuntimeArgs) if f.name != "given"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from megatron_preflight.reshard.api import TargetLayout
 
@@ -18,21 +19,7 @@ def target_from(ns: argparse.Namespace) -> TargetLayout:
         from megatron_preflight.check.runtime_args import from_cli
 
         rt = from_cli(ns.megatron_args)
-        given = rt.given
-        return TargetLayout(
-            tp=rt.tp if "tensor_model_parallel_size" in given else None,
-            pp=rt.pp if "pipeline_model_parallel_size" in given else None,
-            ep=rt.ep if "expert_model_parallel_size" in given else None,
-            etp=rt.expert_tensor_parallel_size,
-            vpp=rt.vpp,
-            first_stage_layers=rt.decoder_first_pipeline_num_layers,
-            last_stage_layers=rt.decoder_last_pipeline_num_layers,
-            vocab_size=rt.vocab_size,
-            make_vocab_size_divisible_by=rt.make_vocab_size_divisible_by if "make_vocab_size_divisible_by" in given
-            else None,
-            embedding_in_split=rt.account_for_embedding_in_pipeline_split,
-            loss_in_split=rt.account_for_loss_in_pipeline_split,
-        )
+        return TargetLayout.from_args(rt, given=rt.given)
     return TargetLayout(
         tp=_int(ns.tensor_model_parallel_size), pp=_int(ns.pipeline_model_parallel_size),
         ep=_int(ns.expert_model_parallel_size), etp=_int(ns.expert_tensor_parallel_size),
@@ -41,6 +28,16 @@ def target_from(ns: argparse.Namespace) -> TargetLayout:
         last_stage_layers=_int(ns.decoder_last_pipeline_num_layers),
         vocab_size=_int(ns.vocab_size), padded_vocab_size=_int(ns.padded_vocab_size),
     )
+
+
+def progress_bar(done: int, total: int, name: str) -> None:
+    """A one-line progress bar on stderr (the CLI's; the engine reports through a callback)."""
+    width = 30
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name:<24}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -53,7 +50,8 @@ def _run(ns: argparse.Namespace) -> int:
         target = dataclasses.replace(target, optimizer_group_order=ns.optimizer_group_order.replace("-", "_"))
     summary = write_resharded(ns.src, ns.dst, target, workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
-                              progress=not ns.no_progress, drop_optimizer=ns.drop_optimizer, distributed=True)
+                              progress=None if ns.no_progress else progress_bar, drop_optimizer=ns.drop_optimizer,
+                              distributed=True)
     if int(os.environ.get("RANK", "0") or 0) == 0:
         print(summary.render())
     return 0

@@ -18,20 +18,8 @@ _RESHARDERS: dict[tuple, Resharder] = {}
 
 
 def target_from_args(args: Any) -> TargetLayout:
-    return TargetLayout(
-        tp=args.tensor_model_parallel_size,
-        pp=args.pipeline_model_parallel_size,
-        ep=getattr(args, "expert_model_parallel_size", 1) or 1,
-        etp=getattr(args, "expert_tensor_parallel_size", None),
-        vpp=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
-        last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None),
-        padded_vocab_size=getattr(args, "padded_vocab_size", None),
-        vocab_size=getattr(args, "vocab_size", None),
-        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None),
-        embedding_in_split=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        loss_in_split=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
-    )
+    """The layout of the running job (Megatron's validated ``args``), through the one layout builder."""
+    return TargetLayout.from_args(args)
 
 
 def resharder_for(load_dir: str, args: Any) -> Resharder:

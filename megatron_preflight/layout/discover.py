@@ -7,6 +7,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.dist import DCP_METADATA, METADATA_JSON, inspect_dist
@@ -169,20 +170,28 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default) if args is not None else default
 
 
-def _sizes_from_args(layout: Layout) -> None:
+def _sizes_from_args(layout: Layout) -> bool:
+    """Sizes from the saved args (False when there are none, or they describe no valid layout)."""
     args = layout.saved_args
     if args is None:
-        return
-    layout.tp = int(_arg(args, "tensor_model_parallel_size", 1) or 1)
-    layout.pp = int(_arg(args, "pipeline_model_parallel_size", 1) or 1)
-    layout.ep = int(_arg(args, "expert_model_parallel_size", 1) or 1)
-    etp = _arg(args, "expert_tensor_parallel_size")
-    layout.etp = int(etp) if etp is not None else layout.tp
-    vpp = _arg(args, "virtual_pipeline_model_parallel_size")
-    layout.vpp = int(vpp) if vpp not in (None, 1) else None
-    layout.cp = int(_arg(args, "context_parallel_size", 1) or 1)
+        return False
+    try:
+        par = parallel.from_args(args)
+    except PreflightError as e:
+        layout.add("bad_args", layout.iter_dir or layout.path,
+                   f"the saved args describe an impossible parallel layout ({e.message})",
+                   "the checkpoint's args were damaged or edited: restore the iteration dir from a good copy")
+        return False
+    _set_parallel(layout, par)
     layout.distributed_optimizer = bool(_arg(args, "use_distributed_optimizer", False))
     layout.sizes_from = "args"
+    return True
+
+
+def _set_parallel(layout: Layout, par: parallel.ParallelLayout) -> None:
+    layout.parallel = par
+    layout.tp, layout.pp, layout.ep, layout.etp, layout.vpp, layout.cp = (
+        par.tp, par.pp, par.ep, par.etp_eff, par.vpp, par.cp)
 
 
 def _read_shard(shard: Shard, trust: bool) -> tuple[Shard, Exception | None]:
@@ -250,7 +259,8 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
     if ref is not None:
         layout.saved_args = ref.meta["args"]
         layout.checkpoint_version = ref.meta.get("checkpoint_version")
-        _sizes_from_args(layout)
+        if not _sizes_from_args(layout):
+            _sizes_from_names(layout, good)
         _check_args_agree(layout, ref, good)
     else:
         _sizes_from_names(layout, good)
@@ -283,12 +293,12 @@ def _sizes_from_names(layout: Layout, good: list[Shard]) -> None:
             ep = second
         else:
             pp = second
-    layout.tp, layout.pp, layout.ep, layout.etp, layout.cp = tp, pp, ep, tp, 1
-    layout.vpp = None
+    vpp = None
     if good:
         chunks = [k for k in good[0].meta if k.startswith("model") and k[5:].isdigit()]
         if len(chunks) > 1:
-            layout.vpp = len(chunks)
+            vpp = len(chunks)
+    _set_parallel(layout, parallel.ParallelLayout(tp=tp, pp=pp, ep=ep, vpp=vpp))
 
 
 def _check_args_agree(layout: Layout, ref: Shard, good: list[Shard]) -> None:
@@ -309,10 +319,7 @@ def _check_args_agree(layout: Layout, ref: Shard, good: list[Shard]) -> None:
 
 
 def _check_shard_set(layout: Layout) -> None:
-    sizes = naming.ParallelSizes(
-        tp=layout.tp or 1, pp=layout.pp or 1, ep=layout.ep or 1, etp=layout.etp, cp=layout.cp or 1,
-        order="tp-cp-ep-pp-dp" if _arg(layout.saved_args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
-    )
+    sizes = layout.parallel or parallel.ParallelLayout()
     layout.dims = naming.dims_class(pp_size=sizes.pp, ep_size=sizes.ep)
     layout.name_pattern = naming.name_pattern(pp_size=sizes.pp, ep_size=sizes.ep)
     expected = naming.expected_shards(sizes)

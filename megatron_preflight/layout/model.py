@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.safe_pickle import Placeholder
 from megatron_preflight.torch_file import TensorRef
 
@@ -93,6 +94,7 @@ class Layout:
     common_state: dict[str, Any] | None = None  # torch_dist: the non-tensor state
     dist_tensors: dict[str, Any] = field(default_factory=dict)  # torch_dist: key -> (global shape, dtype)
     dist_optimizer_sharding: str | None = None  # torch_dist content_metadata distrib_optim_sharding_type
+    parallel: ParallelLayout | None = None  # the layout the sizes above come from (saved args, or names + keys)
 
     @property
     def ok(self) -> bool:

@@ -14,9 +14,11 @@ Facts (Megatron-LM ``checkpointing.get_checkpoint_name`` / ``parallel_state.Rank
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_preflight.parallel import ParallelLayout
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -100,26 +102,6 @@ def dims_class(*, pp_size: int, ep_size: int) -> str:
     return "1D"
 
 
-@dataclass(frozen=True)
-class ParallelSizes:
-    """Model-parallel sizes of a layout (the ones that shape a checkpoint)."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None  # None: follows tp, as Megatron derives it
-    cp: int = 1
-    order: str = "tp-cp-ep-dp-pp"
-
-    @property
-    def etp_eff(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    def min_world(self) -> int:
-        """The smallest world size valid for both rank grids."""
-        return math.lcm(self.tp * self.cp, self.etp_eff * self.ep) * self.pp
-
-
 def _decompose(rank: int, order: list[str], sizes: dict[str, int]) -> dict[str, int]:
     coords = {}
     stride = 1
@@ -130,7 +112,7 @@ def _decompose(rank: int, order: list[str], sizes: dict[str, int]) -> dict[str, 
     return coords
 
 
-def rank_coordinates(rank: int, world: int, sizes: ParallelSizes) -> dict[str, int]:
+def rank_coordinates(rank: int, world: int, sizes: ParallelLayout) -> dict[str, int]:
     """Dense and expert coordinates of ``rank`` (Megatron's RankGenerator, both grids, same order string)."""
     order = [d for d in sizes.order.split("-") if d]
     dp = world // (sizes.tp * sizes.cp * sizes.pp)
@@ -143,7 +125,7 @@ def rank_coordinates(rank: int, world: int, sizes: ParallelSizes) -> dict[str, i
     }
 
 
-def shard_writers(sizes: ParallelSizes, world: int | None = None) -> dict[str, dict[str, int]]:
+def shard_writers(sizes: ParallelLayout, world: int | None = None) -> dict[str, dict[str, int]]:
     """Shard dir name -> the coordinates (tp, pp, ep, etp, ...) of the first rank that writes it, for every dir a
     legacy save at ``sizes`` writes (ranks with dp == 0 or edp == 0).
 
@@ -158,12 +140,12 @@ def shard_writers(sizes: ParallelSizes, world: int | None = None) -> dict[str, d
     return dict(sorted(out.items()))
 
 
-def expected_shards(sizes: ParallelSizes, world: int | None = None) -> dict[str, tuple[int, int, int]]:
+def expected_shards(sizes: ParallelLayout, world: int | None = None) -> dict[str, tuple[int, int, int]]:
     """Shard dir name -> (tp, pp, ep) for every dir a legacy save at ``sizes`` writes."""
     return {name: (c["tp"], c["pp"], c["ep"]) for name, c in shard_writers(sizes, world).items()}
 
 
-def shard_for_rank(rank: int, world: int, sizes: ParallelSizes) -> tuple[str, dict[str, int]]:
+def shard_for_rank(rank: int, world: int, sizes: ParallelLayout) -> tuple[str, dict[str, int]]:
     """The shard dir a runtime rank reads (by Megatron's rule: its own tp, pp, ep ranks) and its coordinates."""
     c = rank_coordinates(rank, world, sizes)
     return shard_dir_name(c["tp"], c["pp"], c["ep"], pp_size=sizes.pp, ep_size=sizes.ep), c

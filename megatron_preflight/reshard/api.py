@@ -10,9 +10,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format, Layout
+from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.executor import SourceFiles, execute
 from megatron_preflight.reshard.optimizer import (
     PROVENANCE_KEY,
@@ -22,6 +24,7 @@ from megatron_preflight.reshard.optimizer import (
     plan_optimizer,
 )
 from megatron_preflight.reshard.planner import (
+    VOCAB_KEYS,
     RankPlan,
     index_sources,
     is_tied,
@@ -29,8 +32,9 @@ from megatron_preflight.reshard.planner import (
     rewrite_args,
     source_topology,
     target_vocab,
+    validate_plan,
 )
-from megatron_preflight.reshard.topology import Topology
+from megatron_preflight.reshard.replicas import check_replicas
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +48,8 @@ NOT_MAPPABLE = {
 
 @dataclass
 class TargetLayout:
-    """The layout to reshard to. Sizes left None keep the source's, except ETP (follows the target TP unless given)
-    and VPP (none unless given)."""
+    """The layout to reshard to, as asked for. Sizes left None keep the source's, except ETP (follows the target TP
+    unless given) and VPP (none unless given). :meth:`resolve` turns it into the one :class:`ParallelLayout`."""
 
     tp: int | None = None
     pp: int | None = None
@@ -53,6 +57,7 @@ class TargetLayout:
     etp: int | None = None
     vpp: int | None = None
     num_layers_per_virtual_pipeline_stage: int | None = None
+    num_virtual_stages_per_pipeline_rank: int | None = None
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     padded_vocab_size: int | None = None
@@ -63,6 +68,54 @@ class TargetLayout:
     # How the target's Megatron-LM orders optimizer param groups: "sorted" (2026-01 on, core >= 0.16: the same on
     # every rank) or "per_rank" (earlier: by the first parameter each rank meets). None: as the source shows it.
     optimizer_group_order: str | None = None
+
+    @classmethod
+    def from_args(cls, args: Any, given: set[str] | None = None) -> TargetLayout:
+        """The target a run with Megatron ``args`` (a Namespace, RuntimeArgs or mapping) needs. ``given``: the arg
+        names set explicitly (the others keep the source's); None: every size is given. The virtual pipeline flags
+        are kept as flags: :meth:`resolve` derives the VPP with the model's layer count, as Megatron does."""
+
+        def get(name: str) -> Any:
+            value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
+            return value if given is None or name in given else None
+
+        per_chunk, stages = get("num_layers_per_virtual_pipeline_stage"), get("num_virtual_stages_per_pipeline_rank")
+        return cls(
+            tp=get("tensor_model_parallel_size"), pp=get("pipeline_model_parallel_size"),
+            ep=get("expert_model_parallel_size"), etp=get("expert_tensor_parallel_size"),
+            vpp=get("virtual_pipeline_model_parallel_size") if per_chunk is None and stages is None else None,
+            num_layers_per_virtual_pipeline_stage=per_chunk, num_virtual_stages_per_pipeline_rank=stages,
+            first_stage_layers=get("decoder_first_pipeline_num_layers"),
+            last_stage_layers=get("decoder_last_pipeline_num_layers"),
+            embedding_in_split=bool(get("account_for_embedding_in_pipeline_split")),
+            loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
+            padded_vocab_size=get("padded_vocab_size") if given is None else None,
+            vocab_size=get("vocab_size"),
+            make_vocab_size_divisible_by=get("make_vocab_size_divisible_by"),
+        )
+
+    def resolve(self, src: ParallelLayout) -> ParallelLayout:
+        """The target's parallel layout, built by :func:`parallel.from_args` from these sizes and the source's."""
+
+        def keep(value: int | None, source: int) -> int:
+            return source if value is None else value
+
+        return parallel.from_args({
+            "tensor_model_parallel_size": keep(self.tp, src.tp),
+            "pipeline_model_parallel_size": keep(self.pp, src.pp),
+            "expert_model_parallel_size": keep(self.ep, src.ep),
+            "expert_tensor_parallel_size": self.etp,
+            "virtual_pipeline_model_parallel_size": self.vpp,
+            "num_layers_per_virtual_pipeline_stage": self.num_layers_per_virtual_pipeline_stage,
+            "num_virtual_stages_per_pipeline_rank": self.num_virtual_stages_per_pipeline_rank,
+            "decoder_first_pipeline_num_layers": self.first_stage_layers,
+            "decoder_last_pipeline_num_layers": self.last_stage_layers,
+            "account_for_embedding_in_pipeline_split": self.embedding_in_split,
+            "account_for_loss_in_pipeline_split": self.loss_in_split,
+            "num_layers": src.num_layers,
+            "num_experts": src.num_experts,
+            "use_tp_pp_dp_mapping": src.order == parallel.TP_PP_DP_ORDER,
+        })
 
 
 @dataclass
@@ -91,27 +144,14 @@ class Resharder:
                                  fix=p.fix or "run `megatron-preflight inspect` on it", code="checkpoint")
         self.src = source_topology(lay)
         t = self.target
-        tp = t.tp or self.src.tp
-        pp = t.pp or self.src.pp
-        vpp = t.vpp
-        if vpp is None and t.num_layers_per_virtual_pipeline_stage:
-            per_stage = (self.src.num_layers + t.embedding_in_split + t.loss_in_split) // pp
-            vpp = per_stage // t.num_layers_per_virtual_pipeline_stage
-        self.tgt = Topology(
-            num_layers=self.src.num_layers, tp=tp, pp=pp, ep=t.ep or self.src.ep,
-            etp=t.etp if t.etp is not None else tp, vpp=vpp if vpp and vpp > 1 else None,
-            first_stage_layers=t.first_stage_layers, last_stage_layers=t.last_stage_layers,
-            num_experts=self.src.num_experts, cp=1, order=self.src.order,
-            embedding_in_split=t.embedding_in_split, loss_in_split=t.loss_in_split,
-        )
-        self.tgt.stage_layer_counts()  # validates
-        if self.tgt.num_experts:
-            self.tgt.experts_per_rank()
+        self.tgt = t.resolve(self.src)
+        self.tgt.validate()
         self.tied = is_tied(lay)
         self.index = index_sources(lay, self.src)
-        has_vocab = any(k[3] in ("embedding.word_embeddings.weight", "output_layer.weight") for k in self.index)
-        self.padded_vocab = target_vocab(lay, self.tgt, t.padded_vocab_size, t.vocab_size,
-                                         t.make_vocab_size_divisible_by) if has_vocab else None
+        vocab = [e for k, e in self.index.items() if k.suffix in VOCAB_KEYS and e.rule.kind == "vocab"]
+        self.vocab = target_vocab(lay, self.tgt, t.padded_vocab_size, t.vocab_size, t.make_vocab_size_divisible_by,
+                                  vocab[0].global_len() or 0) if vocab else None
+        self.padded_vocab = self.vocab.target_padded if self.vocab else None
         meta = lay.shards[0].meta or {}
         self.dropped = {k: v for k, v in NOT_MAPPABLE.items() if k in meta}
         if "optimizer" in meta:
@@ -131,16 +171,17 @@ class Resharder:
         return {name: self.plan_for_coords(coords, name) for name, coords in self.tgt.shard_dirs().items()}
 
     def plan_for_coords(self, coords: dict[str, int], name: str = "") -> RankPlan:
-        plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied,
-                         target_padded_vocab=self.padded_vocab, shard_name=name)
+        """The validated plan of the target rank at ``coords`` (model chunks and, when kept, the optimizer state)."""
+        plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied, vocab=self.vocab, shard_name=name)
         if self.optimizer_index is not None and self.keep_optimizer:
-            plan.optimizer = plan_optimizer(self.optimizer_index, plan, self.src, self.tgt, self.padded_vocab)
+            plan.optimizer = plan_optimizer(self.optimizer_index, plan, self.src, self.tgt, self.vocab)
+        validate_plan(plan)
         return plan
 
     def plan_for_rank(self, rank: int, world_size: int | None = None) -> RankPlan:
         from megatron_preflight.layout import naming
 
-        name, coords = naming.shard_for_rank(rank, world_size or self.tgt.sizes.min_world(), self.tgt.sizes)
+        name, coords = naming.shard_for_rank(rank, world_size or self.tgt.min_world(), self.tgt)
         return self.plan_for_coords(coords, name)
 
     # -- building ------------------------------------------------------------------------------------------------
@@ -174,10 +215,12 @@ class Resharder:
                 files.close()
 
     def build(self, plan: RankPlan, files: SourceFiles | None = None) -> dict[str, Any]:
-        """The full legacy state dict for ``plan``: args (rewritten), carried state, and the model chunk(s)."""
+        """The full legacy state dict for ``plan``: args (rewritten), carried state, and the model chunk(s). The
+        replicas the plan reads are sampled first (:func:`check_replicas`)."""
         own = files is None
         files = files or SourceFiles(self.layout.iter_dir or "", trust=self.trust)
         try:
+            check_replicas(plan, files)
             state = self.header(files)
             state.update(execute(plan, files))
             return state

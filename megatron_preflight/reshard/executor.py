@@ -72,7 +72,7 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
     assert tp.shape is not None
     whole = not tp.shape or (r0 == 0 and r1 == tp.shape[0])
     shape = tp.shape if whole else (r1 - r0, *tp.shape[1:])
-    dst = torch.zeros(shape, dtype=tp.dtype) if tp.zero_fill else torch.empty(shape, dtype=tp.dtype)
+    dst = torch.zeros(shape, dtype=tp.dtype) if tp.zero_fill else torch.empty(shape, dtype=tp.dtype)  # planned padding
     for op in tp.ops:
         src = files.tensor(op.shard, op.ref)
         if whole:

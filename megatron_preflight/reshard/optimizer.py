@@ -28,6 +28,7 @@ import torch
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Layout
+from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.planner import (
     CopyOp,
     GlobalEntry,
@@ -36,11 +37,11 @@ from megatron_preflight.reshard.planner import (
     SourceKey,
     SourcePiece,
     TensorPlan,
-    _plan_tensor,
+    VocabPlan,
     is_tied,
     iter_source_keys,
+    plan_tensor,
 )
-from megatron_preflight.reshard.topology import Topology
 from megatron_preflight.reshard.tree import iter_leaves, map_leaves
 from megatron_preflight.torch_file import TensorRef
 
@@ -96,11 +97,6 @@ def parse_optimizer(value: Any, where: str) -> list[SubOptimizer]:
 def is_param(key: str, value: Any) -> bool:
     """Whether a model state-dict entry is a parameter (not extra state, not a persistent buffer)."""
     return isinstance(value, (TensorRef, torch.Tensor, TensorPlan)) and not key.endswith(("_extra_state", *_BUFFERS))
-
-
-def experts_are_expert_parallel(topo: Topology) -> bool:
-    """Whether expert weights use the expert topology (their own optimizer part) at this layout."""
-    return topo.ep > 1 or topo.etp_eff != topo.tp
 
 
 def _signature(settings: dict[str, Any]) -> str:
@@ -192,7 +188,7 @@ def _assign(subs: list[SubOptimizer], params: list[SourceKey], where: str,
     return out
 
 
-def index_optimizer(layout: Layout, src: Topology) -> OptimizerIndex | None:
+def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | None:
     """Index the optimizer state of every source shard; None when the checkpoint has none. Raises
     :class:`OptimizerNotReshardable` when it cannot be mapped safely."""
     shards = [s for s in layout.shards if s.meta is not None and "optimizer" in s.meta]
@@ -205,7 +201,7 @@ def index_optimizer(layout: Layout, src: Topology) -> OptimizerIndex | None:
         by_shard.setdefault(sk.shard, []).append(sk)
     first = min(parsed, key=lambda n: [s.name for s in layout.shards].index(n))
     index = OptimizerIndex(parsed[first][0], first)
-    expert_parallel = experts_are_expert_parallel(src)
+    expert_parallel = src.experts_are_expert_parallel()
     # An earlier reshard by this tool records the rule (a one-rank checkpoint cannot show it).
     marks = [s.meta.get(PROVENANCE_KEY) for s in shards]
     index.per_rank_order = any(isinstance(m, dict) and m.get("optimizer_group_order") == "per_rank" for m in marks)
@@ -248,7 +244,7 @@ def _add_field(fields: OrderedDict[str, Any], name: str, value: Any, sk: SourceK
         entry = fields.get(name)
         if entry is None:
             entry = fields[name] = GlobalEntry(sk.gkey, sk.info, sk.rule)
-        entry.pieces.setdefault(sk.group_rank, SourcePiece(sk.shard, value, sk.group_rank, sk.group_size))
+        entry.add(SourcePiece(sk.shard, value, sk.group_rank, sk.group_size))
     else:
         fields.setdefault(name, SourcePiece(sk.shard, value, 0, 1))  # per-param scalars (step): carried
 
@@ -265,11 +261,11 @@ def _carry(shard: str, value: Any, path: str) -> Any:
     return map_leaves(value, leaf)
 
 
-def plan_optimizer(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: Topology,
-                   target_padded_vocab: int | None) -> Any:
+def plan_optimizer(index: OptimizerIndex, plan: RankPlan, src: ParallelLayout, tgt: ParallelLayout,
+                   vocab: VocabPlan | None) -> Any:
     """The target rank's optimizer state, as a tree whose tensors are :class:`TensorPlan` leaves: one part (a dict),
     or a dense and an expert part (a list) when the target's experts are expert-parallel."""
-    split = bool(index.expert) and experts_are_expert_parallel(tgt)
+    split = bool(index.expert) and tgt.experts_are_expert_parallel()
     if split:
         layout = [(False, [g for g in index.order if g in index.dense]),
                   (True, [g for g in index.order if g in index.expert])]
@@ -288,7 +284,7 @@ def plan_optimizer(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: To
     if index.per_rank_order:  # this rank's groups in the order it meets their first parameter, then the others
         layout = [(is_expert, _first_met(sigs, [tp for (p, _), tps in members.items() if p == part for tp in tps],
                                          plan, index)) for part, (is_expert, sigs) in enumerate(layout)]
-    parts = [_plan_part(index, plan, src, tgt, target_padded_vocab, p, is_expert, sigs, members)
+    parts = [_plan_part(index, plan, src, tgt, vocab, p, is_expert, sigs, members)
              for p, (is_expert, sigs) in enumerate(layout)]
     return parts if len(parts) > 1 else parts[0]
 
@@ -352,7 +348,7 @@ def _align_part(part: Any, live: list[tuple[tuple, int]]) -> Any:
     return part
 
 
-def _plan_part(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: Topology, target_padded_vocab: int | None,
+def _plan_part(index: OptimizerIndex, plan: RankPlan, src: ParallelLayout, tgt: ParallelLayout, vocab: VocabPlan | None,
                part: int, is_expert: bool, sigs: list[str], members: dict[tuple[int, str], list[TensorPlan]]) -> Any:
     sub = index.template
     state: dict[int, dict[str, Any]] = {}
@@ -367,7 +363,7 @@ def _plan_part(index: OptimizerIndex, plan: RankPlan, src: Topology, tgt: Topolo
             for name, f in index.fields.get(tp.gkey, {}).items():
                 where = f"{tp.key}#{name}"
                 if isinstance(f, GlobalEntry):
-                    fp = _plan_tensor(f, "optimizer", where, plan.coords, src, tgt, target_padded_vocab)
+                    fp = plan_tensor(f, "optimizer", where, plan.coords, tgt, vocab)
                     fp.gkey = None
                 else:
                     fp = _carry(f.shard, f.ref, where)

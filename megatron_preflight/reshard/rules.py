@@ -10,7 +10,7 @@ rows are laid out:
 * ``row``     — dim 1 split in contiguous chunks;
 * ``vocab``   — dim 0, word embeddings / output layer with ``padded_vocab_size`` rows (padding follows TP);
 * ``replicated`` — the same on every rank of the group;
-* ``extra``   — ``_extra_state`` (None, or TE/FP8 metadata): carried through from any one source rank.
+* ``extra``   — ``_extra_state`` (None, or TE/FP8 metadata): carried from the main replica.
 
 Unknown keys raise :class:`UnknownKeyError` naming the key: never silently copied or dropped.
 """
@@ -41,8 +41,7 @@ COLUMN, ROW, VOCAB, REPL, EXTRA = Rule("column"), Rule("row"), Rule("vocab"), Ru
 
 # (pattern on the suffix, rule for dense layers, rule inside an expert). "fc1" depends on SwiGLU: see rule_for().
 _TABLE: list[tuple[str, Rule]] = [
-    (r"_extra_state", EXTRA),
-    (r".*\._extra_state", EXTRA),
+    (r"(.+\.)?_extra_state", EXTRA),  # every module's extra state, TE-grouped experts' included
     # embeddings and head
     (r"embedding\.word_embeddings\.weight", VOCAB),
     (r"output_layer\.weight", VOCAB),
@@ -75,7 +74,7 @@ _TABLE: list[tuple[str, Rule]] = [
 
 # Inside one expert (the suffix after `local_experts.{j}.` or the TE-grouped `weight{j}`), split by ETP.
 _EXPERT_TABLE: list[tuple[str, Rule]] = [
-    (r".*_extra_state", EXTRA),
+    (r"(.+\.)?_extra_state", EXTRA),
     (r"linear_fc1\.(weight|bias)", Rule("fc1", "etp")),
     (r"linear_fc2\.weight", Rule("row", "etp")),
     (r"linear_fc2\.bias", Rule("replicated", "etp")),
@@ -87,7 +86,6 @@ _EXPERT_COMPILED = [(re.compile(p + r"$"), r) for p, r in _EXPERT_TABLE]
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _SEQ_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _TE_GROUPED_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
-_TE_GROUPED_EXTRA_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\._extra_state$")
 _LEGACY_GROUPED_RE = re.compile(r"^mlp\.experts\.weight[12]$")
 
 
@@ -131,21 +129,34 @@ def parse_key(key: str) -> KeyInfo:
     return KeyInfo(layer, None, rest)
 
 
-def rule_for(info: KeyInfo, *, swiglu: bool) -> Rule:
-    """The split rule of a parsed key (SwiGLU decides whether fc1 is a GLU split)."""
+class AmbiguousRuleError(PreflightError):
+    """Two rows of the split-rule table match one key: the table itself is wrong (never first-match-wins)."""
+
+
+def matching_rules(info: KeyInfo) -> list[tuple[str, Rule]]:
+    """Every table row whose pattern matches the key's suffix (the expert table inside an expert)."""
     table = _EXPERT_COMPILED if info.expert is not None else _COMPILED
-    if info.style == "plain" and _TE_GROUPED_EXTRA_RE.match(info.suffix):
-        return EXTRA
-    for pattern, rule in table:
-        if pattern.match(info.suffix):
-            if rule.kind == "fc1":
-                return Rule("glu" if swiglu else "column", rule.group)
-            return rule
+    return [(pattern.pattern, rule) for pattern, rule in table if pattern.match(info.suffix)]
+
+
+def rule_for(info: KeyInfo, *, swiglu: bool) -> Rule:
+    """The split rule of a parsed key: exactly one table row must match (SwiGLU decides whether fc1 is a GLU
+    split)."""
     where = info.render(info.layer, info.expert)
-    raise UnknownKeyError(
-        f"key {where} has no split rule (unknown parameter: another model type, MLA, MTP or a newer Megatron?)",
-        fix="no layout change can be done safely for it; load at the checkpoint's own layout, or convert with "
-            "Megatron to torch_dist and let its dist loader reshard", code="unknown_key")
+    matches = matching_rules(info)
+    if len(matches) > 1:
+        raise AmbiguousRuleError(f"key {where} matches {len(matches)} rows of the split-rule table "
+                                 f"({', '.join(p for p, _ in matches)})",
+                                 fix="this is a bug in megatron-preflight's rule table: report it", code="rules")
+    if not matches:
+        raise UnknownKeyError(
+            f"key {where} has no split rule (unknown parameter: another model type, MLA, MTP or a newer Megatron?)",
+            fix="no layout change can be done safely for it; load at the checkpoint's own layout, or convert with "
+                "Megatron to torch_dist and let its dist loader reshard", code="unknown_key")
+    rule = matches[0][1]
+    if rule.kind == "fc1":
+        return Rule("glu" if swiglu else "column", rule.group)
+    return rule
 
 
 def segments(rule: Rule, global_len: int, group_size: int, rank: int) -> list[tuple[int, int, int]]:

@@ -11,9 +11,9 @@ import logging
 import os
 import resource
 import shutil
-import sys
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +22,12 @@ import torch
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
-from megatron_preflight.reshard import share
+from megatron_preflight.reshard import durable, share
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
 from megatron_preflight.reshard.executor import SourceFiles
 from megatron_preflight.reshard.optimizer import iter_plans
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+from megatron_preflight.reshard.replicas import check_replicas
 from megatron_preflight.reshard.stream_save import save_streaming
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
@@ -41,6 +42,8 @@ class Summary:
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     verified_tensors: int = 0
+    replicas_compared: int = 0
+    replicas_full: bool = False
     dropped: dict[str, str] = field(default_factory=dict)
     destination: str = ""
 
@@ -52,6 +55,9 @@ class Summary:
         ]
         if self.verified_tensors:
             lines.append(f"verified {self.verified_tensors} tensors against their source slices (crc32): all match")
+        if self.replicas_compared:
+            how = "whole" if self.replicas_full else "sampled"
+            lines.append(f"compared {self.replicas_compared} source replicas with their main copy ({how}): all agree")
         for key, why in self.dropped.items():
             lines.append(f"not carried: {key} — {why}")
         return "\n".join(lines)
@@ -71,6 +77,18 @@ def _peak_rss() -> int:
     return max(self_kb, child_kb) * 1024
 
 
+@dataclass
+class ShardResult:
+    """What writing one target shard did."""
+
+    bytes_read: int
+    bytes_written: int
+    verified: int
+    replicas: int
+
+
+Progress = Callable[[int, int, str], None]  # (shards done, shards in all, the shard just written)
+
 _WORKER: Resharder | None = None
 
 
@@ -79,7 +97,7 @@ def _init_worker(src: str, target: TargetLayout, iteration: Any, trust: bool, ke
     _WORKER = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=keep_optimizer)
 
 
-def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | None = None) -> tuple[int, int, int]:
+def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | None = None) -> ShardResult:
     r = resharder or _WORKER
     assert r is not None
     plan = r.plan_for_coords(r.tgt.shard_dirs()[name], name)
@@ -88,9 +106,11 @@ def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | 
         out_dir = os.path.join(iter_out, name)
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, naming.MODEL_FILENAME)
+        replicas = check_replicas(plan, files, full=verify)
         save_streaming(r.header(files), plan, files, path)
         checked = verify_shard(plan, path, files) if verify else 0
-        return files.bytes_read, os.path.getsize(path), checked
+        durable.fsync_dir(out_dir)
+        return ShardResult(files.bytes_read, os.path.getsize(path), checked, replicas)
     finally:
         files.close()
 
@@ -135,7 +155,6 @@ def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFi
     if not isinstance(written, TensorRef) or tuple(written.shape) != tuple(tp.shape):
         raise PreflightError(f"verify: {tp.key} is missing or has the wrong shape", path=path, code="verify")
     dst = out.tensor(written)
-    mask = torch.zeros(tp.shape[tp.ops[0].dst[0]] if tp.ops and tp.ops[0].dst else 0, dtype=torch.bool)
     for op in tp.ops:
         src = files.tensor(op.shard, op.ref)
         s = src if op.src is None else src.narrow(*op.src)
@@ -143,31 +162,20 @@ def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFi
         if _crc(s) != _crc(d):
             raise PreflightError(f"verify: {tp.key} does not match its source slice in {op.shard}", path=path,
                                  code="verify")
-        if op.dst is not None:
-            mask[op.dst[1]: op.dst[1] + op.dst[2]] = True
-    if tp.zero_fill and len(mask) and not bool(mask.all()):
-        dim = tp.ops[0].dst[0]
-        rest = dst.index_select(dim, torch.nonzero(~mask).flatten())
-        if bool(rest.any()):
-            raise PreflightError(f"verify: padding rows of {tp.key} are not zero", path=path, code="verify")
-
-
-def _progress(done: int, total: int, name: str, enabled: bool) -> None:
-    if not enabled:
-        return
-    width = 30
-    filled = int(width * done / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name:<24}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+    dim = next((op.dst[0] for op in tp.ops if op.dst is not None), 0)
+    for start, length in tp.zero_fill:
+        if bool(dst.narrow(dim, start, length).any()):
+            raise PreflightError(f"verify: padding rows {start}:{start + length} of {tp.key} are not zero", path=path,
+                                 code="verify")
 
 
 def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 1, verify: bool = False,
                     iteration: int | str | None = None, trust_checkpoint: bool = False,
-                    progress: bool = False, drop_optimizer: bool = False, distributed: bool = False) -> Summary:
+                    progress: Progress | None = None, drop_optimizer: bool = False,
+                    distributed: bool = False) -> Summary:
     """Reshard the legacy checkpoint at ``src`` into a new checkpoint root ``dst`` at ``target``. Under torchrun
-    (``distributed``), every rank writes its share of the shards (see :mod:`share`)."""
+    (``distributed``), every rank writes its share of the shards (see :mod:`share`). ``progress`` is called after
+    each shard (on rank 0); the engine itself never prints."""
     t0 = time.perf_counter()
     grp = share.from_env() if distributed else None
     try:
@@ -196,7 +204,8 @@ def _agree(grp: share.Share | None, error: BaseException | None) -> None:
 
 
 def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bool, iteration: int | str | None,
-           trust_checkpoint: bool, progress: bool, drop_optimizer: bool, grp: share.Share | None) -> Summary:
+           trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
+           grp: share.Share | None) -> Summary:
     src_abs, dst_abs = os.path.abspath(src), os.path.abspath(dst)
     root = grp is None or grp.rank == 0
     error: BaseException | None = None
@@ -237,11 +246,12 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
         mine = [n for n in names if owner[n] == grp.rank]
     iter_out = os.path.join(tmp, naming.iteration_dir_name(iteration_value))
     summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs)
-    results: list[tuple[int, int, int]] = []
+    results: list[ShardResult] = []
     error = None
     try:
         results = _write_shards(r, mine, iter_out, src, target, workers=workers, verify=verify, iteration=iteration,
-                                trust=trust_checkpoint, progress=progress and root, keep_optimizer=not drop_optimizer)
+                                trust=trust_checkpoint, progress=progress if root else None,
+                                keep_optimizer=not drop_optimizer)
     except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
         error = e
     try:
@@ -250,21 +260,26 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
         if root:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    totals = [(sum(x[0] for x in results), sum(x[1] for x in results), sum(x[2] for x in results), _peak_rss())]
+    totals = [(sum(x.bytes_read for x in results), sum(x.bytes_written for x in results),
+               sum(x.verified for x in results), _peak_rss(), sum(x.replicas for x in results))]
     if grp is not None:
         totals = grp.gather(totals[0])
     summary.bytes_read = sum(t[0] for t in totals)
     summary.bytes_written = sum(t[1] for t in totals)
     summary.verified_tensors = sum(t[2] for t in totals)
     summary.peak_rss_bytes = max(t[3] for t in totals)
+    summary.replicas_compared = sum(t[4] for t in totals)
+    summary.replicas_full = verify
     error = None
     if root:
         try:
-            with open(os.path.join(tmp, naming.TRACKER_FILENAME), "w") as fh:  # the tracker last
-                fh.write(str(iteration_value))
+            durable.fsync_tree(tmp)  # every shard file is already on disk; now the dirs that name them
+            durable.write_text(os.path.join(tmp, naming.TRACKER_FILENAME), str(iteration_value))  # the tracker last
+            durable.fsync_dir(tmp)
             if os.path.isdir(dst_abs):
                 os.rmdir(dst_abs)  # empty (checked above)
             os.rename(tmp, dst_abs)
+            durable.fsync_dir(parent)  # the rename itself
         except BaseException as e:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             error = e
@@ -273,10 +288,10 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
 
 
 def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, target: TargetLayout, *, workers: int,
-                  verify: bool, iteration: Any, trust: bool, progress: bool,
-                  keep_optimizer: bool) -> list[tuple[int, int, int]]:
-    """Write ``names`` into ``iter_out`` (in worker processes when ``workers`` > 1): (read, written, verified)."""
-    results: list[tuple[int, int, int]] = []
+                  verify: bool, iteration: Any, trust: bool, progress: Progress | None,
+                  keep_optimizer: bool) -> list[ShardResult]:
+    """Write ``names`` into ``iter_out`` (in worker processes when ``workers`` > 1)."""
+    results: list[ShardResult] = []
     if workers > 1 and len(names) > 1:
         import multiprocessing as mp
 
@@ -286,9 +301,11 @@ def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, targe
             futures = {pool.submit(_write_shard, n, iter_out, verify): n for n in names}
             for i, fut in enumerate(futures, 1):
                 results.append(fut.result())
-                _progress(i, len(names), futures[fut], progress)
+                if progress:
+                    progress(i, len(names), futures[fut])
     else:
         for i, name in enumerate(names, 1):
             results.append(_write_shard(name, iter_out, verify, r))
-            _progress(i, len(names), name, progress)
+            if progress:
+                progress(i, len(names), name)
     return results

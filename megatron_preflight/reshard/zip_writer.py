@@ -8,6 +8,7 @@ where needed; ``torch.load`` and ``torch.load(mmap=True)`` read the result.
 
 from __future__ import annotations
 
+import os
 import struct
 import zipfile
 from typing import IO
@@ -19,7 +20,8 @@ _PAD_ID = 0x4246  # "FB", the padding extra field torch's own writer uses
 class TorchZipWriter:
     def __init__(self, path: str, archive: str = "archive") -> None:
         self.archive = archive
-        self._zf = zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        self._fh = open(path, "wb")  # noqa: SIM115 - closed (after an fsync) in close()
+        self._zf = zipfile.ZipFile(self._fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
 
     def _info(self, name: str, size: int) -> tuple[zipfile.ZipInfo, bool]:
         info = zipfile.ZipInfo(f"{self.archive}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
@@ -43,7 +45,13 @@ class TorchZipWriter:
             fh.write(data)
 
     def close(self) -> None:
-        self._zf.close()
+        """Finish the archive and make it durable (fsync) before the caller records it as written."""
+        try:
+            self._zf.close()
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        finally:
+            self._fh.close()
 
     def __enter__(self) -> TorchZipWriter:
         return self

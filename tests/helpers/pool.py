@@ -44,10 +44,40 @@ def _worker(rank: int, world: int, init_file: str, tasks, results) -> None:
         module, func, kwargs = item
         try:
             fn = getattr(importlib.import_module(module), func)
-            results.put((rank, True, fn(**kwargs)))
+            result = (rank, True, fn(**kwargs))
         except BaseException as exc:  # report and keep serving
-            results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            result = (rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        release_groups()
+        results.put(result)
     dist.destroy_process_group()
+
+
+def release_groups() -> None:
+    """Destroy every process group a task made (megatron-core's destroy_model_parallel only forgets most of them:
+    each gloo group keeps its threads, and a long session would pile up thousands of threads per worker)."""
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    except ImportError:
+        pass
+    world = dist.group.WORLD
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
+
+
+def thread_counts(pids: list[int]) -> dict[int, int]:
+    """Threads of each process (Linux /proc), for the suite-health check."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            out[pid] = 0
+    return out
 
 
 class Pool:
@@ -95,6 +125,10 @@ class Pool:
         if errors:
             raise RuntimeError("\n".join(errors))
         return [out[r] for r in range(self.world)]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
 
     def close(self) -> None:
         for q in self._tasks:

@@ -67,3 +67,16 @@ def reshard_and_compare(spec: dict, layout: dict, legacy_root: str, dist_root: s
     del ps
     return {"max_tensor_diff": worst, "logits": logits, "ref_logits": ref_logits, "param_order_ok": order_ok}
 
+
+
+def count_groups_after_release() -> int:
+    """Make megatron-core's groups, release them as the pool does after a task, and count what is left."""
+    import torch.distributed as dist
+
+    from tests.helpers.mcore_models import _init_parallel
+    from tests.helpers.pool import release_groups
+
+    _init_parallel(Layout(tp=2))
+    assert len(dist.distributed_c10d._world.pg_map) > 5
+    release_groups()
+    return len(dist.distributed_c10d._world.pg_map)

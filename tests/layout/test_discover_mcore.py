@@ -5,7 +5,8 @@ from dataclasses import asdict
 import pytest
 
 from megatron_preflight.layout import Format, discover
-from megatron_preflight.layout.naming import ParallelSizes, expected_shards
+from megatron_preflight.layout.naming import expected_shards
+from megatron_preflight.parallel import ParallelLayout
 from tests.helpers.mcore_models import Layout, ModelSpec
 
 LAYOUTS = [
@@ -31,7 +32,7 @@ def test_generated_checkpoint_layout(mcore_pool, tmp_path, lay, fmt):
     assert layout.etp == (lay.etp if lay.etp is not None else lay.tp)
     assert layout.iteration == 10
     if fmt == "torch":
-        want = expected_shards(ParallelSizes(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp))
+        want = expected_shards(ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp))
         assert [s.name for s in layout.shards] == sorted(want)
         assert layout.dims == ("3D" if lay.ep > 1 else "2D" if lay.pp > 1 else "1D")
         for s in layout.shards:

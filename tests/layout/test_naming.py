@@ -1,7 +1,8 @@
 import pytest
 
 from megatron_preflight.layout import naming
-from megatron_preflight.layout.naming import ParallelSizes, expected_shards
+from megatron_preflight.layout.naming import expected_shards
+from megatron_preflight.parallel import ParallelLayout
 
 
 def test_names_follow_megatron_rule():
@@ -40,16 +41,16 @@ def test_dims_ep_decides_3d():
     "sizes, names",
     [
         # Rank tables from Megatron's RankGenerator (shared notes §1.3), with the fixed writer rule (dp==0 or edp==0).
-        (ParallelSizes(tp=2, ep=2, etp=2), ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]),
-        (ParallelSizes(tp=2, ep=2, etp=1), ["mp_rank_00_000", "mp_rank_01_001"]),
-        (ParallelSizes(tp=2, etp=1), ["mp_rank_00", "mp_rank_01"]),
-        (ParallelSizes(tp=4, ep=2, etp=1), ["mp_rank_00_000", "mp_rank_01_001", "mp_rank_02_000", "mp_rank_03_001"]),
-        (ParallelSizes(tp=4, ep=2, etp=2), ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]),
-        (ParallelSizes(tp=2, pp=2, ep=2, etp=1),
+        (ParallelLayout(tp=2, ep=2, etp=2), ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]),
+        (ParallelLayout(tp=2, ep=2, etp=1), ["mp_rank_00_000", "mp_rank_01_001"]),
+        (ParallelLayout(tp=2, etp=1), ["mp_rank_00", "mp_rank_01"]),
+        (ParallelLayout(tp=4, ep=2, etp=1), ["mp_rank_00_000", "mp_rank_01_001", "mp_rank_02_000", "mp_rank_03_001"]),
+        (ParallelLayout(tp=4, ep=2, etp=2), ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_02_001", "mp_rank_03_001"]),
+        (ParallelLayout(tp=2, pp=2, ep=2, etp=1),
          ["mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001", "mp_rank_01_001_001"]),
-        (ParallelSizes(tp=2, pp=2, ep=2, etp=2), sorted(
+        (ParallelLayout(tp=2, pp=2, ep=2, etp=2), sorted(
             f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2) for p in range(2) for e in range(2))),
-        (ParallelSizes(tp=1, ep=4), ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_00_002", "mp_rank_00_003"]),
+        (ParallelLayout(tp=1, ep=4), ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_00_002", "mp_rank_00_003"]),
     ],
 )
 def test_expected_shards_follow_rank_grid(sizes, names):
@@ -57,7 +58,7 @@ def test_expected_shards_follow_rank_grid(sizes, names):
 
 
 def test_expected_shards_do_not_depend_on_dp():
-    sizes = ParallelSizes(tp=4, pp=2, ep=2, etp=1)
+    sizes = ParallelLayout(tp=4, pp=2, ep=2, etp=1)
     base = expected_shards(sizes)
     for world in (16, 32, 64):
         assert expected_shards(sizes, world) == base
@@ -67,6 +68,6 @@ def test_planning_huge_layout_is_fast():
     import time
 
     t = time.perf_counter()
-    shards = expected_shards(ParallelSizes(tp=8, pp=16, ep=64, etp=1))
+    shards = expected_shards(ParallelLayout(tp=8, pp=16, ep=64, etp=1))
     assert len(shards) == 64 * 16  # every EP rank has an expert-DP-rank-0 writer; tp = ep % 8 (EP folded into TP x DP)
     assert time.perf_counter() - t < 5

@@ -1,0 +1,320 @@
+"""The one parallel-layout type: TP, PP, EP, ETP, VPP, CP, rank order, uneven first/last stages and the embedding /
+loss counted in the pipeline split — built from Megatron args in exactly one function, :func:`from_args`.
+
+The layout reader (a checkpoint's saved args), the check (the run's flags), the resharder's target and the hook (the
+live ``args``) all build their layout here, so the same flags always mean the same layout. The layer-to-stage split,
+the expert placement, ETP defaulting and vocab padding live here once. Imports nothing heavy (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"  # --use-tp-pp-dp-mapping
+
+
+class LayoutError(PreflightError):
+    """A parallel layout that cannot hold the model (layers, experts, virtual stages)."""
+
+    def __init__(self, message: str, fix: str = "", field: str = "", path: str | None = None) -> None:
+        super().__init__(message, path=path, fix=fix or None, code="layout")
+        self.field = field
+
+
+def pad_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocab: the true vocab rounded up to a multiple of ``make_vocab_size_divisible_by × TP``."""
+    m = divisible_by * tp
+    return ((vocab + m - 1) // m) * m
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one model is laid out over ranks. ``etp`` None follows TP (Megatron's default); ``vpp`` is None or ≥ 2."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vpp: int | None = None
+    cp: int = 1
+    order: str = DEFAULT_ORDER
+    num_layers: int | None = None
+    num_experts: int | None = None
+    first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    embedding_in_split: bool = False  # --account-for-embedding-in-pipeline-split
+    loss_in_split: bool = False  # --account-for-loss-in-pipeline-split
+    pipeline_layout: str | None = None  # --pipeline-model-parallel-layout (not modelled: only recorded)
+    observed: tuple[tuple[int, ...], ...] | None = None  # [chunk][stage] layer counts read from a checkpoint
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "cp"):
+            _positive(name, getattr(self, name))
+        if self.etp is not None:
+            _positive("etp", self.etp)
+        if self.vpp is not None:
+            _positive("vpp", self.vpp)
+            if self.vpp == 1:
+                object.__setattr__(self, "vpp", None)
+        if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 0):
+            raise LayoutError(f"the number of layers must be a non-negative integer, got {self.num_layers!r}",
+                              field="num_layers")
+
+    # -- sizes ---------------------------------------------------------------------------------------------------
+    @property
+    def etp_eff(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def chunks(self) -> int:
+        return self.vpp or 1
+
+    def min_world(self) -> int:
+        """The smallest world size valid for both rank grids (dense TP·CP·DP·PP, expert ETP·EP·EDP·PP)."""
+        return math.lcm(self.tp * self.cp, self.etp_eff * self.ep) * self.pp
+
+    def sizes(self) -> dict[str, int | None]:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp_eff, "vpp": self.vpp, "cp": self.cp}
+
+    def describe(self) -> str:
+        text = f"TP{self.tp} PP{self.pp} EP{self.ep} ETP{self.etp_eff}"
+        return text + (f" VPP{self.vpp}" if self.vpp else "")
+
+    # -- layers over stages and virtual chunks -------------------------------------------------------------------
+    def _layers(self) -> int:
+        if self.num_layers is None:
+            raise LayoutError("the number of layers is not known", fix="pass --num-layers", field="num_layers")
+        return self.num_layers
+
+    def _stage_counts(self) -> list[int]:
+        """Layers per pipeline stage (all chunks): an even split, uneven first/last stages, or the embedding / loss
+        counted as a layer of the first / last stage."""
+        n, pp, first, last = self._layers(), self.pp, self.first_stage_layers, self.last_stage_layers
+        if first is None and last is None:
+            extra = int(self.embedding_in_split) + int(self.loss_in_split)
+            total = n + extra
+            if total % pp:
+                what = "layers" if not extra else "layers (with the embedding/loss counted as layers)"
+                raise LayoutError(f"{total} {what} are not divisible by PP{pp}", field="pipeline_model_parallel_size",
+                                  fix="choose a PP size that divides --num-layers, or set "
+                                      "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
+            counts = [total // pp] * pp
+            counts[0] -= int(self.embedding_in_split)
+            counts[-1] -= int(self.loss_in_split)
+            if min(counts) < 0:
+                raise LayoutError(f"PP{pp} leaves a stage with no room for the embedding/loss",
+                                  field="pipeline_model_parallel_size", fix="use a smaller PP size")
+            return counts
+        middle = pp - (first is not None) - (last is not None)
+        rest = n - (first or 0) - (last or 0)
+        if middle < 0 or rest < 0 or (middle and rest % middle) or (not middle and rest):
+            raise LayoutError(f"uneven stages (first={first}, last={last}) do not split {n} layers over PP{pp}",
+                              field="decoder_first_pipeline_num_layers",
+                              fix="fix --decoder-first/last-pipeline-num-layers")
+        counts = [rest // middle if middle else 0] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
+
+    def chunk_layer_counts(self) -> list[list[int]]:
+        """Layers in each (virtual chunk, stage), ``[chunk][stage]``: as read from a checkpoint when known, else by
+        Megatron's rules. Raises :class:`LayoutError` when the layout cannot hold the model."""
+        if self.observed is not None:
+            return [list(row) for row in self.observed]
+        v = self.chunks
+        if v > 1 and (self.embedding_in_split or self.loss_in_split):
+            total = self._layers() + int(self.embedding_in_split) + int(self.loss_in_split)
+            if total % (self.pp * v):
+                raise LayoutError(f"{total} layers (with the embedding/loss counted as layers) do not split over "
+                                  f"PP{self.pp} x VPP{v}", field="virtual_pipeline_model_parallel_size",
+                                  fix="change --num-layers-per-virtual-pipeline-stage")
+            counts = [[total // (self.pp * v)] * self.pp for _ in range(v)]
+            counts[0][0] -= int(self.embedding_in_split)
+            counts[-1][-1] -= int(self.loss_in_split)
+            return counts
+        stages = self._stage_counts()
+        for p, c in enumerate(stages):
+            if c % v:
+                raise LayoutError(f"stage {p} has {c} layers, not divisible into {v} virtual stages",
+                                  field="virtual_pipeline_model_parallel_size",
+                                  fix="change --num-layers-per-virtual-pipeline-stage")
+        return [[c // v for c in stages] for _ in range(v)]
+
+    def stage_layer_counts(self) -> list[int]:
+        counts = self.chunk_layer_counts()
+        return [sum(row[p] for row in counts) for p in range(self.pp)]
+
+    @cached_property
+    def _layer_table(self) -> dict[int, tuple[int, int, int]]:
+        table: dict[int, tuple[int, int, int]] = {}
+        g = 0
+        for chunk, row in enumerate(self.chunk_layer_counts()):  # Megatron numbers layers chunk-major
+            for p, c in enumerate(row):
+                for local in range(c):
+                    table[g] = (p, chunk, local)
+                    g += 1
+        return table
+
+    @cached_property
+    def _layer_index(self) -> dict[tuple[int, int, int], int]:
+        return {v: k for k, v in self._layer_table.items()}
+
+    def place_layer(self, global_layer: int) -> tuple[int, int, int]:
+        """(pp stage, virtual chunk, local index) of a global layer."""
+        try:
+            return self._layer_table[global_layer]
+        except KeyError:
+            raise LayoutError(f"layer {global_layer} does not exist in a {self.num_layers}-layer model") from None
+
+    def global_layer(self, stage: int, chunk: int, local: int) -> int:
+        try:
+            return self._layer_index[(stage, chunk, local)]
+        except KeyError:
+            raise LayoutError(f"local layer {local} of stage {stage} chunk {chunk} does not exist in a "
+                              f"{self.num_layers}-layer PP{self.pp} VPP{self.vpp} layout") from None
+
+    # -- experts -------------------------------------------------------------------------------------------------
+    def experts_per_rank(self) -> int:
+        if not self.num_experts:
+            return 0
+        if self.num_experts % self.ep:
+            raise LayoutError(f"{self.num_experts} experts are not divisible by EP{self.ep}",
+                              field="expert_model_parallel_size", fix="choose an EP size that divides --num-experts")
+        return self.num_experts // self.ep
+
+    def place_expert(self, global_expert: int) -> tuple[int, int]:
+        """(ep rank, local index) of a global expert."""
+        n = self.experts_per_rank()
+        return global_expert // n, global_expert % n
+
+    def global_expert(self, ep_rank: int, local: int) -> int:
+        return ep_rank * self.experts_per_rank() + local
+
+    def experts_are_expert_parallel(self) -> bool:
+        """Whether expert weights use the expert grid (their own optimizer part, their own DP group)."""
+        return self.ep > 1 or self.etp_eff != self.tp
+
+    # -- ranks and shard dirs (naming knows the names) ------------------------------------------------------------
+    def rank_coordinates(self, rank: int, world: int) -> dict[str, int]:
+        from megatron_preflight.layout import naming
+
+        return naming.rank_coordinates(rank, world, self)
+
+    def shard_dirs(self) -> dict[str, dict[str, int]]:
+        """Every shard dir this layout writes -> coordinates (tp, pp, ep, etp, ...) of a rank that writes it."""
+        from megatron_preflight.layout import naming
+
+        return naming.shard_writers(self)
+
+    def vpp_args(self) -> dict[str, int | None]:
+        """The Megatron args that make :func:`derive_vpp` give this VPP: layers per virtual stage (counting the
+        embedding / loss when accounted in the split), or virtual stages per rank with uneven first/last stages."""
+        if not self.vpp:
+            return {"num_layers_per_virtual_pipeline_stage": None, "num_virtual_stages_per_pipeline_rank": None}
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            return {"num_layers_per_virtual_pipeline_stage": None, "num_virtual_stages_per_pipeline_rank": self.vpp}
+        total = self._layers() + int(self.embedding_in_split) + int(self.loss_in_split)
+        return {"num_layers_per_virtual_pipeline_stage": total // (self.pp * self.vpp),
+                "num_virtual_stages_per_pipeline_rank": None}
+
+    def validate(self) -> None:
+        """Raise :class:`LayoutError` when the layout cannot hold the model (layers and experts, when known)."""
+        if self.num_layers is not None:
+            self.chunk_layer_counts()
+        if self.num_experts:
+            self.experts_per_rank()
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PreflightError(f"the {name.upper()} size must be a positive integer, got {value!r}",
+                             fix=f"pass an integer >= 1 for the {name.upper()} size", code="usage")
+
+
+def _get(args: Any, name: str) -> Any:
+    if args is None:
+        return None
+    if isinstance(args, Mapping):
+        return args.get(name)
+    return getattr(args, name, None)
+
+
+def _int(args: Any, name: str, default: int | None = None) -> int | None:
+    value = _get(args, name)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        raise PreflightError(f"argument {name} must be an integer, got {value!r}", code="usage",
+                             fix=f"pass an integer for --{name.replace('_', '-')}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise PreflightError(f"argument {name} must be an integer, got {value!r}", code="usage",
+                             fix=f"pass an integer for --{name.replace('_', '-')}") from None
+
+
+def derive_vpp(args: Any) -> int | None:
+    """The virtual pipeline size Megatron derives (``validate_args``): from ``--num-layers-per-virtual-pipeline-stage``
+    (layers per stage counting the embedding / loss when they are accounted in the split), from
+    ``--num-virtual-stages-per-pipeline-rank``, else the value already in the args (saved args carry it)."""
+    pp = _int(args, "pipeline_model_parallel_size", 1) or 1
+    if pp < 1:
+        return None  # ParallelLayout refuses the size itself
+    per_chunk = _int(args, "num_layers_per_virtual_pipeline_stage")
+    stages = _int(args, "num_virtual_stages_per_pipeline_rank")
+    vpp: int | None
+    if stages is not None:
+        vpp = stages
+    elif per_chunk is not None:
+        n = _int(args, "num_layers")
+        if n is None or per_chunk < 1:
+            raise LayoutError("--num-layers-per-virtual-pipeline-stage needs --num-layers and a value >= 1",
+                              field="num_layers_per_virtual_pipeline_stage", fix="pass --num-layers")
+        n += bool(_get(args, "account_for_embedding_in_pipeline_split"))
+        n += bool(_get(args, "account_for_loss_in_pipeline_split"))
+        if n % pp or (n // pp) % per_chunk:
+            raise LayoutError(f"{n // pp if n % pp == 0 else n / pp:g} layers per pipeline stage are not divisible by "
+                              f"--num-layers-per-virtual-pipeline-stage {per_chunk}",
+                              field="virtual_pipeline_model_parallel_size",
+                              fix="choose a divisor of the layers per pipeline stage")
+        vpp = (n // pp) // per_chunk
+    else:
+        vpp = _int(args, "virtual_pipeline_model_parallel_size")
+    return vpp if vpp and vpp > 1 else None
+
+
+def from_args(args: Any, **override: Any) -> ParallelLayout:
+    """THE builder: the layout a Megatron run with ``args`` uses. ``args`` is a Megatron ``Namespace``, a mapping of
+    Megatron arg names, or anything with those attributes (saved args, ``RuntimeArgs``). ``override`` replaces the
+    named args (Megatron names) before anything is derived."""
+    if override:
+        base = dict(vars(args)) if hasattr(args, "__dict__") and not isinstance(args, Mapping) else dict(args or {})
+        base.update(override)
+        args = base
+    pp = _int(args, "pipeline_model_parallel_size", 1)
+    experts = _int(args, "num_experts")
+    return ParallelLayout(
+        tp=_int(args, "tensor_model_parallel_size", 1),
+        pp=pp,
+        ep=_int(args, "expert_model_parallel_size", 1),
+        etp=_int(args, "expert_tensor_parallel_size"),
+        vpp=derive_vpp(args),
+        cp=_int(args, "context_parallel_size", 1),
+        order=TP_PP_DP_ORDER if _get(args, "use_tp_pp_dp_mapping") else DEFAULT_ORDER,
+        num_layers=_int(args, "num_layers"),
+        num_experts=experts or None,
+        first_stage_layers=_int(args, "decoder_first_pipeline_num_layers"),
+        last_stage_layers=_int(args, "decoder_last_pipeline_num_layers"),
+        embedding_in_split=bool(_get(args, "account_for_embedding_in_pipeline_split")),
+        loss_in_split=bool(_get(args, "account_for_loss_in_pipeline_split")),
+        pipeline_layout=_get(args, "pipeline_model_parallel_layout"),
+    )

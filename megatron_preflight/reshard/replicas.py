@@ -1,0 +1,74 @@
+"""Replicas must agree: the same source piece held by several shards (a layernorm on every TP rank, a dense weight on
+every EP rank, the tied output layer on the last stage) is read from its main copy, and the others are compared with
+it — sampled (a few elements at the start, middle and end) on every run, whole with ``--verify``. Diverged replicas
+are a real failure mode; they are reported with the shards involved, never averaged or silently picked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.reshard.executor import SourceFiles
+from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+from megatron_preflight.reshard.tree import iter_leaves
+from megatron_preflight.torch_file import TensorRef
+
+SAMPLE = 32  # elements compared at each of three places in the sampled check
+
+
+class ReplicaMismatch(PreflightError):
+    """Two shards hold different values for the same piece of a tensor."""
+
+
+def _planned(plan: RankPlan) -> Iterator[TensorPlan]:
+    yield from plan.tensors
+    for _, leaf in iter_leaves(plan.optimizer):
+        if isinstance(leaf, TensorPlan):
+            yield leaf
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous() or t.numel() <= 3 * SAMPLE:
+        return _bytes(t)
+    flat, n = t.view(-1), t.numel()
+    mid = n // 2
+    return _bytes(torch.cat([flat[:SAMPLE], flat[mid:mid + SAMPLE], flat[n - SAMPLE:]]))
+
+
+def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False) -> int:
+    """Compare every replica of every source piece ``plan`` reads with its main copy (bit for bit), whole or
+    sampled. Returns the number of replicas compared; raises :class:`ReplicaMismatch` on the first difference."""
+    seen: set[tuple] = set()
+    compared = 0
+    for tp in _planned(plan):
+        for op in tp.ops:
+            for shard, ref in op.replicas:
+                key = (op.shard, _ident(op.ref), shard, _ident(ref))
+                if key in seen:
+                    continue
+                seen.add(key)
+                a, b = files.tensor(op.shard, op.ref), files.tensor(shard, ref)
+                same = torch.equal(_bytes(a), _bytes(b)) if full else torch.equal(_sample(a), _sample(b))
+                del a, b
+                if full:
+                    files.release_pages()
+                compared += 1
+                if not same:
+                    raise ReplicaMismatch(
+                        f"the replicas of {tp.key} disagree: {op.shard} and {shard} hold different values for the same "
+                        f"piece{'' if full else ' (sampled check)'}; one of those ranks diverged",
+                        path=files.iter_dir,
+                        fix="find which copy is right (compare with an earlier iteration) and restore the iteration "
+                            "dir from a good copy, or load an earlier iteration with --ckpt-step", code="replicas")
+    return compared
+
+
+def _ident(ref: TensorRef) -> tuple:
+    return (ref.storage.key, ref.offset, tuple(ref.shape), tuple(ref.stride))

@@ -1,0 +1,135 @@
+"""Plans prove their own coverage before any byte moves: exact tiling, padding only after the real vocab, every
+replica kept and compared."""
+
+import shutil
+import zipfile
+
+import pytest
+import torch
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.reshard import planner
+from megatron_preflight.reshard.api import TargetLayout, open_resharder
+from megatron_preflight.reshard.planner import CopyOp, PlanError, TensorPlan, validate_tensor_plan
+from megatron_preflight.reshard.replicas import ReplicaMismatch
+from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.torch_file import StorageRef, TensorRef
+from tests.conftest import fixture_path
+
+
+def ref(rows: int, cols: int = 4) -> TensorRef:
+    return TensorRef("f", StorageRef("0", torch.float32, rows * cols), 0, (rows, cols), (cols, 1))
+
+
+def plan(shape, ops, zero_fill=(), pad_from=None) -> TensorPlan:
+    return TensorPlan("model", "t", shape, torch.float32, ops, zero_fill=zero_fill, pad_from=pad_from)
+
+
+def op(shard, src_rows, start, length, dst_start):
+    return CopyOp(shard, ref(src_rows), (0, start, length), (0, dst_start, length))
+
+
+def test_exact_tiling_passes():
+    validate_tensor_plan(plan((8, 4), [op("a", 4, 0, 4, 0), op("b", 4, 0, 4, 4)]), "t")
+    validate_tensor_plan(plan((8, 4), [op("a", 4, 0, 4, 0)], zero_fill=((4, 4),), pad_from=4), "t")
+    validate_tensor_plan(plan((4, 4), [CopyOp("a", ref(4), None, None)]), "t")
+
+
+@pytest.mark.parametrize("ops,zero,pad,msg", [
+    ([op("a", 4, 0, 4, 0), op("b", 4, 0, 3, 4)], (), None, "covers 7 of its 8 rows"),
+    ([op("a", 4, 0, 4, 0), op("b", 4, 0, 3, 5)], (), None, "rows 4:5 along dim 0 uncovered"),
+    ([op("a", 4, 0, 4, 0), op("b", 4, 0, 4, 3)], (), None, "twice"),
+    ([op("a", 4, 0, 4, 0)], ((4, 4),), None, "without a source"),  # zeros outside vocab padding
+    ([op("a", 4, 0, 4, 0)], ((4, 4),), 6, "without a source"),  # zeros before the real vocab ends
+    ([op("a", 4, 2, 4, 0), op("b", 4, 0, 4, 4)], (), None, "reads rows 2:6 of a source with 4"),
+    ([CopyOp("a", ref(4), None, None)], (), None, r"copies a \(4, 4\) source into a \(8, 4\) target"),
+    ([], (), None, "has no source"),
+])
+def test_gaps_overlaps_and_stray_zeros_are_refused(ops, zero, pad, msg):
+    with pytest.raises(PlanError, match=msg) as exc:
+        validate_tensor_plan(plan((8, 4), ops, zero, pad), "model.decoder.layers.0.mlp.linear_fc1.weight")
+    assert "model.decoder.layers.0.mlp.linear_fc1.weight" in str(exc.value)
+
+
+def test_planner_gap_is_caught_before_anything_is_written(monkeypatch, tmp_path):
+    real = planner.segments
+
+    def short(rule, global_len, group_size, rank):  # a planning bug: each source piece one row short
+        return [(g, n - 1, loc) for g, n, loc in real(rule, global_len, group_size, rank)] if group_size == 2 else \
+            real(rule, global_len, group_size, rank)
+
+    monkeypatch.setattr(planner, "segments", short)
+    with pytest.raises(PlanError, match=r"the plan for model\.decoder\.layers\.0\.\S+ leaves rows \d+:\d+"):
+        write_resharded(fixture_path("tp2_torch"), str(tmp_path / "out"), TargetLayout(tp=1))
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_plan_of_every_fixture_validates():
+    for name, target in [("tp2_torch", TargetLayout(tp=4)), ("moe_ep2_torch", TargetLayout(ep=4, etp=1)),
+                         ("vpp_qkln_pp2_torch", TargetLayout(pp=1)), ("bf16_gqa_tp2_torch", TargetLayout(tp=1, pp=2)),
+                         ("acct_emb_pp2_torch", TargetLayout(pp=1))]:
+        r = open_resharder(fixture_path(name), target)
+        plans = r.shard_plans()  # each validated by plan_for_coords
+        assert plans and all(p.tensors for p in plans.values())
+
+
+def test_only_padding_rows_are_zero_filled():
+    r = open_resharder(fixture_path("tp1_torch"), TargetLayout(tp=4))  # 100 real rows; 128 -> 512 padded rows
+    assert r.vocab.real == 100 and r.vocab.target_padded == 512
+    for p in r.shard_plans().values():
+        for tp in p.tensors:
+            if tp.key != "embedding.word_embeddings.weight":
+                assert not tp.zero_fill, tp.key
+            else:
+                assert all(start >= tp.pad_from for start, _ in tp.zero_fill)
+
+
+def test_padded_vocab_below_the_real_vocab_is_refused(tmp_path):
+    with pytest.raises(PreflightError, match="would cut real vocabulary rows"):
+        open_resharder(fixture_path("tp2_torch"), TargetLayout(tp=1, padded_vocab_size=64))
+
+
+def test_replicas_are_kept_main_first_by_shard_name():
+    r = open_resharder(fixture_path("tp2_torch"), TargetLayout(tp=1))
+    entry = next(e for k, e in r.index.items() if k.suffix == "input_layernorm.weight")
+    shards = [p.shard for p in entry.pieces[0]]
+    assert shards == ["mp_rank_00", "mp_rank_01"]
+    tp = next(t for t in r.shard_plans()["mp_rank_00"].tensors if t.key.endswith("0.input_layernorm.weight"))
+    assert tp.ops[0].shard == "mp_rank_00" and [s for s, _ in tp.ops[0].replicas] == ["mp_rank_01"]
+
+
+def _poke(path: str, key_suffix: str, element: int) -> None:
+    """Change one float of a tensor in a copied shard file, in place (the file stays a valid torch zip)."""
+    from megatron_preflight.torch_file import TorchFile
+
+    with TorchFile(path) as f:
+        meta = f.load_metadata()
+        tref = next(v for k, v in meta["model"].items() if k.endswith(key_suffix))
+        start, _ = f._record_offset(tref.storage.key)
+    with open(path, "r+b") as fh:
+        fh.seek(start + (tref.offset + element) * 4)
+        value = torch.frombuffer(bytearray(fh.read(4)), dtype=torch.float32)
+        fh.seek(start + (tref.offset + element) * 4)
+        fh.write((value + 1.0).numpy().tobytes())
+    zipfile.ZipFile(path).close()  # still a readable zip
+
+
+def test_diverged_replica_is_reported_with_both_shards(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("tp2_torch"), src)
+    _poke(str(src / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"), "layers.1.input_layernorm.weight", 0)
+    with pytest.raises(ReplicaMismatch) as exc:
+        write_resharded(str(src), str(tmp_path / "out"), TargetLayout(tp=1))
+    msg = str(exc.value)
+    assert "decoder.layers.1.input_layernorm.weight" in msg and "mp_rank_00" in msg and "mp_rank_01" in msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_replica_diverged_between_samples_is_found_by_verify(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("tp2_torch"), src)
+    # the position embedding (replicated over TP) is 64 x 32 floats: element 700 lies outside the three samples
+    _poke(str(src / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"), "position_embeddings.weight", 700)
+    write_resharded(str(src), str(tmp_path / "sampled"), TargetLayout(tp=1))  # the sampled check misses it
+    with pytest.raises(ReplicaMismatch, match="embedding.position_embeddings.weight"):
+        write_resharded(str(src), str(tmp_path / "verified"), TargetLayout(tp=1), verify=True)

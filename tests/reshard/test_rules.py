@@ -1,0 +1,100 @@
+"""The split-rule table: every Megatron-Core GPT key matches exactly one row, with the split Megatron uses."""
+
+import pytest
+
+from megatron_preflight.reshard import rules
+from megatron_preflight.reshard.rules import (
+    AmbiguousRuleError,
+    Rule,
+    UnknownKeyError,
+    parse_key,
+    rule_for,
+    segments,
+)
+
+# (key, SwiGLU, expected kind, expected group): facts from megatron-core's sharded_state_dict (split dims per layer).
+KEYS = [
+    ("embedding.word_embeddings.weight", False, "vocab", "tp"),
+    ("embedding.position_embeddings.weight", False, "replicated", "tp"),
+    ("output_layer.weight", False, "vocab", "tp"),
+    ("output_layer._extra_state", False, "extra", "tp"),
+    ("decoder.final_layernorm.weight", False, "replicated", "tp"),
+    ("decoder.final_layernorm.bias", False, "replicated", "tp"),
+    ("decoder.layers.0.input_layernorm.weight", False, "replicated", "tp"),
+    ("decoder.layers.3.self_attention.linear_qkv.weight", False, "column", "tp"),
+    ("decoder.layers.3.self_attention.linear_qkv.bias", False, "column", "tp"),
+    ("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight", False, "replicated", "tp"),
+    ("decoder.layers.3.self_attention.linear_qkv._extra_state", False, "extra", "tp"),
+    ("decoder.layers.3.self_attention.q_layernorm.weight", False, "replicated", "tp"),
+    ("decoder.layers.3.self_attention.linear_proj.weight", False, "row", "tp"),
+    ("decoder.layers.3.self_attention.linear_proj.bias", False, "replicated", "tp"),
+    ("decoder.layers.1.mlp.linear_fc1.weight", False, "column", "tp"),
+    ("decoder.layers.1.mlp.linear_fc1.weight", True, "glu", "tp"),
+    ("decoder.layers.1.mlp.linear_fc1.layer_norm_bias", True, "replicated", "tp"),
+    ("decoder.layers.1.mlp.linear_fc2.weight", False, "row", "tp"),
+    ("decoder.layers.1.mlp.linear_fc2.bias", False, "replicated", "tp"),
+    ("decoder.layers.1.mlp.router.weight", False, "replicated", "tp"),
+    ("decoder.layers.1.mlp.router.expert_bias", False, "replicated", "tp"),
+    ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", True, "glu", "tp"),
+    ("decoder.layers.1.mlp.shared_experts.linear_fc2.weight", False, "row", "tp"),
+    ("decoder.layers.1.mlp.shared_experts.gate_weight", False, "replicated", "tp"),
+    ("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight", True, "glu", "etp"),
+    ("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight", False, "column", "etp"),
+    ("decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight", False, "row", "etp"),
+    ("decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.bias", False, "replicated", "etp"),
+    ("decoder.layers.1.mlp.experts.local_experts.2.linear_fc2._extra_state", False, "extra", "tp"),
+    ("decoder.layers.1.mlp.experts.linear_fc1.weight3", False, "column", "etp"),
+    ("decoder.layers.1.mlp.experts.linear_fc2.weight3", False, "row", "etp"),
+    ("decoder.layers.1.mlp.experts.linear_fc1._extra_state", False, "extra", "tp"),
+]
+
+
+@pytest.mark.parametrize("key,swiglu,kind,group", KEYS)
+def test_every_key_matches_exactly_one_row(key, swiglu, kind, group):
+    info = parse_key(key)
+    assert len(rules.matching_rules(info)) == 1
+    rule = rule_for(info, swiglu=swiglu)
+    assert (rule.kind, rule.group) == (kind, group)
+
+
+def test_parse_key_places_layers_and_experts():
+    info = parse_key("decoder.layers.7.mlp.experts.local_experts.3.linear_fc2.weight")
+    assert (info.layer, info.expert, info.style, info.suffix) == (7, 3, "seq_expert", "linear_fc2.weight")
+    assert info.render(1, 0) == "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"
+    te = parse_key("decoder.layers.2.mlp.experts.linear_fc1.weight5")
+    assert (te.layer, te.expert, te.style) == (2, 5, "te_grouped") and te.render(0, 1).endswith("linear_fc1.weight1")
+
+
+def test_unknown_key_is_refused_by_name():
+    with pytest.raises(UnknownKeyError, match="decoder.layers.0.self_attention.linear_q_down_proj.weight"):
+        rule_for(parse_key("decoder.layers.0.self_attention.linear_q_down_proj.weight"), swiglu=False)
+
+
+def test_two_matching_rows_are_an_error_not_first_match(monkeypatch):
+    table = rules._COMPILED + [(rules.re.compile(r"input_layernorm\.weight$"), Rule("column"))]
+    monkeypatch.setattr(rules, "_COMPILED", table)
+    with pytest.raises(AmbiguousRuleError, match="matches 2 rows"):
+        rule_for(parse_key("decoder.layers.0.input_layernorm.weight"), swiglu=False)
+
+
+def test_legacy_grouped_gemm_refused():
+    with pytest.raises(UnknownKeyError, match="GroupedMLP"):
+        parse_key("decoder.layers.0.mlp.experts.weight1")
+
+
+@pytest.mark.parametrize("kind,n,size,rank,expected", [
+    ("column", 8, 2, 1, [(4, 4, 0)]),
+    ("row", 6, 3, 2, [(4, 2, 0)]),
+    ("glu", 8, 2, 0, [(0, 2, 0), (4, 2, 2)]),  # [gate; up]: rank 0 holds gate[0:2] then up[0:2]
+    ("glu", 8, 2, 1, [(2, 2, 0), (6, 2, 2)]),
+])
+def test_segments(kind, n, size, rank, expected):
+    assert segments(Rule(kind), n, size, rank) == expected
+
+
+def test_segments_of_all_ranks_tile_the_global_tensor():
+    for kind in ("column", "glu"):
+        for size in (1, 2, 4):
+            rows = sorted(r for rank in range(size) for g, n, _ in segments(Rule(kind), 16, size, rank)
+                          for r in range(g, g + n))
+            assert rows == list(range(16))
