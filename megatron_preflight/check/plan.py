@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ from typing import Any
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_namespace
+from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format, Layout
 
@@ -21,19 +21,6 @@ FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
 
 # Optimizer sharding types Megatron's DistributedOptimizer can reload across a (TP, PP) change.
 FULLY_RESHARDABLE = {"fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor"}
-
-
-class Verdict(str, enum.Enum):
-    LOAD = "load"
-    RESHARD = "reshard"
-    FAIL = "fail"
-
-
-class Loader(str, enum.Enum):
-    NON_EP = "non-ep"
-    EP_3D = "3d-ep"
-    DIST = "dist"
-    RESHARD = "reshard"
 
 
 @dataclass
@@ -146,8 +133,10 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
                            + ", or add --no-load-optim to start the optimizer fresh"))
     if changed and load_optim:
         if layout.format == Format.TORCH:
-            problem = _plain_optimizer_problem(layout) if not ck_dopt else \
-                "distrib_optim.pt holds flat per-bucket buffers tied to the saved layout"
+            from megatron_preflight.reshard.optimizer import optimizer_status
+
+            status = optimizer_status(layout)
+            problem = status.reason if status is not None and not status.reshardable else None
             if problem is None:
                 out.append(Finding("optimizer", "plain", "resharded", RESHARD,
                                    "the plain optimizer's state (exp_avg, exp_avg_sq, fp32 master copies) is resharded "
@@ -191,19 +180,6 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
     return out, load_optim, load_rng
 
 
-def _plain_optimizer_problem(layout: Layout) -> str | None:
-    """Why the plain optimizer state of a legacy checkpoint cannot be resharded (None: it can), from metadata."""
-    from megatron_preflight.errors import PreflightError
-    from megatron_preflight.reshard.optimizer import index_optimizer
-    from megatron_preflight.reshard.planner import source_topology
-
-    try:
-        index_optimizer(layout, source_topology(layout))
-    except PreflightError as e:
-        return e.message
-    return None
-
-
 def _format_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     out: list[Finding] = []
     fmt = layout.format
@@ -236,8 +212,8 @@ def _problem_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             continue
         if p.code == "bad_tracker" and rt.ckpt_step is not None:
             continue
-        j = p.to_json()
-        out.append(Finding("checkpoint", p.code, p.path, FATAL, j["message"], p.fix or "see message"))
+        out.append(Finding(p.code, None, None, FATAL, f"{p.path}: {p.message.rstrip('.')}",
+                           p.fix or "run `megatron-preflight inspect` on the checkpoint"))
     if layout.format is None and not layout.problems:
         out.append(Finding("checkpoint", None, layout.path, FATAL, "this is not a Megatron checkpoint",
                            "pass the --load dir of a Megatron run"))

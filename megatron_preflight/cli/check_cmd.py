@@ -5,36 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_preflight.check.plan import Plan, Verdict, make_plan
+from megatron_preflight.check.plan import Verdict, make_plan
 from megatron_preflight.check.runtime_args import from_cli, from_yaml
-
-
-def render_plan(plan: Plan) -> str:
-    from megatron_preflight.cli.render import render_layout
-
-    lines = [render_layout(plan.layout, max_shards=8), ""]
-    if plan.findings:
-        lines.append(f"{'severity':<8} {'field':<38} {'checkpoint':>14} {'run':>14}")
-        for f in plan.findings:
-            ck = "-" if f.checkpoint is None else str(f.checkpoint)
-            run = "-" if f.runtime is None else str(f.runtime)
-            lines.append(f"{f.severity.value:<8} {f.field:<38} {ck[:14]:>14} {run[:14]:>14}")
-            lines.append(f"         {f.message}")
-            if f.fix:
-                lines.append(f"         fix: {f.fix}")
-    else:
-        lines.append("no differences: the run matches the checkpoint")
-    lines.append("")
-    lines.append(f"loader      {plan.loader.value if plan.loader else '-'}")
-    lines.append(f"optimizer   {'load' if plan.load_optimizer else 'not loaded'};  "
-                 f"rng {'load' if plan.load_rng else 'not loaded'}")
-    n_fatal = len(plan.fatal)
-    word = {Verdict.LOAD: "LOAD: the job may start; the checkpoint loads as is",
-            Verdict.RESHARD: "RESHARD: the job may start with --preflight auto (in-memory reshard) or after an "
-                             "offline `megatron-preflight reshard`",
-            Verdict.FAIL: f"FAIL: the job must not start ({n_fatal} fatal finding{'s' if n_fatal != 1 else ''})"}
-    lines.append(f"verdict     {word[plan.verdict]}   [{plan.seconds * 1000:.0f} ms]")
-    return "\n".join(lines)
+from megatron_preflight.report import render_plan
 
 
 def _run(ns: argparse.Namespace) -> int:

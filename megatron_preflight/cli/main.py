@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from megatron_preflight.cli import check_cmd, reshard_cmd
 from megatron_preflight.errors import PreflightError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
@@ -22,8 +23,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_inspect(ns: argparse.Namespace) -> int:
-    from megatron_preflight.cli.render import render_layout
     from megatron_preflight.layout.discover import discover
+    from megatron_preflight.report import render_layout
 
     layout = discover(ns.path, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint)
     if ns.json:
@@ -49,18 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow pickled types outside the allow-list (runs code from the file: only for files you trust)")
     p.set_defaults(func=_cmd_inspect)
 
-    try:
-        from megatron_preflight.cli import check_cmd
-
-        check_cmd.add_parser(sub)
-    except ImportError:  # pragma: no cover - during incremental development
-        pass
-    try:
-        from megatron_preflight.cli import reshard_cmd
-
-        reshard_cmd.add_parser(sub)
-    except ImportError:  # pragma: no cover
-        pass
+    check_cmd.add_parser(sub)
+    reshard_cmd.add_parser(sub)
     return parser
 
 

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from megatron_preflight.check.verdict import Loader
 from megatron_preflight.errors import PreflightError
 
 log = logging.getLogger("megatron_preflight")
@@ -131,7 +132,7 @@ def install() -> None:
         @functools.wraps(original)
         def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", *a, **k):
             decision = runtime.current()
-            if decision is None or decision.loader != "reshard" or load_arg != "load":
+            if decision is None or decision.loader != Loader.RESHARD or load_arg != "load":
                 return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
 
             def reshard_base(load_dir, args, rank0=False, sharded_state_dict=None, *ba, **bk):

@@ -9,13 +9,11 @@ import logging
 import os
 from typing import Any
 
+from megatron_preflight.hook.state import STATE
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
 
 log = logging.getLogger("megatron_preflight")
-
-_RESHARDERS: dict[tuple, Resharder] = {}
-
 
 def target_from_args(args: Any) -> TargetLayout:
     """The layout of the running job (Megatron's validated ``args``), through the one layout builder."""
@@ -26,11 +24,11 @@ def resharder_for(load_dir: str, args: Any) -> Resharder:
     iteration = getattr(args, "ckpt_step", None)
     keep_optimizer = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
     key = (os.path.abspath(load_dir), iteration, keep_optimizer, tuple(sorted(vars(target_from_args(args)).items())))
-    if key not in _RESHARDERS:
+    if key not in STATE.resharders:
         trust = bool(getattr(args, "preflight_trust_checkpoint", False))
-        _RESHARDERS[key] = open_resharder(shared_layout(load_dir, iteration, trust), target_from_args(args),
+        STATE.resharders[key] = open_resharder(shared_layout(load_dir, iteration, trust), target_from_args(args),
                                           trust_checkpoint=trust, keep_optimizer=keep_optimizer)
-    return _RESHARDERS[key]
+    return STATE.resharders[key]
 
 
 def shared_layout(load_dir: str, iteration: Any, trust: bool) -> Layout:
@@ -41,9 +39,7 @@ def shared_layout(load_dir: str, iteration: Any, trust: bool) -> Layout:
     from megatron_preflight.layout import discover, transport
 
     def read() -> tuple[str, Any]:
-        from megatron_preflight.hook import runtime
-
-        checked = runtime.CHECKED_LAYOUTS.get(os.path.abspath(load_dir))  # what the check on this rank just read
+        checked = STATE.checked_layouts.get(os.path.abspath(load_dir))  # what the check on this rank just read
         layout = checked if checked is not None else discover(load_dir, iteration=iteration, trust_checkpoint=trust)
         return "ok", transport.dumps(layout)
 

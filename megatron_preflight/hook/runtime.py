@@ -15,8 +15,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus
+from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
 
 log = logging.getLogger("megatron_preflight")
 
@@ -28,8 +30,8 @@ class Decision:
     """The plan, reduced to plain data every rank can act on."""
 
     mode: str
-    verdict: str  # load | reshard | fail | skip
-    loader: str | None
+    verdict: Verdict
+    loader: Loader | None
     load_optimizer: bool = True
     load_rng: bool = True
     checkpoint: str | None = None
@@ -38,17 +40,9 @@ class Decision:
     applied: list[str] = field(default_factory=list)
 
 
-_CURRENT: Decision | None = None
-
-
 def current() -> Decision | None:
     """The decision of this process's pre-flight run (None before it ran, or with --preflight off)."""
-    return _CURRENT
-
-
-def reset() -> None:
-    global _CURRENT
-    _CURRENT = None
+    return STATE.decision
 
 
 def _say(msg: str) -> None:
@@ -56,14 +50,10 @@ def _say(msg: str) -> None:
         print(f"[megatron-preflight] {msg}", flush=True)
 
 
-# Rank 0's layouts from the check, by --load dir, for the resharder to reuse (see legacy_load.shared_layout).
-CHECKED_LAYOUTS: dict[str, Any] = {}
-
-
 def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
-    from megatron_preflight.check.plan import Verdict, make_plan
+    from megatron_preflight.check.plan import make_plan
     from megatron_preflight.check.runtime_args import from_namespace
-    from megatron_preflight.cli.check_cmd import render_plan
+    from megatron_preflight.report import render_plan
 
     rt = from_namespace(args)
     if mode == "auto":
@@ -71,23 +61,22 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     if not rt.world_size:
         rt.world_size = consensus.world_size()
     plan = make_plan(load_dir, rt, trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)))
-    CHECKED_LAYOUTS[os.path.abspath(load_dir)] = plan.layout  # the resharder reuses it: the metadata is read once
+    STATE.checked_layouts[os.path.abspath(load_dir)] = plan.layout  # the resharder reuses it: the metadata is read once
     allow_missing = bool(getattr(args, "preflight_allow_missing_checkpoint", False))
     if allow_missing and plan.layout.format is None and any(
             p.code in ("not_megatron", "no_iterations") for p in plan.layout.problems):
-        return Decision(mode, "skip", None, checkpoint=load_dir,
+        return Decision(mode, Verdict.SKIP, None, checkpoint=load_dir,
                         report=f"no checkpoint in {load_dir}; starting from scratch (--preflight-allow-missing-checkpoint)")
-    verdict = plan.verdict.value
+    verdict = plan.verdict
     report = render_plan(plan)
     if mode == "check" and plan.verdict == Verdict.RESHARD:
-        verdict = "fail"
+        verdict = Verdict.FAIL
         report += ("\n--preflight check loads as Megatron would, and Megatron cannot load this legacy checkpoint at "
                    "another layout. Fix: run with --preflight auto (in-memory reshard), or reshard offline with "
                    "`megatron-preflight reshard`.")
-    if verdict == "fail" and plan.layout.format is None and not allow_missing:
+    if verdict == Verdict.FAIL and plan.layout.format is None and not allow_missing:
         report += ("\nIf starting from scratch is intended, add --preflight-allow-missing-checkpoint.")
-    return Decision(mode, verdict, plan.loader.value if plan.loader else None, plan.load_optimizer, plan.load_rng,
-                    load_dir, report, plan.to_json())
+    return Decision(mode, verdict, plan.loader, plan.load_optimizer, plan.load_rng, load_dir, report, plan.to_json())
 
 
 def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:
@@ -98,29 +87,28 @@ def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:
     else:
         text = (f"internal error while checking the checkpoint ({type(exc).__name__}: {exc}); this is a bug in "
                 "megatron-preflight: rerun with --preflight off to bypass it, and report it")
-    return Decision(mode, "fail", None, checkpoint=load_dir, report=text)
+    return Decision(mode, Verdict.FAIL, None, checkpoint=load_dir, report=text)
 
 
 def preflight(args: Any) -> Decision | None:
     """Run the pre-flight check for Megatron ``args`` (all ranks call it). Exits every rank on a fatal verdict."""
-    global _CURRENT
     mode = getattr(args, "preflight", "off") or "off"
     if mode == "off":
         return None
     load_dir = getattr(args, "load", None) or getattr(args, "pretrained_checkpoint", None)
     if not load_dir:
-        _CURRENT = Decision(mode, "skip", None, report="no --load: nothing to check")
-        return _CURRENT
+        STATE.decision = Decision(mode, Verdict.SKIP, None, report="no --load: nothing to check")
+        return STATE.decision
     decision = consensus.decide_on_rank0(lambda: _make_decision(args, mode, load_dir),
                                          lambda exc: _error_decision(mode, load_dir, exc))
-    _CURRENT = decision
+    STATE.decision = decision
     report_path = getattr(args, "preflight_report", None)
     if report_path and consensus.rank() == 0:
         tmp = report_path + ".tmp"
         with open(tmp, "w") as fh:
             json.dump(asdict(decision), fh, indent=1, default=str)
         os.replace(tmp, report_path)
-    if decision.verdict == "fail":
+    if decision.verdict == Verdict.FAIL:
         if consensus.rank() == 0:
             print(decision.report, file=sys.stderr, flush=True)
             print("[megatron-preflight] the job must not start: stopping every rank (exit 1)", file=sys.stderr,
@@ -155,15 +143,15 @@ def _release_process_groups() -> None:
 
 def apply_decision(args: Any, d: Decision) -> None:
     """Set the args the chosen loader needs; say so on rank 0."""
-    if d.verdict == "skip":
+    if d.verdict == Verdict.SKIP:
         _say(d.report)
         return
-    _say(f"checkpoint {d.checkpoint}: verdict {d.verdict}, loader {d.loader}")
-    if d.mode == "auto" and d.loader == "dist" and not getattr(args, "auto_detect_ckpt_format", False) and \
+    _say(f"checkpoint {d.checkpoint}: verdict {d.verdict.value}, loader {d.loader.value if d.loader else '-'}")
+    if d.mode == "auto" and d.loader == Loader.DIST and not getattr(args, "auto_detect_ckpt_format", False) and \
             getattr(args, "ckpt_format", "torch_dist") == "torch":
         args.auto_detect_ckpt_format = True
         d.applied.append("auto_detect_ckpt_format=True")
-    if d.loader == "reshard":
+    if d.loader == Loader.RESHARD:
         if not getattr(args, "no_load_rng", False):
             args.no_load_rng = True
             d.applied.append("no_load_rng=True (RNG state cannot be mapped to another layout)")

@@ -395,3 +395,46 @@ def _plan_part(index: OptimizerIndex, plan: RankPlan, src: ParallelLayout, tgt: 
 def iter_plans(tree: Any) -> Any:
     """(path, TensorPlan) for every tensor plan inside an optimizer tree."""
     return ((path, leaf) for path, leaf in iter_leaves(tree) if isinstance(leaf, TensorPlan))
+
+
+@dataclass(frozen=True)
+class OptimizerStatus:
+    """What a legacy checkpoint's optimizer state is, and whether it can follow a layout change."""
+
+    kind: str  # none | plain | distributed
+    reshardable: bool
+    reason: str = ""  # why it cannot (empty when it can)
+    detail: str = ""  # plain: fp32 or fp32 masters, parts, group order
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return "none saved (--no-save-optim)"
+        if not self.reshardable:
+            return f"{self.kind}, not reshardable: {self.reason}"
+        return f"{self.kind}, {self.detail}; reshardable with the weights"
+
+
+DISTRIBUTED_REASON = "distrib_optim.pt holds flat per-bucket buffers tied to the saved layout"
+
+
+def optimizer_status(layout: Layout) -> OptimizerStatus | None:
+    """THE answer to "can this checkpoint's optimizer state follow a layout change?" (check and inspect both ask
+    here), from metadata only. None for a checkpoint this does not apply to (not legacy, or unreadable)."""
+    from megatron_preflight.layout.model import Format
+    from megatron_preflight.reshard.planner import source_topology
+
+    first = layout.shards[0].meta if layout.shards else None
+    if layout.format != Format.TORCH or not isinstance(first, dict):
+        return None
+    if layout.distributed_optimizer:
+        return OptimizerStatus("distributed", False, DISTRIBUTED_REASON)
+    if "optimizer" not in first:
+        return OptimizerStatus("none", False, "the checkpoint holds no optimizer state")
+    try:
+        parts = parse_optimizer(first["optimizer"], layout.shards[0].path)
+        index = index_optimizer(layout, source_topology(layout))
+    except PreflightError as e:
+        return OptimizerStatus("plain", False, e.message)
+    kind = "fp32 masters (bf16/fp16 run)" if parts[0].wrapped else "fp32"
+    order = "ordered per rank" if index and index.per_rank_order else "in the same order on every rank"
+    return OptimizerStatus("plain", True, detail=f"{kind}, {len(parts)} part(s), param groups {order}")

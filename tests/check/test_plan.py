@@ -195,7 +195,14 @@ def test_damaged_checkpoint_is_fatal(real_fixture):
     root = real_fixture("tp2_torch")
     shutil.rmtree(os.path.join(root, "iter_0000002", "mp_rank_01"))
     p = make_plan(root, from_cli(TINY + ["--tensor-model-parallel-size", "2"]))
-    assert p.verdict == Verdict.FAIL and "checkpoint" in fields(p, "fatal")
+    assert p.verdict == Verdict.FAIL and "missing_shard" in fields(p, "fatal")
+    f = next(f for f in p.fatal if f.field == "missing_shard")
+    assert f.checkpoint is None and f.runtime is None  # no problem code or path in the value columns
+    assert "mp_rank_01" in f.message and "Fix" not in f.message and f.fix  # the fix once, in its own place
+    from megatron_preflight.report import render_plan
+
+    text = render_plan(p)
+    assert text.count(f.fix) == 1
 
 
 def test_json_shape():

@@ -12,6 +12,7 @@ import pytest
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import install as install_mod
 from megatron_preflight.hook import runtime
+from megatron_preflight.hook import state as state_mod
 from tests.conftest import fixture_path
 
 
@@ -205,22 +206,28 @@ def test_reshard_failure_is_one_message_and_exit_1(monkeypatch, capsys):
 
 
 def test_resharder_reuses_the_layout_the_check_read(monkeypatch):
-    """Rank 0 reads the checkpoint's metadata once: the check's layout feeds the resharder."""
+    """Rank 0 reads the checkpoint's metadata once: the check's layout feeds the resharder. Every name the read
+    function is reachable under (the module, the package, the plan's and the API's imports) is counted."""
     import megatron_preflight.layout as layout_pkg
-    from megatron_preflight.hook import legacy_load
+    from megatron_preflight.check import plan as plan_mod
+    from megatron_preflight.reshard import api as api_mod
 
+    discover_mod = sys.modules["megatron_preflight.layout.discover"]  # the package attribute is the function
+    real = discover_mod.discover
     reads = []
 
     def counted(*a, **k):
-        reads.append(a)
-        raise AssertionError("the checkpoint metadata was read a second time")
+        reads.append(a[0])
+        return real(*a, **k)
 
     mods, state = make_fake_megatron_training(monkeypatch)
     install_mod.install()
-    monkeypatch.setattr(legacy_load, "_RESHARDERS", {})  # no resharder cached by an earlier test
-    monkeypatch.setattr(layout_pkg, "discover", counted)
+    state_mod.reset()  # no resharder cached by an earlier test
+    for mod in (layout_pkg, discover_mod, plan_mod, api_mod):
+        monkeypatch.setattr(mod, "discover", counted)
     state["args"] = argparse.Namespace(**TINY, load=fixture_path("tp2_torch"), preflight="auto")
     mods["megatron.training.training"].setup_model_and_optimizer()
     sd, _ = state["loaded"]
-    assert sd["args"].tensor_model_parallel_size == 1 and reads == []
-    assert legacy_load._RESHARDERS  # the resharder was built in this test, from the check's layout
+    assert sd["args"].tensor_model_parallel_size == 1
+    assert reads == [fixture_path("tp2_torch")]  # the check's read, and no other
+    assert state_mod.STATE.resharders  # the resharder was built in this test, from the check's layout

@@ -1,10 +1,15 @@
-"""Human-readable, one-screen renderings of reports."""
+"""Human-readable, one-screen renderings of a checkpoint's layout and of a check's plan: the CLI and the hook print
+these (the hook imports this module without the CLI)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from megatron_preflight.check.verdict import Verdict
 from megatron_preflight.layout.model import Layout
+
+if TYPE_CHECKING:
+    from megatron_preflight.check.plan import Plan
 
 KEY_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -26,7 +31,8 @@ def _size(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def render_layout(layout: Layout, *, max_shards: int = 16) -> str:
+def render_layout(layout: Layout, *, max_shards: int = 16, problems: bool = True) -> str:
+    """The layout report; ``problems=False`` leaves the problems out (a plan lists them as its findings)."""
     lines: list[str] = []
     lines.append(f"checkpoint  {layout.path}")
     if layout.format is None:
@@ -69,7 +75,9 @@ def render_layout(layout: Layout, *, max_shards: int = 16) -> str:
             lines.append(f"missing     {', '.join(layout.missing_shards)}")
     for note in layout.notes:
         lines.append(f"note        {note}")
-    if layout.problems:
+    if layout.problems and not problems:
+        lines.append(f"problems    {len(layout.problems)} (below)")
+    elif layout.problems:
         lines.append(f"PROBLEMS    {len(layout.problems)}")
         for p in layout.problems:
             j = p.to_json()
@@ -80,23 +88,36 @@ def render_layout(layout: Layout, *, max_shards: int = 16) -> str:
 
 
 def _optimizer_line(layout: Layout) -> str | None:
-    """What the plain optimizer state of a legacy checkpoint is, and whether it can follow a layout change."""
-    from megatron_preflight.layout.model import Format
+    """What the optimizer state of a legacy checkpoint is, and whether it can follow a layout change."""
+    from megatron_preflight.reshard.optimizer import optimizer_status
 
-    first = layout.shards[0].meta if layout.shards else None
-    if layout.format != Format.TORCH or not isinstance(first, dict) or layout.problems:
+    if layout.problems:
         return None
-    if "optimizer" not in first:
-        return "none saved (--no-save-optim)"
-    from megatron_preflight.errors import PreflightError
-    from megatron_preflight.reshard.optimizer import index_optimizer, parse_optimizer
-    from megatron_preflight.reshard.planner import source_topology
+    status = optimizer_status(layout)
+    return status.describe() if status else None
 
-    try:
-        parts = parse_optimizer(first["optimizer"], layout.shards[0].path)
-        index = index_optimizer(layout, source_topology(layout))
-    except PreflightError as e:
-        return f"not reshardable: {e.message}"
-    kind = "fp32 masters (bf16/fp16 run)" if parts[0].wrapped else "fp32"
-    order = "ordered per rank" if index and index.per_rank_order else "in the same order on every rank"
-    return f"plain, {kind}, {len(parts)} part(s), param groups {order}; reshardable with the weights"
+
+def render_plan(plan: Plan) -> str:
+    lines = [render_layout(plan.layout, max_shards=8, problems=False), ""]
+    if plan.findings:
+        lines.append(f"{'severity':<8} {'field':<38} {'checkpoint':>14} {'run':>14}")
+        for f in plan.findings:
+            ck = "-" if f.checkpoint is None else str(f.checkpoint)
+            run = "-" if f.runtime is None else str(f.runtime)
+            lines.append(f"{f.severity.value:<8} {f.field:<38} {ck[:14]:>14} {run[:14]:>14}")
+            lines.append(f"         {f.message}")
+            if f.fix:
+                lines.append(f"         fix: {f.fix}")
+    else:
+        lines.append("no differences: the run matches the checkpoint")
+    lines.append("")
+    lines.append(f"loader      {plan.loader.value if plan.loader else '-'}")
+    lines.append(f"optimizer   {'load' if plan.load_optimizer else 'not loaded'};  "
+                 f"rng {'load' if plan.load_rng else 'not loaded'}")
+    n_fatal = len(plan.fatal)
+    word = {Verdict.LOAD: "LOAD: the job may start; the checkpoint loads as is",
+            Verdict.RESHARD: "RESHARD: the job may start with --preflight auto (in-memory reshard) or after an "
+                             "offline `megatron-preflight reshard`",
+            Verdict.FAIL: f"FAIL: the job must not start ({n_fatal} fatal finding{'s' if n_fatal != 1 else ''})"}
+    lines.append(f"verdict     {word[plan.verdict]}   [{plan.seconds * 1000:.0f} ms]")
+    return "\n".join(lines)
