@@ -149,10 +149,6 @@ class ParallelLayout:
                                   fix="change --num-layers-per-virtual-pipeline-stage")
         return [[c // v for c in stages] for _ in range(v)]
 
-    def stage_layer_counts(self) -> list[int]:
-        counts = self.chunk_layer_counts()
-        return [sum(row[p] for row in counts) for p in range(self.pp)]
-
     @cached_property
     def _layer_table(self) -> dict[int, tuple[int, int, int]]:
         table: dict[int, tuple[int, int, int]] = {}
@@ -275,6 +271,11 @@ def derive_vpp(args: Any) -> int | None:
     if stages is not None:
         vpp = stages
     elif per_chunk is not None:
+        if _get(args, "decoder_first_pipeline_num_layers") is not None or \
+                _get(args, "decoder_last_pipeline_num_layers") is not None:
+            raise LayoutError("--num-layers-per-virtual-pipeline-stage cannot be combined with uneven first/last "
+                              "pipeline stages (Megatron asserts)", field="num_layers_per_virtual_pipeline_stage",
+                              fix="use --num-virtual-stages-per-pipeline-rank instead")
         n = _int(args, "num_layers")
         if n is None or per_chunk < 1:
             raise LayoutError("--num-layers-per-virtual-pipeline-stage needs --num-layers and a value >= 1",

@@ -8,5 +8,5 @@ set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?
 set -e
-if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi
+if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: that is a failure" >&2; exit 1; fi
 exit $rc

@@ -49,7 +49,9 @@ NOT_MAPPABLE = {
 @dataclass
 class TargetLayout:
     """The layout to reshard to, as asked for. Sizes left None keep the source's, except ETP (follows the target TP
-    unless given) and VPP (none unless given). :meth:`resolve` turns it into the one :class:`ParallelLayout`."""
+    unless given) and VPP (none unless given); the stage split (uneven first/last stages, the embedding / loss
+    counted in it) is the source's when PP is kept and none of it is given. :meth:`resolve` turns it into the one
+    :class:`ParallelLayout`."""
 
     tp: int | None = None
     pp: int | None = None
@@ -63,8 +65,8 @@ class TargetLayout:
     padded_vocab_size: int | None = None
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int | None = None
-    embedding_in_split: bool = False  # --account-for-embedding-in-pipeline-split at the target
-    loss_in_split: bool = False  # --account-for-loss-in-pipeline-split at the target
+    embedding_in_split: bool | None = None  # --account-for-embedding-in-pipeline-split at the target
+    loss_in_split: bool | None = None  # --account-for-loss-in-pipeline-split at the target
     # How the target's Megatron-LM orders optimizer param groups: "sorted" (2026-01 on, core >= 0.16: the same on
     # every rank) or "per_rank" (earlier: by the first parameter each rank meets). None: as the source shows it.
     optimizer_group_order: str | None = None
@@ -87,6 +89,7 @@ class TargetLayout:
             num_layers_per_virtual_pipeline_stage=per_chunk, num_virtual_stages_per_pipeline_rank=stages,
             first_stage_layers=get("decoder_first_pipeline_num_layers"),
             last_stage_layers=get("decoder_last_pipeline_num_layers"),
+            # a run's flags: an accounting flag not given is off (Megatron's default), not "keep the source's"
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split")),
             loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
             padded_vocab_size=get("padded_vocab_size") if given is None else None,
@@ -100,6 +103,10 @@ class TargetLayout:
         def keep(value: int | None, source: int) -> int:
             return source if value is None else value
 
+        split = (self.first_stage_layers, self.last_stage_layers, self.embedding_in_split, self.loss_in_split)
+        if keep(self.pp, src.pp) == src.pp and all(v is None for v in split):  # same PP: the same stage split
+            split = (src.first_stage_layers, src.last_stage_layers, src.embedding_in_split, src.loss_in_split)
+        first, last, emb, loss = split
         return parallel.from_args({
             "tensor_model_parallel_size": keep(self.tp, src.tp),
             "pipeline_model_parallel_size": keep(self.pp, src.pp),
@@ -108,10 +115,10 @@ class TargetLayout:
             "virtual_pipeline_model_parallel_size": self.vpp,
             "num_layers_per_virtual_pipeline_stage": self.num_layers_per_virtual_pipeline_stage,
             "num_virtual_stages_per_pipeline_rank": self.num_virtual_stages_per_pipeline_rank,
-            "decoder_first_pipeline_num_layers": self.first_stage_layers,
-            "decoder_last_pipeline_num_layers": self.last_stage_layers,
-            "account_for_embedding_in_pipeline_split": self.embedding_in_split,
-            "account_for_loss_in_pipeline_split": self.loss_in_split,
+            "decoder_first_pipeline_num_layers": first,
+            "decoder_last_pipeline_num_layers": last,
+            "account_for_embedding_in_pipeline_split": bool(emb),
+            "account_for_loss_in_pipeline_split": bool(loss),
             "num_layers": src.num_layers,
             "num_experts": src.num_experts,
             "use_tp_pp_dp_mapping": src.order == parallel.TP_PP_DP_ORDER,

@@ -9,14 +9,6 @@ from __future__ import annotations
 import os
 
 
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(path: str) -> None:
     """Persist a directory's entries (names created, renamed or removed in it)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -9,9 +9,9 @@ import torch
 from megatron_preflight.check.plan import Loader, Verdict, make_plan
 from megatron_preflight.check.runtime_args import from_cli, from_namespace, from_yaml
 from tests.conftest import fixture_path
+from tests.helpers.tiny import FLAGS
 
-TINY = ("--num-layers 4 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-        "--max-position-embeddings 32 --vocab-size 100 --tokenizer-type NullTokenizer --transformer-impl local").split()
+TINY = FLAGS
 MOE = "--num-experts 4 --moe-router-topk 2".split()
 
 

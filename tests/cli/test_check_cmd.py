@@ -1,8 +1,8 @@
 import json
 
 from megatron_preflight.cli.main import main
-from tests.check.test_plan import TINY
 from tests.conftest import fixture_path
+from tests.helpers.tiny import FLAGS as TINY
 
 
 def test_check_load_exit_0(capsys):

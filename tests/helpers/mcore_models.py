@@ -160,12 +160,14 @@ def save_legacy(chunks, spec: ModelSpec, layout: Layout, root: str, iteration: i
     """Megatron's legacy save: writers are ranks with DP rank 0 or expert-DP rank 0; dir named by tp/pp/ep rank."""
     from megatron.core import parallel_state as ps
 
-    from megatron_preflight.layout import naming  # the dir name rule (ground truth: the real fixtures)
-
     writes = ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0
     if writes:
-        name = naming.shard_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                                     ps.get_expert_model_parallel_rank(), pp_size=layout.pp, ep_size=layout.ep)
+        # Megatron's dir name, written out here (not taken from the code under test): mp_rank_TT[_PPP][_EEE]
+        name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+        if layout.pp > 1:
+            name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+        if layout.ep > 1:
+            name += f"_{ps.get_expert_model_parallel_rank():03d}"
         d = os.path.join(root, f"iter_{iteration:07d}", name)
         os.makedirs(d, exist_ok=True)
         state = {"args": megatron_args(spec, layout, dist_opt=dist_opt), "checkpoint_version": 3.0,

@@ -14,6 +14,7 @@ from megatron_preflight.hook import install as install_mod
 from megatron_preflight.hook import runtime
 from megatron_preflight.hook import state as state_mod
 from tests.conftest import fixture_path
+from tests.helpers.tiny import ARGS
 
 
 def make_fake_megatron_training(monkeypatch, drop=None):
@@ -73,10 +74,7 @@ def make_fake_megatron_training(monkeypatch, drop=None):
     return mods, state
 
 
-TINY = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=32,
-            max_position_embeddings=32, vocab_size=100, padded_vocab_size=128, transformer_impl="local",
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-            ckpt_format="torch")
+TINY = dict(ARGS, padded_vocab_size=128, ckpt_format="torch")
 
 
 def test_flag_added_and_extra_args_provider_kept(monkeypatch):

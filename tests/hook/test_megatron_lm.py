@@ -14,16 +14,16 @@ import sys
 import pytest
 
 from tests.conftest import fixture_path
+from tests.helpers.tiny import MODEL_FLAGS
 
 ROOT = os.environ.get("MEGATRON_LM_ROOT")
 pytestmark = pytest.mark.skipif(not ROOT, reason="MEGATRON_LM_ROOT is not set: no real Megatron-LM checkout here "
                                                   "(megatron.training is not on PyPI)")
 
-TINY = ("--num-layers 4 --hidden-size 32 --ffn-hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-        "--max-position-embeddings 32 --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 1 "
-        "--global-batch-size 2 --lr 1e-4 --min-lr 1e-5 --lr-decay-style constant --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 100 --seed 1234 --log-interval 1 --eval-iters 0 "
-        "--eval-interval 1000 --train-iters 3 --use-checkpoint-opt-param-scheduler").split()
+TINY = MODEL_FLAGS + ("--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 1 --global-batch-size 2 --lr 1e-4 "
+                      "--min-lr 1e-5 --lr-decay-style constant --mock-data --seed 1234 --log-interval 1 "
+                      "--eval-iters 0 --eval-interval 1000 --train-iters 3 "
+                      "--use-checkpoint-opt-param-scheduler").split()
 
 
 # tests/fixtures/megatron-lm/LOCAL_FIXTURES.md: bf16 (fp32 master copies in the optimizer state), GQA, SwiGLU, RoPE,

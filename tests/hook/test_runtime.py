@@ -12,10 +12,9 @@ import pytest
 
 from megatron_preflight.hook import runtime
 from tests.conftest import fixture_path
+from tests.helpers.tiny import ARGS
 
-TINY = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=32,
-            max_position_embeddings=32, vocab_size=100, transformer_impl="local", tensor_model_parallel_size=1,
-            pipeline_model_parallel_size=1, expert_model_parallel_size=1)
+TINY = ARGS
 
 WORKER = textwrap.dedent("""
     import argparse, json, os, sys, time

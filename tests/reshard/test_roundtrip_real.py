@@ -84,19 +84,22 @@ def roundtrip(tmp, name, target, back):
     return mid_layout
 
 
+# The way back to each source layout, stated in full: a target that keeps PP and names no stage split keeps the
+# intermediate's split (uneven stages, accounting flags), so the even splits below say embedding_in_split=False.
 SOURCES = {
     "tp2_torch": (TargetLayout(tp=2, pp=1), dict(num_experts=None)),
-    "pp2_torch": (TargetLayout(tp=1, pp=2), dict(num_experts=None)),
+    "pp2_torch": (TargetLayout(tp=1, pp=2, embedding_in_split=False), dict(num_experts=None)),
     "moe_ep2_torch": (TargetLayout(tp=1, pp=1, ep=2, etp=1), dict(num_experts=4)),
     "tp1_torch": (TargetLayout(tp=1, pp=1), dict(num_experts=None)),
     "bf16_gqa_tp2_torch": (TargetLayout(tp=2, pp=1), dict(num_experts=None)),
     "fp16_qkln_tp2_torch": (TargetLayout(tp=2, pp=1), dict(num_experts=None)),
-    "vpp_qkln_pp2_torch": (TargetLayout(tp=1, pp=2, vpp=2), dict(num_experts=None)),
-    "moe_shared_tp2pp2ep2_torch": (TargetLayout(tp=2, pp=2, ep=2, etp=1), dict(num_experts=4)),
+    "vpp_qkln_pp2_torch": (TargetLayout(tp=1, pp=2, vpp=2, embedding_in_split=False), dict(num_experts=None)),
+    "moe_shared_tp2pp2ep2_torch": (TargetLayout(tp=2, pp=2, ep=2, etp=1, embedding_in_split=False),
+                                   dict(num_experts=4)),
     # 5 layers over PP2 with the embedding counted as a layer: stage 0 holds 2 layers, stage 1 holds 3
     "acct_emb_pp2_torch": (TargetLayout(tp=1, pp=2, embedding_in_split=True), dict(num_experts=None)),
     # Megatron-LM core_r0.14: optimizer param groups ordered per rank (stage 1 starts with the no-decay group)
-    "v14_tp2pp2_torch": (TargetLayout(tp=2, pp=2), dict(num_experts=None)),
+    "v14_tp2pp2_torch": (TargetLayout(tp=2, pp=2, embedding_in_split=False), dict(num_experts=None)),
     "declr_tp2_torch": (TargetLayout(tp=2, pp=1), dict(num_experts=None)),  # --decoupled-lr: a third group
 }
 
