@@ -137,10 +137,21 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
 
             status = optimizer_status(layout)
             problem = status.reason if status is not None and not status.reshardable else None
-            if problem is None:
-                out.append(Finding("optimizer", "plain", "resharded", RESHARD,
-                                   "the plain optimizer's state (exp_avg, exp_avg_sq, fp32 master copies) is resharded "
-                                   "with the weights, by the same split rules", ""))
+            if problem is None and status is not None and not status.in_memory:
+                out.append(Finding("optimizer", "distributed", "load", FATAL,
+                                   "the distributed optimizer's state (distrib_optim.pt) follows a layout change "
+                                   "offline, not yet in memory: Megatron would look for distrib_optim.pt of the "
+                                   "run's layout",
+                                   f"reshard offline first (it carries the state): megatron-preflight reshard "
+                                   f"{layout.root or layout.path} NEW_DIR -- <the run's flags>, then --load NEW_DIR; or "
+                                   "add --no-load-optim (and keep the weights)"))
+            elif problem is None:
+                kind = status.kind if status is not None else "plain"
+                what = ("the distributed optimizer's state (distrib_optim.pt: fp32 masters, exp_avg, exp_avg_sq) is "
+                        "resharded with the weights and laid out in the run's DDP buffers" if kind == "distributed"
+                        else "the plain optimizer's state (exp_avg, exp_avg_sq, fp32 master copies) is resharded "
+                        "with the weights, by the same split rules")
+                out.append(Finding("optimizer", kind, "resharded", RESHARD, what, ""))
             else:
                 out.append(Finding("optimizer", "saved", "load", FATAL,
                                    f"the layout changes and the optimizer state cannot be carried across ({problem}); "

@@ -143,6 +143,8 @@ def install() -> None:
                 return state, name, release, CheckpointType.LEGACY
 
             ckpt_mod._load_base_checkpoint = reshard_base
+            # A distributed optimizer reads distrib_optim.pt by path after the model: serve it from memory too.
+            restore = legacy_load.serve_parameter_state(optimizer, get_args())
             try:
                 result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
             except PreflightError as exc:  # our own, clear errors: one message and exit 1, never a traceback
@@ -150,6 +152,7 @@ def install() -> None:
                 raise
             finally:
                 ckpt_mod._load_base_checkpoint = base_loader
+                restore()
             runtime._say(f"loaded through the in-memory resharder (iteration {result[0] if result else '?'})")
             return result
 

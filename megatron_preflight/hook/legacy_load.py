@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Any
 
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook.state import STATE
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
@@ -102,7 +103,7 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
     plan = r.plan_for_coords(coords, naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"],
                                                            pp_size=r.tgt.pp, ep_size=r.tgt.ep))
     state = r.build(plan)
-    groups = live_groups(optimizer)
+    groups = live_groups(optimizer) if r.dist_index is None else None  # the distributed one maps groups by key
     if "optimizer" in state and groups is not None:
         from megatron_preflight.reshard.optimizer import align_groups
 
@@ -110,3 +111,80 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
     log.info("built rank state dict from %s (%d tensors, %.1f MiB)", ", ".join(plan.sources), len(plan.tensors),
              plan.nbytes / 2**20)
     return state, name, release
+
+
+def serve_parameter_state(optimizer: Any, args: Any) -> Any:
+    """When the run uses the distributed optimizer and the checkpoint's distrib_optim.pt is resharded: make
+    ``optimizer.load_parameter_state(path)`` take this rank's state from memory instead of the file (built only on
+    the ranks that are data-parallel rank 0 of an optimizer part, as Megatron reads the file; it then scatters it).
+    Returns the function that undoes it."""
+    if optimizer is None or not getattr(args, "use_distributed_optimizer", False) or \
+            getattr(args, "no_load_optim", False) or getattr(args, "finetune", False) or \
+            not hasattr(optimizer, "load_parameter_state"):
+        return lambda: None
+    load_dir = getattr(args, "load", None)
+    original = optimizer.load_parameter_state
+
+    def load_parameter_state(filename: str, *, update_legacy_format: bool = False) -> None:
+        r = resharder_for(load_dir, args)
+        if r.dist_index is None:
+            return original(filename, update_legacy_format=update_legacy_format)
+        parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+        parts = [p for p in parts if hasattr(p, "load_parameter_state_from_dp_zero")]
+        states = None
+        if any(p.data_parallel_group.rank() == 0 for p in parts):
+            states = this_rank_parameter_state(r)
+            states = states if isinstance(states, list) else [states]
+            if len(states) != len(parts):
+                raise PreflightError(f"the run's distributed optimizer has {len(parts)} part(s), the resharded state "
+                                     f"{len(states)}", fix="start the run with --no-load-optim", code="optimizer")
+            for part, state in zip(parts, states, strict=True):
+                check_live_buffers(part, state)
+        for i, part in enumerate(parts):
+            part.load_parameter_state_from_dp_zero(states[i] if states and part.data_parallel_group.rank() == 0
+                                                   else None)
+        log.info("distributed optimizer state loaded from the in-memory reshard")
+
+    optimizer.load_parameter_state = load_parameter_state
+
+    def restore() -> None:
+        optimizer.load_parameter_state = original
+
+    return restore
+
+
+def this_rank_parameter_state(r: Resharder) -> Any:
+    """This rank's distrib_optim.pt content at the run's layout, built in memory (world tensors of its dir)."""
+    from megatron_preflight.hook import consensus
+    from megatron_preflight.layout import naming
+    from megatron_preflight.reshard.executor import SourceFiles, build_tree
+
+    coords = runtime_coordinates(consensus.rank(), consensus.world_size(), r)
+    plan = r.plan_for_coords(coords, naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"],
+                                                           pp_size=r.tgt.pp, ep_size=r.tgt.ep))
+    files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
+    try:
+        r.check_masters(files)
+        return build_tree(plan.dist_optimizer, files)
+    finally:
+        files.close()
+
+
+def check_live_buffers(part: Any, state: dict[str, Any]) -> None:
+    """Ask the running optimizer where the parameters live: each of its gradient buffers must hold exactly as many
+    unpadded elements as the resharded buffer (Megatron compares the same, with an assert, bucket by bucket)."""
+    buffers = getattr(part, "buffers", None)
+    if buffers is None:
+        return
+    for gbuf, buffer in enumerate(buffers):
+        ours = state.get(gbuf)
+        live = getattr(buffer, "numel_unpadded", None)
+        if not isinstance(ours, dict) or live is None:
+            continue
+        (_, world), = ours.items()
+        if world["numel_unpadded"] != live:
+            raise PreflightError(
+                f"gradient buffer {gbuf} of the running distributed optimizer holds {live} elements, the resharded "
+                f"state {world['numel_unpadded']}: the run's DDP settings (--overlap-grad-reduce, --ddp-bucket-size) "
+                "lay the buffers out differently from the checkpoint's", code="optimizer",
+                fix="start the run with the checkpoint's DDP bucket settings, or with --no-load-optim")

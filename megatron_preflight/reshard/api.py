@@ -15,6 +15,13 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.reshard.dist_optimizer import (
+    DistOptimizerIndex,
+    bucket_size,
+    check_masters,
+    index_dist_optimizer,
+    plan_dist_optimizer,
+)
 from megatron_preflight.reshard.executor import SourceFiles, execute
 from megatron_preflight.reshard.optimizer import (
     PROVENANCE_KEY,
@@ -135,7 +142,9 @@ class Resharder:
     keep_optimizer: bool = True  # reshard the plain optimizer's state with the weights (False: leave it out)
     dropped: dict[str, str] = field(default_factory=dict)
     optimizer_index: OptimizerIndex | None = None
+    dist_index: DistOptimizerIndex | None = None  # a distributed optimizer's state (distrib_optim.pt)
     optimizer_problem: PreflightError | None = None
+    bucket_size: int | None = None  # the target's DDP bucket size (the source's settings; see dist_optimizer)
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -163,13 +172,17 @@ class Resharder:
         self.dropped = {k: v for k, v in NOT_MAPPABLE.items() if k in meta}
         if "optimizer" in meta:
             try:
-                self.optimizer_index = index_optimizer(lay, self.src)
+                if lay.distributed_optimizer:
+                    self.dist_index = index_dist_optimizer(lay, self.src, trust=self.trust)
+                    self.bucket_size = bucket_size(lay.saved_args)
+                else:
+                    self.optimizer_index = index_optimizer(lay, self.src)
             except OptimizerNotReshardable as e:
                 self.optimizer_problem = e
                 self.dropped["optimizer"] = f"not resharded: {e.message}; load with --no-load-optim"
             if self.optimizer_index is not None and t.optimizer_group_order:
                 self.optimizer_index.per_rank_order = t.optimizer_group_order == "per_rank"
-            if self.optimizer_index is not None and not self.keep_optimizer:
+            if (self.optimizer_index or self.dist_index) is not None and not self.keep_optimizer:
                 self.dropped["optimizer"] = "left out on request (--drop-optimizer); load with --no-load-optim"
 
     # -- planning ------------------------------------------------------------------------------------------------
@@ -182,8 +195,15 @@ class Resharder:
         plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied, vocab=self.vocab, shard_name=name)
         if self.optimizer_index is not None and self.keep_optimizer:
             plan.optimizer = plan_optimizer(self.optimizer_index, plan, self.src, self.tgt, self.vocab)
+        if self.dist_index is not None and self.keep_optimizer:
+            plan.optimizer, plan.dist_optimizer = plan_dist_optimizer(self.dist_index, plan, self.tgt, self.vocab,
+                                                                      tied=self.tied, size=self.bucket_size)
         validate_plan(plan)
         return plan
+
+    def check_masters(self, files: SourceFiles) -> int:
+        """A distributed optimizer's fp32 masters sit where the buffer model says (sampled; see dist_optimizer)."""
+        return check_masters(self.dist_index, files) if self.dist_index is not None and self.keep_optimizer else 0
 
     def plan_for_rank(self, rank: int, world_size: int | None = None) -> RankPlan:
         from megatron_preflight.layout import naming

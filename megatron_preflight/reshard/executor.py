@@ -23,13 +23,20 @@ class SourceFiles:
         self._files: dict[str, TorchFile] = {}
         self.bytes_read = 0
 
-    def file(self, shard: str) -> TorchFile:
-        if shard not in self._files:
-            self._files[shard] = TorchFile(os.path.join(self.iter_dir, shard, naming.MODEL_FILENAME), trust=self.trust)
-        return self._files[shard]
+    def file(self, shard: str, name: str = naming.MODEL_FILENAME) -> TorchFile:
+        """The open file ``name`` (model_optim_rng.pt, distrib_optim.pt) of shard dir ``shard``."""
+        key = shard if name == naming.MODEL_FILENAME else f"{shard}/{name}"
+        if key not in self._files:
+            self._files[key] = TorchFile(os.path.join(self.iter_dir, shard, name), trust=self.trust)
+        return self._files[key]
+
+    def file_of(self, shard: str, ref: TensorRef) -> TorchFile:
+        """The file of shard dir ``shard`` that ``ref`` was found in."""
+        return self.file(shard, os.path.basename(ref.file) or naming.MODEL_FILENAME)
 
     def tensor(self, shard: str, ref: TensorRef) -> torch.Tensor:
-        return self.file(shard).tensor(ref)
+        """The tensor ``ref`` points at (a lazy mmap view)."""
+        return self.file_of(shard, ref).tensor(ref)
 
     def materialize(self, shard: str, value: Any) -> Any:
         """A copy of ``value`` with every TensorRef inside replaced by its tensor (for carried non-model state)."""
@@ -93,14 +100,32 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
         files.bytes_read += s.numel() * s.element_size()
         if release:
             del s, src
-            files.file(op.shard).release_pages()
+            files.file_of(op.shard, op.ref).release_pages()
     return dst
 
 
+def build_flat(fp: Any, files: SourceFiles) -> torch.Tensor:
+    """A distributed optimizer's world tensor (:class:`dist_optimizer.FlatPlan`): each planned state flattened at its
+    offset, zeros between."""
+    out = torch.zeros(fp.numel, dtype=fp.dtype)
+    for start, tp in fp.parts:
+        t = build_tensor(tp, files).reshape(-1)
+        out[start:start + t.numel()] = t
+    return out
+
+
 def build_tree(tree: Any, files: SourceFiles) -> Any:
-    """A copy of ``tree`` with every :class:`TensorPlan` inside built into its tensor."""
-    return map_leaves(tree, lambda v, _p: (v.value if v.shape is None else build_tensor(v, files))
-                      if isinstance(v, TensorPlan) else v)
+    """A copy of ``tree`` with every :class:`TensorPlan` (and world tensor plan) inside built into its tensor."""
+    from megatron_preflight.reshard.dist_optimizer import FlatPlan
+
+    def leaf(v: Any, _p: tuple) -> Any:
+        if isinstance(v, FlatPlan):
+            return build_flat(v, files)
+        if isinstance(v, TensorPlan):
+            return v.value if v.shape is None else build_tensor(v, files)
+        return v
+
+    return map_leaves(tree, leaf)
 
 
 def execute(plan: RankPlan, files: SourceFiles) -> dict[str, Any]:

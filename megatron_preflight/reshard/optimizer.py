@@ -402,19 +402,18 @@ class OptimizerStatus:
     """What a legacy checkpoint's optimizer state is, and whether it can follow a layout change."""
 
     kind: str  # none | plain | distributed
-    reshardable: bool
+    reshardable: bool  # offline (megatron-preflight reshard)
     reason: str = ""  # why it cannot (empty when it can)
-    detail: str = ""  # plain: fp32 or fp32 masters, parts, group order
+    detail: str = ""  # fp32 or fp32 masters, parts, group order
+    in_memory: bool = True  # also by the hook's in-memory loader (--preflight auto)
 
     def describe(self) -> str:
         if self.kind == "none":
             return "none saved (--no-save-optim)"
         if not self.reshardable:
             return f"{self.kind}, not reshardable: {self.reason}"
-        return f"{self.kind}, {self.detail}; reshardable with the weights"
-
-
-DISTRIBUTED_REASON = "distrib_optim.pt holds flat per-bucket buffers tied to the saved layout"
+        where = "with the weights" if self.in_memory else "offline with `megatron-preflight reshard` (not yet in memory)"
+        return f"{self.kind}, {self.detail}; reshardable {where}"
 
 
 def optimizer_status(layout: Layout) -> OptimizerStatus | None:
@@ -426,10 +425,19 @@ def optimizer_status(layout: Layout) -> OptimizerStatus | None:
     first = layout.shards[0].meta if layout.shards else None
     if layout.format != Format.TORCH or not isinstance(first, dict):
         return None
-    if layout.distributed_optimizer:
-        return OptimizerStatus("distributed", False, DISTRIBUTED_REASON)
     if "optimizer" not in first:
         return OptimizerStatus("none", False, "the checkpoint holds no optimizer state")
+    if layout.distributed_optimizer:
+        from megatron_preflight.reshard.dist_optimizer import index_dist_optimizer
+
+        try:
+            index = index_dist_optimizer(layout, source_topology(layout))
+        except PreflightError as e:
+            return OptimizerStatus("distributed", False, e.message)
+        half = any(d != torch.float32 for d in index.grad_dtype)
+        parts = 2 if index.expert_groups else 1
+        return OptimizerStatus("distributed", True, detail=f"{'fp32 masters (bf16/fp16 run)' if half else 'fp32'}, "
+                               f"{parts} part(s), {len(index.fields)} parameters placed in distrib_optim.pt's buffers")
     try:
         parts = parse_optimizer(first["optimizer"], layout.shards[0].path)
         index = index_optimizer(layout, source_topology(layout))

@@ -118,6 +118,7 @@ class RankPlan:
     chunks: list[str]
     tensors: list[TensorPlan]
     optimizer: Any = None  # the optimizer state tree (TensorPlan leaves), when it is resharded
+    dist_optimizer: Any = None  # a distributed optimizer's distrib_optim.pt (FlatPlan world tensors)
 
     @property
     def sources(self) -> list[str]:
@@ -475,6 +476,12 @@ def validate_plan(plan: RankPlan) -> None:
 
     tensors = [(f"{tp.chunk}.{tp.key}", tp) for tp in plan.tensors]
     tensors += [(f"optimizer.{tp.key}", tp) for _, tp in iter_leaves(plan.optimizer) if isinstance(tp, TensorPlan)]
+    if plan.dist_optimizer is not None:
+        from megatron_preflight.reshard.dist_optimizer import flat_parts, validate_flat
+
+        for _, fp in flat_parts(plan.dist_optimizer):
+            validate_flat(fp)
+            tensors += [(f"{fp.key}.{tp.key}", tp) for _, tp in fp.parts]
     for name, tp in tensors:
         validate_tensor_plan(tp, name)
 

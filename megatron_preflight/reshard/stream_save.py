@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from megatron_preflight import pickling
+from megatron_preflight.reshard.dist_optimizer import FlatPlan
 from megatron_preflight.reshard.executor import SourceFiles, build_rows
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
 from megatron_preflight.reshard.tree import map_leaves
@@ -62,10 +63,23 @@ class _Pickler(pickling.Pickler):
 def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, path: str) -> int:
     """Write ``header`` plus the model chunks (and optimizer state) of ``plan`` to ``path``; returns the bytes of
     tensor data written."""
+    state: dict[str, Any] = dict(header)
+    for chunk in plan.chunks:
+        state[chunk] = OrderedDict()
+    for tp in plan.tensors:
+        state[tp.chunk][tp.key] = tp
+    if plan.optimizer is not None:
+        state["optimizer"] = plan.optimizer
+    return save_tree(state, files, path)
+
+
+def save_tree(tree: Any, files: SourceFiles, path: str) -> int:
+    """Write ``tree`` as a torch file at ``path``, building each planned tensor (:class:`TensorPlan`,
+    :class:`FlatPlan`) from its source slices a piece at a time; returns the bytes of tensor data written."""
     pending: list[tuple[_StorageStub, Any]] = []
 
     def stub(value: Any, _path: tuple = ()) -> Any:
-        if isinstance(value, TensorPlan):
+        if isinstance(value, (TensorPlan, FlatPlan)):
             if value.shape is None:
                 return value.value
             n = 1
@@ -81,16 +95,7 @@ def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, p
             return _TensorStub(storage, tuple(value.shape))
         return value
 
-    def stub_for(tree: Any) -> Any:
-        return map_leaves(tree, stub)
-
-    state: dict[str, Any] = {k: stub_for(v) for k, v in header.items()}
-    for chunk in plan.chunks:
-        state[chunk] = OrderedDict()
-    for tp in plan.tensors:
-        state[tp.chunk][tp.key] = stub_for(tp)
-    if plan.optimizer is not None:
-        state["optimizer"] = stub_for(plan.optimizer)
+    state = map_leaves(tree, stub)
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(state)
     written = 0
@@ -99,9 +104,9 @@ def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, p
         zw.write("data.pkl", buf.getvalue())
         zw.write(".format_version", b"1")
         zw.write("byteorder", b"little")
-        for stub, source in pending:
-            nbytes = stub.numel * stub.dtype.itemsize
-            with zw.open(f"data/{stub.key}", nbytes) as fh:
+        for storage, source in pending:
+            nbytes = storage.numel * storage.dtype.itemsize
+            with zw.open(f"data/{storage.key}", nbytes) as fh:
                 for part in _pieces(source, files):
                     fh.write(part.reshape(-1).view(torch.uint8).numpy().data)
                     del part
@@ -113,7 +118,20 @@ def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, p
 
 
 def _pieces(source: Any, files: SourceFiles) -> Any:
-    """A target tensor in row chunks of about CHUNK_BYTES (a carried tensor: whole)."""
+    """A target tensor in row chunks of about CHUNK_BYTES (a carried tensor: whole; a flat world tensor: its
+    parameters one after the other, zeros between)."""
+    if isinstance(source, FlatPlan):
+        pos = 0
+        for start, tp in sorted(source.parts, key=lambda x: x[0]):
+            if start > pos:
+                yield torch.zeros(start - pos, dtype=source.dtype)
+            pos = start
+            for piece in _pieces(tp, files):
+                pos += piece.numel()
+                yield piece.to(source.dtype)
+        if pos < source.numel:
+            yield torch.zeros(source.numel - pos, dtype=source.dtype)
+        return
     if not isinstance(source, TensorPlan):
         yield source.contiguous()
         return

@@ -24,11 +24,12 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.reshard import durable, share
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
+from megatron_preflight.reshard.dist_optimizer import flat_parts
 from megatron_preflight.reshard.executor import SourceFiles
 from megatron_preflight.reshard.optimizer import iter_plans
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
 from megatron_preflight.reshard.replicas import check_replicas
-from megatron_preflight.reshard.stream_save import save_streaming
+from megatron_preflight.reshard.stream_save import save_streaming, save_tree
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,14 @@ def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | 
         replicas = check_replicas(plan, files, full=verify)
         save_streaming(r.header(files), plan, files, path)
         checked = verify_shard(plan, path, files) if verify else 0
+        written = os.path.getsize(path)
+        if plan.dist_optimizer is not None:
+            dist_path = os.path.join(out_dir, naming.DISTRIB_OPTIM_FILENAME)
+            save_tree(plan.dist_optimizer, files, dist_path)
+            checked += verify_dist_optimizer(plan, dist_path, files) if verify else 0
+            written += os.path.getsize(dist_path)
         durable.fsync_dir(out_dir)
-        return ShardResult(files.bytes_read, os.path.getsize(path), checked, replicas)
+        return ShardResult(files.bytes_read, written, checked, replicas)
     finally:
         files.close()
 
@@ -137,6 +144,34 @@ def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
                     break
             _verify_tensor(tp, written, out, files, path)
             checked += tp.shape is not None
+    return checked
+
+
+def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
+    """Re-read a written distrib_optim.pt: every parameter's state at its offset equals its source slices, and the
+    alignment padding between them is zero. Returns the number of world tensors checked."""
+    from megatron_preflight.reshard.executor import build_tensor
+
+    checked = 0
+    with TorchFile(path) as out:
+        meta = out.load_metadata()
+        for where, fp in flat_parts(plan.dist_optimizer):
+            written: Any = meta
+            for part in where:
+                written = written[part]
+            if not isinstance(written, TensorRef) or tuple(written.shape) != (fp.numel,):
+                raise PreflightError(f"verify: {fp.key} is missing or has the wrong size", path=path, code="verify")
+            flat = out.tensor(written)
+            covered = torch.zeros(fp.numel, dtype=torch.bool)
+            for start, tp in fp.parts:
+                want = build_tensor(tp, files).reshape(-1).to(fp.dtype)
+                if _crc(want) != _crc(flat[start:start + want.numel()]):
+                    raise PreflightError(f"verify: {tp.key} in {fp.key} does not match its source slices", path=path,
+                                         code="verify")
+                covered[start:start + want.numel()] = True
+            if bool(flat[~covered].any()):
+                raise PreflightError(f"verify: the padding of {fp.key} is not zero", path=path, code="verify")
+            checked += 1
     return checked
 
 
@@ -226,6 +261,11 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
                                  "the new layout would drop it", path=p.path or r.layout.iter_dir,
                                  fix="pass --drop-optimizer to write the weights without it (then start the run with "
                                      "--no-load-optim)", code="usage")
+        files = SourceFiles(r.layout.iter_dir or "", trust=trust_checkpoint)
+        try:
+            r.check_masters(files)
+        finally:
+            files.close()
     except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
         error = e
     _agree(grp, error)

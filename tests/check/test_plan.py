@@ -86,10 +86,14 @@ def test_legacy_layout_change_never_drops_optimizer_silently(real_fixture):
     assert plan(root, "--tensor-model-parallel-size", "2").verdict == Verdict.LOAD  # its own layout: loads as is
 
 
-def test_legacy_distopt_layout_change_fails_with_fix():
-    p = plan("tp2_distopt_torch", "--use-distributed-optimizer")
-    assert p.verdict == Verdict.FAIL and "distrib_optim.pt" in p.fatal[0].message
-    assert "--no-load-optim" in p.fatal[0].fix
+def test_legacy_distopt_layout_change_reshards_the_distributed_optimizer_state():
+    p = plan("distopt_tp2dp2_torch", "--use-distributed-optimizer")
+    assert p.verdict == Verdict.RESHARD and p.load_optimizer, [f.to_json() for f in p.fatal]
+    f = next(f for f in p.findings if f.field == "optimizer")
+    assert f.checkpoint == "distributed" and "distrib_optim.pt" in f.message
+    # the run without the distributed optimizer cannot take its state (no conversion yet): fatal, with the fix
+    p = plan("distopt_tp2dp2_torch")
+    assert p.verdict == Verdict.FAIL and "use_distributed_optimizer" in fields(p, "fatal")
     assert plan("tp2_distopt_torch", "--use-distributed-optimizer", "--no-load-optim").verdict == Verdict.RESHARD
 
 

@@ -56,7 +56,9 @@ def test_console_script_no_traceback(tmp_path):
     ("moe_ep2_torch", "plain, fp32, 2 part(s)"),
     ("bf16_gqa_tp2_torch", "fp32 masters (bf16/fp16 run)"),
     ("v14_tp2pp2_torch", "param groups ordered per rank"),
-    ("tp2_distopt_torch", "distributed, not reshardable: distrib_optim.pt holds flat per-bucket buffers"),
+    ("tp2_distopt_torch", "distributed, fp32, 1 part(s)"),
+    ("distopt_moe_ep2dp2_torch", "distributed, fp32, 2 part(s), 64 parameters placed"),
+    ("distopt_bf16_tp2dp2_torch", "distributed, fp32 masters (bf16/fp16 run)"),
 ])
 def test_inspect_says_what_the_optimizer_state_is(capsys, name, want):
     assert main(["inspect", fixture_path(name)]) == 0

@@ -184,3 +184,77 @@ def test_off_behaves_like_megatron(tmp_path):
     rc2, log2 = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2",
                     "--ckpt-format", "torch", plugin=False, port=29705)
     assert rc == rc2 == 0 and loss(log) == loss(log2) and "[megatron-preflight]" not in log
+
+
+DISTOPT_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--global-batch-size", "4"]
+
+
+@pytest.mark.parametrize("legacy, nproc, target, flags", [
+    ("distopt_tp2dp2_torch", 2, ["--tp", "1"], []),
+    ("distopt_tp2dp2_torch", 4, ["--tp", "1", "--pp", "2"], ["--pipeline-model-parallel-size", "2"]),
+    ("distopt_moe_ep2dp2_torch", 4, ["--ep", "4"], DISTOPT_MOE + ["--expert-model-parallel-size", "4"]),
+    ("distopt_bf16_tp2dp2_torch", 2, ["--tp", "1"], ["--bf16"]),
+    ("distopt_vpp_pp2dp2_torch", 2, ["--pp", "1"], ["--global-batch-size", "4"]),
+    ("distopt_tp2dp2_torch", 2, [], ["--tensor-model-parallel-size", "2"]),
+], ids=["tp2dp2->tp1dp2", "tp2dp2->tp1pp2dp2", "moe ep2dp4->ep4", "bf16 tp2dp2->tp1dp2", "vpp2 pp2dp2->pp1dp2",
+        "dp-only tp2dp2->tp2dp1"])
+def test_offline_distributed_optimizer_reshard_trains_like_megatrons_dist_reshard(tmp_path, legacy, nproc, target,
+                                                                                    flags):
+    """`megatron-preflight reshard` of a --use-distributed-optimizer checkpoint (distrib_optim.pt at DP 2+), resumed
+    by plain Megatron with the distributed optimizer at the new layout: iterations 3 and 4 equal Megatron's own
+    reshard of the twin saved with --dist-ckpt-optim-fully-reshardable (iteration 4 is the first that depends on the
+    loaded Adam moments; iteration 3 on the fp32 masters the distributed optimizer copies into the weights)."""
+    out = tmp_path / "resharded"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(legacy), str(out),
+                        *target, "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    common = ("--no-load-rng", "--train-iters", "4", "--use-distributed-optimizer", *flags)
+    rc, log = run(tmp_path, str(out), nproc, "--ckpt-format", "torch", *common, plugin=False, port=29714)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = run(tmp_path, fixture_path(legacy + "_dist"), nproc, "--ckpt-format", "torch_dist", *common,
+                    plugin=False, port=29715)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None
+    assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+def test_distributed_optimizer_moe_to_ep1_resumes(tmp_path):
+    """MoE EP2 -> EP1 with the distributed optimizer: the experts move from the expert part (expert DP 2) into the
+    dense buffers (DP 4). Megatron's own reshard of the twin fails here; ours resumes. Iteration 3 (the fp32 masters,
+    copied into the weights) equals the EP2 run Megatron can load; iteration 4 reduces the expert gradients over 4
+    ranks instead of 2 (another summation order), so it is only close."""
+    out = tmp_path / "ep1"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path("distopt_moe_ep2dp2_torch"),
+                        str(out), "--ep", "1", "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    common = ("--no-load-rng", "--train-iters", "4", "--use-distributed-optimizer", *DISTOPT_MOE)
+    rc, log = run(tmp_path, str(out), 4, "--ckpt-format", "torch", *common, plugin=False, port=29716)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = run(tmp_path, fixture_path("distopt_moe_ep2dp2_torch_dist"), 4, "--ckpt-format", "torch_dist",
+                    "--expert-model-parallel-size", "2", *common, plugin=False, port=29717)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 3, 4) == loss(log2, 3, 4)
+    assert abs(float(loss(log, 4, 4)) - float(loss(log2, 4, 4))) < 1e-3
+
+
+@pytest.mark.parametrize("legacy, nproc, flags", [
+    ("distopt_tp2dp2_torch", 2, []),
+    ("distopt_tp2dp2_torch", 4, ["--pipeline-model-parallel-size", "2"]),
+    ("distopt_moe_ep2dp2_torch", 4, DISTOPT_MOE + ["--expert-model-parallel-size", "4"]),
+    ("distopt_bf16_tp2dp2_torch", 2, ["--bf16"]),
+    ("distopt_vpp_pp2dp2_torch", 2, ["--global-batch-size", "4"]),
+], ids=["tp2dp2->tp1dp2", "tp2dp2->tp1pp2dp2", "moe ep2dp4->ep4", "bf16 tp2dp2->tp1dp2", "vpp2 pp2dp2->pp1dp2"])
+def test_in_memory_distributed_optimizer_reshard_trains_like_megatrons_dist_reshard(tmp_path, legacy, nproc, flags):
+    """--preflight auto with --use-distributed-optimizer at a new layout: each data-parallel rank 0 builds its dir's
+    distrib_optim.pt buffers in memory and Megatron scatters them; iterations 3 and 4 equal Megatron's own reshard of
+    the fully reshardable torch_dist twin."""
+    common = ("--no-load-rng", "--train-iters", "4", "--use-distributed-optimizer", *flags)
+    rc, log = run(tmp_path, fixture_path(legacy), nproc, "--preflight", "auto", "--ckpt-format", "torch", *common,
+                  port=29718)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log and "applied: no_load_optim" not in log
+    rc2, log2 = run(tmp_path, fixture_path(legacy + "_dist"), nproc, "--ckpt-format", "torch_dist", *common,
+                    plugin=False, port=29719)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None
+    assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))

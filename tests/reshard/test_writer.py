@@ -15,11 +15,15 @@ from tests.layout.test_problems import _snapshot
 from tests.reshard.test_roundtrip_real import model_tensors, optimizer_entries
 
 
-def test_refuses_to_drop_optimizer_silently(tmp_path):
-    # A distributed optimizer's distrib_optim.pt cannot be resharded: refused unless the user accepts dropping it.
+def test_refuses_to_drop_optimizer_silently(tmp_path, monkeypatch):
+    # A distributed optimizer whose buffers do not follow the modelled layout (here: another alignment) cannot be
+    # resharded: refused unless the user accepts dropping it.
+    from megatron_preflight.reshard import dist_optimizer
+
+    monkeypatch.setattr(dist_optimizer, "ALIGN", 32)
     with pytest.raises(PreflightError) as exc:
         write_resharded(fixture_path("tp2_distopt_torch"), str(tmp_path / "out"), TargetLayout(tp=1))
-    assert "--drop-optimizer" in str(exc.value) and "distrib_optim.pt" in str(exc.value)
+    assert "--drop-optimizer" in str(exc.value) and "gradient buffer 0 records 23680 elements" in str(exc.value)
     assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
 
 

@@ -1,0 +1,427 @@
+"""The distributed optimizer's state of a legacy checkpoint (``distrib_optim.pt``), as pieces of global tensors, and
+written back at another TP/PP/EP/ETP/VPP/DP layout.
+
+What Megatron writes (``DistributedOptimizer.save_parameter_state``): one file per (tp, pp, ep) dir, by the rank that
+is data-parallel rank 0 of each optimizer part after gathering every DP rank's shard. A chained optimizer (MoE: a
+dense part and an expert-parallel part, each with its own DP group) saves a list with ``None`` for the parts whose
+DP rank 0 is another rank. Each part holds, per gradient buffer (``gbuf_idx``: the buffers of model chunk 0, then of
+chunk 1, ...) and per (param dtype, grad dtype): fp32 "world" tensors ``param`` (the fp32 master), ``exp_avg`` and
+``exp_avg_sq`` of ``numel_unpadded`` elements — the buffer's buckets without their end padding, concatenated.
+``model_optim_rng.pt['optimizer']`` keeps only the param groups (settings and ``step``) and the grad scaler.
+
+Inside a buffer, modelled as Megatron-LM lays it out from 2024-07 (megatron-core 0.8) to main (2026-08; the same
+rules in core_r0.14): the buffer holds the parameters of one model chunk with one (param dtype, grad dtype,
+expert-parallel) key, in reverse ``model.parameters()`` order; each parameter starts at a multiple of 64 elements; a
+bucket closes after the parameter whose end reaches ``bucket_size`` elements from the bucket start (only with
+``--overlap-grad-reduce``: ``--ddp-bucket-size``, by default max(40M, 1M x DP)), and the tied embedding and its
+last-stage copy (``shared_embedding``, PP > 1) sit in buckets of their own. The size this model gives must equal
+every buffer's recorded ``numel_unpadded``, and the fp32 masters read at the modelled places must equal the model's
+weights (sampled on every run); otherwise the state is refused, never guessed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import naming
+from megatron_preflight.layout.model import Layout
+from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.reshard.optimizer import OptimizerNotReshardable, is_param
+from megatron_preflight.reshard.planner import (
+    GlobalEntry,
+    GlobalKey,
+    RankPlan,
+    SourceKey,
+    SourcePiece,
+    TensorPlan,
+    VocabPlan,
+    is_tied,
+    iter_source_keys,
+    plan_tensor,
+)
+from megatron_preflight.torch_file import StorageRef, TensorRef, read_torch_file
+
+ALIGN = 64
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+FIX = "start the run with --no-load-optim (weights only), or reshard offline with --drop-optimizer"
+_EMBEDDING_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter in a gradient buffer."""
+
+    name: str  # "chunk:key"
+    numel: int
+    shared_embedding: bool = False
+
+
+def world_offsets(slots: list[Slot], bucket_size: int | None) -> tuple[dict[str, int], list[int]]:
+    """Where each parameter of one buffer (``slots`` in ``model.parameters()`` order) starts in the buffer's world
+    tensors, and the unpadded size of each bucket (their sum is the buffer's ``numel_unpadded``)."""
+    offsets: dict[str, int] = {}
+    buckets: list[int] = []
+    world = 0  # where the current bucket starts in the world tensors
+    pos = 0  # position inside the current bucket (bucket starts are multiples of 128: alignment is relative)
+    count = 0
+    for slot in reversed(slots):
+        pos = -(-pos // ALIGN) * ALIGN
+        if slot.shared_embedding and count:
+            buckets.append(pos)
+            world, pos, count = world + pos, 0, 0
+        offsets[slot.name] = world + pos
+        end = pos + slot.numel
+        count += 1
+        if (bucket_size is not None and end >= bucket_size) or slot.shared_embedding:
+            buckets.append(end)
+            world, pos, count = world + end, 0, 0
+        else:
+            pos = end
+    if count:
+        buckets.append(pos)
+    return offsets, buckets
+
+
+def bucket_size(args: Any, dp: int | None = None) -> int | None:
+    """Megatron's DDP bucket size for a run with ``args``: none (one bucket per buffer) without
+    --overlap-grad-reduce; else --ddp-bucket-size, by default max(40M, 1M x DP)."""
+    if not getattr(args, "overlap_grad_reduce", False):
+        return None
+    given = getattr(args, "ddp_bucket_size", None)
+    if given:
+        return int(given)
+    dp = dp or int(getattr(args, "data_parallel_size", 1) or 1)
+    return max(40_000_000, 1_000_000 * dp)
+
+
+@dataclass
+class Param:
+    """A parameter of one shard's model chunk, as the buffers see it."""
+
+    chunk: int
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    expert: bool  # in the expert-parallel buffers
+    shared_embedding: bool
+    source: SourceKey | None = None  # source side: the model entry it is
+    plan: TensorPlan | None = None  # target side: the planned weight
+
+    @property
+    def name(self) -> str:
+        return f"{self.chunk}:{self.key}"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def buffers_of(params: list[Param], expert: bool) -> list[tuple[torch.dtype, list[Param]]]:
+    """The gradient buffers of one optimizer part, in ``gbuf_idx`` order: model chunk after chunk, and inside a chunk
+    one buffer per param dtype in the order the dtypes first appear."""
+    out: list[tuple[torch.dtype, list[Param]]] = []
+    for chunk in sorted({p.chunk for p in params}):
+        by_dtype: OrderedDict[torch.dtype, list[Param]] = OrderedDict()
+        for p in params:
+            if p.chunk == chunk and p.expert == expert:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        out.extend(by_dtype.items())
+    return out
+
+
+def _view(world: TensorRef, start: int, shape: tuple[int, ...]) -> TensorRef:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return TensorRef(world.file, world.storage, world.offset + start, tuple(shape), tuple(reversed(stride)))
+
+
+@dataclass
+class DistOptimizerIndex:
+    """The distributed optimizer's state of every source shard, by global parameter."""
+
+    fields: dict[GlobalKey, OrderedDict[str, GlobalEntry]] = field(default_factory=dict)
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # group signature -> settings
+    order: list[str] = field(default_factory=list)  # group signatures in the source's order
+    expert_groups: set[str] = field(default_factory=set)  # signatures found in an expert part
+    outer: OrderedDict[str, Any] = field(default_factory=OrderedDict)  # a part's entries besides 'optimizer'
+    grad_dtype: dict[torch.dtype, torch.dtype] = field(default_factory=dict)
+    template_shard: str = ""
+    checked: list[tuple[str, TensorRef, str, TensorRef]] = field(default_factory=list)  # (weight, master) pairs
+
+
+def _signature(settings: dict[str, Any]) -> str:
+    return repr(sorted((k, repr(v)) for k, v in settings.items() if k not in ("params", "is_expert_parallel")))
+
+
+def _parts(value: Any, where: str) -> list[Any]:
+    parts = value if isinstance(value, list) else [value]
+    for p in parts:
+        if p is not None and not isinstance(p, dict):
+            raise OptimizerNotReshardable(f"the distributed optimizer state has an unknown form ({type(p).__name__})",
+                                          path=where, fix=FIX, code="optimizer")
+    return parts
+
+
+def source_params(layout: Layout, src: ParallelLayout) -> dict[str, list[Param]]:
+    """Every source shard's parameters, per model chunk in ``model.parameters()`` order."""
+    tied = is_tied(layout)
+    expert_parallel = src.experts_are_expert_parallel()
+    out: dict[str, list[Param]] = {}
+    for sk in iter_source_keys(layout, src):
+        if not is_param(sk.key, sk.value):
+            continue
+        if tied and src.pp == 1 and sk.key == "output_layer.weight":
+            continue
+        shared = tied and src.pp > 1 and sk.key in _EMBEDDING_KEYS
+        out.setdefault(sk.shard, []).append(Param(sk.chunk, sk.key, tuple(sk.value.shape), sk.value.dtype,
+                                                  sk.info.expert is not None and expert_parallel, shared, source=sk))
+    return out
+
+
+def index_dist_optimizer(layout: Layout, src: ParallelLayout, *, trust: bool = False) -> DistOptimizerIndex:
+    """Read every shard's ``distrib_optim.pt`` metadata (no tensor bytes) and place each parameter's fp32 master,
+    ``exp_avg`` and ``exp_avg_sq`` in its global tensor. Raises :class:`OptimizerNotReshardable` when the files do not
+    match the modelled buffer layout exactly."""
+    index = DistOptimizerIndex()
+    args = layout.saved_args
+    size = bucket_size(args)
+    tied = is_tied(layout)
+    params = source_params(layout, src)
+    for shard in layout.shards:
+        if shard.meta is None or shard.name not in params:
+            continue
+        path = os.path.join(shard.path, naming.DISTRIB_OPTIM_FILENAME)
+        if not os.path.isfile(path):
+            raise OptimizerNotReshardable("the distributed optimizer's distrib_optim.pt is missing", path=path,
+                                          fix=FIX, code="optimizer")
+        files = _parts(read_torch_file(path, trust=trust), path)
+        groups = _parts(shard.meta.get("optimizer"), os.path.join(shard.path, naming.MODEL_FILENAME))
+        if len(groups) != len(files):
+            raise OptimizerNotReshardable(f"model_optim_rng.pt has {len(groups)} optimizer part(s) but "
+                                          f"distrib_optim.pt {len(files)}", path=path, fix=FIX, code="optimizer")
+        chained = len(files) > 1
+        for part_no, (state, part) in enumerate(zip(files, groups, strict=True)):
+            expert = chained and part_no == 1
+            _add_settings(index, part, expert, path, shard.name)
+            if state is None:
+                continue  # saved by the DP rank 0 of this part, in another dir
+            mine = params[shard.name] if not chained else [p for p in params[shard.name] if p.expert == expert]
+            _index_part(index, state, buffers_of(mine, expert) if chained else _all_buffers(mine), size, path,
+                        shard.name, tied)
+    missing = [k for k, f in index.fields.items() if set(f) != set(STATE_KEYS)]
+    every = {p.source.gkey for ps in params.values() for p in ps if p.source is not None
+             and not (tied and p.key == "output_layer.weight")}
+    missing += sorted(every - set(index.fields), key=str)
+    if missing:
+        raise OptimizerNotReshardable(f"no distributed optimizer state found for {len(missing)} parameter(s), e.g. "
+                                      f"{missing[0].suffix}", path=layout.iter_dir, fix=FIX, code="optimizer")
+    return index
+
+
+def _all_buffers(params: list[Param]) -> list[tuple[torch.dtype, list[Param]]]:
+    """A single optimizer: dense buffers then expert-parallel ones, per chunk (one DDP per chunk)."""
+    out: list[tuple[torch.dtype, list[Param]]] = []
+    for chunk in sorted({p.chunk for p in params}):
+        mine = [p for p in params if p.chunk == chunk]
+        out += buffers_of(mine, False) + buffers_of(mine, True)
+    return out
+
+
+def _add_settings(index: DistOptimizerIndex, part: Any, expert: bool, path: str, shard: str) -> None:
+    inner = part.get("optimizer") if isinstance(part, dict) else None
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    if not isinstance(groups, list) or any(not isinstance(g, dict) or "params" in g for g in groups):
+        raise OptimizerNotReshardable("model_optim_rng.pt holds no distributed-optimizer param groups", path=path,
+                                      fix=FIX, code="optimizer")
+    if not index.template_shard:
+        index.template_shard = shard
+        index.outer = OrderedDict((k, v) for k, v in part.items() if k != "optimizer")
+    for g in groups:
+        sig = _signature(g)
+        if sig not in index.settings:
+            index.order.append(sig)
+            index.settings[sig] = dict(g)
+        if expert:
+            index.expert_groups.add(sig)
+
+
+def _index_part(index: DistOptimizerIndex, state: dict[str, Any], buffers: list[tuple[torch.dtype, list[Param]]],
+                size: int | None, path: str, shard: str, tied: bool) -> None:
+    if not state.get("buckets_coalesced"):
+        raise OptimizerNotReshardable(
+            "distrib_optim.pt is in the pre-2024-04 layout (buckets not coalesced), which is not modelled", path=path,
+            fix="load it once at its own layout with --ckpt-convert-update-legacy-dist-opt-format and save again, "
+                "or " + FIX, code="optimizer")
+    recorded = sorted(k for k in state if isinstance(k, int))
+    if recorded != list(range(len(buffers))):
+        raise OptimizerNotReshardable(f"distrib_optim.pt holds {len(recorded)} gradient buffer(s) where the model's "
+                                      f"parameters make {len(buffers)}", path=path, fix=FIX, code="optimizer")
+    for gbuf, (dtype, members) in enumerate(buffers):
+        by_dtype = state[gbuf]
+        if not isinstance(by_dtype, dict) or len(by_dtype) != 1:
+            raise OptimizerNotReshardable(f"gradient buffer {gbuf} has {len(by_dtype)} dtypes (one expected)",
+                                          path=path, fix=FIX, code="optimizer")
+        (key, world), = by_dtype.items()
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] == dtype):
+            raise OptimizerNotReshardable(f"gradient buffer {gbuf} is keyed {key}, but its parameters are {dtype}",
+                                          path=path, fix=FIX, code="optimizer")
+        index.grad_dtype[dtype] = key[1]
+        slots = [Slot(p.name, p.numel, p.shared_embedding) for p in members]
+        offsets, buckets = world_offsets(slots, size)
+        numel = sum(buckets)
+        if world.get("numel_unpadded") != numel or any(
+                not isinstance(world.get(k), TensorRef) or world[k].shape != (numel,) for k in STATE_KEYS):
+            raise OptimizerNotReshardable(
+                f"gradient buffer {gbuf} records {world.get('numel_unpadded')} elements, but its {len(members)} "
+                f"parameters laid out by Megatron's DDP rules (64-element aligned, buckets of {size or 'any'} "
+                f"elements) take {numel}: another Megatron version's buffer layout, or other bucket settings",
+                path=path, fix=FIX, code="optimizer")
+        for p in members:
+            sk = p.source
+            assert sk is not None
+            gkey = sk.gkey
+            if tied and p.key == "output_layer.weight":
+                gkey = GlobalKey(None, None, "plain", "embedding.word_embeddings.weight")  # a replica of it
+            fields = index.fields.setdefault(gkey, OrderedDict())
+            for name in STATE_KEYS:
+                view = _view(world[name], offsets[p.name], p.shape)
+                entry = fields.get(name)
+                if entry is None:
+                    entry = fields[name] = GlobalEntry(gkey, sk.info, sk.rule)
+                entry.add(SourcePiece(shard, view, sk.group_rank, sk.group_size))
+            index.checked.append((shard, sk.value, shard, _view(world["param"], offsets[p.name], p.shape)))
+
+
+def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8) -> int:
+    """The fp32 masters read at the modelled places equal the model's weights (cast to the weight's dtype): a wrong
+    buffer model would read another parameter's values. Sampled; returns the number of parameters checked."""
+    checked = 0
+    for shard, weight_ref, _, master_ref in index.checked:
+        w, m = files.tensor(shard, weight_ref), files.tensor(shard, master_ref)
+        if w.numel() == 0:
+            continue
+        flat_w, flat_m = w.reshape(-1), m.reshape(-1)
+        n = flat_w.numel()
+        picks = sorted({0, n // 3, n // 2, n - 1, *range(0, n, max(1, n // sample))})
+        if not torch.equal(flat_m[picks].to(flat_w.dtype), flat_w[picks]):
+            raise OptimizerNotReshardable(
+                "the fp32 masters in distrib_optim.pt do not line up with the model's weights: its buffer layout is "
+                "not the one modelled (another Megatron version or DDP settings)",
+                path=os.path.join(files.iter_dir, shard, naming.DISTRIB_OPTIM_FILENAME), fix=FIX, code="optimizer")
+        checked += 1
+    return checked
+
+
+# -- the target side --------------------------------------------------------------------------------------------
+@dataclass
+class FlatPlan:
+    """A 1-D fp32 world tensor of ``numel`` elements: each planned parameter state flattened at its offset, zeros
+    between (the 64-element alignment padding)."""
+
+    numel: int
+    parts: list[tuple[int, TensorPlan]]
+    key: str = ""
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.numel,)
+
+
+def target_params(plan: RankPlan, tgt: ParallelLayout, tied: bool) -> list[Param]:
+    expert_parallel = tgt.experts_are_expert_parallel()
+    out = []
+    for tp in plan.tensors:
+        if tp.shape is None or tp.gkey is None or not is_param(tp.key, tp):
+            continue
+        chunk = 0 if tp.chunk == "model" else int(tp.chunk[5:])
+        shared = tied and tgt.pp > 1 and tp.key in _EMBEDDING_KEYS
+        out.append(Param(chunk, tp.key, tuple(tp.shape), tp.dtype, tp.gkey.expert is not None and expert_parallel,
+                         shared, plan=tp))
+    return out
+
+
+def plan_dist_optimizer(index: DistOptimizerIndex, plan: RankPlan, tgt: ParallelLayout, vocab: VocabPlan | None,
+                        *, tied: bool, size: int | None) -> tuple[Any, Any]:
+    """The target rank's distributed optimizer: (the ``optimizer`` entry of model_optim_rng.pt, the content of
+    distrib_optim.pt with :class:`FlatPlan` world tensors). Every part is filled (Megatron reads only the parts of
+    which the reading rank is DP rank 0)."""
+    params = target_params(plan, tgt, tied)
+    split = any(p.expert for p in params) or (bool(index.expert_groups) and tgt.experts_are_expert_parallel())
+    parts: list[tuple[bool, list[tuple[torch.dtype, list[Param]]]]]
+    if split:
+        parts = [(False, [b for c in _chunks(params) for b in buffers_of(c, False)]),
+                 (True, [b for c in _chunks(params) for b in buffers_of(c, True)])]
+    else:
+        parts = [(False, _all_buffers(params))]
+    entries, files = [], []
+    for expert, buffers in parts:
+        state: dict[Any, Any] = {"buckets_coalesced": True}
+        for gbuf, (dtype, members) in enumerate(buffers):
+            offsets, buckets = world_offsets([Slot(p.name, p.numel, p.shared_embedding) for p in members], size)
+            numel = sum(buckets)
+            world: dict[str, Any] = {}
+            for name in STATE_KEYS:
+                flat = []
+                for p in members:
+                    assert p.plan is not None and p.plan.gkey is not None
+                    gkey = p.plan.gkey
+                    if tied and p.key == "output_layer.weight":
+                        gkey = GlobalKey(None, None, "plain", "embedding.word_embeddings.weight")
+                    entry = index.fields.get(gkey, {}).get(name)
+                    if entry is None:
+                        raise OptimizerNotReshardable(f"no distributed optimizer state for {p.key}", fix=FIX,
+                                                      code="optimizer")
+                    fp = plan_tensor(entry, "optimizer", f"{p.key}#{name}", plan.coords, tgt, vocab)
+                    fp.gkey = None
+                    flat.append((offsets[p.name], fp))
+                world[name] = FlatPlan(numel, flat, key=f"distrib_optim[{gbuf}].{name}")
+            world["numel_unpadded"] = numel
+            state[gbuf] = {(dtype, index.grad_dtype.get(dtype, dtype)): world}
+        files.append(state)
+        sigs = index.order if not split or not expert else [s for s in index.order if s in index.expert_groups] \
+            or index.order
+        groups = [{**index.settings[s], "is_expert_parallel": expert} for s in sigs]
+        entry: OrderedDict[str, Any] = OrderedDict([("optimizer", {"param_groups": groups})])
+        entry.update(index.outer)
+        entries.append(entry)
+    if len(entries) == 1:
+        return entries[0], files[0]
+    return entries, files
+
+
+def _chunks(params: list[Param]) -> list[list[Param]]:
+    return [[p for p in params if p.chunk == c] for c in sorted({p.chunk for p in params})]
+
+
+def flat_parts(tree: Any) -> list[tuple[tuple, FlatPlan]]:
+    """(path, FlatPlan) for every world tensor inside a planned distrib_optim.pt."""
+    from megatron_preflight.reshard.tree import iter_leaves
+
+    return [(p, v) for p, v in iter_leaves(tree) if isinstance(v, FlatPlan)]
+
+
+def validate_flat(fp: FlatPlan) -> None:
+    pos = 0
+    for start, tp in sorted(fp.parts, key=lambda x: x[0]):
+        n = 1
+        for s in tp.shape or ():
+            n *= s
+        if start < pos or start + n > fp.numel:
+            raise PreflightError(f"the plan for {fp.key} places {tp.key} at {start}:{start + n}, overlapping or "
+                                 f"outside its {fp.numel} elements", code="plan")
+        pos = start + n
+
+
+__all__ = ["FlatPlan", "StorageRef", "check_masters", "index_dist_optimizer", "plan_dist_optimizer"]
