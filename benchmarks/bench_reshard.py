@@ -1,8 +1,9 @@
 """Offline resharding speed and memory on ~1 GB legacy checkpoints, against the I/O floor.
 
 Builds (once, in --work) a dense GPT checkpoint (16 layers, hidden 1024, ffn 4096, vocab 50304, fp32, TP2; model
-only, ~1.0 GB), an MoE one (6 layers, hidden 1024, 8 experts of ffn 2048, EP2), and a dense one with the plain
-optimizer's Adam state (4 layers, ~1.3 GB: weights + exp_avg + exp_avg_sq), with Megatron-Core's local-spec key names. For each case it runs `megatron-preflight reshard` in a fresh process (--workers 1) and prints: wall
+only, ~1.0 GB), an MoE one (6 layers, hidden 1024, 8 experts of ffn 2048, EP2), a dense one with the plain
+optimizer's Adam state (4 layers, ~1.3 GB: weights + exp_avg + exp_avg_sq) and the same with the distributed
+optimizer's distrib_optim.pt (fp32 masters + moments in flat buffers, ~1.7 GB), with Megatron-Core's local-spec key names. For each case it runs `megatron-preflight reshard` in a fresh process (--workers 1) and prints: wall
 seconds, peak RSS of that process, bytes read and written, and the ratio of the I/O floor to our time, where the
 floor is reading every source byte plus writing as many bytes as we wrote, with plain file I/O in the same run.
 
@@ -19,10 +20,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 import torch
 
 H, FFN, VOCAB = 1024, 4096, 50304
+
+
+def seeded(name: str, *shape: int, positive: bool = False) -> torch.Tensor:
+    """Random values that depend only on the name and shape: replicated tensors (a position embedding on every TP
+    rank, a dense weight on every EP rank) agree across shards, as in a real checkpoint (the resharder checks)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}{shape}".encode()))
+    return torch.rand(*shape, generator=g) if positive else torch.randn(*shape, generator=g)
 
 
 def _layer(prefix: str, tp: int, moe: int | None, ep: int) -> dict[str, torch.Tensor]:
@@ -59,8 +68,8 @@ def adam_state(model: dict[str, torch.Tensor]) -> dict:
     for names in groups:
         ids = []
         for k in names:
-            state[idx] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(model[k]),
-                          "exp_avg_sq": torch.rand_like(model[k])}
+            state[idx] = {"step": torch.tensor(1.0), "exp_avg": seeded("m" + k, *model[k].shape),
+                          "exp_avg_sq": seeded("v" + k, *model[k].shape, positive=True)}
             ids.append(idx)
             idx += 1
         params.append(ids)
@@ -70,14 +79,36 @@ def adam_state(model: dict[str, torch.Tensor]) -> dict:
                                              dict(settings, wd_mult=0.0, weight_decay=0.0, params=params[1])]}
 
 
-def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None, adam: bool = False) -> None:
+def dist_state(model: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """A distributed optimizer's state for ``model`` (one fp32 buffer, one bucket, laid out by Megatron's DDP rules as
+    megatron_preflight.reshard.dist_optimizer models them): (model_optim_rng.pt's optimizer entry, distrib_optim.pt)."""
+    from megatron_preflight.reshard.dist_optimizer import Slot, world_offsets
+
+    params = list(model.items())
+    offsets, buckets = world_offsets([Slot(k, v.numel()) for k, v in params], None)
+    numel = sum(buckets)
+    world = {n: torch.zeros(numel) for n in ("param", "exp_avg", "exp_avg_sq")}
+    for k, v in params:
+        o = offsets[k]
+        world["param"][o:o + v.numel()] = v.reshape(-1)
+        world["exp_avg"][o:o + v.numel()] = seeded("m" + k, v.numel())
+        world["exp_avg_sq"][o:o + v.numel()] = seeded("v" + k, v.numel(), positive=True)
+    settings = dict(is_expert_parallel=False, default_config=True, lr_mult=1.0, is_decoupled_lr=False, lr=1e-4,
+                    betas=(0.9, 0.999), eps=1e-8, amsgrad=False, step=1.0)
+    groups = [dict(settings, wd_mult=1.0, weight_decay=0.01), dict(settings, wd_mult=0.0, weight_decay=0.0)]
+    return ({"optimizer": {"param_groups": groups}},
+            {"buckets_coalesced": True, 0: {(torch.float32, torch.float32): {**world, "numel_unpadded": numel}}})
+
+
+def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None, adam: bool = False,
+                    distributed: bool = False) -> None:
     os.makedirs(root, exist_ok=True)
     names = ([(f"mp_rank_{t:02d}", t, 0) for t in range(tp)] if ep == 1 else
              [(f"mp_rank_00_{e:03d}", 0, e) for e in range(ep)])
     for name, _t, _e in names:
         model: dict[str, torch.Tensor] = {
-            "embedding.word_embeddings.weight": torch.randn(VOCAB // tp, H),
-            "embedding.position_embeddings.weight": torch.randn(2048, H),
+            "embedding.word_embeddings.weight": seeded("word", VOCAB // tp, H),
+            "embedding.position_embeddings.weight": seeded("position", 2048, H),
         }
         for i in range(layers):
             model.update(_layer(f"decoder.layers.{i}.", tp, moe, ep))
@@ -88,13 +119,16 @@ def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None
             expert_tensor_parallel_size=1 if moe else tp, virtual_pipeline_model_parallel_size=None, num_layers=layers,
             hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=16, num_query_groups=16, kv_channels=64,
             num_experts=moe, padded_vocab_size=VOCAB, vocab_size=50257, make_vocab_size_divisible_by=128, swiglu=False,
-            add_bias_linear=not moe, untie_embeddings_and_output_weights=False, use_distributed_optimizer=False,
+            add_bias_linear=not moe, untie_embeddings_and_output_weights=False, use_distributed_optimizer=distributed,
             ckpt_format="torch", world_size=max(tp, ep), data_parallel_size=max(tp, ep) // tp)
         d = os.path.join(root, "iter_0000001", name)
         os.makedirs(d, exist_ok=True)
         state = {"args": args, "iteration": 1, "checkpoint_version": 3.0, "model": model}
         if adam:
             state["optimizer"] = adam_state(model)
+        if distributed:
+            state["optimizer"], dist = dist_state(model)
+            torch.save(dist, os.path.join(d, "distrib_optim.pt"))
         torch.save(state, os.path.join(d, "model_optim_rng.pt"))
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
         fh.write("1")
@@ -150,12 +184,15 @@ def main() -> None:
     work = ns.work or tempfile.mkdtemp(prefix="bench_reshard_")
     dense, moe = os.path.join(work, "dense_tp2"), os.path.join(work, "moe_ep2")
     adam = os.path.join(work, "dense_adam_tp2")
+    distopt = os.path.join(work, "dense_distopt_tp2")
     if not os.path.exists(dense):
         make_checkpoint(dense, layers=16, tp=2, ep=1, moe=None)
     if not os.path.exists(moe):
         make_checkpoint(moe, layers=6, tp=1, ep=2, moe=8)
     if not os.path.exists(adam):
         make_checkpoint(adam, layers=4, tp=2, ep=1, moe=None, adam=True)
+    if not os.path.exists(distopt):
+        make_checkpoint(distopt, layers=4, tp=2, ep=1, moe=None, distributed=True)
     cases = [
         ("dense TP2 -> TP1", dense, ["--tp", "1"]),
         ("dense TP2 -> TP2 PP2", dense, ["--pp", "2"]),
@@ -164,6 +201,8 @@ def main() -> None:
         ("MoE EP2 -> EP4", moe, ["--ep", "4"]),
         ("dense+Adam TP2 -> TP1", adam, ["--tp", "1"]),
         ("dense+Adam TP2 -> PP2", adam, ["--pp", "2"]),
+        ("dense+DistOpt TP2 -> TP1", distopt, ["--tp", "1"]),
+        ("dense+DistOpt TP2 -> PP2", distopt, ["--pp", "2"]),
     ]
     rows = []
     for label, src, flags in cases:
@@ -177,10 +216,10 @@ def main() -> None:
         floor = io_floor(src, written, work)
         rows.append((label, dir_bytes(src), secs, inner, rss, read, written / 2**20, floor, floor / inner))
         shutil.rmtree(dst, ignore_errors=True)
-    print(f"{'case':<22}{'src GB':>8}{'wall s':>8}{'tool s':>8}{'peak RSS MiB':>14}{'read MiB':>10}"
+    print(f"{'case':<26}{'src GB':>8}{'wall s':>8}{'tool s':>8}{'peak RSS MiB':>14}{'read MiB':>10}"
           f"{'written MiB':>13}{'floor s':>9}{'floor/tool':>11}")
     for label, sb, secs, inner, rss, read, written, floor, ratio in rows:
-        print(f"{label:<22}{sb / 1e9:>8.2f}{secs:>8.2f}{inner:>8.2f}{rss:>14.0f}{read:>10.0f}{written:>13.0f}"
+        print(f"{label:<26}{sb / 1e9:>8.2f}{secs:>8.2f}{inner:>8.2f}{rss:>14.0f}{read:>10.0f}{written:>13.0f}"
               f"{floor:>9.2f}{ratio:>11.2f}")
     print("wall s: the whole `megatron-preflight reshard` process incl. interpreter and torch start-up, plus fsync of "
           "the output; tool s: the tool's own time (its summary); floor: read all source bytes + write as many bytes "

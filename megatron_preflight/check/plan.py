@@ -124,7 +124,14 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
                            "the checkpoint has no optimizer state (saved with --no-save-optim); Megatron starts the "
                            "optimizer fresh", "add --no-load-optim to say so explicitly"))
         load_optim = False
-    if load_optim and ck_dopt != rt.use_distributed_optimizer and layout.format == Format.TORCH:
+    if load_optim and ck_dopt != rt.use_distributed_optimizer and layout.format == Format.TORCH and \
+            _convertible(layout):
+        out.append(Finding("use_distributed_optimizer", ck_dopt, rt.use_distributed_optimizer, RESHARD,
+                           "the optimizer state was saved by the "
+                           + ("distributed optimizer; the run uses the plain one" if ck_dopt else
+                              "plain optimizer; the run uses the distributed one")
+                           + ": it is converted (fp32 masters, exp_avg, exp_avg_sq, step)", ""))
+    elif load_optim and ck_dopt != rt.use_distributed_optimizer and layout.format == Format.TORCH:
         out.append(Finding("use_distributed_optimizer", ck_dopt, rt.use_distributed_optimizer, FATAL,
                            "the optimizer state was saved by "
                            + ("the distributed optimizer (distrib_optim.pt)" if ck_dopt else "the plain optimizer")
@@ -191,6 +198,23 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
     return out, load_optim, load_rng
 
 
+def _convertible(layout: Layout) -> bool:
+    from megatron_preflight.reshard.optimizer import optimizer_status
+
+    status = optimizer_status(layout)
+    return status is not None and status.reshardable
+
+
+def optimizer_toggled(layout: Layout, rt: RuntimeArgs) -> bool:
+    """The run toggles --use-distributed-optimizer against a legacy checkpoint whose optimizer state it loads: only
+    the resharder can serve that (a conversion), even at the same layout."""
+    if layout.format != Format.TORCH or rt.no_load_optim or rt.finetune or not layout.shards:
+        return False
+    meta = layout.shards[0].meta
+    return isinstance(meta, dict) and "optimizer" in meta and \
+        bool(layout.distributed_optimizer) != rt.use_distributed_optimizer
+
+
 def _format_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     out: list[Finding] = []
     fmt = layout.format
@@ -240,6 +264,7 @@ def plan_from_layout(layout: Layout, rt: RuntimeArgs, t0: float | None = None) -
         findings += _format_findings(layout, rt)
         findings += compare_architecture(layout, rt)
         lay, changed = _layout_findings(layout, rt)
+        changed = changed or (optimizer_toggled(layout, rt) and _convertible(layout))
         findings += lay
         state, load_optim, load_rng = _state_findings(layout, rt, changed)
         findings += state

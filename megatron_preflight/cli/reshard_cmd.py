@@ -48,6 +48,8 @@ def _run(ns: argparse.Namespace) -> int:
     target = target_from(ns)
     if ns.optimizer_group_order:
         target = dataclasses.replace(target, optimizer_group_order=ns.optimizer_group_order.replace("-", "_"))
+    if ns.optimizer:
+        target = dataclasses.replace(target, distributed_optimizer=ns.optimizer == "distributed")
     summary = write_resharded(ns.src, ns.dst, target, workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                               progress=None if ns.no_progress else progress_bar, drop_optimizer=ns.drop_optimizer,
@@ -82,6 +84,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer-group-order", choices=("sorted", "per-rank"),
                    help="how the Megatron-LM that loads DST orders optimizer param groups: sorted (2026-01 on, "
                         "megatron-core >= 0.16) or per-rank (earlier); default: as the source checkpoint shows it")
+    p.add_argument("--optimizer", choices=("plain", "distributed"),
+                   help="write the optimizer state for this optimizer (the new run with or without "
+                        "--use-distributed-optimizer); default: the source's, or what the flags after -- say")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true")
     p.set_defaults(func=_run)

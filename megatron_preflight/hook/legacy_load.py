@@ -27,12 +27,12 @@ def resharder_for(load_dir: str, args: Any) -> Resharder:
     key = (os.path.abspath(load_dir), iteration, keep_optimizer, tuple(sorted(vars(target_from_args(args)).items())))
     if key not in STATE.resharders:
         trust = bool(getattr(args, "preflight_trust_checkpoint", False))
-        STATE.resharders[key] = open_resharder(shared_layout(load_dir, iteration, trust), target_from_args(args),
+        STATE.resharders[key] = open_resharder(shared_layout(load_dir, iteration, trust, args), target_from_args(args),
                                           trust_checkpoint=trust, keep_optimizer=keep_optimizer)
     return STATE.resharders[key]
 
 
-def shared_layout(load_dir: str, iteration: Any, trust: bool) -> Layout:
+def shared_layout(load_dir: str, iteration: Any, trust: bool, args: Any = None) -> Layout:
     """The checkpoint's layout (every shard's metadata), read by rank 0 only and sent to every rank: one reader of
     the shared filesystem instead of one per rank. Called by every rank at the same point (collective)."""
     from megatron_preflight.errors import PreflightError
@@ -42,6 +42,17 @@ def shared_layout(load_dir: str, iteration: Any, trust: bool) -> Layout:
     def read() -> tuple[str, Any]:
         checked = STATE.checked_layouts.get(os.path.abspath(load_dir))  # what the check on this rank just read
         layout = checked if checked is not None else discover(load_dir, iteration=iteration, trust_checkpoint=trust)
+        if layout.distributed_optimizer and not (getattr(args, "no_load_optim", False) or
+                                                 getattr(args, "finetune", False)):
+            from megatron_preflight.reshard.dist_optimizer import read_dist_meta
+            from megatron_preflight.reshard.optimizer import OptimizerNotReshardable
+
+            for shard in layout.shards:  # the distributed optimizer's metadata too: read here, once
+                try:
+                    read_dist_meta(shard, trust)
+                except OptimizerNotReshardable:
+                    pass  # reported by the resharder, with its fix
+
         return "ok", transport.dumps(layout)
 
     def failed(exc: BaseException) -> tuple[str, Any]:
@@ -103,7 +114,7 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
     plan = r.plan_for_coords(coords, naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"],
                                                            pp_size=r.tgt.pp, ep_size=r.tgt.ep))
     state = r.build(plan)
-    groups = live_groups(optimizer) if r.dist_index is None else None  # the distributed one maps groups by key
+    groups = None if r.target_distributed else live_groups(optimizer)  # the distributed one maps groups by key
     if "optimizer" in state and groups is not None:
         from megatron_preflight.reshard.optimizer import align_groups
 
@@ -127,7 +138,7 @@ def serve_parameter_state(optimizer: Any, args: Any) -> Any:
 
     def load_parameter_state(filename: str, *, update_legacy_format: bool = False) -> None:
         r = resharder_for(load_dir, args)
-        if r.dist_index is None:
+        if r.dist_index is None or not r.target_distributed:
             return original(filename, update_legacy_format=update_legacy_format)
         parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
         parts = [p for p in parts if hasattr(p, "load_parameter_state_from_dp_zero")]
@@ -164,7 +175,7 @@ def this_rank_parameter_state(r: Resharder) -> Any:
                                                            pp_size=r.tgt.pp, ep_size=r.tgt.ep))
     files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
-        r.check_masters(files)
+        r.check_masters(files, shards=set(plan.sources))  # the masters of the dirs this rank reads
         return build_tree(plan.dist_optimizer, files)
     finally:
         files.close()

@@ -49,6 +49,7 @@ class Shard:
     files: dict[str, int] = field(default_factory=dict)  # file name -> bytes
     path: str = ""
     meta: dict[str, Any] | None = None  # the unpickled model_optim_rng.pt, tensors as TensorRef
+    dist_meta: Any = None  # the unpickled distrib_optim.pt (tensors as TensorRef), once someone needed it
 
     def to_json(self) -> dict[str, Any]:
         return {

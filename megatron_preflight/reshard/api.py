@@ -33,6 +33,7 @@ from megatron_preflight.reshard.optimizer import (
 from megatron_preflight.reshard.planner import (
     VOCAB_KEYS,
     RankPlan,
+    SourcePiece,
     index_sources,
     is_tied,
     plan_rank,
@@ -42,6 +43,7 @@ from megatron_preflight.reshard.planner import (
     validate_plan,
 )
 from megatron_preflight.reshard.replicas import check_replicas
+from megatron_preflight.torch_file import TensorRef
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,9 @@ class TargetLayout:
     # How the target's Megatron-LM orders optimizer param groups: "sorted" (2026-01 on, core >= 0.16: the same on
     # every rank) or "per_rank" (earlier: by the first parameter each rank meets). None: as the source shows it.
     optimizer_group_order: str | None = None
+    # The target run's --use-distributed-optimizer (None: as the source): the optimizer state is converted when it
+    # differs.
+    distributed_optimizer: bool | None = None
 
     @classmethod
     def from_args(cls, args: Any, given: set[str] | None = None) -> TargetLayout:
@@ -100,6 +105,7 @@ class TargetLayout:
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split")),
             loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
             padded_vocab_size=get("padded_vocab_size") if given is None else None,
+            distributed_optimizer=bool(get("use_distributed_optimizer")),
             vocab_size=get("vocab_size"),
             make_vocab_size_divisible_by=get("make_vocab_size_divisible_by"),
         )
@@ -142,9 +148,11 @@ class Resharder:
     keep_optimizer: bool = True  # reshard the plain optimizer's state with the weights (False: leave it out)
     dropped: dict[str, str] = field(default_factory=dict)
     optimizer_index: OptimizerIndex | None = None
-    dist_index: DistOptimizerIndex | None = None  # a distributed optimizer's state (distrib_optim.pt)
+    dist_index: DistOptimizerIndex | None = None  # the state in the distributed form, for a distributed target
+    source_dist_index: DistOptimizerIndex | None = None  # the source's distrib_optim.pt, as read
     optimizer_problem: PreflightError | None = None
     bucket_size: int | None = None  # the target's DDP bucket size (the source's settings; see dist_optimizer)
+    converted: str = ""  # what a --use-distributed-optimizer toggle did to the optimizer state
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -170,20 +178,58 @@ class Resharder:
         self.padded_vocab = self.vocab.target_padded if self.vocab else None
         meta = lay.shards[0].meta or {}
         self.dropped = {k: v for k, v in NOT_MAPPABLE.items() if k in meta}
+        self.target_distributed = bool(lay.distributed_optimizer) if t.distributed_optimizer is None \
+            else t.distributed_optimizer
         if "optimizer" in meta:
             try:
-                if lay.distributed_optimizer:
-                    self.dist_index = index_dist_optimizer(lay, self.src, trust=self.trust)
-                    self.bucket_size = bucket_size(lay.saved_args)
-                else:
-                    self.optimizer_index = index_optimizer(lay, self.src)
+                self._index_optimizer(lay, t)
             except OptimizerNotReshardable as e:
+                self.optimizer_index = self.dist_index = self.source_dist_index = None
                 self.optimizer_problem = e
                 self.dropped["optimizer"] = f"not resharded: {e.message}; load with --no-load-optim"
             if self.optimizer_index is not None and t.optimizer_group_order:
                 self.optimizer_index.per_rank_order = t.optimizer_group_order == "per_rank"
             if (self.optimizer_index or self.dist_index) is not None and not self.keep_optimizer:
                 self.dropped["optimizer"] = "left out on request (--drop-optimizer); load with --no-load-optim"
+            elif self.keep_optimizer and self.target_distributed != bool(lay.distributed_optimizer) and \
+                    (self.optimizer_index or self.dist_index) is not None:
+                kinds = ("distributed", "plain") if lay.distributed_optimizer else ("plain", "distributed")
+                self.converted = f"the optimizer state was converted from the {kinds[0]} to the {kinds[1]} optimizer"
+
+    def _index_optimizer(self, lay: Layout, t: TargetLayout) -> None:
+        """Index the source's optimizer state in the form the target needs (plain or distributed), converting it
+        when the run toggles --use-distributed-optimizer."""
+        from megatron_preflight.reshard.optimizer_convert import distributed_to_plain, plain_to_distributed
+
+        if lay.distributed_optimizer:
+            self.dist_index = self.source_dist_index = index_dist_optimizer(lay, self.src, trust=self.trust)
+            if not self.target_distributed:
+                self.optimizer_index = distributed_to_plain(self.dist_index, lay, self.src)
+                self.dist_index = None
+        else:
+            self.optimizer_index = index_optimizer(lay, self.src)
+            if self.target_distributed and self.optimizer_index is not None:
+                grad_fp32 = bool(getattr(lay.saved_args, "accumulate_allreduce_grads_in_fp32", False))
+                self.dist_index = plain_to_distributed(self.optimizer_index, self.index, self._plain_step(),
+                                                       grad_fp32)
+                self.optimizer_index = None
+        self.bucket_size = bucket_size(lay.saved_args)
+
+    def _plain_step(self) -> float:
+        """The optimizer step of a plain optimizer's state (kept per parameter; the distributed one keeps it per
+        group): read from the first parameter that has one."""
+        assert self.optimizer_index is not None
+        for fields in self.optimizer_index.fields.values():
+            piece = fields.get("step")
+            if isinstance(piece, SourcePiece):
+                if isinstance(piece.ref, TensorRef):
+                    files = SourceFiles(self.layout.iter_dir or "", trust=self.trust)
+                    try:
+                        return float(files.tensor(piece.shard, piece.ref).item())
+                    finally:
+                        files.close()
+                return float(piece.ref)
+        return 0.0
 
     # -- planning ------------------------------------------------------------------------------------------------
     def shard_plans(self) -> dict[str, RankPlan]:
@@ -195,15 +241,18 @@ class Resharder:
         plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied, vocab=self.vocab, shard_name=name)
         if self.optimizer_index is not None and self.keep_optimizer:
             plan.optimizer = plan_optimizer(self.optimizer_index, plan, self.src, self.tgt, self.vocab)
-        if self.dist_index is not None and self.keep_optimizer:
+        if self.dist_index is not None and self.keep_optimizer and self.target_distributed:
             plan.optimizer, plan.dist_optimizer = plan_dist_optimizer(self.dist_index, plan, self.tgt, self.vocab,
                                                                       tied=self.tied, size=self.bucket_size)
         validate_plan(plan)
         return plan
 
-    def check_masters(self, files: SourceFiles) -> int:
-        """A distributed optimizer's fp32 masters sit where the buffer model says (sampled; see dist_optimizer)."""
-        return check_masters(self.dist_index, files) if self.dist_index is not None and self.keep_optimizer else 0
+    def check_masters(self, files: SourceFiles, shards: set[str] | None = None) -> int:
+        """A distributed optimizer's fp32 masters sit where the buffer model says (sampled; see dist_optimizer), in
+        every source dir or in ``shards``."""
+        if self.source_dist_index is None or not self.keep_optimizer:
+            return 0
+        return check_masters(self.source_dist_index, files, shards=shards)
 
     def plan_for_rank(self, rank: int, world_size: int | None = None) -> RankPlan:
         from megatron_preflight.layout import naming
@@ -221,7 +270,8 @@ class Resharder:
             first = self.layout.shards[0]
             meta = first.meta or {}
             if meta.get("args") is not None:
-                state["args"] = rewrite_args(meta["args"], self.tgt, self.padded_vocab)
+                state["args"] = rewrite_args(meta["args"], self.tgt, self.padded_vocab,
+                                             self.target_distributed if self.keep_optimizer else None)
             for key in CARRIED:
                 if key in meta:
                     state[key] = files.materialize(first.name, meta[key])

@@ -189,6 +189,18 @@ def source_params(layout: Layout, src: ParallelLayout) -> dict[str, list[Param]]
     return out
 
 
+def read_dist_meta(shard: Any, trust: bool = False) -> Any:
+    """A shard's distrib_optim.pt metadata (no tensor bytes), read once and kept on the shard (so rank 0's read
+    travels with the layout it sends to the other ranks)."""
+    if shard.dist_meta is None:
+        path = os.path.join(shard.path, naming.DISTRIB_OPTIM_FILENAME)
+        if not os.path.isfile(path):
+            raise OptimizerNotReshardable("the distributed optimizer's distrib_optim.pt is missing", path=path,
+                                          fix=FIX, code="optimizer")
+        shard.dist_meta = read_torch_file(path, trust=trust)
+    return shard.dist_meta
+
+
 def index_dist_optimizer(layout: Layout, src: ParallelLayout, *, trust: bool = False) -> DistOptimizerIndex:
     """Read every shard's ``distrib_optim.pt`` metadata (no tensor bytes) and place each parameter's fp32 master,
     ``exp_avg`` and ``exp_avg_sq`` in its global tensor. Raises :class:`OptimizerNotReshardable` when the files do not
@@ -202,10 +214,7 @@ def index_dist_optimizer(layout: Layout, src: ParallelLayout, *, trust: bool = F
         if shard.meta is None or shard.name not in params:
             continue
         path = os.path.join(shard.path, naming.DISTRIB_OPTIM_FILENAME)
-        if not os.path.isfile(path):
-            raise OptimizerNotReshardable("the distributed optimizer's distrib_optim.pt is missing", path=path,
-                                          fix=FIX, code="optimizer")
-        files = _parts(read_torch_file(path, trust=trust), path)
+        files = _parts(read_dist_meta(shard, trust), path)
         groups = _parts(shard.meta.get("optimizer"), os.path.join(shard.path, naming.MODEL_FILENAME))
         if len(groups) != len(files):
             raise OptimizerNotReshardable(f"model_optim_rng.pt has {len(groups)} optimizer part(s) but "
@@ -303,18 +312,23 @@ def _index_part(index: DistOptimizerIndex, state: dict[str, Any], buffers: list[
             index.checked.append((shard, sk.value, shard, _view(world["param"], offsets[p.name], p.shape)))
 
 
-def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8) -> int:
+def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8, shards: set[str] | None = None) -> int:
     """The fp32 masters read at the modelled places equal the model's weights (cast to the weight's dtype): a wrong
     buffer model would read another parameter's values. Sampled; returns the number of parameters checked."""
     checked = 0
     for shard, weight_ref, _, master_ref in index.checked:
+        if shards is not None and shard not in shards:
+            continue
         w, m = files.tensor(shard, weight_ref), files.tensor(shard, master_ref)
         if w.numel() == 0:
             continue
         flat_w, flat_m = w.reshape(-1), m.reshape(-1)
         n = flat_w.numel()
         picks = sorted({0, n // 3, n // 2, n - 1, *range(0, n, max(1, n // sample))})
-        if not torch.equal(flat_m[picks].to(flat_w.dtype), flat_w[picks]):
+        same = torch.equal(flat_m[picks].to(flat_w.dtype), flat_w[picks])
+        del w, m, flat_w, flat_m
+        files.release_pages()  # keep the resident set small: a few elements of every parameter were read
+        if not same:
             raise OptimizerNotReshardable(
                 "the fp32 masters in distrib_optim.pt do not line up with the model's weights: its buffer layout is "
                 "not the one modelled (another Megatron version or DDP settings)",

@@ -123,6 +123,8 @@ def build_tree(tree: Any, files: SourceFiles) -> Any:
             return build_flat(v, files)
         if isinstance(v, TensorPlan):
             return v.value if v.shape is None else build_tensor(v, files)
+        if isinstance(v, torch.Tensor):  # a value the plan carries: every state dict gets its own copy (torch's
+            return v.clone()  # optimizers update their state in place)
         return v
 
     return map_leaves(tree, leaf)

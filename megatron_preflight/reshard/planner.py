@@ -536,7 +536,8 @@ def validate_tensor_plan(tp: TensorPlan, name: str) -> None:
         fail(f"covers {pos} of its {tp.shape[dim]} rows along dim {dim}")
 
 
-def rewrite_args(args: Any, tgt: ParallelLayout, padded_vocab: int | None) -> Any:
+def rewrite_args(args: Any, tgt: ParallelLayout, padded_vocab: int | None,
+                 distributed_optimizer: bool | None = None) -> Any:
     """The saved args, rewritten to the target layout (what Megatron's check_checkpoint_args compares)."""
     if args is None:
         return None
@@ -557,6 +558,8 @@ def rewrite_args(args: Any, tgt: ParallelLayout, padded_vocab: int | None) -> An
             setattr(new, name, value)
     if padded_vocab is not None:
         new.padded_vocab_size = padded_vocab
+    if distributed_optimizer is not None:
+        new.use_distributed_optimizer = distributed_optimizer
     world = tgt.min_world()
     if hasattr(new, "world_size"):
         new.world_size = world

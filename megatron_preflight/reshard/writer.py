@@ -45,6 +45,7 @@ class Summary:
     verified_tensors: int = 0
     replicas_compared: int = 0
     replicas_full: bool = False
+    converted: str = ""
     dropped: dict[str, str] = field(default_factory=dict)
     destination: str = ""
 
@@ -59,6 +60,8 @@ class Summary:
         if self.replicas_compared:
             how = "whole" if self.replicas_full else "sampled"
             lines.append(f"compared {self.replicas_compared} source replicas with their main copy ({how}): all agree")
+        if self.converted:
+            lines.append(self.converted)
         for key, why in self.dropped.items():
             lines.append(f"not carried: {key} — {why}")
         return "\n".join(lines)
@@ -285,7 +288,7 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
         owner = share.deal({n: p.nbytes for n, p in plans.items()}, grp.world)
         mine = [n for n in names if owner[n] == grp.rank]
     iter_out = os.path.join(tmp, naming.iteration_dir_name(iteration_value))
-    summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs)
+    summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs, converted=r.converted)
     results: list[ShardResult] = []
     error = None
     try:

@@ -91,9 +91,12 @@ def test_legacy_distopt_layout_change_reshards_the_distributed_optimizer_state()
     assert p.verdict == Verdict.RESHARD and p.load_optimizer, [f.to_json() for f in p.fatal]
     f = next(f for f in p.findings if f.field == "optimizer")
     assert f.checkpoint == "distributed" and "distrib_optim.pt" in f.message
-    # the run without the distributed optimizer cannot take its state (no conversion yet): fatal, with the fix
-    p = plan("distopt_tp2dp2_torch")
-    assert p.verdict == Verdict.FAIL and "use_distributed_optimizer" in fields(p, "fatal")
+    # a run without the distributed optimizer gets the state converted (even at the checkpoint's own layout)
+    p = plan("distopt_tp2dp2_torch", "--tensor-model-parallel-size", "2")
+    assert p.verdict == Verdict.RESHARD and p.loader == Loader.RESHARD and p.load_optimizer
+    assert "use_distributed_optimizer" in fields(p, "reshard")
+    p = plan("tp2_torch", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer")
+    assert p.verdict == Verdict.RESHARD and "use_distributed_optimizer" in fields(p, "reshard")
     assert plan("tp2_distopt_torch", "--use-distributed-optimizer", "--no-load-optim").verdict == Verdict.RESHARD
 
 

@@ -258,3 +258,35 @@ def test_in_memory_distributed_optimizer_reshard_trains_like_megatrons_dist_resh
     assert rc2 == 0, log2[-3000:]
     assert loss(log, 4, 4) is not None
     assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+@pytest.mark.parametrize("source, target_kind, run_flags, oracle, oracle_flags", [
+    ("distopt_tp2dp2_torch", "plain", [], "tp2_torch_dist", []),
+    ("tp2_torch", "distributed", ["--use-distributed-optimizer"], "distopt_tp2dp2_torch_dist",
+     ["--use-distributed-optimizer"]),
+], ids=["distributed->plain", "plain->distributed"])
+@pytest.mark.parametrize("how", ["offline", "in-memory"])
+def test_toggling_the_distributed_optimizer_converts_its_state(tmp_path, source, target_kind, run_flags, oracle,
+                                                               oracle_flags, how):
+    """A run that toggles --use-distributed-optimizer (and changes TP2 -> TP1) resumes WITH the optimizer state,
+    converted. The oracle is Megatron's own reshard of a twin saved with the target's optimizer: tp2_torch (plain, DP1)
+    and distopt_tp2dp2_torch (distributed, DP2) were trained with the same seed, data and model flags, so they hold
+    the same weights and Adam moments (their iteration-3 losses are equal) and differ only in the optimizer kind."""
+    common = ("--no-load-rng", "--train-iters", "4", *run_flags)
+    if how == "offline":
+        out = tmp_path / "converted"
+        r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(source), str(out),
+                            "--tp", "1", "--optimizer", target_kind, "--verify", "--no-progress"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "optimizer state was converted" in r.stdout, r.stderr
+        rc, log = run(tmp_path, str(out), 1, "--ckpt-format", "torch", *common, plugin=False, port=29720)
+    else:
+        rc, log = run(tmp_path, fixture_path(source), 1, "--preflight", "auto", "--ckpt-format", "torch", *common,
+                      port=29720)
+        assert "loaded through the in-memory resharder" in log and "applied: no_load_optim" not in log
+    assert rc == 0, log[-3000:]
+    rc2, log2 = run(tmp_path, fixture_path(oracle), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
+                    "--train-iters", "4", *oracle_flags, plugin=False, port=29721)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None
+    assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))

@@ -1,0 +1,124 @@
+"""Toggling --use-distributed-optimizer: the plain optimizer's state as a distributed one, and back.
+
+Both index the same thing — per global parameter, its fp32 master (a bf16/fp16 run's master copy, or the fp32 weight
+itself), ``exp_avg`` and ``exp_avg_sq`` — in two forms: the plain form numbers parameters inside param groups
+(:class:`optimizer.OptimizerIndex`), the distributed form keeps group settings only, positions come from the buffers
+(:class:`dist_optimizer.DistOptimizerIndex`). Converting one index into the other lets either writer serve either
+source. The distributed optimizer keeps ``step`` in its param groups, the plain one per parameter.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from megatron_preflight.layout.model import Layout
+from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.reshard.dist_optimizer import FIX, DistOptimizerIndex, source_params
+from megatron_preflight.reshard.optimizer import (
+    MASTER,
+    OptimizerIndex,
+    OptimizerNotReshardable,
+    SubOptimizer,
+    _candidates,
+    _signature,
+)
+from megatron_preflight.reshard.planner import GlobalEntry, GlobalKey, SourcePiece
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def plain_to_distributed(plain: OptimizerIndex, model: dict[GlobalKey, GlobalEntry], step: float,
+                         grad_in_fp32: bool) -> DistOptimizerIndex:
+    """The plain optimizer's state in the distributed form: masters (or the fp32 weights themselves), moments,
+    group settings with their ``step``."""
+    out = DistOptimizerIndex(template_shard=plain.template_shard)
+    for gkey, fields in plain.fields.items():
+        master = fields.get(MASTER)
+        if master is None:
+            master = model.get(gkey)
+        if not isinstance(master, GlobalEntry) or not all(isinstance(fields.get(n), GlobalEntry)
+                                                          for n in ("exp_avg", "exp_avg_sq")):
+            raise OptimizerNotReshardable(f"parameter {gkey.suffix} has no Adam moments to carry over", fix=FIX,
+                                          code="optimizer")
+        out.fields[gkey] = OrderedDict([("param", master), ("exp_avg", fields["exp_avg"]),
+                                        ("exp_avg_sq", fields["exp_avg_sq"])])
+    for sig in plain.order:
+        settings = {k: v for k, v in plain.settings[sig].items() if k != "params"}
+        settings["step"] = step
+        new = _sig(settings)
+        out.order.append(new)
+        out.settings[new] = settings
+        if sig in plain.expert:
+            out.expert_groups.add(new)
+    template = plain.template
+    if template.wrapped:
+        out.outer = OrderedDict((k, v) for k, v in template.outer.items() if k not in ("optimizer",
+                                                                                       "fp32_from_fp16_params"))
+    half = {e.first().ref.dtype for e in model.values() if hasattr(e.first().ref, "dtype")} & set(_HALF)
+    out.grad_dtype = {d: torch.float32 if grad_in_fp32 else d for d in half}
+    out.grad_dtype[torch.float32] = torch.float32
+    return out
+
+
+def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: ParallelLayout) -> OptimizerIndex:
+    """The distributed optimizer's state in the plain form: each parameter placed in its param group by Megatron's
+    group rules (expert-parallel or not, no weight decay for biases and 1-D tensors, decoupled LR for the embedding
+    and head; exactly one group must fit), with ``step`` per parameter and fp32 master copies for a half run."""
+    # the group settings without step (per parameter in the plain form) and without the part flag (set per part by
+    # the target layout): the dense and expert parts' groups with the same settings are one group here
+    groups = [{k: v for k, v in dist.settings[s].items() if k not in ("step", "is_expert_parallel")}
+              for s in dist.order]
+    steps = {dist.settings[s].get("step") for s in dist.order} - {None}
+    if len(steps) > 1:
+        raise OptimizerNotReshardable(f"the param groups record different steps {sorted(steps)}", fix=FIX,
+                                      code="optimizer")
+    step = torch.tensor(float(steps.pop()) if steps else 0.0)
+    params = [p for ps in source_params(layout, src).values() for p in ps]
+    half = any(p.dtype in _HALF for p in params)
+    outer: OrderedDict[str, Any] = OrderedDict()
+    if half:
+        outer["optimizer"] = None
+        outer["fp32_from_fp16_params"] = None
+        outer.update(dist.outer)
+    template = SubOptimizer(half, outer, OrderedDict(), groups, [[] for _ in groups], {}, None)
+    plain = OptimizerIndex(template, dist.template_shard)
+    expert_parallel = src.experts_are_expert_parallel()
+    for g in groups:
+        sig = _signature(g)
+        if sig not in plain.settings:
+            plain.order.append(sig)
+            plain.settings[sig] = {**g, "is_expert_parallel": False}
+    tied = any(p.key == "output_layer.weight" and p.shared_embedding for p in params)
+    for p in params:
+        sk = p.source
+        assert sk is not None
+        if tied and p.key == "output_layer.weight":
+            continue
+        if sk.gkey in plain.membership:
+            continue
+        cands = _candidates([template], sk, expert_parallel)
+        if len(cands) != 1:
+            raise OptimizerNotReshardable(f"cannot tell which param group holds {sk.key} ({len(cands)} candidates) "
+                                          "in the plain optimizer: the groups do not follow Megatron's default rules",
+                                          fix=FIX, code="optimizer")
+        sig = _signature(groups[cands[0][1]])
+        plain.membership[sk.gkey] = sig
+        (plain.expert if sk.info.expert is not None else plain.dense).add(sig)
+        fields = dist.fields.get(sk.gkey)
+        if fields is None:
+            raise OptimizerNotReshardable(f"no distributed optimizer state for {sk.key}", fix=FIX, code="optimizer")
+        # a tensor of its own per parameter: torch's Adam increments each parameter's step in place
+        out: OrderedDict[str, Any] = OrderedDict([("step", SourcePiece(sk.shard, step.clone(), 0, 1)),
+                                                  ("exp_avg", fields["exp_avg"]),
+                                                  ("exp_avg_sq", fields["exp_avg_sq"])])
+        if p.dtype in _HALF:
+            out[MASTER] = fields["param"]
+        plain.fields[sk.gkey] = out
+    return plain
+
+
+def _sig(settings: dict[str, Any]) -> str:
+    return repr(sorted((k, repr(v)) for k, v in settings.items() if k not in ("params", "is_expert_parallel")))
