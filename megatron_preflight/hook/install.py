@@ -144,7 +144,7 @@ def install() -> None:
 
             ckpt_mod._load_base_checkpoint = reshard_base
             # A distributed optimizer reads distrib_optim.pt by path after the model: serve it from memory too.
-            restore = legacy_load.serve_parameter_state(optimizer, get_args())
+            restore = legacy_load.serve_parameter_state(optimizer, get_args(), ddp_model)
             try:
                 result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
             except PreflightError as exc:  # our own, clear errors: one message and exit 1, never a traceback

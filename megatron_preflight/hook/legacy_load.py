@@ -124,7 +124,7 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
     return state, name, release
 
 
-def serve_parameter_state(optimizer: Any, args: Any) -> Any:
+def serve_parameter_state(optimizer: Any, args: Any, model: Any = None) -> Any:
     """When the run uses the distributed optimizer and the checkpoint's distrib_optim.pt is resharded: make
     ``optimizer.load_parameter_state(path)`` take this rank's state from memory instead of the file (built only on
     the ranks that are data-parallel rank 0 of an optimizer part, as Megatron reads the file; it then scatters it).
@@ -144,7 +144,7 @@ def serve_parameter_state(optimizer: Any, args: Any) -> Any:
         parts = [p for p in parts if hasattr(p, "load_parameter_state_from_dp_zero")]
         states = None
         if any(p.data_parallel_group.rank() == 0 for p in parts):
-            states = this_rank_parameter_state(r)
+            states = this_rank_parameter_state(r, parts, model)
             states = states if isinstance(states, list) else [states]
             if len(states) != len(parts):
                 raise PreflightError(f"the run's distributed optimizer has {len(parts)} part(s), the resharded state "
@@ -164,21 +164,68 @@ def serve_parameter_state(optimizer: Any, args: Any) -> Any:
     return restore
 
 
-def this_rank_parameter_state(r: Resharder) -> Any:
-    """This rank's distrib_optim.pt content at the run's layout, built in memory (world tensors of its dir)."""
+def this_rank_parameter_state(r: Resharder, parts: list[Any] | None = None, model: Any = None) -> Any:
+    """This rank's distrib_optim.pt content at the run's layout, built in memory (world tensors of its dir). With the
+    running optimizer's ``parts`` and ``model`` chunks, each parameter is placed where the running optimizer keeps it
+    (its own buffer layout: nothing modelled on the target side)."""
     from megatron_preflight.hook import consensus
     from megatron_preflight.layout import naming
+    from megatron_preflight.reshard.dist_optimizer import relocate
     from megatron_preflight.reshard.executor import SourceFiles, build_tree
 
     coords = runtime_coordinates(consensus.rank(), consensus.world_size(), r)
     plan = r.plan_for_coords(coords, naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"],
                                                            pp_size=r.tgt.pp, ep_size=r.tgt.ep))
+    if parts is not None and model is not None:
+        states = plan.dist_optimizer if isinstance(plan.dist_optimizer, list) else [plan.dist_optimizer]
+        names = param_names(model)
+        for part, state in zip(parts, states, strict=False):
+            for gbuf, buffer in enumerate(getattr(part, "buffers", None) or []):
+                offsets = live_offsets(buffer, names)
+                if offsets is None or not isinstance(state.get(gbuf), dict):
+                    continue
+                (_, world), = state[gbuf].items()
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    moved = relocate(world[key], offsets)
+                if moved:
+                    log.warning("gradient buffer %d: %d parameters placed where the running optimizer keeps them, "
+                                "not where the checkpoint's rules put them", gbuf, moved)
     files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
         r.check_masters(files, shards=set(plan.sources))  # the masters of the dirs this rank reads
         return build_tree(plan.dist_optimizer, files)
     finally:
         files.close()
+
+
+def param_names(model: Any) -> dict[int, str]:
+    """id(parameter) -> "chunk:key" over the run's model chunks (wrapper prefixes such as DDP's "module." removed)."""
+    out = {}
+    for chunk, module in enumerate(model if isinstance(model, (list, tuple)) else [model]):
+        for name, param in module.named_parameters():
+            while name.startswith("module."):
+                name = name[len("module."):]
+            out[id(param)] = f"{chunk}:{name}"
+    return out
+
+
+def live_offsets(buffer: Any, names: dict[int, str]) -> dict[str, int] | None:
+    """Where the running optimizer keeps each parameter of one gradient buffer in the world tensors it reads (its
+    buckets without their end padding, concatenated): from the buffer's own index map. None when this Megatron
+    version's buffer does not expose it."""
+    try:
+        index_map, bucket_indices = buffer.param_index_map, buffer.bucket_indices
+        unpadded = [b.numel_unpadded for b in buffer.buckets]
+    except AttributeError:
+        return None
+    starts = [sum(unpadded[:i]) for i in range(len(unpadded))]
+    out = {}
+    for param, (start, _end, bucket) in index_map.items():
+        name = names.get(id(param))
+        if name is None:
+            return None
+        out[name] = starts[bucket] + start - bucket_indices[bucket][0]
+    return out
 
 
 def check_live_buffers(part: Any, state: dict[str, Any]) -> None:

@@ -347,6 +347,7 @@ class FlatPlan:
     parts: list[tuple[int, TensorPlan]]
     key: str = ""
     dtype: torch.dtype = torch.float32
+    names: list[str] = field(default_factory=list)  # "chunk:key" of each part's parameter, in parts' order
 
     @property
     def shape(self) -> tuple[int]:
@@ -400,7 +401,8 @@ def plan_dist_optimizer(index: DistOptimizerIndex, plan: RankPlan, tgt: Parallel
                     fp = plan_tensor(entry, "optimizer", f"{p.key}#{name}", plan.coords, tgt, vocab)
                     fp.gkey = None
                     flat.append((offsets[p.name], fp))
-                world[name] = FlatPlan(numel, flat, key=f"distrib_optim[{gbuf}].{name}")
+                world[name] = FlatPlan(numel, flat, key=f"distrib_optim[{gbuf}].{name}",
+                                       names=[p.name for p in members])
             world["numel_unpadded"] = numel
             state[gbuf] = {(dtype, index.grad_dtype.get(dtype, dtype)): world}
         files.append(state)
@@ -417,6 +419,22 @@ def plan_dist_optimizer(index: DistOptimizerIndex, plan: RankPlan, tgt: Parallel
 
 def _chunks(params: list[Param]) -> list[list[Param]]:
     return [[p for p in params if p.chunk == c] for c in sorted({p.chunk for p in params})]
+
+
+def relocate(fp: FlatPlan, offsets: dict[str, int]) -> int:
+    """Place each part at the offset the running optimizer gives its parameter (``offsets`` by "chunk:key"); returns
+    how many places differ from the modelled ones. Raises when a parameter is unknown to the running optimizer."""
+    moved = 0
+    parts = []
+    for name, (start, tp) in zip(fp.names, fp.parts, strict=True):
+        if name not in offsets:
+            raise PreflightError(f"the running distributed optimizer has no parameter {name.split(':', 1)[1]} in "
+                                 f"{fp.key}", fix=FIX, code="optimizer")
+        moved += offsets[name] != start
+        parts.append((offsets[name], tp))
+    fp.parts = parts
+    validate_flat(fp)
+    return moved
 
 
 def flat_parts(tree: Any) -> list[tuple[tuple, FlatPlan]]:

@@ -187,6 +187,7 @@ def test_off_behaves_like_megatron(tmp_path):
 
 
 DISTOPT_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--global-batch-size", "4"]
+BUCKETS = ["--overlap-grad-reduce", "--ddp-bucket-size", "3000"]
 
 
 @pytest.mark.parametrize("legacy, nproc, target, flags", [
@@ -196,8 +197,9 @@ DISTOPT_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-l
     ("distopt_bf16_tp2dp2_torch", 2, ["--tp", "1"], ["--bf16"]),
     ("distopt_vpp_pp2dp2_torch", 2, ["--pp", "1"], ["--global-batch-size", "4"]),
     ("distopt_tp2dp2_torch", 2, [], ["--tensor-model-parallel-size", "2"]),
+    ("distopt_buckets_tp2dp2_torch", 2, ["--tp", "1"], BUCKETS),
 ], ids=["tp2dp2->tp1dp2", "tp2dp2->tp1pp2dp2", "moe ep2dp4->ep4", "bf16 tp2dp2->tp1dp2", "vpp2 pp2dp2->pp1dp2",
-        "dp-only tp2dp2->tp2dp1"])
+        "dp-only tp2dp2->tp2dp1", "6 buckets tp2dp2->tp1dp2"])
 def test_offline_distributed_optimizer_reshard_trains_like_megatrons_dist_reshard(tmp_path, legacy, nproc, target,
                                                                                     flags):
     """`megatron-preflight reshard` of a --use-distributed-optimizer checkpoint (distrib_optim.pt at DP 2+), resumed
@@ -243,7 +245,9 @@ def test_distributed_optimizer_moe_to_ep1_resumes(tmp_path):
     ("distopt_moe_ep2dp2_torch", 4, DISTOPT_MOE + ["--expert-model-parallel-size", "4"]),
     ("distopt_bf16_tp2dp2_torch", 2, ["--bf16"]),
     ("distopt_vpp_pp2dp2_torch", 2, ["--global-batch-size", "4"]),
-], ids=["tp2dp2->tp1dp2", "tp2dp2->tp1pp2dp2", "moe ep2dp4->ep4", "bf16 tp2dp2->tp1dp2", "vpp2 pp2dp2->pp1dp2"])
+    ("distopt_buckets_tp2dp2_torch", 2, BUCKETS),
+], ids=["tp2dp2->tp1dp2", "tp2dp2->tp1pp2dp2", "moe ep2dp4->ep4", "bf16 tp2dp2->tp1dp2", "vpp2 pp2dp2->pp1dp2",
+        "6 buckets tp2dp2->tp1dp2"])
 def test_in_memory_distributed_optimizer_reshard_trains_like_megatrons_dist_reshard(tmp_path, legacy, nproc, flags):
     """--preflight auto with --use-distributed-optimizer at a new layout: each data-parallel rank 0 builds its dir's
     distrib_optim.pt buffers in memory and Megatron scatters them; iterations 3 and 4 equal Megatron's own reshard of

@@ -19,7 +19,7 @@ from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
 
 SOURCES = ["distopt_tp2dp2_torch", "distopt_bf16_tp2dp2_torch", "distopt_moe_ep2dp2_torch",
-           "distopt_vpp_pp2dp2_torch", "tp2_distopt_torch"]
+           "distopt_vpp_pp2dp2_torch", "distopt_buckets_tp2dp2_torch", "tp2_distopt_torch"]
 
 
 def test_world_offsets_align_each_param_and_drop_bucket_end_padding():
