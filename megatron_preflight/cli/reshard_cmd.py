@@ -53,7 +53,7 @@ def _run(ns: argparse.Namespace) -> int:
     summary = write_resharded(ns.src, ns.dst, target, workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                               progress=None if ns.no_progress else progress_bar, drop_optimizer=ns.drop_optimizer,
-                              distributed=True)
+                              distributed=True, keep_stale=ns.keep_stale_temp)
     if int(os.environ.get("RANK", "0") or 0) == 0:
         print(summary.render())
     return 0
@@ -87,6 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", choices=("plain", "distributed"),
                    help="write the optimizer state for this optimizer (the new run with or without "
                         "--use-distributed-optimizer); default: the source's, or what the flags after -- say")
+    p.add_argument("--keep-stale-temp", action="store_true",
+                   help="leave the partial output of earlier runs that died (.DST.tmp-PID) in place; by default it is "
+                        "removed, and the summary names it")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true")
     p.set_defaults(func=_run)

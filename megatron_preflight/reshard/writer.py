@@ -22,7 +22,7 @@ import torch
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
-from megatron_preflight.reshard import durable, share
+from megatron_preflight.reshard import destination, durable, lifeline, share
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
 from megatron_preflight.reshard.dist_optimizer import flat_parts
 from megatron_preflight.reshard.executor import SourceFiles
@@ -46,6 +46,8 @@ class Summary:
     replicas_compared: int = 0
     replicas_full: bool = False
     converted: str = ""
+    stale_removed: list[str] = field(default_factory=list)
+    stale_kept: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
     destination: str = ""
 
@@ -62,6 +64,10 @@ class Summary:
             lines.append(f"compared {self.replicas_compared} source replicas with their main copy ({how}): all agree")
         if self.converted:
             lines.append(self.converted)
+        for path in self.stale_removed:
+            lines.append(f"removed {path}: partial output of an earlier run that died")
+        for path in self.stale_kept:
+            lines.append(f"left {path}: partial output of an earlier run (remove it when that run is gone)")
         for key, why in self.dropped.items():
             lines.append(f"not carried: {key} — {why}")
         return "\n".join(lines)
@@ -96,8 +102,10 @@ Progress = Callable[[int, int, str], None]  # (shards done, shards in all, the s
 _WORKER: Resharder | None = None
 
 
-def _init_worker(src: str, target: TargetLayout, iteration: Any, trust: bool, keep_optimizer: bool) -> None:
+def _init_worker(src: str, target: TargetLayout, iteration: Any, trust: bool, keep_optimizer: bool,
+                 parent_pid: int) -> None:
     global _WORKER
+    lifeline.die_with_parent(parent_pid)  # a killed main process takes its workers with it
     _WORKER = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=keep_optimizer)
 
 
@@ -210,7 +218,7 @@ def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFi
 def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 1, verify: bool = False,
                     iteration: int | str | None = None, trust_checkpoint: bool = False,
                     progress: Progress | None = None, drop_optimizer: bool = False,
-                    distributed: bool = False) -> Summary:
+                    distributed: bool = False, keep_stale: bool = False) -> Summary:
     """Reshard the legacy checkpoint at ``src`` into a new checkpoint root ``dst`` at ``target``. Under torchrun
     (``distributed``), every rank writes its share of the shards (see :mod:`share`). ``progress`` is called after
     each shard (on rank 0); the engine itself never prints."""
@@ -218,7 +226,8 @@ def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 
     grp = share.from_env() if distributed else None
     try:
         summary = _write(src, dst, target, workers=workers, verify=verify, iteration=iteration,
-                         trust_checkpoint=trust_checkpoint, progress=progress, drop_optimizer=drop_optimizer, grp=grp)
+                         trust_checkpoint=trust_checkpoint, progress=progress, drop_optimizer=drop_optimizer, grp=grp,
+                         keep_stale=keep_stale)
     finally:
         if grp is not None:
             grp.close()
@@ -243,7 +252,7 @@ def _agree(grp: share.Share | None, error: BaseException | None) -> None:
 
 def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bool, iteration: int | str | None,
            trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
-           grp: share.Share | None) -> Summary:
+           grp: share.Share | None, keep_stale: bool = False) -> Summary:
     src_abs, dst_abs = os.path.abspath(src), os.path.abspath(dst)
     root = grp is None or grp.rank == 0
     error: BaseException | None = None
@@ -252,7 +261,8 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
         if os.path.exists(dst_abs) and (not os.path.isdir(dst_abs) or os.listdir(dst_abs)):
             raise PreflightError("the destination exists and is not empty", path=dst_abs,
                                  fix="pass a new directory (the source is never overwritten)", code="usage")
-        if dst_abs == src_abs or dst_abs.startswith(src_abs + os.sep):
+        src_real, dst_real = os.path.realpath(src_abs), os.path.realpath(dst_abs)  # through symlinks
+        if dst_real == src_real or dst_real.startswith(src_real + os.sep):
             raise PreflightError("the destination is inside the source checkpoint", path=dst_abs,
                                  fix="write the new checkpoint somewhere else: the source is never written to",
                                  code="usage")
@@ -273,14 +283,39 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
         error = e
     _agree(grp, error)
     assert r is not None
+    dest_box: list[destination.Destination] = []
+    try:
+        return _write_claimed(r, src, dst_abs, target, workers=workers, verify=verify, iteration=iteration,
+                              trust_checkpoint=trust_checkpoint, progress=progress,
+                              drop_optimizer=drop_optimizer, grp=grp, root=root, keep_stale=keep_stale,
+                              claimed=lambda d: dest_box.append(d))
+    finally:
+        for claimed_dest in dest_box:
+            claimed_dest.release()
+
+
+def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *, workers: int, verify: bool,
+                   iteration: Any, trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
+                   grp: share.Share | None, root: bool, keep_stale: bool, claimed: Callable) -> Summary:
     names = list(r.tgt.shard_dirs())
     parent = os.path.dirname(dst_abs) or "."
-    tmp = os.path.join(parent, f".{os.path.basename(dst_abs)}.tmp-{os.getpid()}")
     iteration_value = r.layout.iteration if r.layout.iteration is not None else 0
+    tmp = ""
+    error: BaseException | None = None
+    dest: destination.Destination | None = None
     if root:
-        os.makedirs(parent, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, naming.iteration_dir_name(iteration_value)))
+        try:  # one writer at a time; earlier runs' partial output found (and removed unless kept)
+            dest = destination.claim(dst_abs, remove_stale=not keep_stale)
+            claimed(dest)
+            if os.path.exists(dst_abs) and (not os.path.isdir(dst_abs) or os.listdir(dst_abs)):
+                raise PreflightError("the destination exists and is not empty", path=dst_abs,
+                                     fix="pass a new directory (the source is never overwritten)", code="usage")
+            tmp = dest.tmp
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, naming.iteration_dir_name(iteration_value)))
+        except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
+            error = e
+    _agree(grp, error)
     mine = names
     if grp is not None:
         tmp = grp.broadcast(tmp)  # after rank 0 made it
@@ -289,6 +324,8 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
         mine = [n for n in names if owner[n] == grp.rank]
     iter_out = os.path.join(tmp, naming.iteration_dir_name(iteration_value))
     summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs, converted=r.converted)
+    if dest is not None:
+        summary.stale_removed, summary.stale_kept = list(dest.stale_removed), list(dest.stale_kept)
     results: list[ShardResult] = []
     error = None
     try:
@@ -340,7 +377,7 @@ def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, targe
 
         ctx = mp.get_context("spawn")
         with ProcessPoolExecutor(max_workers=min(workers, len(names)), mp_context=ctx, initializer=_init_worker,
-                                 initargs=(src, target, iteration, trust, keep_optimizer)) as pool:
+                                 initargs=(src, target, iteration, trust, keep_optimizer, os.getpid())) as pool:
             futures = {pool.submit(_write_shard, n, iter_out, verify): n for n in names}
             for i, fut in enumerate(futures, 1):
                 results.append(fut.result())
