@@ -31,3 +31,30 @@ class UnsafePickleError(PreflightError):
 
 class CorruptFileError(PreflightError):
     """A checkpoint file is truncated, empty or not a torch file."""
+
+
+_ENV_FIXES = {
+    "ENOSPC": "free space on that filesystem, or write somewhere with room",
+    "EDQUOT": "free space within your quota, or write somewhere else",
+    "EFBIG": "the file size limit (ulimit -f) or the filesystem's largest file is too small: raise it or write "
+             "elsewhere",
+    "EROFS": "the filesystem is read-only: write somewhere writable",
+    "EACCES": "check the permissions of that path (or run as a user who may write/read it)",
+    "EPERM": "check the permissions of that path",
+    "ENOENT": "check the path (a directory on the way may have been removed meanwhile)",
+    "ENOTDIR": "a part of that path is a file, not a directory: fix the path",
+    "EIO": "the storage reported an I/O error: check the disk or the network filesystem, then retry",
+    "ESTALE": "the network filesystem handle went stale: retry",
+}
+
+
+def environment_error(exc: OSError) -> PreflightError:
+    """What the system did (disk full, read-only, permission, ...), as one clear error: not a bug of this tool."""
+    import errno as errno_mod
+
+    name = errno_mod.errorcode.get(exc.errno or 0, "")
+    what = exc.strerror or str(exc)
+    where = exc.filename if isinstance(exc.filename, str) else None
+    return PreflightError(f"the system refused an operation: {what}" + (f" [{name}]" if name else ""), path=where,
+                          fix=_ENV_FIXES.get(name, "check the path, the filesystem and the permissions, then retry"),
+                          code="environment")

@@ -183,8 +183,10 @@ class ParallelLayout:
         if not self.num_experts:
             return 0
         if self.num_experts % self.ep:
+            sizes = ", ".join(str(d) for d in range(1, self.num_experts + 1) if self.num_experts % d == 0)
             raise LayoutError(f"{self.num_experts} experts are not divisible by EP{self.ep}",
-                              field="expert_model_parallel_size", fix="choose an EP size that divides --num-experts")
+                              field="expert_model_parallel_size",
+                              fix=f"choose an EP size that divides the {self.num_experts} experts: {sizes}")
         return self.num_experts // self.ep
 
     def place_expert(self, global_expert: int) -> tuple[int, int]:

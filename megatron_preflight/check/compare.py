@@ -185,6 +185,10 @@ def _compare_dtype(saved: Any, rt: RuntimeArgs) -> list[Finding]:
     return []
 
 
+def divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
     """Is the run's own parallel layout valid? (What Megatron would assert later, or fail on mid-load.)"""
     out: list[Finding] = []
@@ -201,20 +205,20 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
         bad(e.field or "pipeline_model_parallel_size", None, e.message, e.fix or "")
     if rt.num_attention_heads and rt.num_attention_heads % tp:
         bad("tensor_model_parallel_size", tp, f"{rt.num_attention_heads} attention heads are not divisible by TP{tp}",
-            "choose a TP size that divides the number of heads")
+            f"choose a TP size that divides the {rt.num_attention_heads} heads: {divisors(rt.num_attention_heads)}")
     if rt.num_query_groups and rt.num_query_groups % tp and rt.group_query_attention:
         bad("tensor_model_parallel_size", tp, f"{rt.num_query_groups} query groups are not divisible by TP{tp}",
-            "choose a TP size that divides --num-query-groups")
+            f"choose a TP size that divides the {rt.num_query_groups} query groups: {divisors(rt.num_query_groups)}")
     if rt.ffn_hidden_size and rt.ffn_hidden_size % tp:
         bad("tensor_model_parallel_size", tp, f"ffn hidden size {rt.ffn_hidden_size} is not divisible by TP{tp}",
-            "choose a TP size that divides the ffn hidden size")
+            f"choose a TP size that divides {rt.ffn_hidden_size}")
     if rt.num_layers_per_virtual_pipeline_stage and pp == 1:
         bad("num_layers_per_virtual_pipeline_stage", rt.num_layers_per_virtual_pipeline_stage,
             "a virtual pipeline needs PP > 1", "remove --num-layers-per-virtual-pipeline-stage")
     if rt.num_experts:
         if rt.num_experts % ep:
             bad("expert_model_parallel_size", ep, f"{rt.num_experts} experts are not divisible by EP{ep}",
-                "choose an EP size that divides --num-experts")
+                f"choose an EP size that divides the {rt.num_experts} experts: {divisors(rt.num_experts)}")
         if etp > 1 and rt.add_bias_linear:
             bad("expert_tensor_parallel_size", etp, "MoE biases are only supported with expert-tensor-parallel size 1",
                 "add --disable-bias-linear or set --expert-tensor-parallel-size 1")

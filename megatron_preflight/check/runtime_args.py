@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,8 +183,18 @@ def _coerce(key: str, value: Any) -> Any:
     return value
 
 
+class _FlagParser(argparse.ArgumentParser):
+    """The run's flags: a malformed one is one usage line naming it (never argparse's usage dump)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        m = re.search(r"argument (--[\w-]+)(?:/--[\w-]+)*: (.*)", message)
+        flag, why = (m.group(1), m.group(2)) if m else ("a flag", message)
+        raise PreflightError(f"the run's flag {flag}: {why}", fix=f"give {flag} its value, e.g. {flag} 2",
+                             code="usage")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p = _FlagParser(add_help=False, allow_abbrev=False)
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(f.default, bool):

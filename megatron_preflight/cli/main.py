@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 
 from megatron_preflight.cli import check_cmd, reshard_cmd
-from megatron_preflight.errors import PreflightError
+from megatron_preflight.errors import PreflightError, environment_error
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("megatron-preflight: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # the environment (disk, filesystem, permissions), not this tool
+        print(f"megatron-preflight: {environment_error(exc)}", file=sys.stderr)
+        return EXIT_PROBLEMS
     except Exception as exc:  # never a raw traceback for the user
         if ns.debug:
             raise

@@ -80,8 +80,10 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
 
 
 def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:
-    from megatron_preflight.errors import PreflightError
+    from megatron_preflight.errors import PreflightError, environment_error
 
+    if isinstance(exc, OSError):
+        exc = environment_error(exc)
     if isinstance(exc, PreflightError):
         text = str(exc)
     else:

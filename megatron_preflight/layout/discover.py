@@ -54,6 +54,10 @@ def discover(path: str | os.PathLike, *, iteration: int | str | None = None, tru
         raise PreflightError("this is a file, not a checkpoint directory", path=path,
                              fix="pass the dir given to --load (the one holding latest_checkpointed_iteration.txt)",
                              code="usage")
+    if isinstance(iteration, str) and iteration != naming.RELEASE and not iteration.strip().lstrip("-").isdigit():
+        raise PreflightError(f"--iteration {iteration!r} is neither a number nor 'release'", path=path,
+                             fix="pass an iteration number (see `megatron-preflight inspect` for those available) or "
+                                 "release", code="usage")
     layout = Layout(path=path)
     iter_dir = _resolve_iteration(layout, path, iteration)
     if iter_dir is None:

@@ -156,11 +156,18 @@ class Resharder:
 
     def __post_init__(self) -> None:
         lay = self.layout
+        if lay.format is None:
+            p = lay.problems[0] if lay.problems else None
+            raise PreflightError(f"this is not a Megatron checkpoint (it looks like {lay.looks_like or 'something else'})"
+                                 if p is None or p.code in ("not_megatron", "no_shards") else p.message,
+                                 path=p.path if p else lay.path,
+                                 fix=(p.fix if p and p.fix else "pass the --save dir of a Megatron-LM run (it holds "
+                                      "latest_checkpointed_iteration.txt and iter_* dirs)"), code="format")
         if lay.format != Format.TORCH:
-            what = lay.format.value if lay.format else "not a Megatron checkpoint"
-            raise PreflightError(f"the resharder reads legacy (torch format) checkpoints; this one is {what}",
-                                 path=lay.path, fix="torch_dist checkpoints are resharded by Megatron's own dist "
-                                 "loader at load time: start the run at the new layout", code="format")
+            raise PreflightError(f"the resharder reads legacy (torch format) checkpoints; this one is "
+                                 f"{lay.format.value}", path=lay.path,
+                                 fix="torch_dist checkpoints are resharded by Megatron's own dist loader at load "
+                                     "time: start the run at the new layout", code="format")
         fatal = [p for p in lay.problems if p.code not in ("no_tracker", "bad_tracker")]
         if fatal:
             p = fatal[0]
@@ -169,9 +176,10 @@ class Resharder:
         self.src = source_topology(lay)
         t = self.target
         self.tgt = t.resolve(self.src)
-        self.tgt.validate()
+        self._check_target_fits_the_model()
         self.tied = is_tied(lay)
         self.index = index_sources(lay, self.src)
+        check_against_args(self.index, lay)
         vocab = [e for k, e in self.index.items() if k.suffix in VOCAB_KEYS and e.rule.kind == "vocab"]
         self.vocab = target_vocab(lay, self.tgt, t.padded_vocab_size, t.vocab_size, t.make_vocab_size_divisible_by,
                                   vocab[0].global_len() or 0) if vocab else None
@@ -195,6 +203,39 @@ class Resharder:
                     (self.optimizer_index or self.dist_index) is not None:
                 kinds = ("distributed", "plain") if lay.distributed_optimizer else ("plain", "distributed")
                 self.converted = f"the optimizer state was converted from the {kinds[0]} to the {kinds[1]} optimizer"
+
+    def _check_target_fits_the_model(self) -> None:
+        """The target layout against the model the checkpoint holds (heads, query groups, ffn, experts, layers):
+        the same rules as the check, with the first problem named in the user's terms."""
+        from megatron_preflight.check.compare import check_runtime_layout
+        from megatron_preflight.check.runtime_args import from_namespace
+
+        try:
+            self.tgt.validate()
+        except parallel.LayoutError as e:
+            raise PreflightError(f"the target layout {self.tgt.describe()} does not fit the model: {e.message}",
+                                 path=self.layout.iter_dir, fix=e.fix, code="usage") from None
+        args = self.layout.saved_args
+        if args is None:
+            return
+        rt = from_namespace(args)
+        tgt = self.tgt
+        rt.tensor_model_parallel_size, rt.pipeline_model_parallel_size = tgt.tp, tgt.pp
+        rt.expert_model_parallel_size, rt.expert_tensor_parallel_size = tgt.ep, tgt.etp_eff
+        rt.num_layers_per_virtual_pipeline_stage = rt.num_virtual_stages_per_pipeline_rank = None
+        rt.virtual_pipeline_model_parallel_size = tgt.vpp
+        rt.decoder_first_pipeline_num_layers, rt.decoder_last_pipeline_num_layers = (tgt.first_stage_layers,
+                                                                                   tgt.last_stage_layers)
+        rt.account_for_embedding_in_pipeline_split = tgt.embedding_in_split
+        rt.account_for_loss_in_pipeline_split = tgt.loss_in_split
+        rt.world_size = None
+        rt.num_layers = self.src.num_layers
+        problems = [f for f in check_runtime_layout(rt) if f.field != "expert_tensor_parallel_size"
+                    or "biases" not in f.message]
+        if problems:
+            f = problems[0]
+            raise PreflightError(f"the target layout {tgt.describe()} does not fit the model: {f.message}",
+                                 path=self.layout.iter_dir, fix=f.fix, code="usage")
 
     def _index_optimizer(self, lay: Layout, t: TargetLayout) -> None:
         """Index the source's optimizer state in the form the target needs (plain or distributed), converting it
@@ -304,6 +345,67 @@ class Resharder:
         finally:
             if own:
                 files.close()
+
+
+def _expected_shapes(args: Any) -> dict[tuple[bool, str], tuple[int | None, ...]]:
+    """Global shapes Megatron-Core gives the main tensors of a GPT model with ``args`` (None: not checked)."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    if not hidden or not heads:
+        return {}
+    groups = get("num_query_groups") if get("group_query_attention") else heads
+    kv = get("kv_channels") or hidden // heads
+    glu = 2 if get("swiglu") else 1
+    ffn, moe_ffn = get("ffn_hidden_size"), get("moe_ffn_hidden_size") or get("ffn_hidden_size")
+    out: dict[tuple[bool, str], tuple[int | None, ...]] = {
+        (False, "embedding.word_embeddings.weight"): (None, hidden),
+        (False, "self_attention.linear_qkv.weight"): ((heads + 2 * (groups or heads)) * kv, hidden),
+        (False, "self_attention.linear_proj.weight"): (hidden, heads * kv),
+        (False, "input_layernorm.weight"): (hidden,),
+        (False, "self_attention.linear_qkv.layer_norm_weight"): (hidden,),
+        (False, "pre_mlp_layernorm.weight"): (hidden,),
+        (False, "decoder.final_layernorm.weight"): (hidden,),
+    }
+    if ffn:
+        out[(False, "mlp.linear_fc1.weight")] = (ffn * glu, hidden)
+        out[(False, "mlp.linear_fc2.weight")] = (hidden, ffn)
+    if moe_ffn:
+        out[(True, "linear_fc1.weight")] = (moe_ffn * glu, hidden)
+        out[(True, "linear_fc2.weight")] = (hidden, moe_ffn)
+    return out
+
+
+def check_against_args(index: Any, layout: Layout) -> None:
+    """The shards hold the model their saved args describe: the layer count and the global shapes of the main
+    tensors (metadata only). A shard that contradicts its args is named, with the args and shapes involved."""
+    args = layout.saved_args
+    if args is None:
+        return
+    fix = ("the shards' tensors and their saved args disagree (args edited, or shards mixed from another model): "
+           "restore the iteration dir from one consistent save")
+    want_layers = getattr(args, "num_layers", None)
+    have = {k.layer for k in index if k.layer is not None}
+    if want_layers and have and len(have) != int(want_layers):
+        raise PreflightError(f"the saved args say {want_layers} layers, but the shards hold {len(have)}",
+                             path=layout.iter_dir, fix=fix, code="inconsistent_shards")
+    expected = _expected_shapes(args)
+    for key, entry in index.items():
+        want = expected.get((key.expert is not None, key.suffix))
+        first = entry.first()
+        if want is None or not hasattr(first.ref, "shape"):
+            continue
+        shape = list(first.ref.shape)
+        if entry.rule.dim is not None and entry.rule.dim < len(shape):
+            shape[entry.rule.dim] = entry.global_len()
+        if len(shape) != len(want) or any(w is not None and w != g for w, g in zip(want, shape, strict=False)):
+            name = entry.info.render(key.layer, key.expert)
+            dims = ", ".join(f"{n}={getattr(args, n, None)}" for n in ("hidden_size", "num_attention_heads",
+                                                                      "num_query_groups", "ffn_hidden_size")
+                             if getattr(args, n, None) is not None)
+            raise PreflightError(
+                f"{first.shard} holds {name} with global shape {tuple(shape)}, but its saved args ({dims}) make it "
+                f"{tuple(w if w is not None else '*' for w in want)}", path=layout.iter_dir, fix=fix,
+                code="inconsistent_shards")
 
 
 def open_resharder(checkpoint: str | Layout, target: TargetLayout, *, iteration: int | str | None = None,

@@ -141,10 +141,10 @@ def test_random_layouts_roundtrip(tmp_path_factory, lay, name):
         lay["ep"], lay["etp"] = 1, None
     if lay["vpp"] and 4 // lay["pp"] < 2:
         lay["vpp"] = None
-    try:  # some drawn layouts cannot hold the model (5 layers over PP2): those are not round trips
+    try:  # some drawn layouts cannot hold the model (5 layers over PP2, 2 query groups over TP4): not round trips
         open_resharder(fixture_path(name), TargetLayout(**lay)).tgt.chunk_layer_counts()
     except PreflightError as e:
-        assume(e.code != "layout")
+        assume("does not fit the model" not in e.message and e.code != "layout")
         raise
     tmp = str(tmp_path_factory.mktemp("rt"))
     roundtrip(tmp, name, TargetLayout(**lay), back)

@@ -1,0 +1,80 @@
+"""Every error names its first real cause in the user's terms, and the fix it suggests works on the same case."""
+
+import os
+
+import pytest
+
+from megatron_preflight.cli.main import main
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import discover
+from megatron_preflight.reshard.api import TargetLayout, open_resharder
+from tests.conftest import fixture_path
+
+
+def test_tp_that_does_not_divide_the_heads(tmp_path, capsys):
+    assert main(["reshard", fixture_path("tp2_torch"), str(tmp_path / "a"), "--tp", "3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "4 attention heads are not divisible by TP3" in err and "1, 2, 4" in err and "Traceback" not in err
+    assert main(["reshard", fixture_path("tp2_torch"), str(tmp_path / "b"), "--tp", "4", "--no-progress"]) == 0
+
+
+def test_ep_that_does_not_divide_the_experts(tmp_path, capsys):
+    assert main(["reshard", fixture_path("moe_ep2_torch"), str(tmp_path / "a"), "--ep", "3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "4 experts are not divisible by EP3" in err and "1, 2, 4" in err and "moe_ep2_torch" in err
+    assert main(["reshard", fixture_path("moe_ep2_torch"), str(tmp_path / "b"), "--ep", "4", "--no-progress"]) == 0
+
+
+def test_query_groups_that_do_not_split(tmp_path, capsys):
+    assert main(["reshard", fixture_path("bf16_gqa_tp2_torch"), str(tmp_path / "a"), "--tp", "4",
+                 "--no-progress"]) == 2
+    assert "2 query groups are not divisible by TP4" in capsys.readouterr().err
+
+
+def test_a_hugging_face_dir_is_not_called_torch_dist(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    assert main(["reshard", str(hf), str(tmp_path / "out"), "--tp", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "not a Megatron checkpoint" in err and "Hugging Face" in err and "torch_dist" not in err
+
+
+def test_a_bad_iteration_is_a_usage_error_not_a_foreign_dir(capsys):
+    assert main(["inspect", fixture_path("tp2_torch"), "--iteration", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert "--iteration 'abc' is neither a number nor 'release'" in err and "not a Megatron checkpoint" not in err
+    assert main(["inspect", fixture_path("tp2_torch"), "--iteration", "2"]) == 0
+
+
+@pytest.mark.parametrize("cmd", [["check", fixture_path("tp2_torch")],
+                                 ["reshard", fixture_path("tp2_torch"), "/nonexistent/out"]])
+def test_a_flag_missing_its_value_after_dashes_is_one_line(cmd, capsys):
+    assert main([*cmd, "--", "--tensor-model-parallel-size"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--tensor-model-parallel-size" in err and "expected one argument" in err
+    assert "alias" not in err and "usage:" not in err
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("hidden_size", 64, "holds embedding.word_embeddings.weight with global shape (256, 32), but its saved args"),
+    ("num_layers", 6, "the saved args say 6 layers, but the shards hold 4"),
+    ("ffn_hidden_size", 128, "mlp.linear_fc1.weight with global shape (64, 32)"),
+])
+def test_shards_that_contradict_their_args_are_named_not_blamed_on_the_optimizer(field, value, says):
+    lay = discover(fixture_path("tp2_torch"))
+    setattr(lay.saved_args, field, value)
+    with pytest.raises(PreflightError, match="saved args") as exc:
+        open_resharder(lay, TargetLayout(tp=1))
+    assert says in exc.value.message and exc.value.code == "inconsistent_shards"
+    assert "--drop-optimizer" not in str(exc.value) and "restore the iteration dir" in exc.value.fix
+
+
+def test_the_environment_is_named_not_blamed_on_the_tool(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # the destination's parent is a file
+    rc = main(["reshard", fixture_path("tp2_torch"), str(blocker / "out"), "--tp", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "the system refused an operation" in err and "bug" not in err
+    assert os.path.isfile(blocker)
