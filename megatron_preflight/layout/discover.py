@@ -260,11 +260,17 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
                        getattr(err, "fix", "") or "")
     # Saved args: the lowest shard that has them (rank 0's file is what Megatron reads for args).
     ref = next((s for s in good if isinstance(s.meta, dict) and s.meta.get("args") is not None), None)
-    if ref is not None:
+    if ref is not None and not _is_namespace(ref.meta["args"]):
+        layout.add("bad_args", os.path.join(ref.path, naming.MODEL_FILENAME),
+                   f"the saved args are a {type(ref.meta['args']).__name__}, not Megatron's argparse Namespace: "
+                   "Megatron cannot read this checkpoint's args (it reads them as attributes)",
+                   "the file was written by another tool or edited: restore it from a save of Megatron-LM")
+        _sizes_from_names(layout, good, "the saved args are unreadable")
+    elif ref is not None:
         layout.saved_args = ref.meta["args"]
         layout.checkpoint_version = ref.meta.get("checkpoint_version")
         if not _sizes_from_args(layout):
-            _sizes_from_names(layout, good)
+            _sizes_from_names(layout, good, "the saved args describe no valid layout")
         _check_args_agree(layout, ref, good)
     else:
         _sizes_from_names(layout, good)
@@ -278,10 +284,15 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
     _check_distrib_optim(layout)
 
 
-def _sizes_from_names(layout: Layout, good: list[Shard]) -> None:
-    """No saved args: infer TP/PP/EP from dir names, and PP vs EP from the keys."""
+def _is_namespace(args: Any) -> bool:
+    """Megatron's args are an argparse Namespace (or an inert stand-in with attributes), never a mapping."""
+    return hasattr(args, "__dict__") and not isinstance(args, (dict, list, tuple, str, bytes))
+
+
+def _sizes_from_names(layout: Layout, good: list[Shard], why: str = "no saved args in the shard files") -> None:
+    """No usable saved args: infer TP/PP/EP from dir names, and PP vs EP from the keys."""
     layout.sizes_from = "names+keys"
-    layout.notes.append("no saved args in the shard files: sizes inferred from the dir names and the model keys")
+    layout.notes.append(f"{why}: sizes inferred from the dir names and the model keys")
     idx = [naming.parse_shard_dir_name(s.name) or () for s in layout.shards]
     lens = {len(i) for i in idx}
     n = max(lens) if lens else 1

@@ -78,3 +78,32 @@ def test_the_environment_is_named_not_blamed_on_the_tool(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and "the system refused an operation" in err and "bug" not in err
     assert os.path.isfile(blocker)
+
+
+def _tiny_checkpoint(root, args):
+    import torch
+
+    d = root / "iter_0000002" / "mp_rank_00"
+    d.mkdir(parents=True)
+    torch.save({"args": args, "iteration": 2, "checkpoint_version": 3.0,
+                "model": {"embedding.word_embeddings.weight": torch.zeros(4, 2)}}, d / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    return str(root)
+
+
+def test_args_that_are_not_a_namespace_are_named_as_such(tmp_path, capsys):
+    root = _tiny_checkpoint(tmp_path / "c", {"tensor_model_parallel_size": 1, "num_layers": 2})
+    assert main(["inspect", root]) == 1
+    out = capsys.readouterr().out
+    assert "[bad_args]" in out and "are a dict, not Megatron's argparse Namespace" in out
+    assert "stray" not in out and "missing" not in out
+
+
+def test_a_negative_saved_tp_is_an_impossible_layout_not_a_missing_shard(tmp_path, capsys):
+    import argparse
+
+    root = _tiny_checkpoint(tmp_path / "c", argparse.Namespace(tensor_model_parallel_size=-1,
+                                                               pipeline_model_parallel_size=1, num_layers=2))
+    assert main(["inspect", root]) == 1
+    out = capsys.readouterr().out
+    assert "the TP size must be a positive integer, got -1" in out and "mp_rank_-1" not in out
