@@ -107,3 +107,37 @@ def test_a_negative_saved_tp_is_an_impossible_layout_not_a_missing_shard(tmp_pat
     assert main(["inspect", root]) == 1
     out = capsys.readouterr().out
     assert "the TP size must be a positive integer, got -1" in out and "mp_rank_-1" not in out
+
+
+@pytest.mark.parametrize("errno_name,says,fix", [
+    ("ENOSPC", "No space left on device [ENOSPC]", "free space"),
+    ("EROFS", "Read-only file system [EROFS]", "read-only"),
+    ("EACCES", "Permission denied [EACCES]", "permissions"),
+    ("EFBIG", "File too large [EFBIG]", "ulimit -f"),
+])
+def test_disk_full_read_only_and_permission_say_what_the_system_did(tmp_path, monkeypatch, capsys, errno_name, says,
+                                                                     fix):
+    """FAULT INJECTED: the zip writer's record write fails as the filesystem would (no real full disk here)."""
+    import errno
+
+    from megatron_preflight.reshard import zip_writer
+
+    code = getattr(errno, errno_name)
+
+    def failing_open(self, name, size):
+        raise OSError(code, os.strerror(code), str(tmp_path / "out"))
+
+    monkeypatch.setattr(zip_writer.TorchZipWriter, "open", failing_open)
+    rc = main(["reshard", fixture_path("tp2_torch"), str(tmp_path / "out"), "--tp", "1", "--no-progress",
+               "--workers", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and says in err and fix in err and "bug" not in err
+    assert not (tmp_path / "out").exists() and [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+
+
+def test_following_the_fixes_works(tmp_path):
+    # the args restored (the fixture as saved): the resharder opens; the flag given its value: the check runs
+    assert open_resharder(discover(fixture_path("tp2_torch")), TargetLayout(tp=1)).tgt.tp == 1
+    assert main(["check", fixture_path("tp2_torch"), "--", "--tensor-model-parallel-size", "2", "--num-layers", "4",
+                 "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64", "--seq-length", "32",
+                 "--max-position-embeddings", "32", "--transformer-impl", "local"]) == 0
