@@ -21,6 +21,7 @@ weights (sampled on every run); otherwise the state is refused, never guessed.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.optimizer import OptimizerNotReshardable, is_param
+from megatron_preflight.reshard.optimizer import OptimizerNotReshardable, _signature, is_param
 from megatron_preflight.reshard.planner import (
     GlobalEntry,
     GlobalKey,
@@ -119,10 +120,7 @@ class Param:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def buffers_of(params: list[Param], expert: bool) -> list[tuple[torch.dtype, list[Param]]]:
@@ -158,10 +156,6 @@ class DistOptimizerIndex:
     grad_dtype: dict[torch.dtype, torch.dtype] = field(default_factory=dict)
     template_shard: str = ""
     checked: list[tuple[str, TensorRef, str, TensorRef]] = field(default_factory=list)  # (weight, master) pairs
-
-
-def _signature(settings: dict[str, Any]) -> str:
-    return repr(sorted((k, repr(v)) for k, v in settings.items() if k not in ("params", "is_expert_parallel")))
 
 
 def _parts(value: Any, where: str) -> list[Any]:

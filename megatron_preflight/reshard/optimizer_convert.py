@@ -48,7 +48,7 @@ def plain_to_distributed(plain: OptimizerIndex, model: dict[GlobalKey, GlobalEnt
     for sig in plain.order:
         settings = {k: v for k, v in plain.settings[sig].items() if k != "params"}
         settings["step"] = step
-        new = _sig(settings)
+        new = _signature(settings)
         out.order.append(new)
         out.settings[new] = settings
         if sig in plain.expert:
@@ -118,7 +118,3 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
             out[MASTER] = fields["param"]
         plain.fields[sk.gkey] = out
     return plain
-
-
-def _sig(settings: dict[str, Any]) -> str:
-    return repr(sorted((k, repr(v)) for k, v in settings.items() if k not in ("params", "is_expert_parallel")))
