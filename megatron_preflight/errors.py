@@ -58,3 +58,22 @@ def environment_error(exc: OSError) -> PreflightError:
     return PreflightError(f"the system refused an operation: {what}" + (f" [{name}]" if name else ""), path=where,
                           fix=_ENV_FIXES.get(name, "check the path, the filesystem and the permissions, then retry"),
                           code="environment")
+
+
+def require_regular_file(path: str) -> None:
+    """Only regular files are opened: a FIFO, a socket or a device where a checkpoint file should be would block or
+    stream forever. Raises :class:`PreflightError` (code ``not_regular``) for anything else that exists."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing / unreadable: the caller's open() says so
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+                "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        raise PreflightError(f"this is {kind}, not a regular file; reading it could block forever", path=path,
+                             fix="replace it with the file Megatron wrote (restore the checkpoint from a good copy)",
+                             code="not_regular")

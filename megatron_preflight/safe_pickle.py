@@ -15,6 +15,7 @@ Anything else raises :class:`UnsafePickleError`, unless the caller passes ``trus
 
 from __future__ import annotations
 
+import _compat_pickle
 import argparse
 import collections
 import io
@@ -23,6 +24,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from megatron_preflight import pickle_limits
 from megatron_preflight.errors import UnsafePickleError
 
 # Module prefixes whose classes become inert placeholders (their data is kept, their code never imported).
@@ -238,8 +240,10 @@ class SafeUnpickler(pickle.Unpickler):
         overrides: dict[tuple[str, str], Any] | None = None,
         persistent_load: Callable[[Any], Any] | None = None,
         trust: bool = False,
+        budget: pickle_limits.CallBudget | None = None,
     ) -> None:
         super().__init__(file)
+        self._budget = budget
         self._source = source
         self._overrides = overrides or {}
         self._persistent = persistent_load
@@ -253,11 +257,18 @@ class SafeUnpickler(pickle.Unpickler):
         return self._persistent(pid)
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D102 - pickle protocol
+        # Protocol 0-2 pickles (torch.save writes protocol 2) may name Python 2 modules: map them as pickle does.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         key = (module, name)
         if key in self._overrides:
             return self._overrides[key]
         allowed = allowed_globals(module)
         if key in allowed:
+            if self._budget is not None and key in _BUILDERS:
+                return self._budget.guard(f"{module}.{name}", allowed[key])
             return allowed[key]
         if module.startswith(PLACEHOLDER_PREFIXES) or module in ("megatron",):
             return placeholder_class(module, name)
@@ -272,6 +283,25 @@ class SafeUnpickler(pickle.Unpickler):
         )
 
 
+# Allow-listed callables whose cost grows with their argument (charged to the pickle's CallBudget); classes that
+# pickles instantiate with NEWOBJ (Namespace, OrderedDict, ...) are not wrapped.
+_BUILDERS = frozenset({
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"),
+    ("builtins", "bytes"), ("builtins", "bytearray"), ("builtins", "str"), ("builtins", "range"),
+    ("_codecs", "encode"), ("torch", "Size"),
+})
+
+
+def bounded_load(data: bytes, *, source: str, trust: bool = False, **kwargs: Any) -> Any:
+    """Unpickle ``data`` with :class:`SafeUnpickler` inside the bounds of :mod:`megatron_preflight.pickle_limits`:
+    the stream is scanned first, allow-listed builders are charged to a budget, and the result's shape is checked."""
+    pickle_limits.scan(data, source)
+    budget = pickle_limits.CallBudget(len(data), source)
+    obj = SafeUnpickler(io.BytesIO(data), source=source, trust=trust, budget=budget, **kwargs).load()
+    pickle_limits.check_shape(obj, len(data), source)
+    return obj
+
+
 def safe_loads(data: bytes, *, source: str, trust: bool = False, **kwargs: Any) -> Any:
-    """Unpickle ``data`` with :class:`SafeUnpickler`."""
-    return SafeUnpickler(io.BytesIO(data), source=source, trust=trust, **kwargs).load()
+    """Unpickle ``data`` with :class:`SafeUnpickler`, bounded (see :func:`bounded_load`)."""
+    return bounded_load(data, source=source, trust=trust, **kwargs)

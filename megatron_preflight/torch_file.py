@@ -9,7 +9,6 @@ shard costs what a 1 MB shard costs. :meth:`TorchFile.tensor` maps one storage r
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
 import struct
@@ -19,8 +18,8 @@ from typing import Any
 
 import torch
 
-from megatron_preflight.errors import CorruptFileError, PreflightError
-from megatron_preflight.safe_pickle import SafeUnpickler
+from megatron_preflight.errors import CorruptFileError, PreflightError, require_regular_file
+from megatron_preflight.safe_pickle import bounded_load
 
 _STORAGE_DTYPES = {
     "DoubleStorage": torch.float64,
@@ -90,9 +89,37 @@ class TensorRef:
 
 def _rebuild_tensor_hook(file: str):
     def rebuild(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
-        return TensorRef(file, storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
+        try:
+            ref = TensorRef(file, storage, int(storage_offset), tuple(int(s) for s in size),
+                            tuple(int(s) for s in stride))
+        except (TypeError, ValueError):
+            raise CorruptFileError(f"a tensor's size {size!r} / stride {stride!r} / offset {storage_offset!r} are not "
+                                   "integers", path=file, fix="restore the file from a complete copy",
+                                   code="corrupt_file") from None
+        _check_extent(ref)
+        return ref
 
     return rebuild
+
+
+def _check_extent(ref: TensorRef) -> None:
+    """A tensor lies inside its storage: sizes, strides and offset are not negative and its last element is within
+    the storage's element count (metadata only; a forged or damaged file would read past it or fail deep in torch)."""
+    if not isinstance(ref.storage, StorageRef):
+        raise CorruptFileError("a tensor does not refer to a storage record", path=ref.file, code="corrupt_file")
+    if ref.offset < 0 or any(s < 0 for s in ref.shape) or any(st < 0 for st in ref.stride) \
+            or len(ref.stride) != len(ref.shape):
+        raise CorruptFileError(f"a tensor has a negative or malformed size {ref.shape} / stride {ref.stride} / offset "
+                               f"{ref.offset}", path=ref.file, fix="restore the file from a complete copy",
+                               code="corrupt_file")
+    if ref.numel == 0:
+        return
+    last = ref.offset + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride, strict=True))
+    if last >= ref.storage.numel:
+        raise CorruptFileError(
+            f"a tensor of shape {ref.shape} (offset {ref.offset}, stride {ref.stride}) reaches element {last:,} of "
+            f"storage {ref.storage.key}, which holds {ref.storage.numel:,}: its size exceeds its storage",
+            path=ref.file, fix="the file is damaged or forged: restore it from a complete copy", code="corrupt_file")
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *args):
@@ -140,6 +167,7 @@ class TorchFile:
 
     # -- opening -------------------------------------------------------------------------------------------------
     def _open(self) -> None:
+        require_regular_file(self.path)
         try:
             size = os.path.getsize(self.path)
         except OSError as exc:
@@ -210,12 +238,26 @@ class TorchFile:
                 raise CorruptFileError(f"unexpected persistent id {pid!r}", path=self.path, code="corrupt_file")
             _, stype, key, _location, numel = pid[:5]
             dtype = stype.dtype if isinstance(stype, StorageType) else torch.uint8
-            return StorageRef(str(key), dtype, int(numel))
+            try:
+                numel = int(numel)
+                info = self._zip.getinfo(f"{self._archive}data/{key}") if self._zip is not None else None
+            except (TypeError, ValueError):
+                raise CorruptFileError(f"storage {key!r} has a non-integer size {numel!r}", path=self.path,
+                                       code="corrupt_file") from None
+            except KeyError:
+                raise CorruptFileError(f"storage record data/{key} is missing from the zip file", path=self.path,
+                                       fix="restore the file from a complete copy", code="corrupt_file") from None
+            if numel < 0 or (info is not None and info.file_size < numel * dtype.itemsize):
+                have = info.file_size if info is not None else 0
+                raise CorruptFileError(
+                    f"storage data/{key} should hold {numel:,} {dtype} elements ({numel * dtype.itemsize:,} bytes) but "
+                    f"its record has {have:,} bytes", path=self.path, fix="restore the file from a complete copy",
+                    code="corrupt_file")
+            return StorageRef(str(key), dtype, numel)
 
-        unpickler = SafeUnpickler(io.BytesIO(data), source=self.path, overrides=_overrides(self.path),
-                                  persistent_load=persistent_load, trust=self.trust)
         try:
-            return unpickler.load()
+            return bounded_load(data, source=self.path, overrides=_overrides(self.path),
+                                persistent_load=persistent_load, trust=self.trust)
         except PreflightError:
             raise
         except Exception as exc:  # malformed pickle stream

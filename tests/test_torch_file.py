@@ -81,3 +81,22 @@ def test_materialised_tensor_is_copy_on_write(tmp_path):
         t = f.tensor(f.load_metadata()["w"])
         t.mul_(7)
     assert path.read_bytes() == before
+
+
+def test_a_tensor_beyond_its_storage_is_a_corrupt_file_not_a_crash():
+    import pytest
+
+    from megatron_preflight.errors import CorruptFileError
+    from megatron_preflight.torch_file import StorageRef, TensorRef, _check_extent
+
+    storage = StorageRef("0", torch.float32, 12)
+    _check_extent(TensorRef("f.pt", storage, 0, (3, 4), (4, 1)))  # exactly fits
+    _check_extent(TensorRef("f.pt", storage, 11, (1,), (1,)))
+    _check_extent(TensorRef("f.pt", storage, 0, (0, 4), (4, 1)))  # empty: no element read
+    for offset, shape, stride, says in [(1, (3, 4), (4, 1), "exceeds its storage"),
+                                        (0, (4, 4), (4, 1), "exceeds its storage"),
+                                        (0, (3, 4), (1, 4), "exceeds its storage"),
+                                        (-1, (2,), (1,), "negative"), (0, (-2,), (1,), "negative"),
+                                        (0, (2, 2), (1,), "malformed")]:
+        with pytest.raises(CorruptFileError, match=says):
+            _check_extent(TensorRef("f.pt", storage, offset, shape, stride))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from megatron_preflight.cli import check_cmd, reshard_cmd
@@ -55,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM (a scheduler stopping the job): unwinds like Ctrl-C, so partial output is removed."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -66,13 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     ns.megatron_args = extra
     logging.basicConfig(level=logging.DEBUG if ns.debug else logging.WARNING, format="%(levelname)s %(message)s")
     func: Callable[[argparse.Namespace], int] = ns.func
+    main_thread = threading.current_thread() is threading.main_thread()  # signals can only be set there
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         return func(ns)
+    except Terminated:
+        print("megatron-preflight: terminated (SIGTERM); nothing was left at the destination", file=sys.stderr)
+        return 143
     except PreflightError as exc:
         print(f"megatron-preflight: {exc}", file=sys.stderr)
         return EXIT_USAGE if exc.code == "usage" else EXIT_PROBLEMS
     except KeyboardInterrupt:
-        print("megatron-preflight: interrupted", file=sys.stderr)
+        print("megatron-preflight: interrupted; nothing was left at the destination", file=sys.stderr)
         return 130
     except OSError as exc:  # the environment (disk, filesystem, permissions), not this tool
         print(f"megatron-preflight: {environment_error(exc)}", file=sys.stderr)
@@ -83,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-preflight: internal error ({type(exc).__name__}: {exc}). This is a bug in megatron-preflight, "
               "not in your checkpoint; rerun with --debug and report the traceback.", file=sys.stderr)
         return 3
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,8 +10,16 @@ import sys
 from megatron_preflight.reshard.api import TargetLayout
 
 
-def _int(v: str | None) -> int | None:
-    return None if v is None else int(v)
+def _int(v: str | None, flag: str = "a size") -> int | None:
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        from megatron_preflight.errors import PreflightError
+
+        raise PreflightError(f"{flag} {v!r} is not an integer", fix=f"pass a whole number to {flag}",
+                             code="usage") from None
 
 
 def target_from(ns: argparse.Namespace) -> TargetLayout:
@@ -20,14 +28,21 @@ def target_from(ns: argparse.Namespace) -> TargetLayout:
 
         rt = from_cli(ns.megatron_args)
         return TargetLayout.from_args(rt, given=rt.given)
+    size = {name: _int(getattr(ns, name), "--" + name.replace("_", "-")) for name in _SIZE_FLAGS}
     return TargetLayout(
-        tp=_int(ns.tensor_model_parallel_size), pp=_int(ns.pipeline_model_parallel_size),
-        ep=_int(ns.expert_model_parallel_size), etp=_int(ns.expert_tensor_parallel_size),
-        num_layers_per_virtual_pipeline_stage=_int(ns.num_layers_per_virtual_pipeline_stage),
-        first_stage_layers=_int(ns.decoder_first_pipeline_num_layers),
-        last_stage_layers=_int(ns.decoder_last_pipeline_num_layers),
-        vocab_size=_int(ns.vocab_size), padded_vocab_size=_int(ns.padded_vocab_size),
+        tp=size["tensor_model_parallel_size"], pp=size["pipeline_model_parallel_size"],
+        ep=size["expert_model_parallel_size"], etp=size["expert_tensor_parallel_size"],
+        num_layers_per_virtual_pipeline_stage=size["num_layers_per_virtual_pipeline_stage"],
+        first_stage_layers=size["decoder_first_pipeline_num_layers"],
+        last_stage_layers=size["decoder_last_pipeline_num_layers"],
+        vocab_size=size["vocab_size"], padded_vocab_size=size["padded_vocab_size"],
     )
+
+
+_SIZE_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+               "expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage",
+               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "vocab_size",
+               "padded_vocab_size")
 
 
 def progress_bar(done: int, total: int, name: str) -> None:

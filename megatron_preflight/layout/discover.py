@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megatron_preflight import parallel
-from megatron_preflight.errors import PreflightError
+from megatron_preflight.errors import PreflightError, require_regular_file
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.dist import DCP_METADATA, METADATA_JSON, inspect_dist
 from megatron_preflight.layout.foreign import looks_like
@@ -118,12 +118,16 @@ def _resolve_iteration(layout: Layout, path: str, iteration: int | str | None) -
     layout.root = path
     layout.available_iterations = _list_iterations(path)
     if os.path.exists(tracker):
+        text = None
         try:
-            with open(tracker) as fh:
-                text = fh.read()
+            require_regular_file(tracker)
+            with open(tracker, "rb") as fh:
+                raw = fh.read(4096)  # a tracker holds a number; never read a huge file whole
+            text = raw.decode("utf-8", errors="replace")
+        except PreflightError as exc:
+            layout.add(exc.code, tracker, f"the tracker: {exc.message}", exc.fix or "")
         except OSError as exc:
             layout.add("unreadable_file", tracker, f"cannot read the tracker ({exc.strerror})", "fix its permissions")
-            text = None
         if text is not None:
             parsed = naming.parse_tracker(text)
             if parsed is None:
@@ -235,8 +239,18 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
                 except OSError:
                     shard.files[f] = 0
         layout.shards.append(shard)
-    readable = [s for s in layout.shards if naming.MODEL_FILENAME in s.files]
+    readable = []
     for s in layout.shards:
+        if naming.MODEL_FILENAME not in s.files:
+            continue
+        try:
+            require_regular_file(os.path.join(s.path, naming.MODEL_FILENAME))
+            readable.append(s)
+        except PreflightError as exc:
+            layout.add(exc.code, exc.path or s.path, exc.message, exc.fix or "")
+    for s in layout.shards:
+        if s not in readable and naming.MODEL_FILENAME in s.files:
+            continue
         if naming.MODEL_FILENAME not in s.files:
             layout.add("missing_file", os.path.join(s.path, naming.MODEL_FILENAME),
                        "the shard dir has no model_optim_rng.pt (an interrupted save?)",
@@ -282,6 +296,16 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
                        "this shard was copied from another iteration: restore the right one")
     _check_shard_set(layout)
     _check_distrib_optim(layout)
+    if read_all and not [p for p in layout.problems if p.code not in ("no_tracker", "bad_tracker")]:
+        _check_consistency(layout)
+
+
+def _check_consistency(layout: Layout) -> None:
+    """The shards agree with each other and with their saved args (shapes, dtypes, layers; metadata only)."""
+    from megatron_preflight.reshard.consistency import checkpoint_problems  # the resharder's index: imported late
+
+    for exc in checkpoint_problems(layout):
+        layout.add(exc.code, exc.path or layout.iter_dir or layout.path, exc.message, exc.fix or "")
 
 
 def _is_namespace(args: Any) -> bool:

@@ -9,11 +9,12 @@ are read.
 from __future__ import annotations
 
 import json
+import math
 import os
 import types
 from typing import Any
 
-from megatron_preflight.errors import PreflightError
+from megatron_preflight.errors import PreflightError, require_regular_file
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.safe_pickle import Placeholder, safe_loads
 from megatron_preflight.torch_file import read_torch_bytes, read_torch_file
@@ -25,6 +26,7 @@ COMMON_PT = "common.pt"
 
 def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
     path = os.path.join(iter_dir, DCP_METADATA)
+    require_regular_file(path)
     with open(path, "rb") as fh:
         data = fh.read()
     try:
@@ -49,6 +51,7 @@ def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:
     for index, info in getattr(md, "storage_data", {}).items():
         if getattr(index, "fqn", "").startswith("common_state"):
             path = os.path.join(iter_dir, info.relative_path)
+            require_regular_file(path)
             with open(path, "rb") as fh:
                 fh.seek(info.offset)
                 blob = fh.read(info.length)
@@ -66,8 +69,12 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
     if METADATA_JSON in entries:
         path = os.path.join(iter_dir, METADATA_JSON)
         try:
+            require_regular_file(path)
             with open(path) as fh:
                 cfg = json.load(fh)
+        except PreflightError as exc:
+            layout.add(exc.code, path, exc.message, exc.fix or "")
+            cfg = {}
         except (OSError, ValueError) as exc:
             layout.add("corrupt_file", path, f"metadata.json is not valid JSON ({exc})",
                        "restore it; for torch_dist it holds {\"sharded_backend\": \"torch_dist\", \"sharded_backend_version\": 1}")
@@ -99,6 +106,7 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
                 layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
     if md is not None:
         _check_data_files(layout, iter_dir, md)
+        _check_chunks(layout, os.path.join(iter_dir, DCP_METADATA), md)
         for key, value in md.state_dict_metadata.items():
             size = getattr(value, "size", None)
             if size is not None:
@@ -129,8 +137,21 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
             layout.add("iteration_mismatch", iter_dir,
                        f"the checkpoint says iteration {it} but sits in the dir for iteration {layout.iteration}",
                        "check the tracker and dir names")
-    elif layout.format in (Format.TORCH_DIST, Format.ZARR) and not layout.problems:
+    elif layout.format == Format.TORCH_DIST and md is not None and not layout.problems:
+        # Megatron's load reads the common state (args, iteration, ...) from common.pt or the .distcp files
+        layout.add("missing_file", os.path.join(iter_dir, COMMON_PT),
+                   "the common state (args, iteration, RNG, ...) is missing: no common.pt and no common_state item "
+                   "in the .distcp files; Megatron's load fails on it", "restore common.pt from a complete copy of "
+                   "this iteration, or load an earlier one with --ckpt-step")
+    elif layout.format == Format.ZARR and not layout.problems:
         layout.notes.append("no common state (args) found: parallel sizes unknown")
+    if layout.format == Format.TORCH_DCP and isinstance(common, dict) and "args" in common:
+        # a Megatron torch_dist save (its common state holds Megatron's args) whose metadata.json is gone
+        layout.format = Format.TORCH_DIST
+        layout.add("missing_file", os.path.join(iter_dir, METADATA_JSON),
+                   "metadata.json is missing: Megatron does not recognize the dir as a distributed checkpoint "
+                   "(it looks for legacy mp_rank_* files and finds none)",
+                   'write it back: {"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
 
 
 def _check_data_files(layout: Layout, iter_dir: str, md: Any) -> None:
@@ -150,3 +171,38 @@ def _check_data_files(layout: Layout, iter_dir: str, md: Any) -> None:
         if size < end:
             layout.add("corrupt_file", path, f"the data file is truncated ({size} bytes, .metadata needs {end})",
                        "restore it from a complete copy, or load an earlier iteration with --ckpt-step")
+
+
+MAX_CHUNK_PROBLEMS = 5
+
+
+def _check_chunks(layout: Layout, path: str, md: Any) -> None:
+    """Every tensor in ``.metadata`` is covered by its chunks: each chunk inside the global shape, their volumes adding
+    up to the whole tensor, and each chunk's bytes listed in the storage index. (Volume and bounds: overlapping chunks
+    that also leave a gap of the same size are not told apart from a clean tiling; torch's own check is no stronger.)"""
+    stored = {(getattr(i, "fqn", None), tuple(getattr(i, "offset", None) or ())) for i in getattr(md, "storage_data", {})}
+    found = 0
+    for key, value in md.state_dict_metadata.items():
+        size, chunks = getattr(value, "size", None), getattr(value, "chunks", None)
+        if size is None or chunks is None:
+            continue
+        shape = tuple(int(d) for d in size)
+        total, covered, why = math.prod(shape), 0, ""
+        for c in chunks:
+            off, sz = tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes)
+            if len(off) != len(shape) or len(sz) != len(shape) or any(
+                    o < 0 or n < 0 or o + n > g for o, n, g in zip(off, sz, shape, strict=True)):
+                why = f"a chunk at offset {off} of size {sz} lies outside its global shape {shape}"
+                break
+            if stored and (key, off) not in stored:
+                why = f"the chunk at offset {off} has no entry in the storage index (its bytes cannot be found)"
+                break
+            covered += math.prod(sz)
+        if not why and covered != total:
+            why = f"its chunks cover {covered:,} of its {total:,} elements"
+        if why:
+            found += 1
+            layout.add("corrupt_file", path, f"tensor {key}: {why}",
+                       "restore the iteration dir from a complete copy, or load an earlier one with --ckpt-step")
+            if found >= MAX_CHUNK_PROBLEMS:
+                return

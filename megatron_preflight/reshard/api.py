@@ -14,7 +14,8 @@ from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.parallel import LayoutError, ParallelLayout
+from megatron_preflight.reshard.consistency import args_problems, raise_first
 from megatron_preflight.reshard.dist_optimizer import (
     DistOptimizerIndex,
     bucket_size,
@@ -175,11 +176,15 @@ class Resharder:
                                  fix=p.fix or "run `megatron-preflight inspect` on it", code="checkpoint")
         self.src = source_topology(lay)
         t = self.target
-        self.tgt = t.resolve(self.src)
+        try:
+            self.tgt = t.resolve(self.src)
+        except LayoutError as exc:  # the target the user asked for cannot hold this model: a flag to change
+            exc.code = "usage"
+            raise
         self._check_target_fits_the_model()
         self.tied = is_tied(lay)
         self.index = index_sources(lay, self.src)
-        check_against_args(self.index, lay)
+        raise_first(args_problems(self.index, lay))
         vocab = [e for k, e in self.index.items() if k.suffix in VOCAB_KEYS and e.rule.kind == "vocab"]
         self.vocab = target_vocab(lay, self.tgt, t.padded_vocab_size, t.vocab_size, t.make_vocab_size_divisible_by,
                                   vocab[0].global_len() or 0) if vocab else None
@@ -345,67 +350,6 @@ class Resharder:
         finally:
             if own:
                 files.close()
-
-
-def _expected_shapes(args: Any) -> dict[tuple[bool, str], tuple[int | None, ...]]:
-    """Global shapes Megatron-Core gives the main tensors of a GPT model with ``args`` (None: not checked)."""
-    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    hidden, heads = get("hidden_size"), get("num_attention_heads")
-    if not hidden or not heads:
-        return {}
-    groups = get("num_query_groups") if get("group_query_attention") else heads
-    kv = get("kv_channels") or hidden // heads
-    glu = 2 if get("swiglu") else 1
-    ffn, moe_ffn = get("ffn_hidden_size"), get("moe_ffn_hidden_size") or get("ffn_hidden_size")
-    out: dict[tuple[bool, str], tuple[int | None, ...]] = {
-        (False, "embedding.word_embeddings.weight"): (None, hidden),
-        (False, "self_attention.linear_qkv.weight"): ((heads + 2 * (groups or heads)) * kv, hidden),
-        (False, "self_attention.linear_proj.weight"): (hidden, heads * kv),
-        (False, "input_layernorm.weight"): (hidden,),
-        (False, "self_attention.linear_qkv.layer_norm_weight"): (hidden,),
-        (False, "pre_mlp_layernorm.weight"): (hidden,),
-        (False, "decoder.final_layernorm.weight"): (hidden,),
-    }
-    if ffn:
-        out[(False, "mlp.linear_fc1.weight")] = (ffn * glu, hidden)
-        out[(False, "mlp.linear_fc2.weight")] = (hidden, ffn)
-    if moe_ffn:
-        out[(True, "linear_fc1.weight")] = (moe_ffn * glu, hidden)
-        out[(True, "linear_fc2.weight")] = (hidden, moe_ffn)
-    return out
-
-
-def check_against_args(index: Any, layout: Layout) -> None:
-    """The shards hold the model their saved args describe: the layer count and the global shapes of the main
-    tensors (metadata only). A shard that contradicts its args is named, with the args and shapes involved."""
-    args = layout.saved_args
-    if args is None:
-        return
-    fix = ("the shards' tensors and their saved args disagree (args edited, or shards mixed from another model): "
-           "restore the iteration dir from one consistent save")
-    want_layers = getattr(args, "num_layers", None)
-    have = {k.layer for k in index if k.layer is not None}
-    if want_layers and have and len(have) != int(want_layers):
-        raise PreflightError(f"the saved args say {want_layers} layers, but the shards hold {len(have)}",
-                             path=layout.iter_dir, fix=fix, code="inconsistent_shards")
-    expected = _expected_shapes(args)
-    for key, entry in index.items():
-        want = expected.get((key.expert is not None, key.suffix))
-        first = entry.first()
-        if want is None or not hasattr(first.ref, "shape"):
-            continue
-        shape = list(first.ref.shape)
-        if entry.rule.dim is not None and entry.rule.dim < len(shape):
-            shape[entry.rule.dim] = entry.global_len()
-        if len(shape) != len(want) or any(w is not None and w != g for w, g in zip(want, shape, strict=False)):
-            name = entry.info.render(key.layer, key.expert)
-            dims = ", ".join(f"{n}={getattr(args, n, None)}" for n in ("hidden_size", "num_attention_heads",
-                                                                      "num_query_groups", "ffn_hidden_size")
-                             if getattr(args, n, None) is not None)
-            raise PreflightError(
-                f"{first.shard} holds {name} with global shape {tuple(shape)}, but its saved args ({dims}) make it "
-                f"{tuple(w if w is not None else '*' for w in want)}", path=layout.iter_dir, fix=fix,
-                code="inconsistent_shards")
 
 
 def open_resharder(checkpoint: str | Layout, target: TargetLayout, *, iteration: int | str | None = None,

@@ -280,7 +280,8 @@ EMBEDDING = GlobalKey(None, None, "plain", "embedding.word_embeddings.weight")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
 
 
-def index_sources(layout: Layout, src: ParallelLayout) -> OrderedDict[GlobalKey, GlobalEntry]:
+def index_sources(layout: Layout, src: ParallelLayout, *, check: bool = True
+                  ) -> OrderedDict[GlobalKey, GlobalEntry]:
     """Every global tensor of the checkpoint and every source piece that holds it (replicas included: the same piece
     on several shards, e.g. a layernorm on every TP rank or a dense weight on every EP rank; with tied embeddings, the
     last stage's ``output_layer.weight`` is a replica of the word embeddings)."""
@@ -300,34 +301,11 @@ def index_sources(layout: Layout, src: ParallelLayout) -> OrderedDict[GlobalKey,
         for sk in head_copies:
             if isinstance(sk.value, TensorRef) and sk.value.shape == index[EMBEDDING].first().ref.shape:
                 index[EMBEDDING].add(SourcePiece(sk.shard, sk.value, sk.group_rank, sk.group_size))
-    check_complete(index, layout)
+    if check:
+        from megatron_preflight.reshard.consistency import complete_problems, raise_first
+
+        raise_first(complete_problems(index, layout))
     return index
-
-
-def check_complete(index: Any, layout: Layout) -> None:
-    """Every split tensor has a piece from every rank of its group, all of one shape and dtype; replicas match."""
-    for entry in index.values():
-        first = entry.first()
-        name = entry.info.render(entry.key.layer, entry.key.expert)
-        if entry.rule.dim is not None:
-            size = first.group_size
-            missing = [r for r in range(size) if r not in entry.pieces]
-            if missing:
-                raise PreflightError(
-                    f"tensor {name} has no source for {'expert-' if entry.rule.group == 'etp' else ''}"
-                    f"tensor-parallel rank(s) {missing}",
-                    path=layout.iter_dir, fix="the checkpoint is incomplete: restore the missing shards",
-                    code="missing_shard")
-        if not isinstance(first.ref, TensorRef):
-            continue
-        for replicas in entry.pieces.values():
-            for p in replicas:
-                if not isinstance(p.ref, TensorRef) or p.ref.shape != first.ref.shape or p.ref.dtype != first.ref.dtype:
-                    what = f"{tuple(p.ref.shape)} {p.ref.dtype}" if isinstance(p.ref, TensorRef) else type(p.ref).__name__
-                    raise PreflightError(
-                        f"tensor {name} is {what} in {p.shard} but {tuple(first.ref.shape)} {first.ref.dtype} in "
-                        f"{first.shard}: the shards do not hold pieces of one model", path=layout.iter_dir,
-                        fix="restore the iteration dir from one consistent save", code="inconsistent_shards")
 
 
 def target_vocab(layout: Layout, tgt: ParallelLayout, padded_vocab_size: int | None, vocab_size: int | None,
@@ -360,6 +338,14 @@ def target_vocab(layout: Layout, tgt: ParallelLayout, padded_vocab_size: int | N
             f"{' real' if true else ''} rows)", path=layout.iter_dir,
             fix=f"pass a --padded-vocab-size of at least {real}, a multiple of {div} x TP (or leave it out)",
             code="usage")
+    most = max(source_padded, pad_vocab(real, div, tgt.tp))
+    if target > most:  # refused by arithmetic before anything is planned or allocated
+        raise PreflightError(
+            f"a padded vocab of {target:,} rows is more than the checkpoint's {source_padded:,} rows and more than "
+            f"Megatron builds for {real:,} vocabulary rows at TP{tgt.tp} (make-vocab-size-divisible-by {div}: "
+            f"{pad_vocab(real, div, tgt.tp):,} rows); the run could not load it", path=layout.iter_dir,
+            fix=f"leave --padded-vocab-size out (it follows the target TP), or pass at most {most} (to pad further, "
+                "give the new run's --make-vocab-size-divisible-by after --)", code="usage")
     return VocabPlan(real, source_padded, target)
 
 

@@ -11,6 +11,8 @@ import logging
 import os
 import resource
 import shutil
+import signal
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -50,10 +52,12 @@ class Summary:
     stale_kept: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
     destination: str = ""
+    source_notes: list[str] = field(default_factory=list)  # what about the source the user should know
 
     def render(self) -> str:
         lines = [
             f"wrote {self.shards} shard(s) to {self.destination}",
+            *self.source_notes,
             f"read {self.bytes_read / 2**20:.1f} MiB, wrote {self.bytes_written / 2**20:.1f} MiB in "
             f"{self.seconds:.2f} s; peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB",
         ]
@@ -106,6 +110,7 @@ def _init_worker(src: str, target: TargetLayout, iteration: Any, trust: bool, ke
                  parent_pid: int) -> None:
     global _WORKER
     lifeline.die_with_parent(parent_pid)  # a killed main process takes its workers with it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (and to stop us)
     _WORKER = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=keep_optimizer)
 
 
@@ -250,6 +255,21 @@ def _agree(grp: share.Share | None, error: BaseException | None) -> None:
         raise PreflightError(f"rank {rank} failed: {m}", code="reshard")
 
 
+def _check_parent(dst: str) -> None:
+    """The nearest existing ancestor of the destination is a directory this user may write into."""
+    here = os.path.dirname(dst)
+    while here and not os.path.lexists(here):
+        here = os.path.dirname(here)
+    here = here or "."
+    if not os.path.isdir(here):
+        raise PreflightError(f"the destination's path goes through {here}, which is a file, not a directory",
+                             path=dst, fix="pass a destination under an existing directory", code="usage")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise PreflightError(f"this user may not create anything in {here}", path=dst,
+                             fix="pass a destination in a directory you can write to (or fix its permissions)",
+                             code="usage")
+
+
 def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bool, iteration: int | str | None,
            trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
            grp: share.Share | None, keep_stale: bool = False) -> Summary:
@@ -261,6 +281,7 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
         if os.path.exists(dst_abs) and (not os.path.isdir(dst_abs) or os.listdir(dst_abs)):
             raise PreflightError("the destination exists and is not empty", path=dst_abs,
                                  fix="pass a new directory (the source is never overwritten)", code="usage")
+        _check_parent(dst_abs)
         src_real, dst_real = os.path.realpath(src_abs), os.path.realpath(dst_abs)  # through symlinks
         if dst_real == src_real or dst_real.startswith(src_real + os.sep):
             raise PreflightError("the destination is inside the source checkpoint", path=dst_abs,
@@ -324,6 +345,9 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
         mine = [n for n in names if owner[n] == grp.rank]
     iter_out = os.path.join(tmp, naming.iteration_dir_name(iteration_value))
     summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs, converted=r.converted)
+    summary.source_notes = [f"note: the source's tracker is unusable ({p.message.split(';')[0]}): resharded "
+                            f"iteration {r.layout.iteration}, the latest present; the new checkpoint's tracker names it"
+                            for p in r.layout.problems if p.code in ("no_tracker", "bad_tracker")]
     if dest is not None:
         summary.stale_removed, summary.stale_kept = list(dest.stale_removed), list(dest.stale_kept)
     results: list[ShardResult] = []
@@ -367,6 +391,28 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
     return summary
 
 
+def _block_sigint() -> set[int] | None:
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return None
+    return set(signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}))
+
+
+def _restore_mask(old: set[int] | None) -> None:
+    if old is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Kill a pool's workers at once (their partial files are in the temp dir, which the caller removes)."""
+    procs = list(getattr(pool, "_processes", {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
+
+
 def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, target: TargetLayout, *, workers: int,
                   verify: bool, iteration: Any, trust: bool, progress: Progress | None,
                   keep_optimizer: bool) -> list[ShardResult]:
@@ -376,13 +422,25 @@ def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, targe
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(workers, len(names)), mp_context=ctx, initializer=_init_worker,
-                                 initargs=(src, target, iteration, trust, keep_optimizer, os.getpid())) as pool:
-            futures = {pool.submit(_write_shard, n, iter_out, verify): n for n in names}
+        pool = ProcessPoolExecutor(max_workers=min(workers, len(names)), mp_context=ctx, initializer=_init_worker,
+                                   initargs=(src, target, iteration, trust, keep_optimizer, os.getpid()))
+        try:
+            # Workers start inside submit(); with SIGINT blocked meanwhile they (and the resource tracker) start with
+            # it blocked, so a Ctrl-C while one is still importing cannot print a half traceback from it. A Ctrl-C
+            # that arrives here is delivered when the mask is restored.
+            old_mask = _block_sigint()
+            try:
+                futures = {pool.submit(_write_shard, n, iter_out, verify): n for n in names}
+            finally:
+                _restore_mask(old_mask)
             for i, fut in enumerate(futures, 1):
                 results.append(fut.result())
                 if progress:
                     progress(i, len(names), futures[fut])
+        except BaseException:  # an error, Ctrl-C or SIGTERM: stop the workers now, not after their shards
+            _stop(pool)
+            raise
+        pool.shutdown(wait=True)
     else:
         for i, name in enumerate(names, 1):
             results.append(_write_shard(name, iter_out, verify, r))

@@ -71,13 +71,14 @@ def test_shards_that_contradict_their_args_are_named_not_blamed_on_the_optimizer
     assert "--drop-optimizer" not in str(exc.value) and "restore the iteration dir" in exc.value.fix
 
 
-def test_the_environment_is_named_not_blamed_on_the_tool(tmp_path, capsys):
+def test_a_destination_under_a_file_is_named_before_any_work(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")  # the destination's parent is a file
-    rc = main(["reshard", fixture_path("tp2_torch"), str(blocker / "out"), "--tp", "1", "--no-progress"])
+    rc = main(["reshard", fixture_path("tp2_torch"), str(blocker / "deeper" / "out"), "--tp", "1", "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 1 and "the system refused an operation" in err and "bug" not in err
+    assert rc == 2 and f"goes through {blocker}, which is a file, not a directory" in err and "bug" not in err
     assert os.path.isfile(blocker)
+    assert main(["reshard", fixture_path("tp2_torch"), str(tmp_path / "out"), "--tp", "1", "--no-progress"]) == 0
 
 
 def _tiny_checkpoint(root, args):

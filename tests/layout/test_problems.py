@@ -244,3 +244,40 @@ def test_inspection_writes_nothing(real_fixture, name):
     before = _snapshot(root)
     discover(root)
     assert _snapshot(root) == before
+
+
+def test_a_fifo_tracker_is_a_problem_not_a_hang(real_fixture):
+    root = real_fixture("tp2_torch")
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+    os.remove(tracker)
+    os.mkfifo(tracker)
+    layout = discover(root)  # would block forever reading a FIFO
+    assert [p.code for p in layout.problems] == ["not_regular"] and "FIFO" in layout.problems[0].message
+
+
+def test_a_fifo_shard_file_is_a_problem_not_a_hang(real_fixture):
+    root = real_fixture("tp2_torch")
+    f = os.path.join(root, "iter_0000002", "mp_rank_01", "model_optim_rng.pt")
+    os.remove(f)
+    os.mkfifo(f)
+    layout = discover(root)
+    assert any(p.code == "not_regular" and p.path == f for p in layout.problems)
+
+
+def test_a_binary_tracker_is_a_bad_tracker_not_an_internal_error(real_fixture):
+    root = real_fixture("tp2_torch")
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "wb") as fh:
+        fh.write(b"\x00\xff\xfe" * 5000)
+    layout = discover(root)
+    assert [p.code for p in layout.problems] == ["bad_tracker"]
+
+
+@pytest.mark.parametrize("name,remove,says", [
+    ("tp2_torch_dist", "metadata.json", "Megatron does not recognize the dir as a distributed checkpoint"),
+    ("v14_tp2_torch_dist", "common.pt", "the common state (args, iteration, RNG, ...) is missing"),
+])
+def test_incomplete_torch_dist_is_not_sound(real_fixture, name, remove, says):
+    root = real_fixture(name)
+    os.remove(os.path.join(root, "iter_0000002", remove))
+    layout = discover(root)
+    assert not layout.ok and any(says in p.message for p in layout.problems)

@@ -131,3 +131,48 @@ def test_destination_reached_through_a_symlink_into_the_source_is_refused(tmp_pa
     with pytest.raises(PreflightError, match="inside the source"):
         write_resharded(str(src), str(tmp_path / "link" / "new"), TargetLayout(tp=1))
     assert not (src / "new").exists()
+
+
+# The CLI with the slow stand-in: Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM (to
+# the main process, as a scheduler does) while the workers are busy.
+CLI_CHILD = r"""
+import sys
+from megatron_preflight.reshard import writer
+from megatron_preflight.cli.main import main
+from tests.helpers import slow_shard
+writer._write_shard = slow_shard.write_shard
+sys.exit(main(["reshard", sys.argv[1], sys.argv[2], "--tp", "2", "--pp", "2", "--workers", "2", "--no-progress"]))
+"""
+
+
+@pytest.mark.parametrize("sig,rc,says", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_and_sigterm_end_with_one_line_and_no_output(tmp_path, sig, rc, says):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    main = subprocess.Popen([sys.executable, "-c", CLI_CHILD, fixture_path("tp2_torch"), str(tmp_path / "out")],
+                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and len(workers) < 2:
+            time.sleep(0.2)
+            workers = children(main.pid)
+        assert len(workers) >= 2
+        time.sleep(1.0)
+        if sig == signal.SIGINT:
+            os.killpg(main.pid, sig)  # the terminal's Ctrl-C reaches every process of the group
+        else:
+            os.kill(main.pid, sig)
+        out, err = main.communicate(timeout=60)
+    finally:
+        for p in set(workers) | set(children(main.pid)):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+    assert main.returncode == rc, err
+    assert says in err and "Traceback" not in err and err.strip().count("\n") == 0, err
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".out.tmp")] == [] and not (tmp_path / "out").exists()
+    deadline = time.time() + 5
+    while time.time() < deadline and alive(workers):
+        time.sleep(0.1)
+    assert alive(workers) == []

@@ -1,0 +1,188 @@
+"""Bounds on what an unpickled checkpoint may cost: hostile pickles are refused at once, not after minutes or an OOM.
+
+The allow-list in :mod:`megatron_preflight.safe_pickle` stops code from running; it does not stop a pickle built to
+exhaust memory or CPU with allowed operations alone. Three guards close that:
+
+* :func:`scan` walks the opcode stream once before the C unpickler sees it (no objects are built) and refuses a memo
+  index beyond the stream's own size (CPython allocates the memo up to the largest index: ``LONG_BINPUT 2**31``
+  asks for 32 GB), a length prefix longer than the data left (it is allocated before it is read), an unknown
+  opcode, or more opcodes / deeper ``MARK`` nesting than any checkpoint holds;
+* :class:`CallBudget` charges every call of an allow-listed builtin (``set(list)``, ``bytes(n)``, ``list(range)``...)
+  by the size of what it builds, against a budget proportional to the stream: copying one big memoised list over and
+  over (quadratic) or ``bytes(10**12)`` is refused;
+* :func:`check_shape` walks the loaded object without recursion and refuses nesting deeper than any checkpoint holds
+  and a tree that expands far beyond the stream (a small DAG of shared lists that every tree walk, JSON rendering or
+  comparison would expand exponentially: a "billion laughs").
+
+Every refusal is an :class:`UnsafePickleError` naming the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import struct
+import types
+from collections.abc import Callable
+from typing import Any
+
+from megatron_preflight.errors import UnsafePickleError
+
+MAX_OPS = 50_000_000  # a metadata pickle of the largest checkpoints holds well under a million
+MAX_MARK_DEPTH = 1_000
+MAX_OBJECT_DEPTH = 200  # Megatron's state nests < 10 deep
+EXPANSION_FACTOR = 64  # a tree may hold at most this many nodes per byte of its stream (plus a floor)
+EXPANSION_FLOOR = 1_000_000
+CALL_BUDGET_FACTOR = 16  # allow-listed calls may build this many elements per stream byte (plus a floor)
+CALL_BUDGET_FLOOR = 10_000_000
+
+_FIX = ("the file was not written by Megatron-LM's torch.save, or it was built to exhaust memory or CPU: do not load "
+        "it; restore the checkpoint from a trusted copy")
+
+# Opcode -> how its argument is encoded: None (no argument), an int (fixed size in bytes), or a tag.
+_NO_ARG = frozenset(b"(.012N\x88\x89}])\x8faeblttu\x85\x86\x87s\x90\x91R\x81\x92o\x93\x94Q\x98\x97d")
+_FIXED = {ord("K"): 1, ord("h"): 1, ord("q"): 1, ord("r"): 4, ord("\x82"): 1, ord("\x80"): 1, ord("M"): 2, ord("\x83"): 2, ord("J"): 4,
+          ord("j"): 4, ord("\x84"): 4, ord("G"): 8}
+_LEN1 = frozenset(b"\x8aUC\x8c")  # one length byte, then data
+_LEN4 = frozenset(b"\x8bTBX")  # four length bytes (little endian), then data
+_LEN8 = frozenset(b"\x8d\x8e\x96")  # eight length bytes, then data
+_LINE = frozenset(b"ILFSVgpP")  # argument up to a newline
+_TWO_LINES = frozenset(b"ci")
+_PUT4, _PUTLINE, _FRAME, _MARK = ord("r"), ord("p"), ord("\x95"), ord("(")
+_POPS_MARK = frozenset(b"1eltud\x90\x91o")  # opcodes that consume the topmost MARK
+
+
+def _refuse(source: str, why: str) -> UnsafePickleError:
+    return UnsafePickleError(f"refused to load: its pickle {why}", path=source, fix=_FIX, code="unsafe_pickle")
+
+
+def scan(data: bytes, source: str) -> int:
+    """Walk the opcodes of ``data`` without building anything; return the opcode count. Raises
+    :class:`UnsafePickleError` for a stream that would make the unpickler allocate or loop beyond its own size."""
+    n = len(data)
+    max_memo = max(n, 1 << 16)
+    i = ops = marks = 0
+    unpack4 = struct.Struct("<I").unpack_from
+    unpack8 = struct.Struct("<Q").unpack_from
+    while i < n:
+        op = data[i]
+        i += 1
+        ops += 1
+        if op in _NO_ARG:
+            if op == _MARK:
+                marks += 1
+                if marks > MAX_MARK_DEPTH:
+                    raise _refuse(source, f"nests more than {MAX_MARK_DEPTH} MARKs (no checkpoint does)")
+            elif op in _POPS_MARK:
+                marks = max(0, marks - 1)
+            elif op == 46:  # STOP
+                return ops
+            continue
+        size = _FIXED.get(op)
+        if size is not None:
+            if op == _PUT4 and i + 4 <= n and unpack4(data, i)[0] > max_memo:
+                raise _refuse(source, f"stores into memo slot {unpack4(data, i)[0]:,}, beyond its own size "
+                                      f"({n:,} bytes): the unpickler would allocate that many slots")
+            i += size
+        elif op in _LEN1:
+            if i >= n:
+                break
+            i += 1 + data[i]
+        elif op in _LEN4 or op in _LEN8 or op == _FRAME:
+            width = 4 if op in _LEN4 else 8
+            if i + width > n:
+                break
+            length = unpack4(data, i)[0] if width == 4 else unpack8(data, i)[0]
+            i += width
+            if op == _FRAME:
+                if length > n - i:
+                    raise _refuse(source, f"announces a {length:,}-byte frame with {n - i:,} bytes left (truncated)")
+                continue
+            if length > n - i:
+                raise _refuse(source, f"announces {length:,} bytes of data with only {n - i:,} left: the unpickler "
+                                      "would allocate them first (a truncated or forged file)")
+            i += length
+        elif op in _LINE or op in _TWO_LINES:
+            end = data.find(b"\n", i)
+            if end < 0:
+                break
+            if op == _PUTLINE:
+                text = data[i:end]
+                if text.isdigit() and int(text) > max_memo:
+                    raise _refuse(source, f"stores into memo slot {int(text):,}, beyond its own size")
+            i = end + 1
+            if op in _TWO_LINES:
+                end = data.find(b"\n", i)
+                if end < 0:
+                    break
+                i = end + 1
+        else:
+            raise _refuse(source, f"holds an unknown opcode 0x{op:02x} at byte {i - 1:,} (corrupt or not a pickle)")
+        if ops > MAX_OPS:
+            raise _refuse(source, f"holds more than {MAX_OPS:,} opcodes")
+    return ops  # no STOP: the unpickler reports the truncation itself
+
+
+class CallBudget:
+    """How many elements allow-listed builtins may still build while one pickle is loaded."""
+
+    def __init__(self, stream_bytes: int, source: str) -> None:
+        self.left = CALL_BUDGET_FACTOR * stream_bytes + CALL_BUDGET_FLOOR
+        self.source = source
+
+    def charge(self, name: str, args: tuple[Any, ...]) -> None:
+        cost = 1
+        for a in args:
+            if isinstance(a, bool):
+                continue
+            if isinstance(a, int):
+                cost += max(0, a)  # bytes(n), bytearray(n)
+            elif isinstance(a, range):
+                cost += len(a) if a.step else 0
+            elif hasattr(a, "__len__"):
+                try:
+                    cost += len(a)
+                except Exception:  # noqa: BLE001 - an object without a usable length costs one
+                    pass
+        self.left -= cost
+        if self.left < 0:
+            raise _refuse(self.source, f"calls {name}() to build far more than the stream holds (a memory or CPU "
+                                       "exhaustion pattern)")
+
+    def guard(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self.charge(name, args)
+            return fn(*args, **kwargs)
+
+        guarded.__name__ = name
+        return guarded
+
+
+def check_shape(obj: Any, stream_bytes: int, source: str) -> None:
+    """Refuse an object tree nested deeper than :data:`MAX_OBJECT_DEPTH`, or that expands (shared containers counted
+    once per path) far beyond its stream. Iterative, and stops as soon as a bound is crossed."""
+    from megatron_preflight.safe_pickle import Placeholder
+
+    limit = EXPANSION_FACTOR * stream_bytes + EXPANSION_FLOOR
+    seen = 0
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        value, depth = stack.pop()
+        seen += 1
+        if seen > limit:
+            raise _refuse(source, f"expands to more than {limit:,} objects from {stream_bytes:,} bytes (shared "
+                                  "containers nested to blow up every walk over them)")
+        if depth > MAX_OBJECT_DEPTH:
+            raise _refuse(source, f"nests objects more than {MAX_OBJECT_DEPTH} levels deep (no checkpoint does)")
+        if isinstance(value, (str, bytes, int, float, bool)) or value is None:
+            continue
+        if isinstance(value, dict):
+            children: Any = list(value.keys()) + list(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            children = value
+        elif isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
+            children = list(vars(value).values())
+        elif isinstance(value, Placeholder):
+            children = [value._args, value._state, value._new_args]
+        else:
+            continue
+        stack.extend((c, depth + 1) for c in children if not isinstance(c, (str, bytes, int, float, bool)))

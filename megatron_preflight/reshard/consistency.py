@@ -1,0 +1,154 @@
+"""Does a legacy checkpoint agree with itself? Metadata only: no tensor bytes are read.
+
+Each shard's tensors must be pieces of one model: every split tensor has a piece from every rank of its group, the
+pieces and replicas of a tensor share one shape and dtype, a parameter has one dtype across shards, and the global
+shapes and layer count match the saved args. :func:`checkpoint_problems` lists every disagreement (``inspect``,
+``check`` and the hook report them as problems); the resharder refuses on the first.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import naming
+from megatron_preflight.layout.model import Layout
+from megatron_preflight.reshard.planner import index_sources, iter_source_keys, source_topology
+from megatron_preflight.torch_file import TensorRef
+
+_MIXED = "restore the iteration dir from one consistent save"
+_AGAINST_ARGS = ("the shards' tensors and their saved args disagree (args edited, or shards mixed from another "
+                 "model): restore the iteration dir from one consistent save")
+
+
+def _file(layout: Layout, shard: str) -> str:
+    return os.path.join(layout.iter_dir or layout.path, shard, naming.MODEL_FILENAME)
+
+
+def raise_first(problems: list[PreflightError]) -> None:
+    if problems:
+        raise problems[0]
+
+
+def complete_problems(index: Any, layout: Layout) -> list[PreflightError]:
+    """Every split tensor has a piece from every rank of its group; pieces and replicas share shape and dtype."""
+    out: list[PreflightError] = []
+    for entry in index.values():
+        first = entry.first()
+        name = entry.info.render(entry.key.layer, entry.key.expert)
+        if entry.rule.dim is not None:
+            missing = [r for r in range(first.group_size) if r not in entry.pieces]
+            if missing:
+                out.append(PreflightError(
+                    f"tensor {name} has no source for {'expert-' if entry.rule.group == 'etp' else ''}"
+                    f"tensor-parallel rank(s) {missing}", path=layout.iter_dir,
+                    fix="the checkpoint is incomplete: restore the missing shards", code="missing_shard"))
+        if not isinstance(first.ref, TensorRef):
+            continue
+        for replicas in entry.pieces.values():
+            for p in replicas:
+                if isinstance(p.ref, TensorRef) and p.ref.shape == first.ref.shape and p.ref.dtype == first.ref.dtype:
+                    continue
+                what = f"{tuple(p.ref.shape)} {p.ref.dtype}" if isinstance(p.ref, TensorRef) else type(p.ref).__name__
+                out.append(PreflightError(
+                    f"tensor {name} is {what} in {p.shard} but {tuple(first.ref.shape)} {first.ref.dtype} in "
+                    f"{first.shard}: the shards do not hold pieces of one model", path=_file(layout, p.shard),
+                    fix=_MIXED, code="inconsistent_shards"))
+                break
+    return out
+
+
+def dtype_problems(layout: Layout) -> list[PreflightError]:
+    """One parameter name (across layers, experts and shards) has one dtype: a shard saved in fp32 among bf16 shards
+    (or the reverse) was mixed in from another save."""
+    out: list[PreflightError] = []
+    seen: dict[tuple[str, str], tuple[Any, str]] = {}
+    flagged: set[str] = set()
+    for sk in iter_source_keys(layout, source_topology(layout)):
+        if not isinstance(sk.value, TensorRef):
+            continue
+        slot = (sk.info.style, sk.info.suffix)
+        ref = seen.setdefault(slot, (sk.value.dtype, sk.shard))
+        if ref[0] != sk.value.dtype and sk.shard not in flagged:
+            flagged.add(sk.shard)
+            out.append(PreflightError(
+                f"{sk.key} is {sk.value.dtype} in {sk.shard} but {ref[0]} in {ref[1]}: the shards were saved with "
+                "different precisions", path=_file(layout, sk.shard), fix=_MIXED, code="inconsistent_shards"))
+    return out
+
+
+def args_problems(index: Any, layout: Layout) -> list[PreflightError]:
+    """The shards hold the model their saved args describe: the layer count and the global shapes of the main
+    tensors. A shard that contradicts its args is named, with the args and shapes involved."""
+    args = layout.saved_args
+    if args is None:
+        return []
+    out: list[PreflightError] = []
+    want_layers = getattr(args, "num_layers", None)
+    have = {k.layer for k in index if k.layer is not None}
+    if isinstance(want_layers, int) and have and len(have) != want_layers:
+        out.append(PreflightError(f"the saved args say {want_layers} layers, but the shards hold {len(have)}",
+                                  path=layout.iter_dir, fix=_AGAINST_ARGS, code="inconsistent_shards"))
+    expected = expected_shapes(args)
+    reported: set[tuple[bool, str]] = set()
+    for key, entry in index.items():
+        slot = (key.expert is not None, key.suffix)
+        want = expected.get(slot)
+        first = entry.first()
+        if want is None or slot in reported or not isinstance(first.ref, TensorRef):
+            continue
+        shape = list(first.ref.shape)
+        if entry.rule.dim is not None and entry.rule.dim < len(shape):
+            shape[entry.rule.dim] = entry.global_len()
+        if len(shape) != len(want) or any(w is not None and w != g for w, g in zip(want, shape, strict=False)):
+            reported.add(slot)
+            name = entry.info.render(key.layer, key.expert)
+            dims = ", ".join(f"{n}={getattr(args, n, None)}" for n in ("hidden_size", "num_attention_heads",
+                                                                      "num_query_groups", "ffn_hidden_size")
+                             if getattr(args, n, None) is not None)
+            out.append(PreflightError(
+                f"{first.shard} holds {name} with global shape {tuple(shape)}, but its saved args ({dims}) make it "
+                f"{tuple(w if w is not None else '*' for w in want)}", path=_file(layout, first.shard),
+                fix=_AGAINST_ARGS, code="inconsistent_shards"))
+    return out
+
+
+def expected_shapes(args: Any) -> dict[tuple[bool, str], tuple[int | None, ...]]:
+    """Global shapes Megatron-Core gives the main tensors of a GPT model with ``args`` (None: not checked)."""
+    def get(name: str) -> Any:
+        value = getattr(args, name, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    if not hidden or not heads:
+        return {}
+    groups = get("num_query_groups") if getattr(args, "group_query_attention", False) else heads
+    kv = get("kv_channels") or hidden // heads
+    glu = 2 if getattr(args, "swiglu", False) else 1
+    ffn, moe_ffn = get("ffn_hidden_size"), get("moe_ffn_hidden_size") or get("ffn_hidden_size")
+    out: dict[tuple[bool, str], tuple[int | None, ...]] = {
+        (False, "embedding.word_embeddings.weight"): (None, hidden),
+        (False, "self_attention.linear_qkv.weight"): ((heads + 2 * (groups or heads)) * kv, hidden),
+        (False, "self_attention.linear_proj.weight"): (hidden, heads * kv),
+        (False, "input_layernorm.weight"): (hidden,),
+        (False, "self_attention.linear_qkv.layer_norm_weight"): (hidden,),
+        (False, "pre_mlp_layernorm.weight"): (hidden,),
+        (False, "decoder.final_layernorm.weight"): (hidden,),
+    }
+    if ffn:
+        out[(False, "mlp.linear_fc1.weight")] = (ffn * glu, hidden)
+        out[(False, "mlp.linear_fc2.weight")] = (hidden, ffn)
+    if moe_ffn:
+        out[(True, "linear_fc1.weight")] = (moe_ffn * glu, hidden)
+        out[(True, "linear_fc2.weight")] = (hidden, moe_ffn)
+    return out
+
+
+def checkpoint_problems(layout: Layout) -> list[PreflightError]:
+    """Every way the legacy checkpoint's shards disagree with each other or with their saved args."""
+    try:
+        index = index_sources(layout, source_topology(layout), check=False)
+    except PreflightError as exc:
+        return [exc]
+    return complete_problems(index, layout) + dtype_problems(layout) + args_problems(index, layout)

@@ -1,0 +1,36 @@
+"""Load, change and re-save a real fixture's ``model_optim_rng.pt`` in tests (to damage a copy of it).
+
+The fixtures' args name Megatron-LM classes that the installed megatron-core may lack, so they load with those
+classes as inert placeholders and are saved back under their original names (:mod:`megatron_preflight.pickling`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import types
+from typing import Any
+
+import torch
+
+from megatron_preflight import pickling
+from megatron_preflight.safe_pickle import PLACEHOLDER_PREFIXES, placeholder_class
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(PLACEHOLDER_PREFIXES):
+            return placeholder_class(module, name)
+        return super().find_class(module, name)
+
+
+_module = types.ModuleType("fixture_pickle")
+_module.Unpickler = _Unpickler
+_module.load = pickle.load
+
+
+def load(path: str) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_module)  # our own fixtures
+
+
+def save(state: dict, path: str) -> None:
+    torch.save(state, path, pickle_module=pickling)

@@ -1,0 +1,83 @@
+"""Hostile pickles built only from allow-listed operations are refused at once, with a clear error."""
+
+from __future__ import annotations
+
+import pickle
+import pickletools
+import struct
+import time
+
+import pytest
+
+from megatron_preflight import pickle_limits
+from megatron_preflight.errors import UnsafePickleError
+from megatron_preflight.safe_pickle import bounded_load
+
+
+def _load(data: bytes) -> object:
+    return bounded_load(data, source="hostile.pkl")
+
+
+def test_every_opcode_is_classified() -> None:
+    known = (set(pickle_limits._NO_ARG) | set(pickle_limits._FIXED) | set(pickle_limits._LEN1)
+             | set(pickle_limits._LEN4) | set(pickle_limits._LEN8) | set(pickle_limits._LINE)
+             | set(pickle_limits._TWO_LINES) | {pickle_limits._FRAME})
+    missing = [op.name for op in pickletools.opcodes if ord(op.code) not in known]
+    assert missing == []
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 4, 5])
+def test_ordinary_objects_load_at_every_protocol(protocol: int) -> None:
+    obj = {"a": [1, 2.5, "x", b"y", None, True], "b": (1, (2, (3,))), "c": {1, 2}, "d": frozenset({3}),
+           "e": bytearray(b"zz"), "big": 2**100, "s": "é" * 300}
+    assert _load(pickle.dumps(obj, protocol=protocol)) == obj
+
+
+def test_memo_slot_beyond_the_stream_is_refused_before_allocation() -> None:
+    data = b"\x80\x02]r" + struct.pack("<I", 0x7FFFFFF0) + b"."
+    with pytest.raises(UnsafePickleError, match="memo slot"):
+        _load(data)
+
+
+def test_length_prefix_longer_than_the_data_is_refused() -> None:
+    data = b"\x80\x02B" + struct.pack("<I", 0x7FFFFFF0) + b"abc."
+    with pytest.raises(UnsafePickleError, match="announces"):
+        _load(data)
+
+
+def test_unknown_opcode_is_refused() -> None:
+    with pytest.raises(UnsafePickleError, match="unknown opcode"):
+        _load(b"\x80\x02\xff.")
+
+
+def test_deep_nesting_is_refused_without_recursion() -> None:
+    # Built bottom-up (stack depth 1), so only the object walk can see the depth.
+    data = b"\x80\x02)" + b"\x85" * 100_000 + b"."
+    with pytest.raises(UnsafePickleError, match="levels deep"):
+        _load(data)
+
+
+def test_billion_laughs_is_refused_quickly() -> None:
+    node: list = ["lol"]
+    for _ in range(40):
+        node = [node, node]  # 2**40 paths, 41 objects: pickle memoises the shared list
+    data = pickle.dumps(node, protocol=2)
+    assert len(data) < 2_000
+    start = time.perf_counter()
+    with pytest.raises(UnsafePickleError, match="expands"):
+        _load(data)
+    assert time.perf_counter() - start < 30  # bounded by the expansion limit, not by 2**40
+
+
+def test_quadratic_copying_through_an_allowed_builtin_is_refused() -> None:
+    # One memoised 100k-element list, then set(that list) 2,000 times: 2e8 element copies from ~0.3 MB of stream.
+    body = b"\x80\x02c__builtin__\nset\nq\x00]q\x01(" + b"K\x01" * 100_000 + b"e"
+    body += b"0" + b"(" + b"h\x00h\x01\x85R" * 2_000 + b"l."
+    with pytest.raises(UnsafePickleError, match="builtins.set"):
+        _load(body)
+
+
+def test_huge_bytes_call_is_refused() -> None:
+    data = b"\x80\x02c__builtin__\nbytes\n\x8a\x05\x00\x00\x00\x00\x01\x85R."  # bytes(2**32)
+    with pytest.raises(UnsafePickleError, match="builtins.bytes"):
+        _load(data)
