@@ -9,6 +9,7 @@ shard costs what a 1 MB shard costs. :meth:`TorchFile.tensor` maps one storage r
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import struct
@@ -152,12 +153,48 @@ def _overrides(file: str) -> dict[tuple[str, str], Any]:
     return hooks
 
 
-class TorchFile:
-    """An open ``torch.save`` zip file: metadata via :meth:`load_metadata`, tensors via :meth:`tensor`."""
+class _Window(io.RawIOBase):
+    """A read-only view of bytes ``[start, start + length)`` of an open file, as a file of its own (a torch_dist
+    ``.distcp`` file holds one ``torch.save`` blob per chunk)."""
 
-    def __init__(self, path: str | os.PathLike, *, trust: bool = False) -> None:
+    def __init__(self, fh: Any, start: int, length: int) -> None:
+        super().__init__()
+        self._fh, self._start, self._length, self._pos = fh, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self._length - self._pos))
+        if n == 0:
+            return 0
+        self._fh.seek(self._start + self._pos)
+        data = self._fh.read(n)
+        buf[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+class TorchFile:
+    """An open ``torch.save`` zip file: metadata via :meth:`load_metadata`, tensors via :meth:`tensor`. With
+    ``window=(start, length)``, the zip file is that byte range of ``path``."""
+
+    def __init__(self, path: str | os.PathLike, *, trust: bool = False, window: tuple[int, int] | None = None) -> None:
         self.path = os.fspath(path)
         self.trust = trust
+        self._window = window
+        self._raw: Any = None
         self._zip: zipfile.ZipFile | None = None
         self._mmap: mmap.mmap | None = None
         self._fh: Any = None
@@ -182,6 +219,17 @@ class TorchFile:
         except OSError as exc:
             raise PreflightError(f"cannot open the file ({exc.strerror})", path=self.path,
                                  fix="check the file's permissions", code="unreadable_file") from None
+        self._base = 0
+        if self._window is not None:
+            start, length = self._window
+            if start < 0 or length <= 0 or start + length > size:
+                self.close()
+                raise CorruptFileError(f"bytes {start:,}..{start + length:,} are listed in the metadata but the file has "
+                                       f"{size:,} (truncated)", path=self.path, code="corrupt_file",
+                                       fix="restore the file from a complete copy")
+            self._base, size = start, length
+            self._raw = self._fh
+            self._fh = io.BufferedReader(_Window(self._raw, start, length))
         try:
             self._zip = zipfile.ZipFile(self._fh)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError):
@@ -206,7 +254,7 @@ class TorchFile:
         self._size = size
 
     def close(self) -> None:
-        for obj in (self._zip, self._fh):
+        for obj in (self._zip, self._fh, self._raw):
             try:
                 if obj is not None:
                     obj.close()
@@ -303,10 +351,11 @@ class TorchFile:
         if ref.numel == 0:
             return torch.empty(ref.shape, dtype=ref.dtype)
         if self._mmap is None:
-            assert self._fh is not None
-            self._mmap = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            raw = self._raw or self._fh
+            assert raw is not None
+            self._mmap = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_COPY)
         count = nbytes // ref.dtype.itemsize
-        flat = torch.frombuffer(self._mmap, dtype=ref.dtype, count=count, offset=start)
+        flat = torch.frombuffer(self._mmap, dtype=ref.dtype, count=count, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
 
 

@@ -179,13 +179,16 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
                 out.append(Finding("optimizer", f"EP{layout.ep}", f"EP{rt.ep}", FATAL,
                                    "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
                                    "('Could not find parameter group with key ...')",
-                                   "add --no-load-optim"))
+                                   _dist_to_legacy_fix(layout) if sharding in FULLY_RESHARDABLE
+                                   else "add --no-load-optim"))
         elif layout.format in (Format.TORCH_DIST, Format.ZARR):
             ep_change = (layout.ep or 1) != rt.ep
             if ep_change and has_optim:
                 out.append(Finding("optimizer", f"EP{layout.ep}", f"EP{rt.ep}", FATAL,
                                    "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
-                                   "('Could not find parameter group with key ...')", "add --no-load-optim"))
+                                   "('Could not find parameter group with key ...')",
+                                   _dist_to_legacy_fix(layout) if layout.format == Format.TORCH_DIST
+                                   else "add --no-load-optim"))
     if changed and load_rng:
         out.append(Finding("rng_state", f"TP{layout.tp} PP{layout.pp}", f"TP{rt.tp} PP{rt.pp}", INFO,
                            "RNG states are per (TP, PP) rank and cannot be mapped to another layout: they are not "
@@ -304,3 +307,10 @@ def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
         iteration = rt.ckpt_step
     layout = discover(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint)
     return plan_from_layout(layout, rt, t0)
+
+
+def _dist_to_legacy_fix(layout: Layout) -> str:
+    """Its optimizer state is saved in model space, which the resharder reads: converting offline carries it."""
+    return (f"convert offline to a legacy checkpoint at the run's layout, optimizer state included: megatron-preflight "
+            f"reshard {layout.root or layout.path} NEW_DIR -- <the run's flags>, then --ckpt-format torch --load "
+            "NEW_DIR; or add --no-load-optim")

@@ -23,6 +23,7 @@ from megatron_preflight.reshard.dist_optimizer import (
     index_dist_optimizer,
     plan_dist_optimizer,
 )
+from megatron_preflight.reshard.dist_source import virtual_layout
 from megatron_preflight.reshard.executor import SourceFiles, execute
 from megatron_preflight.reshard.optimizer import (
     PROVENANCE_KEY,
@@ -154,6 +155,7 @@ class Resharder:
     optimizer_problem: PreflightError | None = None
     bucket_size: int | None = None  # the target's DDP bucket size (the source's settings; see dist_optimizer)
     converted: str = ""  # what a --use-distributed-optimizer toggle did to the optimizer state
+    source_format: Format | None = None  # the checkpoint's own format (a torch_dist one is read as legacy shards)
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -164,16 +166,22 @@ class Resharder:
                                  path=p.path if p else lay.path,
                                  fix=(p.fix if p and p.fix else "pass the --save dir of a Megatron-LM run (it holds "
                                       "latest_checkpointed_iteration.txt and iter_* dirs)"), code="format")
-        if lay.format != Format.TORCH:
-            raise PreflightError(f"the resharder reads legacy (torch format) checkpoints; this one is "
+        if lay.format not in (Format.TORCH, Format.TORCH_DIST):
+            raise PreflightError(f"the resharder reads legacy (torch) and torch_dist checkpoints; this one is "
                                  f"{lay.format.value}", path=lay.path,
-                                 fix="torch_dist checkpoints are resharded by Megatron's own dist loader at load "
-                                     "time: start the run at the new layout", code="format")
+                                 fix="convert it with the Megatron version that wrote it (--ckpt-convert-format "
+                                     "torch_dist)", code="format")
         fatal = [p for p in lay.problems if p.code not in ("no_tracker", "bad_tracker")]
         if fatal:
             p = fatal[0]
             raise PreflightError(f"the checkpoint has {len(fatal)} problem(s); first: {p.message}", path=p.path,
                                  fix=p.fix or "run `megatron-preflight inspect` on it", code="checkpoint")
+        dist_optimizer_state = False
+        self.source_format = lay.format
+        dist_source = lay
+        if lay.format == Format.TORCH_DIST:  # read as the legacy shards of the layout that saved it
+            lay, dist_optimizer_state = virtual_layout(lay, trust=self.trust)
+            self.layout = lay
         self.src = source_topology(lay)
         t = self.target
         try:
@@ -191,8 +199,19 @@ class Resharder:
         self.padded_vocab = self.vocab.target_padded if self.vocab else None
         meta = lay.shards[0].meta or {}
         self.dropped = {k: v for k, v in NOT_MAPPABLE.items() if k in meta}
+        if self.source_format == Format.TORCH_DIST:  # its RNG states are per rank, as in legacy files
+            self.dropped["rng_state"] = NOT_MAPPABLE["rng_state"]
         self.target_distributed = bool(lay.distributed_optimizer) if t.distributed_optimizer is None \
             else t.distributed_optimizer
+        if dist_optimizer_state:
+            try:
+                self._index_dist_source_optimizer(dist_source, lay)
+            except OptimizerNotReshardable as e:
+                self.optimizer_index = self.dist_index = None
+                self.optimizer_problem = e
+                self.dropped["optimizer"] = f"not resharded: {e.message}; load with --no-load-optim"
+            if (self.optimizer_index or self.dist_index) is not None and not self.keep_optimizer:
+                self.dropped["optimizer"] = "left out on request (--drop-optimizer); load with --no-load-optim"
         if "optimizer" in meta:
             try:
                 self._index_optimizer(lay, t)
@@ -241,6 +260,22 @@ class Resharder:
             f = problems[0]
             raise PreflightError(f"the target layout {tgt.describe()} does not fit the model: {f.message}",
                                  path=self.layout.iter_dir, fix=f.fix, code="usage")
+
+    def _index_dist_source_optimizer(self, source: Layout, lay: Layout) -> None:
+        """A torch_dist source's optimizer state (model space), in the form the target needs."""
+        from megatron_preflight.reshard.dist_source_optimizer import index_dist_source_optimizer
+        from megatron_preflight.reshard.optimizer_convert import distributed_to_plain, plain_to_distributed
+
+        self.optimizer_index = distributed_to_plain(
+            index_dist_source_optimizer(source, lay, self.src, trust=self.trust), lay, self.src)
+        if self.target_distributed:
+            grad_fp32 = bool(getattr(lay.saved_args, "accumulate_allreduce_grads_in_fp32", False))
+            self.dist_index = plain_to_distributed(self.optimizer_index, self.index, self._plain_step(), grad_fp32)
+            self.optimizer_index = None
+        self.bucket_size = bucket_size(lay.saved_args)
+        if self.keep_optimizer and self.target_distributed != bool(lay.distributed_optimizer):
+            kinds = ("distributed", "plain") if lay.distributed_optimizer else ("plain", "distributed")
+            self.converted = f"the optimizer state was converted from the {kinds[0]} to the {kinds[1]} optimizer"
 
     def _index_optimizer(self, lay: Layout, t: TargetLayout) -> None:
         """Index the source's optimizer state in the form the target needs (plain or distributed), converting it
@@ -307,6 +342,11 @@ class Resharder:
         return self.plan_for_coords(coords, name)
 
     # -- building ------------------------------------------------------------------------------------------------
+    @property
+    def writes_optimizer(self) -> bool:
+        """Whether the target files get optimizer state."""
+        return self.keep_optimizer and (self.optimizer_index is not None or self.dist_index is not None)
+
     def header(self, files: SourceFiles | None = None) -> dict[str, Any]:
         """The non-model part of every target file: args (rewritten to the target layout) and carried state."""
         own = files is None
@@ -318,6 +358,10 @@ class Resharder:
             if meta.get("args") is not None:
                 state["args"] = rewrite_args(meta["args"], self.tgt, self.padded_vocab,
                                              self.target_distributed if self.keep_optimizer else None)
+                if self.source_format == Format.TORCH_DIST and hasattr(state["args"], "ckpt_format"):
+                    state["args"].ckpt_format = "torch"  # what this file is now
+                if not self.writes_optimizer:
+                    state["args"].no_save_optim = True  # saved without optimizer state, as Megatron would say
             for key in CARRIED:
                 if key in meta:
                     state[key] = files.materialize(first.name, meta[key])

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from megatron_preflight.layout import naming
+from megatron_preflight.reshard.dist_source import DistReader, RegionRef, dist_reader
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
 from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.torch_file import TensorRef, TorchFile
@@ -21,7 +22,19 @@ class SourceFiles:
         self.iter_dir = iter_dir
         self.trust = trust
         self._files: dict[str, TorchFile] = {}
+        self._dist: DistReader | None = None  # a torch_dist source's chunks (see dist_source)
+        self._last: tuple[RegionRef, torch.Tensor] | None = None
         self.bytes_read = 0
+
+    def _region(self, ref: RegionRef) -> torch.Tensor:
+        """A torch_dist piece, assembled once (row-chunked writers ask for it again and again)."""
+        if self._last is not None and self._last[0] is ref:
+            return self._last[1]
+        if self._dist is None:
+            self._dist = dist_reader(self.iter_dir, trust=self.trust)
+        t = self._dist.tensor(ref)
+        self._last = (ref, t)
+        return t
 
     def file(self, shard: str, name: str = naming.MODEL_FILENAME) -> TorchFile:
         """The open file ``name`` (model_optim_rng.pt, distrib_optim.pt) of shard dir ``shard``."""
@@ -35,8 +48,19 @@ class SourceFiles:
         return self.file(shard, os.path.basename(ref.file) or naming.MODEL_FILENAME)
 
     def tensor(self, shard: str, ref: TensorRef) -> torch.Tensor:
-        """The tensor ``ref`` points at (a lazy mmap view)."""
+        """The tensor ``ref`` points at (a lazy mmap view; a torch_dist piece is assembled from its chunks)."""
+        if isinstance(ref, RegionRef):
+            return self._region(ref)
         return self.file_of(shard, ref).tensor(ref)
+
+    def release(self, shard: str, ref: TensorRef) -> None:
+        """Drop the mapped pages of the file ``ref`` was read from."""
+        if isinstance(ref, RegionRef):
+            self._last = None
+            if self._dist is not None:
+                self._dist.release_pages()
+            return
+        self.file_of(shard, ref).release_pages()
 
     def materialize(self, shard: str, value: Any) -> Any:
         """A copy of ``value`` with every TensorRef inside replaced by its tensor (for carried non-model state)."""
@@ -53,11 +77,18 @@ class SourceFiles:
     def release_pages(self) -> None:
         for f in self._files.values():
             f.release_pages()
+        self._last = None
+        if self._dist is not None:
+            self._dist.release_pages()
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self._last = None
+        if self._dist is not None:
+            self._dist.close()
+            self._dist = None
 
 
 def _narrow(t: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
@@ -100,7 +131,7 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
         files.bytes_read += s.numel() * s.element_size()
         if release:
             del s, src
-            files.file_of(op.shard, op.ref).release_pages()
+            files.release(op.shard, op.ref)
     return dst
 
 

@@ -422,6 +422,8 @@ def optimizer_status(layout: Layout) -> OptimizerStatus | None:
     from megatron_preflight.layout.model import Format
     from megatron_preflight.reshard.planner import source_topology
 
+    if layout.format == Format.TORCH_DIST:
+        return _dist_status(layout)
     first = layout.shards[0].meta if layout.shards else None
     if layout.format != Format.TORCH or not isinstance(first, dict):
         return None
@@ -446,3 +448,23 @@ def optimizer_status(layout: Layout) -> OptimizerStatus | None:
     kind = "fp32 masters (bf16/fp16 run)" if parts[0].wrapped else "fp32"
     order = "ordered per rank" if index and index.per_rank_order else "in the same order on every rank"
     return OptimizerStatus("plain", True, detail=f"{kind}, {len(parts)} part(s), param groups {order}")
+
+
+def _dist_status(layout: Layout) -> OptimizerStatus | None:
+    """A torch_dist checkpoint's optimizer state, from its common state: what Megatron and the resharder can do."""
+    common = layout.common_state
+    if not isinstance(common, dict):
+        return None
+    if common.get("optimizer") is None:
+        return OptimizerStatus("none", False, "the checkpoint holds no optimizer state", in_memory=False)
+    both = ("Megatron reloads it at any TP/PP (not across an EP change); the resharder converts it to legacy at any "
+            "layout")
+    if not layout.dist_optimizer_sharding:
+        return OptimizerStatus("plain", True, detail=f"model space (exp_avg, exp_avg_sq per parameter): {both}",
+                               in_memory=False)
+    sharding = layout.dist_optimizer_sharding
+    if sharding in ("fully_reshardable", "fully_sharded_model_space"):
+        return OptimizerStatus("distributed", True, detail=f"{sharding} (model space): {both}", in_memory=False)
+    return OptimizerStatus("distributed", False, f"saved as {sharding} (flat buffers per DP rank): Megatron reloads it "
+                           "only at the same TP/PP (a DP change is fine); megatron-preflight does not read this form "
+                           "yet", in_memory=False)

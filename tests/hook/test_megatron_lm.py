@@ -294,3 +294,29 @@ def test_toggling_the_distributed_optimizer_converts_its_state(tmp_path, source,
     assert rc2 == 0, log2[-3000:]
     assert loss(log, 4, 4) is not None
     assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+@pytest.mark.parametrize("dist, nproc, target, flags", [
+    ("tp2_torch_dist", 1, ["--tp", "1"], []),
+    ("bf16_gqa_tp2_torch_dist", 2, ["--tp", "1", "--pp", "2"], BF16_GQA + ["--pipeline-model-parallel-size", "2"]),
+    ("moe_ep2_torch_dist", 2, ["--tp", "2", "--ep", "2", "--etp", "1"],
+     ["--num-experts", "4", "--moe-router-topk", "2", "--tensor-model-parallel-size", "2",
+      "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
+    ("distopt_tp2dp2_torch_dist", 2, ["--tp", "1"], ["--use-distributed-optimizer"]),
+], ids=["tp2->tp1", "bf16 gqa tp2->tp1pp2", "moe ep2->tp2ep2etp1", "distopt fully-reshardable tp2dp2->tp1dp2"])
+def test_torch_dist_to_legacy_loads_in_plain_megatron(tmp_path, dist, nproc, target, flags):
+    """torch_dist -> legacy at another layout, weights and optimizer state (`reshard` of a torch_dist source), resumed
+    by Megatron WITHOUT the plugin: iterations 3 and 4 equal Megatron's own load of the torch_dist checkpoint at that
+    layout (its dist loader reshards it)."""
+    out = tmp_path / "legacy"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(dist), str(out),
+                        *target, "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    common = ("--no-load-rng", "--train-iters", "4", *flags)
+    rc, log = run(tmp_path, str(out), nproc, "--ckpt-format", "torch", *common, plugin=False, port=29730)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = run(tmp_path, fixture_path(dist), nproc, "--ckpt-format", "torch_dist", *common, plugin=False,
+                    port=29731)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None
+    assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))

@@ -1,0 +1,179 @@
+"""The optimizer state of a torch_dist source, as pieces of the model's global tensors.
+
+Megatron saves it in model space for the plain optimizer (``optimizer.state.{exp_avg,exp_avg_sq}.<param>``, plus
+``fp32_param`` — the fp32 master — for bf16/fp16 runs; ``common_step`` in the common state) and for the distributed
+optimizer's ``fully_reshardable`` / ``fully_sharded_model_space`` forms (``optimizer.state.{param,exp_avg,
+exp_avg_sq}.<param>``; ``step`` in each param group). Each tensor has its parameter's global shape, so its piece for a
+legacy shard is the parameter's own region (:class:`~megatron_preflight.reshard.dist_source.RegionRef`) with the
+optimizer's key. The result is a :class:`DistOptimizerIndex` (settings per group, fields per parameter), which the
+resharder converts to whichever optimizer the target runs (:mod:`optimizer_convert`).
+
+The ``dp_reshardable`` form (flat per-bucket buffers per DP rank) is not read yet: refused with the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import OrderedDict
+from typing import Any
+
+from megatron_preflight.layout.dist import COMMON_PT, read_dcp_metadata
+from megatron_preflight.layout.model import Layout
+from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.reshard.dist_optimizer import FIX, DistOptimizerIndex
+from megatron_preflight.reshard.dist_source import RegionRef
+from megatron_preflight.reshard.optimizer import OptimizerNotReshardable, _signature, is_param
+from megatron_preflight.reshard.planner import GlobalEntry, SourcePiece, is_tied, iter_source_keys
+from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
+
+MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
+# torch_dist state name -> the name the index uses ("param": the fp32 master)
+FIELDS = {"param": "param", "fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def _parts(common_optimizer: Any) -> list[Any]:
+    """A chained optimizer's parts (saved as a list, or a dict keyed 0, 1, ...), or the one optimizer."""
+    if isinstance(common_optimizer, list):
+        return common_optimizer
+    if isinstance(common_optimizer, dict) and common_optimizer and all(isinstance(k, int) for k in common_optimizer):
+        return [common_optimizer[k] for k in sorted(common_optimizer)]
+    return [common_optimizer]
+
+
+def _groups(common_optimizer: Any) -> list[dict[str, Any]]:
+    """The param groups of the common state (plain: ``{state, param_groups}``, bf16/fp16 plain: wrapped once more,
+    distributed: ``{optimizer: {param_groups}, param_state_sharding_type}``; a chained optimizer: its parts)."""
+    parts = _parts(common_optimizer)
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        inner = part.get("optimizer", part) if isinstance(part, dict) else None
+        if isinstance(inner, dict) and "param_groups" not in inner and isinstance(inner.get("optimizer"), dict):
+            inner = inner["optimizer"]
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not isinstance(groups, list):
+            raise OptimizerNotReshardable("the common state's optimizer has no param groups", fix=FIX,
+                                          code="optimizer")
+        out.extend(g for g in groups if isinstance(g, dict))
+    return out
+
+
+def _sharding(common_optimizer: Any) -> str | None:
+    parts = _parts(common_optimizer)
+    kinds = {p.get("param_state_sharding_type") for p in parts if isinstance(p, dict)} - {None}
+    return kinds.pop() if len(kinds) == 1 else (None if not kinds else "mixed")
+
+
+def _find(tree: Any, name: str) -> Any:
+    if isinstance(tree, dict):
+        if name in tree:
+            return tree[name]
+        for v in tree.values():
+            found = _find(v, name)
+            if found is not None:
+                return found
+    elif isinstance(tree, list):
+        for v in tree:
+            found = _find(v, name)
+            if found is not None:
+                return found
+    return None
+
+
+def read_common(iter_dir: str, md: Any, trust: bool = False) -> Any:
+    """The common state (common.pt, or the ``common_state`` item of a .distcp file) with its few tensors read (the
+    step, a loss scale): small, read whole."""
+    from megatron_preflight.reshard.tree import map_leaves
+
+    path, window = os.path.join(iter_dir, COMMON_PT), None
+    if not os.path.isfile(path):
+        for index, info in md.storage_data.items():
+            if getattr(index, "fqn", "").startswith("common_state"):
+                path, window = os.path.join(iter_dir, info.relative_path), (int(info.offset), int(info.length))
+                break
+        else:
+            return None
+    with TorchFile(path, trust=trust, window=window) as f:
+        common = f.load_metadata()
+        common = map_leaves(common, lambda v, _p: f.tensor(v).clone() if isinstance(v, TensorRef) else v)
+    return common[0] if isinstance(common, list) and common else common
+
+
+def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLayout, *,
+                                trust: bool = False) -> DistOptimizerIndex:
+    """The optimizer state of the torch_dist checkpoint ``source`` (read as ``virtual``'s legacy shards)."""
+    iter_dir = source.iter_dir or ""
+    common = (source.common_state or {}).get("optimizer")
+    if common is None:
+        raise OptimizerNotReshardable("the common state holds no optimizer entry", path=iter_dir, fix=FIX,
+                                      code="optimizer")
+    sharding = _sharding(common)
+    if sharding is not None and sharding not in MODEL_SPACE:
+        raise OptimizerNotReshardable(
+            f"its distributed optimizer state is saved as {sharding!r} (flat buffers per DP rank), which is not read "
+            "yet", path=iter_dir, fix=FIX, code="optimizer")
+    md = read_dcp_metadata(iter_dir, trust=trust)
+    saved = md.state_dict_metadata
+    out = DistOptimizerIndex(template_shard=virtual.shards[0].name if virtual.shards else "")
+    full = read_common(iter_dir, md, trust=trust) or {}
+    first = _parts(full.get("optimizer") if isinstance(full, dict) else None)[0]
+    if isinstance(first, dict):  # a wrapper's other entries (an fp16 run's grad scaler)
+        out.outer = OrderedDict((k, v) for k, v in first.items()
+                                if k not in ("optimizer", "param_state_sharding_type", "state", "param_groups"))
+    step = None
+    if sharding is None:
+        found = _find(full.get("optimizer") if isinstance(full, dict) else None, "common_step")
+        step = float(found) if isinstance(found, (int, float)) or hasattr(found, "item") else None
+        if step is None:
+            raise OptimizerNotReshardable("the plain optimizer's common_step is missing from the common state",
+                                          path=iter_dir, fix=FIX, code="optimizer")
+    for settings in _groups(common):
+        settings = {k: v for k, v in settings.items() if k != "params"}
+        if step is not None:
+            settings["step"] = step
+        sig = _signature(settings)
+        if sig not in out.settings:
+            out.order.append(sig)
+            out.settings[sig] = settings
+        if settings.get("is_expert_parallel"):
+            out.expert_groups.add(sig)
+    tied = is_tied(virtual)
+    for sk in iter_source_keys(virtual, src):
+        if not is_param(sk.key, sk.value) or not isinstance(sk.value, RegionRef):
+            continue
+        if tied and sk.key == "output_layer.weight":
+            continue  # the tied head copy: served by the embedding
+        fields = out.fields.setdefault(sk.gkey, OrderedDict())
+        for state, name in FIELDS.items():
+            ref = _state_ref(sk.value, state, saved)
+            if ref is None:
+                continue
+            entry = fields.get(name)
+            if entry is None:
+                entry = fields[name] = GlobalEntry(sk.gkey, sk.info, sk.rule)
+            entry.add(SourcePiece(sk.shard, ref, sk.group_rank, sk.group_size))
+        missing = [n for n in ("exp_avg", "exp_avg_sq") if n not in fields]
+        if missing:
+            raise OptimizerNotReshardable(f"no saved {' / '.join(missing)} for {sk.key}", path=iter_dir, fix=FIX,
+                                          code="optimizer")
+    return out
+
+
+def _state_ref(param: RegionRef, state: str, saved: dict[str, Any]) -> RegionRef | None:
+    """The optimizer tensor ``state`` of a parameter, at the parameter's own region (same global shape)."""
+    slabs = []
+    dtype = None
+    for s in param.slabs:
+        fqn = f"optimizer.state.{state}.{s.fqn}"
+        tm = saved.get(fqn)
+        if tm is None or not hasattr(tm, "size"):
+            return None
+        if tuple(int(d) for d in tm.size) != tuple(int(d) for d in saved[s.fqn].size):
+            raise OptimizerNotReshardable(f"{fqn} has shape {tuple(tm.size)}, its parameter "
+                                          f"{tuple(saved[s.fqn].size)}", fix=FIX, code="optimizer")
+        dtype = tm.properties.dtype
+        slabs.append(dataclasses.replace(s, fqn=fqn))
+    assert dtype is not None
+    numel = param.storage.numel
+    return RegionRef(param.file, StorageRef(slabs[0].fqn, dtype, numel), 0, param.shape, param.stride,
+                     slabs=tuple(slabs))
