@@ -21,6 +21,8 @@ FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
 
 # Optimizer sharding types Megatron's DistributedOptimizer can reload across a (TP, PP) change.
 FULLY_RESHARDABLE = {"fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor"}
+# torch_dist distributed-optimizer forms the resharder reads (reshard/dist_source_optimizer.py)
+READABLE_DIST_OPTIMIZER = {"fully_reshardable", "fully_sharded_model_space", "dp_reshardable"}
 
 
 @dataclass
@@ -170,25 +172,27 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
             ep_change = (layout.ep or 1) != rt.ep or ((layout.etp or layout.tp) != rt.etp and
                                                        bool(getattr(saved, "num_experts", None)))
             if tp_pp_change and sharding not in FULLY_RESHARDABLE:
-                out.append(Finding("optimizer", sharding, f"TP{rt.tp} PP{rt.pp}", FATAL,
-                                   f"Megatron fails here with '(TP, PP) mismatch after resume ... not supported for "
-                                   f"DistributedOptimizer with sharding type {sharding}'",
-                                   "add --no-load-optim; or re-save at the old layout with "
-                                   "--dist-ckpt-optim-fully-reshardable and load that"))
+                out.append(_megatron_refuses(
+                    layout, sharding, f"TP{rt.tp} PP{rt.pp}",
+                    f"Megatron fails here with '(TP, PP) mismatch after resume ... not supported for "
+                    f"DistributedOptimizer with sharding type {sharding}'", readable=sharding == "dp_reshardable",
+                    other="add --no-load-optim; or re-save at the old layout with "
+                          "--dist-ckpt-optim-fully-reshardable and load that"))
             elif ep_change:
-                out.append(Finding("optimizer", f"EP{layout.ep}", f"EP{rt.ep}", FATAL,
-                                   "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
-                                   "('Could not find parameter group with key ...')",
-                                   _dist_to_legacy_fix(layout) if sharding in FULLY_RESHARDABLE
-                                   else "add --no-load-optim"))
+                out.append(_megatron_refuses(
+                    layout, f"EP{layout.ep}", f"EP{rt.ep}",
+                    "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
+                    "('Could not find parameter group with key ...')",
+                    readable=layout.format == Format.TORCH_DIST and sharding in READABLE_DIST_OPTIMIZER,
+                    other="add --no-load-optim"))
         elif layout.format in (Format.TORCH_DIST, Format.ZARR):
             ep_change = (layout.ep or 1) != rt.ep
             if ep_change and has_optim:
-                out.append(Finding("optimizer", f"EP{layout.ep}", f"EP{rt.ep}", FATAL,
-                                   "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
-                                   "('Could not find parameter group with key ...')",
-                                   _dist_to_legacy_fix(layout) if layout.format == Format.TORCH_DIST
-                                   else "add --no-load-optim"))
+                out.append(_megatron_refuses(
+                    layout, f"EP{layout.ep}", f"EP{rt.ep}",
+                    "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
+                    "('Could not find parameter group with key ...')", readable=layout.format == Format.TORCH_DIST,
+                    other="add --no-load-optim"))
     if changed and load_rng:
         out.append(Finding("rng_state", f"TP{layout.tp} PP{layout.pp}", f"TP{rt.tp} PP{rt.pp}", INFO,
                            "RNG states are per (TP, PP) rank and cannot be mapped to another layout: they are not "
@@ -275,6 +279,9 @@ def plan_from_layout(layout: Layout, rt: RuntimeArgs, t0: float | None = None) -
         changed, load_optim, load_rng = False, False, False
     if layout.format == Format.TORCH:
         loader = Loader.RESHARD if changed else (Loader.EP_3D if (layout.ep or 1) > 1 else Loader.NON_EP)
+    elif layout.format == Format.TORCH_DIST and any(f.field == "optimizer" and f.severity == RESHARD
+                                                    for f in findings):
+        loader = Loader.RESHARD  # Megatron's dist loader would refuse it (see _megatron_refuses)
     elif layout.format is not None:
         loader = Loader.DIST
     else:
@@ -307,6 +314,17 @@ def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
         iteration = rt.ckpt_step
     layout = discover(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint)
     return plan_from_layout(layout, rt, t0)
+
+
+def _megatron_refuses(layout: Layout, ckpt: Any, run: Any, why: str, *, readable: bool, other: str) -> Finding:
+    """A torch_dist optimizer state Megatron's own loader refuses at the run's layout: when the resharder reads its
+    form, ``--preflight auto`` loads it in memory instead (a reshard finding, and the reshard loader); else fatal."""
+    if readable:
+        return Finding("optimizer", ckpt, run, RESHARD,
+                       f"{why}; the in-memory resharder reads this form, so --preflight auto loads the weights and the "
+                       "optimizer state through it instead of Megatron's dist loader",
+                       f"run with --preflight auto; or {_dist_to_legacy_fix(layout)}")
+    return Finding("optimizer", ckpt, run, FATAL, why, other)
 
 
 def _dist_to_legacy_fix(layout: Layout) -> str:

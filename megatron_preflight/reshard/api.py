@@ -179,9 +179,19 @@ class Resharder:
         dist_optimizer_state = False
         self.source_format = lay.format
         dist_source = lay
+        dp_problem: OptimizerNotReshardable | None = None
         if lay.format == Format.TORCH_DIST:  # read as the legacy shards of the layout that saved it
             lay, dist_optimizer_state = virtual_layout(lay, trust=self.trust)
             self.layout = lay
+            if dist_optimizer_state and dist_source.dist_optimizer_sharding == "dp_reshardable":
+                # the distributed optimizer's flat buckets: read as the legacy distrib_optim.pt they equal
+                from megatron_preflight.reshard.dist_source_optimizer import attach_dp_reshardable
+
+                dist_optimizer_state = False
+                try:
+                    attach_dp_reshardable(dist_source, lay, trust=self.trust)
+                except OptimizerNotReshardable as e:
+                    dp_problem = e
         self.src = source_topology(lay)
         t = self.target
         try:
@@ -203,6 +213,9 @@ class Resharder:
             self.dropped["rng_state"] = NOT_MAPPABLE["rng_state"]
         self.target_distributed = bool(lay.distributed_optimizer) if t.distributed_optimizer is None \
             else t.distributed_optimizer
+        if dp_problem is not None:
+            self.optimizer_problem = dp_problem
+            self.dropped["optimizer"] = f"not resharded: {dp_problem.message}; load with --no-load-optim"
         if dist_optimizer_state:
             try:
                 self._index_dist_source_optimizer(dist_source, lay)

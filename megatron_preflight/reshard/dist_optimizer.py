@@ -137,6 +137,9 @@ def buffers_of(params: list[Param], expert: bool) -> list[tuple[torch.dtype, lis
 
 
 def _view(world: TensorRef, start: int, shape: tuple[int, ...]) -> TensorRef:
+    window = getattr(world, "window", None)  # a torch_dist buffer: a region of its saved buckets
+    if window is not None:
+        return window(start, shape)
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)

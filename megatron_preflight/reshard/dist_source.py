@@ -74,6 +74,19 @@ class RegionRef(TensorRef):
     def __repr__(self) -> str:
         return f"RegionRef({tuple(self.shape)}, {self.dtype}, {[s.fqn for s in self.slabs][:1]})"
 
+    def window(self, start: int, shape: tuple[int, ...]) -> RegionRef:
+        """Elements ``start .. start + prod(shape)`` of this 1-D region (a flat optimizer buffer), as a tensor of
+        ``shape``: the slabs cut to that range."""
+        n = math.prod(shape)
+        end = start + n
+        slabs = []
+        for s in self.slabs:
+            lo, hi = max(start, s.local_start), min(end, s.local_start + s.sizes[-1])
+            if lo < hi:
+                slabs.append(Slab(s.fqn, (s.offsets[-1] + lo - s.local_start,), (hi - lo,), 0, lo - start))
+        return RegionRef(self.file, StorageRef(self.storage.key, self.dtype, n), 0, tuple(shape),
+                         _contiguous(tuple(shape)), slabs=tuple(slabs))
+
 
 class DistReader:
     """Reads :class:`RegionRef` tensors of one torch_dist iteration dir (chunk blobs opened once, mapped lazily)."""
@@ -120,6 +133,11 @@ class DistReader:
         return out
 
     def tensor(self, ref: RegionRef) -> torch.Tensor:
+        if ref.slabs and all(len(s.sizes) == 1 for s in ref.slabs) and len(ref.shape) != 1:
+            flat = torch.empty(math.prod(ref.shape), dtype=ref.dtype)  # a window of a flat buffer, reshaped
+            for s in ref.slabs:
+                flat.narrow(0, s.local_start, s.sizes[0]).copy_(self.region(s.fqn, s.offsets, s.sizes, ref.dtype))
+            return flat.view(ref.shape)
         out = torch.empty(ref.shape, dtype=ref.dtype)
         for s in ref.slabs:
             box = self.region(s.fqn, s.offsets, s.sizes, ref.dtype)
@@ -385,7 +403,7 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
     b = _Builder(layout, par, md)
     has_optimizer = False
     for fqn, tm in md.state_dict_metadata.items():
-        if fqn.startswith("optimizer."):
+        if fqn.startswith("optimizer.") or (fqn.startswith("chained_") and ".optimizer." in fqn):
             has_optimizer = True
             continue
         if "/shard_" in fqn and fqn.split("/")[0].endswith("_extra_state"):

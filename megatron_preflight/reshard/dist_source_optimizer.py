@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections import OrderedDict
 from typing import Any
+
+import torch
 
 from megatron_preflight.layout.dist import COMMON_PT, read_dcp_metadata
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.dist_optimizer import FIX, DistOptimizerIndex
-from megatron_preflight.reshard.dist_source import RegionRef
+from megatron_preflight.reshard.dist_source import RegionRef, Slab
 from megatron_preflight.reshard.optimizer import OptimizerNotReshardable, _signature, is_param
 from megatron_preflight.reshard.planner import GlobalEntry, SourcePiece, is_tied, iter_source_keys
-from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
+from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile, read_torch_bytes
 
 MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
 # torch_dist state name -> the name the index uses ("param": the fp32 master)
@@ -177,3 +180,105 @@ def _state_ref(param: RegionRef, state: str, saved: dict[str, Any]) -> RegionRef
     numel = param.storage.numel
     return RegionRef(param.file, StorageRef(slabs[0].fqn, dtype, numel), 0, param.shape, param.stride,
                      slabs=tuple(slabs))
+
+
+# -- dp_reshardable: the distributed optimizer's flat buckets, per model-parallel domain -----------------------------
+_DPR = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.(.+)$")
+_BUCKET = re.compile(r"^gbuf_idx_(\d+)\.dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.split(".", 1)[1], None)
+    if not isinstance(value, torch.dtype):
+        raise OptimizerNotReshardable(f"unknown dtype {name} in a dp_reshardable key", fix=FIX, code="optimizer")
+    return value
+
+
+def attach_dp_reshardable(source: Layout, virtual: Layout, *, trust: bool = False) -> None:
+    """Give each of ``virtual``'s shards what a legacy save at the same layout holds for the distributed optimizer:
+    the param groups under ``optimizer`` and ``distrib_optim.pt``'s content (per gradient buffer, the buckets
+    concatenated without their end padding) as regions of the saved buckets. The legacy reader then models and
+    checks the buffers as it does for ``distrib_optim.pt`` (its masters check catches a wrong domain mapping).
+
+    Domains (``dp_group_idx``): the dense part's is the rank in the model-parallel group (tp + TP x pp); a chained
+    optimizer's expert part (``chained_1.``) uses the expert model-parallel group (etp + ETP x (ep + EP x pp))."""
+    iter_dir = source.iter_dir or ""
+    par = virtual.parallel
+    if par is None or par.cp != 1:
+        raise OptimizerNotReshardable("dp_reshardable state with context parallelism is not modelled", path=iter_dir,
+                                      fix=FIX, code="optimizer")
+    md = read_dcp_metadata(iter_dir, trust=trust)
+    buckets: dict[tuple[int, int], dict[int, dict[tuple[torch.dtype, torch.dtype], dict[int, dict[str, tuple]]]]] = {}
+    objects: dict[tuple[int, int], dict[str, str]] = {}
+    for fqn, tm in md.state_dict_metadata.items():
+        m = _DPR.match(fqn)
+        if not m:
+            continue
+        part, group, rest = int(m.group(1) or 0), int(m.group(2)), m.group(3)
+        b = _BUCKET.match(rest)
+        if b and hasattr(tm, "size"):
+            gbuf, key, bucket = int(b.group(1)), (_dtype(b.group(2)), _dtype(b.group(3))), int(b.group(4))
+            (buckets.setdefault((part, group), {}).setdefault(gbuf, {}).setdefault(key, {})
+             .setdefault(bucket, {}))[b.group(5)] = (fqn, int(tm.size[0]), tm.properties.dtype)
+        elif "/shard_" in rest:
+            objects.setdefault((part, group), {})[rest.split("/shard_")[0]] = fqn
+    chained = any(part > 0 for part, _ in buckets) or any(part > 0 for part, _ in objects)
+    reader_items = {index.fqn: info for index, info in md.storage_data.items()}
+
+    def item(fqn: str) -> Any:
+        info = reader_items[fqn]
+        path = os.path.join(iter_dir, info.relative_path)
+        with open(path, "rb") as fh:
+            fh.seek(int(info.offset))
+            value = read_torch_bytes(fh.read(int(info.length)), source=f"{path}[{fqn}]", trust=trust)
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    cache: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+    def part_of(part: int, group: int) -> tuple[Any, Any]:
+        if (part, group) not in cache:
+            names = objects.get((part, group), {})
+            if "optimizer" not in names or (part, group) not in buckets:
+                raise OptimizerNotReshardable(f"no dp_reshardable state for optimizer part {part}, model-parallel "
+                                              f"domain {group}", path=iter_dir, fix=FIX, code="optimizer")
+            groups = item(names["optimizer"])
+            entry = OrderedDict([("optimizer", groups)])
+            for name, fqn in names.items():
+                if name not in ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded"):
+                    entry[name] = item(fqn)
+            state: dict[Any, Any] = {"buckets_coalesced": True}
+            for gbuf, by_key in sorted(buckets[(part, group)].items()):
+                state[gbuf] = {}
+                for key, per_bucket in by_key.items():
+                    world: dict[str, Any] = {}
+                    total = 0
+                    for name in ("param", "exp_avg", "exp_avg_sq"):
+                        slabs, acc, dtype = [], 0, torch.float32
+                        for _b, fields in sorted(per_bucket.items()):
+                            if name not in fields:
+                                raise OptimizerNotReshardable(f"bucket {_b} of buffer {gbuf} has no {name}",
+                                                              path=iter_dir, fix=FIX, code="optimizer")
+                            fqn, n, dtype = fields[name]
+                            slabs.append(Slab(fqn, (0,), (n,), 0, acc))
+                            acc += n
+                        world[name] = RegionRef(iter_dir, StorageRef(slabs[0].fqn, dtype, acc), 0, (acc,), (1,),
+                                                slabs=tuple(slabs))
+                        total = acc
+                    world["numel_unpadded"] = total
+                    state[gbuf][key] = world
+            cache[(part, group)] = (entry, state)
+        return cache[(part, group)]
+
+    dirs = par.shard_dirs()
+    for shard in virtual.shards:
+        c = dirs[shard.name]
+        dense_group = c["tp"] + par.tp * c["pp"]
+        entry, state = part_of(0, dense_group)
+        if not chained:
+            shard.meta["optimizer"], shard.dist_meta = entry, state
+            continue
+        expert_group = c["etp"] + par.etp_eff * (c["ep"] + par.ep * c["pp"])
+        e_entry, e_state = part_of(1, expert_group)
+        holds_dense = c["ep"] == 0  # the dense part's DP rank 0 sits in the ep-0 dir (as a legacy save)
+        shard.meta["optimizer"] = [entry, e_entry]
+        shard.dist_meta = [state if holds_dense else None, e_state if c["tp"] == c["etp"] else None]

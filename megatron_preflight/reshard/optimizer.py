@@ -465,6 +465,9 @@ def _dist_status(layout: Layout) -> OptimizerStatus | None:
     sharding = layout.dist_optimizer_sharding
     if sharding in ("fully_reshardable", "fully_sharded_model_space"):
         return OptimizerStatus("distributed", True, detail=f"{sharding} (model space): {both}", in_memory=False)
-    return OptimizerStatus("distributed", False, f"saved as {sharding} (flat buffers per DP rank): Megatron reloads it "
-                           "only at the same TP/PP (a DP change is fine); megatron-preflight does not read this form "
-                           "yet", in_memory=False)
+    if sharding == "dp_reshardable":
+        return OptimizerStatus("distributed", True, detail="dp_reshardable (flat buckets per DP rank): Megatron reloads "
+                               "it only at the same TP/PP (a DP change is fine); the resharder converts it to legacy "
+                               "at any layout", in_memory=False)
+    return OptimizerStatus("distributed", False, f"saved as {sharding}, a form megatron-preflight does not read",
+                           in_memory=False)

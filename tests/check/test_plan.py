@@ -106,10 +106,31 @@ def test_dist_layout_change_loads_via_dist():
     assert "tensor_model_parallel_size" in fields(p, "reshard")
 
 
-def test_dist_ep_change_with_optimizer_predicts_megatron_failure():
+def test_dist_ep_change_with_optimizer_names_megatrons_failure_and_reshards():
+    """Megatron's dist loader fails on this EP change with the optimizer state; the resharder reads the state, so the
+    check picks the in-memory resharder (and says why). Without the optimizer, Megatron's own loader does it."""
     p = plan("moe_ep2_torch_dist", *MOE)
-    assert p.verdict == Verdict.FAIL and "Could not find parameter group" in p.fatal[0].message
+    assert p.verdict == Verdict.RESHARD and p.loader == Loader.RESHARD
+    found = [f for f in p.findings if f.field == "optimizer"]
+    assert "Could not find parameter group" in found[0].message and "--preflight auto" in found[0].fix
     assert plan("moe_ep2_torch_dist", *MOE, "--no-load-optim").verdict == Verdict.LOAD
+
+
+@pytest.mark.parametrize("name,flags,verdict", [
+    ("distopt_dpr_tp2dp2_torch_dist", ["--tensor-model-parallel-size", "1"], Verdict.RESHARD),
+    ("distopt_dpr_tp2dp2_torch_dist", ["--tensor-model-parallel-size", "2"], Verdict.LOAD),
+    ("distopt_tp2dp2_torch_dist", ["--tensor-model-parallel-size", "1"], Verdict.LOAD),
+])
+def test_dp_reshardable_tp_change_is_megatrons_refusal_and_a_reshard(name, flags, verdict):
+    """dp_reshardable (Megatron's default) at another TP: Megatron raises '(TP, PP) mismatch'; the check says so and
+    picks the in-memory resharder. At the same TP, or for the fully_reshardable form, Megatron's loader stays."""
+    p = plan(name, "--use-distributed-optimizer", "--ckpt-format", "torch_dist", *flags)
+    assert p.verdict == verdict, p.findings
+    if verdict == Verdict.RESHARD:
+        assert p.loader == Loader.RESHARD
+        assert any("(TP, PP) mismatch" in f.message for f in p.findings if f.field == "optimizer")
+    else:
+        assert p.loader == Loader.DIST
 
 
 def test_dist_ckpt_with_runtime_torch_format():

@@ -320,3 +320,78 @@ def test_torch_dist_to_legacy_loads_in_plain_megatron(tmp_path, dist, nproc, tar
     assert rc2 == 0, log2[-3000:]
     assert loss(log, 4, 4) is not None
     assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+def test_dp_reshardable_converted_at_its_own_layout_equals_megatrons_own_load(tmp_path):
+    """Megatron's default torch_dist distributed-optimizer form (dp_reshardable) -> legacy at the same TP2·DP2, resumed
+    by plain Megatron: iterations 3 and 4 equal Megatron's own load of the dp_reshardable checkpoint exactly (every
+    master and moment reached its place in the buffers)."""
+    src = fixture_path("distopt_dpr_tp2dp2_torch_dist")
+    out = tmp_path / "legacy"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", src, str(out), "--verify",
+                        "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    common = ("--no-load-rng", "--train-iters", "4", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2")
+    rc, log = run(tmp_path, str(out), 4, "--ckpt-format", "torch", *common, plugin=False, port=29732)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = run(tmp_path, src, 4, "--ckpt-format", "torch_dist", *common, plugin=False, port=29733)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None
+    assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+@pytest.mark.parametrize("dpr, nproc, target, flags", [
+    ("distopt_dpr_tp2dp2_torch_dist", 2, ["--tp", "1"], []),
+    ("distopt_dpr_moe_ep2dp2_torch_dist", 4, ["--ep", "4"], DISTOPT_MOE + ["--expert-model-parallel-size", "4"]),
+], ids=["tp2dp2->tp1dp2", "moe ep2dp4->ep4"])
+def test_dp_reshardable_at_a_layout_megatron_refuses_trains_like_the_twin(tmp_path, dpr, nproc, target, flags):
+    """The layout change Megatron refuses for dp_reshardable (TP/PP, EP): converted offline, resumed by plain Megatron.
+    The oracle is Megatron's own reshard of the fully_reshardable twin saved by an earlier run with the same flags
+    (its values differ by <= 4.2e-8), so the losses agree to 5 decimals rather than bit for bit."""
+    out = tmp_path / "legacy"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(dpr), str(out), *target,
+                        "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    common = ("--no-load-rng", "--train-iters", "4", "--use-distributed-optimizer", *flags)
+    rc, log = run(tmp_path, str(out), nproc, "--ckpt-format", "torch", *common, plugin=False, port=29734)
+    assert rc == 0, log[-3000:]
+    twin = dpr.replace("distopt_dpr_", "distopt_")
+    rc2, log2 = run(tmp_path, fixture_path(twin), nproc, "--ckpt-format", "torch_dist", *common, plugin=False,
+                    port=29735)
+    assert rc2 == 0, log2[-3000:]
+    for it in (3, 4):
+        assert abs(float(loss(log, it, 4)) - float(loss(log2, it, 4))) < 1e-5, (it, loss(log, it, 4), loss(log2, it, 4))
+
+
+MOE_EP4 = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "4",
+           "--global-batch-size", "4"]
+
+
+@pytest.mark.parametrize("dist, oracle, nproc, flags", [
+    ("distopt_dpr_tp2dp2_torch_dist", "distopt_tp2dp2_torch_dist", 2,
+     ["--use-distributed-optimizer", "--tensor-model-parallel-size", "1"]),
+    ("moe_ep2_torch_dist", "moe_ep2_torch", 4, MOE_EP4),
+], ids=["dp_reshardable tp2dp2->tp1dp2", "plain optimizer moe ep2->ep4"])
+def test_torch_dist_that_megatron_refuses_loads_in_memory_with_auto(tmp_path, dist, oracle, nproc, flags):
+    """torch_dist checkpoints whose optimizer state Megatron's own loader refuses at the run's layout (dp_reshardable
+    at another TP; any EP change): `--preflight auto` loads weights and optimizer state through the in-memory
+    resharder. Oracles: the dp_reshardable case against Megatron's own reshard of the fully_reshardable twin (an
+    earlier run, values within 4.2e-8, so losses within 1e-5); the MoE case against the in-memory reshard of its
+    bit-identical legacy twin (exactly equal)."""
+    rc, log = run(tmp_path, fixture_path(dist), nproc, "--preflight", "auto", "--ckpt-format", "torch_dist",
+                  "--train-iters", "4", *flags, port=29736)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log and "applied: no_load_optim" not in log
+    if oracle.endswith("_torch_dist"):
+        rc2, log2 = run(tmp_path, fixture_path(oracle), nproc, "--no-load-rng", "--ckpt-format", "torch_dist",
+                        "--train-iters", "4", *flags, plugin=False, port=29737)
+        assert rc2 == 0, log2[-3000:]
+        for it in (3, 4):
+            assert abs(float(loss(log, it, 4)) - float(loss(log2, it, 4))) < 1e-5, (it, loss(log, it, 4),
+                                                                                   loss(log2, it, 4))
+    else:
+        rc2, log2 = run(tmp_path, fixture_path(oracle), nproc, "--preflight", "auto", "--ckpt-format", "torch",
+                        "--train-iters", "4", *flags, port=29737)
+        assert rc2 == 0, log2[-3000:]
+        assert loss(log, 4, 4) is not None
+        assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))

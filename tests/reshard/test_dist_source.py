@@ -119,15 +119,77 @@ def test_torch_dist_to_legacy_equals_the_legacy_twins_reshard(tmp_path, base, ta
     assert discover(a).ok
 
 
-def test_dp_reshardable_optimizer_state_is_refused_with_the_fix(tmp_path):
-    """The flat per-DP-rank form is not read yet: weights only, and only when asked (the fix works)."""
+def test_an_unread_optimizer_form_is_refused_with_the_fix(tmp_path):
+    """A form the resharder does not read (the deprecated fully_sharded_bucket_space): weights only, and only when
+    asked."""
     from megatron_preflight.reshard.api import Resharder
 
     layout = discover(fixture_path("distopt_tp2dp2_torch_dist"))
-    layout.common_state["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
+    layout.common_state["optimizer"]["param_state_sharding_type"] = "fully_sharded_bucket_space"
     r = Resharder(layout, TargetLayout(tp=1))
-    assert r.optimizer_problem is not None and "dp_reshardable" in r.optimizer_problem.message
+    assert r.optimizer_problem is not None and "fully_sharded_bucket_space" in r.optimizer_problem.message
     assert "not resharded" in r.dropped["optimizer"]
+
+
+# dp_reshardable fixtures come from a later run than their legacy twins (same flags): the values differ by at most
+# 4.2e-8 (CPU float reductions of two runs), so they are compared within 1e-6 — a misplaced parameter or moment would
+# be off by orders of magnitude more.
+DPR = {"distopt_dpr_tp2dp2": "distopt_tp2dp2", "distopt_dpr_moe_ep2dp2": "distopt_moe_ep2dp2",
+       "distopt_dpr_buckets_tp2dp2": "distopt_buckets_tp2dp2", "distopt_dpr_vpp_pp2dp2": "distopt_vpp_pp2dp2"}
+
+
+@pytest.mark.parametrize("base,target", [
+    ("distopt_dpr_tp2dp2", dict(tp=1)),
+    ("distopt_dpr_tp2dp2", dict(tp=1, distributed_optimizer=False)),
+    ("distopt_dpr_moe_ep2dp2", dict(ep=4)),
+    ("distopt_dpr_moe_ep2dp2", dict(ep=1)),
+    ("distopt_dpr_buckets_tp2dp2", dict(tp=1)),
+    ("distopt_dpr_vpp_pp2dp2", dict(pp=1)),
+])
+def test_dp_reshardable_to_legacy_matches_the_legacy_twins_reshard(tmp_path, base, target):
+    a, b = str(tmp_path / "from_dpr"), str(tmp_path / "from_legacy")
+    s = write_resharded(fixture_path(f"{base}_torch_dist"), a, TargetLayout(**target), workers=1, verify=True)
+    write_resharded(fixture_path(f"{DPR[base]}_torch"), b, TargetLayout(**target), workers=1)
+    got, want = saved_state(a), saved_state(b)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            assert torch.allclose(got[key].double(), value.double(), atol=1e-6, rtol=0), key
+        else:
+            assert got[key] == value, key
+    assert "optimizer" not in s.dropped and discover(a).ok
+
+
+def test_dp_reshardable_buffers_at_the_same_layout_are_the_saved_buckets(tmp_path):
+    """Kept at its own layout, each written distrib_optim.pt buffer is the saved buckets concatenated, bit for bit
+    (padding aside)."""
+    from megatron_preflight.layout.dist import read_dcp_metadata
+
+    src = fixture_path("distopt_dpr_buckets_tp2dp2_torch_dist")
+    out = str(tmp_path / "same")
+    write_resharded(src, out, TargetLayout(), workers=1)
+    it = os.path.join(src, "iter_0000002")
+    md = read_dcp_metadata(it)
+    reader = dist_reader(it)
+    try:
+        for tp in (0, 1):
+            written = ckpt_edit.load(os.path.join(out, "iter_0000002", f"mp_rank_0{tp}", "distrib_optim.pt"))
+            (key, world), = written[0].items()
+            for name in ("param", "exp_avg", "exp_avg_sq"):
+                keys = sorted((k for k in md.state_dict_metadata if k.startswith(
+                    f"optimizer.distributed.dp_group_idx_{tp}.gbuf_idx_0.") and k.endswith(f".{name}")),
+                    key=lambda k: int(k.split("bucket_idx_")[1].split(".")[0]))
+                assert len(keys) == 6
+                saved = torch.cat([reader.region(k, (0,), tuple(md.state_dict_metadata[k].size), torch.float32)
+                                   for k in keys])
+                # Megatron fills the 64-element alignment padding of its buckets with uninitialised memory; the
+                # written buffer has zeros there. Every parameter element is the saved one.
+                real = world[name] != 0
+                assert real.float().mean() > 0.95
+                assert torch.equal(world[name][real], saved[real]), (tp, name)
+    finally:
+        reader.close()
 
 
 def test_inspect_says_what_a_torch_dist_optimizer_state_allows():
@@ -138,6 +200,7 @@ def test_inspect_says_what_a_torch_dist_optimizer_state_allows():
     layout = discover(fixture_path("distopt_tp2dp2_torch_dist"))
     dist = optimizer_status(layout)
     assert dist.kind == "distributed" and dist.reshardable and "fully_reshardable" in dist.describe()
-    layout.dist_optimizer_sharding = "dp_reshardable"
-    flat = optimizer_status(layout)
-    assert not flat.reshardable and "only at the same TP/PP" in flat.describe()
+    flat = optimizer_status(discover(fixture_path("distopt_dpr_tp2dp2_torch_dist")))
+    assert flat.reshardable and "only at the same TP/PP" in flat.describe() and "dp_reshardable" in flat.describe()
+    layout.dist_optimizer_sharding = "fully_sharded_bucket_space"
+    assert not optimizer_status(layout).reshardable
