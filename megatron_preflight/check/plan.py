@@ -319,11 +319,18 @@ def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
 def _megatron_refuses(layout: Layout, ckpt: Any, run: Any, why: str, *, readable: bool, other: str) -> Finding:
     """A torch_dist optimizer state Megatron's own loader refuses at the run's layout: when the resharder reads its
     form, ``--preflight auto`` loads it in memory instead (a reshard finding, and the reshard loader); else fatal."""
+    problem = None
     if readable:
+        from megatron_preflight.reshard.dist_source_optimizer import dist_source_problem
+
+        problem = dist_source_problem(layout)
+    if readable and problem is None:
         return Finding("optimizer", ckpt, run, RESHARD,
                        f"{why}; the in-memory resharder reads this form, so --preflight auto loads the weights and the "
                        "optimizer state through it instead of Megatron's dist loader",
                        f"run with --preflight auto; or {_dist_to_legacy_fix(layout)}")
+    if problem is not None:
+        why += f"; the in-memory resharder cannot serve it either ({problem})"
     return Finding("optimizer", ckpt, run, FATAL, why, other)
 
 

@@ -65,6 +65,8 @@ def _run(ns: argparse.Namespace) -> int:
         target = dataclasses.replace(target, optimizer_group_order=ns.optimizer_group_order.replace("-", "_"))
     if ns.optimizer:
         target = dataclasses.replace(target, distributed_optimizer=ns.optimizer == "distributed")
+    if ns.ckpt_format:
+        target = dataclasses.replace(target, ckpt_format=ns.ckpt_format)
     summary = write_resharded(ns.src, ns.dst, target, workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                               progress=None if ns.no_progress else progress_bar, drop_optimizer=ns.drop_optimizer,
@@ -92,6 +94,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--padded-vocab-size")
     p.add_argument("--iteration")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="parallel processes")
+    p.add_argument("--ckpt-format", choices=("torch", "torch_dist"),
+                   help="the format to write (default: torch, legacy; torch_dist: weights only for now)")
     p.add_argument("--verify", action="store_true", help="check every written tensor against its source slices")
     p.add_argument("--drop-optimizer", action="store_true",
                    help="leave the optimizer state out (needed for a distributed optimizer's distrib_optim.pt, which "

@@ -84,6 +84,8 @@ class TargetLayout:
     # The target run's --use-distributed-optimizer (None: as the source): the optimizer state is converted when it
     # differs.
     distributed_optimizer: bool | None = None
+    # The format to write: "torch" (legacy, the default) or "torch_dist" (see dist_target).
+    ckpt_format: str | None = None
 
     @classmethod
     def from_args(cls, args: Any, given: set[str] | None = None) -> TargetLayout:
@@ -110,6 +112,8 @@ class TargetLayout:
             distributed_optimizer=bool(get("use_distributed_optimizer")),
             vocab_size=get("vocab_size"),
             make_vocab_size_divisible_by=get("make_vocab_size_divisible_by"),
+            # the output's format only when the run's flags name it (Megatron's default is torch_dist)
+            ckpt_format=get("ckpt_format") if given is not None else None,
         )
 
     def resolve(self, src: ParallelLayout) -> ParallelLayout:

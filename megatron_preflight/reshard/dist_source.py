@@ -132,7 +132,25 @@ class DistReader:
                                    fix="restore the iteration dir from a complete copy", code="corrupt_file")
         return out
 
+    def _inside_one_chunk(self, s: Slab, dtype: torch.dtype) -> torch.Tensor | None:
+        """The box as a view of the one chunk that holds it whole (the usual case: a legacy piece is a saved chunk):
+        mapped, not copied, so a big tensor streams through the writer as a legacy one does."""
+        for c in self.chunks.get(s.fqn, ()):
+            if all(co <= o and o + n <= co + cs for o, n, co, cs in zip(s.offsets, s.sizes, c.offsets, c.sizes,
+                                                                        strict=True)):
+                t = self._chunk(c)
+                if t.dtype != dtype:
+                    return None
+                self.bytes_read += math.prod(s.sizes) * t.element_size()
+                return t[tuple(slice(o - co, o - co + n) for o, n, co in zip(s.offsets, s.sizes, c.offsets,
+                                                                             strict=True))]
+        return None
+
     def tensor(self, ref: RegionRef) -> torch.Tensor:
+        if len(ref.slabs) == 1 and ref.shape and math.prod(ref.slabs[0].sizes) == math.prod(ref.shape):
+            view = self._inside_one_chunk(ref.slabs[0], ref.dtype)
+            if view is not None:
+                return view.reshape(ref.shape)
         if ref.slabs and all(len(s.sizes) == 1 for s in ref.slabs) and len(ref.shape) != 1:
             flat = torch.empty(math.prod(ref.shape), dtype=ref.dtype)  # a window of a flat buffer, reshaped
             for s in ref.slabs:
@@ -330,7 +348,12 @@ class _Builder:
                 return
             ep_rank, le = self.par.place_expert(index[0])
             suffix = rest[len(EXPERTS):]
-            key = f"{LAYERS}{local}.mlp.experts" + self._expert_key(suffix, le)
+            if self.te_grouped:  # one grouped module per rank: mlp.experts.linear_fc1._extra_state
+                if le != 0:
+                    return
+                key = f"{LAYERS}{local}.mlp.experts.{suffix}"
+            else:
+                key = f"{LAYERS}{local}.mlp.experts" + self._expert_key(suffix, le)
             for name, _c in self._shards(stage, ep_rank):
                 self._add(name, chunk, self._layer_sort(g, EXPERTS + suffix, index[0], pos), key, value)
             return

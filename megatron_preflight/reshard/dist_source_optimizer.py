@@ -282,3 +282,28 @@ def attach_dp_reshardable(source: Layout, virtual: Layout, *, trust: bool = Fals
         holds_dense = c["ep"] == 0  # the dense part's DP rank 0 sits in the ep-0 dir (as a legacy save)
         shard.meta["optimizer"] = [entry, e_entry]
         shard.dist_meta = [state if holds_dense else None, e_state if c["tp"] == c["etp"] else None]
+
+
+def dist_source_problem(layout: Layout, *, trust: bool = False) -> str | None:
+    """Why the resharder could not serve this torch_dist checkpoint with its optimizer state (None: it can). Metadata
+    only: the model's keys and the optimizer's form are indexed as the resharder would, without tensor bytes."""
+    from megatron_preflight.errors import PreflightError
+    from megatron_preflight.reshard.dist_optimizer import index_dist_optimizer
+    from megatron_preflight.reshard.dist_source import virtual_layout
+    from megatron_preflight.reshard.optimizer_convert import distributed_to_plain
+    from megatron_preflight.reshard.planner import index_sources, source_topology
+
+    try:
+        virtual, has_optimizer = virtual_layout(layout, trust=trust)
+        src = source_topology(virtual)
+        index_sources(virtual, src)
+        if not has_optimizer:
+            return None
+        if layout.dist_optimizer_sharding == "dp_reshardable":
+            attach_dp_reshardable(layout, virtual, trust=trust)
+            index_dist_optimizer(virtual, src, trust=trust)
+        else:
+            distributed_to_plain(index_dist_source_optimizer(layout, virtual, src, trust=trust), virtual, src)
+    except PreflightError as e:
+        return e.message
+    return None

@@ -295,6 +295,13 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
                                  "the new layout would drop it", path=p.path or r.layout.iter_dir,
                                  fix="pass --drop-optimizer to write the weights without it (then start the run with "
                                      "--no-load-optim)", code="usage")
+        if target.ckpt_format == "torch_dist" and not drop_optimizer and (
+                r.optimizer_index is not None or r.dist_index is not None or r.optimizer_problem is not None):
+            raise PreflightError("a torch_dist output carries the weights only (its optimizer state is not written "
+                                 "yet); writing it would drop the source's optimizer state",
+                                 path=r.layout.iter_dir, fix="pass --drop-optimizer (then start the run with "
+                                 "--no-load-optim), or write a legacy checkpoint (--ckpt-format torch), which "
+                                 "carries it", code="usage")
         files = SourceFiles(r.layout.iter_dir or "", trust=trust_checkpoint)
         try:
             r.check_masters(files)
@@ -318,7 +325,8 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
 def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *, workers: int, verify: bool,
                    iteration: Any, trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
                    grp: share.Share | None, root: bool, keep_stale: bool, claimed: Callable) -> Summary:
-    names = list(r.tgt.shard_dirs())
+    dist_out = target.ckpt_format == "torch_dist"
+    names = ["torch_dist"] if dist_out else list(r.tgt.shard_dirs())
     parent = os.path.dirname(dst_abs) or "."
     iteration_value = r.layout.iteration if r.layout.iteration is not None else 0
     tmp = ""
@@ -338,7 +346,10 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
             error = e
     _agree(grp, error)
     mine = names
-    if grp is not None:
+    if grp is not None and dist_out:
+        tmp = grp.broadcast(tmp)
+        mine = names if root else []
+    elif grp is not None:
         tmp = grp.broadcast(tmp)  # after rank 0 made it
         plans = r.shard_plans()
         owner = share.deal({n: p.nbytes for n, p in plans.items()}, grp.world)
@@ -353,9 +364,18 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
     results: list[ShardResult] = []
     error = None
     try:
-        results = _write_shards(r, mine, iter_out, src, target, workers=workers, verify=verify, iteration=iteration,
-                                trust=trust_checkpoint, progress=progress if root else None,
-                                keep_optimizer=not drop_optimizer)
+        if dist_out:
+            if mine:
+                from megatron_preflight.reshard.dist_target import write_torch_dist
+
+                read, written = write_torch_dist(src, iter_out, target, iteration=iteration, trust=trust_checkpoint)
+                results = [ShardResult(read, written, 0, 0)]
+                if progress and root:
+                    progress(1, 1, "torch_dist")
+        else:
+            results = _write_shards(r, mine, iter_out, src, target, workers=workers, verify=verify,
+                                    iteration=iteration, trust=trust_checkpoint, progress=progress if root else None,
+                                    keep_optimizer=not drop_optimizer)
     except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
         error = e
     try:

@@ -1,6 +1,7 @@
 """The pre-flight plan on real Megatron-LM checkpoints: verdict, loader, every finding with its fix."""
 
 import argparse
+import dataclasses
 import os
 
 import pytest
@@ -257,3 +258,36 @@ def test_embedding_counted_in_pipeline_split_is_a_layout():
     assert p.verdict == Verdict.RESHARD and "account_for_embedding_in_pipeline_split" in fields(p, "reshard")
     p = plan(root, *five, "--pipeline-model-parallel-size", "2")  # 5 layers do not split evenly over PP2
     assert p.verdict == Verdict.FAIL and "pipeline_model_parallel_size" in fields(p, "fatal")
+
+
+def test_a_torch_dist_the_resharder_cannot_read_stays_fatal(tmp_path):
+    """The reshard loader is picked only when the resharder can index the checkpoint: an unknown parameter (another
+    model type) keeps Megatron's refusal fatal, with the resharder's reason."""
+    import shutil
+
+    from megatron_preflight.layout import discover
+    from megatron_preflight.reshard.dist_source_optimizer import dist_source_problem
+
+    assert dist_source_problem(discover(fixture_path("distopt_dpr_tp2dp2_torch_dist"))) is None
+    assert dist_source_problem(discover(fixture_path("moe_ep2_torch_dist"))) is None
+    layout = discover(fixture_path("distopt_dpr_tp2dp2_torch_dist"))
+    md_key = "decoder.layers.self_attention.linear_qkv.weight"
+    from megatron_preflight.layout.dist import read_dcp_metadata
+
+    root = tmp_path / "c"
+    shutil.copytree(fixture_path("distopt_dpr_tp2dp2_torch_dist"), root)
+    import pickle
+
+    it = root / "iter_0000002"
+    md = read_dcp_metadata(str(it))
+    mystery = "decoder.layers.self_attention.linear_mystery.weight"
+    md.state_dict_metadata[mystery] = md.state_dict_metadata[md_key]
+    for index, info in list(md.storage_data.items()):
+        if index.fqn == md_key:
+            md.storage_data[dataclasses.replace(index, fqn=mystery)] = info
+    (it / ".metadata").write_bytes(pickle.dumps(md))
+    layout = discover(str(root))
+    assert "no split rule" in dist_source_problem(layout)
+    p = plan(str(root), "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+             "--tensor-model-parallel-size", "1")
+    assert p.verdict == Verdict.FAIL and any("cannot serve it either" in f.message for f in p.fatal), p.fatal

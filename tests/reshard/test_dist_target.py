@@ -1,0 +1,95 @@
+"""torch_dist as a target: `reshard --ckpt-format torch_dist` writes Megatron's default format from any source.
+
+Read back through the torch_dist reader (dist_source), the written checkpoint must hold exactly the source's tensors:
+legacy -> torch_dist -> (read as legacy shards) equals the legacy source bit for bit, key for key, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import discover
+from megatron_preflight.layout.model import Format
+from megatron_preflight.reshard.api import TargetLayout
+from megatron_preflight.reshard.dist_source import dist_reader, virtual_layout
+from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.torch_file import TensorRef, TorchFile
+from tests.conftest import fixture_path
+
+
+def same_layout(name: str) -> TargetLayout:
+    """The source's own layout, as a run with its saved args would ask for it."""
+    import dataclasses
+
+    return dataclasses.replace(TargetLayout.from_args(discover(fixture_path(name)).saved_args), ckpt_format="torch_dist")
+
+
+@pytest.mark.parametrize("name", ["tp2_torch", "moe_ep2_torch", "bf16_gqa_tp2_torch", "moe_shared_tp2pp2ep2_torch",
+                                  "vpp_qkln_pp2_torch", "acct_emb_pp2_torch", "fp16_qkln_tp2_torch",
+                                  "distopt_moe_ep2dp2_torch", "tp2_torch_dist"])
+def test_round_trip_through_torch_dist_is_bit_exact(tmp_path, name):
+    out = str(tmp_path / "dist")
+    s = write_resharded(fixture_path(name), out, same_layout(name), drop_optimizer=True)
+    assert s.bytes_written > 0
+    written = discover(out)
+    assert written.format == Format.TORCH_DIST and written.ok, written.problems
+    assert written.saved_args.ckpt_format == "torch_dist" and written.saved_args.no_save_optim
+    with open(os.path.join(out, "iter_0000002", "metadata.json")) as fh:
+        assert json.load(fh)["sharded_backend"] == "torch_dist"
+    back, _ = virtual_layout(written)
+    source = discover(fixture_path(name))
+    if source.format == Format.TORCH_DIST:
+        source, _ = virtual_layout(source)
+    reader = dist_reader(back.iter_dir)
+    src_reader = dist_reader(source.iter_dir) if name.endswith("_torch_dist") else None
+    try:
+        assert sorted(s.name for s in back.shards) == sorted(s.name for s in source.shards)
+        for shard in source.shards:
+            mine = next(s for s in back.shards if s.name == shard.name)
+            chunks = [k for k in shard.meta if k == "model" or (k.startswith("model") and k[5:].isdigit())]
+            with TorchFile(os.path.join(shard.path, "model_optim_rng.pt")) if src_reader is None else _Null() as f:
+                for ck in chunks:
+                    want, got = shard.meta[ck], mine.meta[ck]
+                    assert list(got) == list(want), (shard.name, ck)
+                    for key, value in want.items():
+                        if isinstance(value, TensorRef):
+                            expected = f.tensor(value) if src_reader is None else src_reader.tensor(value)
+                            assert torch.equal(reader.tensor(got[key]), expected), (shard.name, key)
+                        else:
+                            assert got[key] == value, (shard.name, key)
+    finally:
+        reader.close()
+        if src_reader is not None:
+            src_reader.close()
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_optimizer_state_is_not_dropped_silently(tmp_path):
+    with pytest.raises(PreflightError, match="--drop-optimizer"):
+        write_resharded(fixture_path("tp2_torch"), str(tmp_path / "out"), TargetLayout(ckpt_format="torch_dist"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_run_flags_choose_the_output_format(tmp_path, capsys):
+    from megatron_preflight.cli.main import main
+
+    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--vocab-size", "100", "--tensor-model-parallel-size", "1"]
+    assert main(["reshard", fixture_path("tp2_torch"), str(tmp_path / "a"), "--drop-optimizer", "--no-progress",
+                 "--", *flags, "--ckpt-format", "torch_dist"]) == 0
+    assert discover(str(tmp_path / "a")).format == Format.TORCH_DIST
+    assert main(["reshard", fixture_path("tp2_torch"), str(tmp_path / "b"), "--drop-optimizer", "--no-progress",
+                 "--", *flags]) == 0  # no --ckpt-format among the flags: legacy, as before
+    assert discover(str(tmp_path / "b")).format == Format.TORCH
