@@ -337,5 +337,5 @@ def _megatron_refuses(layout: Layout, ckpt: Any, run: Any, why: str, *, readable
 def _dist_to_legacy_fix(layout: Layout) -> str:
     """Its optimizer state is saved in model space, which the resharder reads: converting offline carries it."""
     return (f"convert offline to a legacy checkpoint at the run's layout, optimizer state included: megatron-preflight "
-            f"reshard {layout.root or layout.path} NEW_DIR -- <the run's flags>, then --ckpt-format torch --load "
-            "NEW_DIR; or add --no-load-optim")
+            f"reshard {layout.root or layout.path} NEW_DIR --ckpt-format torch -- <the run's flags>, then "
+            "--ckpt-format torch --load NEW_DIR; or add --no-load-optim")

@@ -158,7 +158,8 @@ def test_torch_dist_optimizer_across_an_ep_change_fix_converts_offline(tmp_path,
     assert "Could not find parameter group" in out and "--preflight auto" in out and "megatron-preflight reshard" in out
     assert "loader      reshard" in out
     dst = str(tmp_path / "legacy")
-    assert main(["reshard", src, dst, "--no-progress", "--", *flags]) == 0
+    assert "--ckpt-format torch --" in out  # the run's own --ckpt-format torch_dist would ask for torch_dist
+    assert main(["reshard", src, dst, "--no-progress", "--ckpt-format", "torch", "--", *flags]) == 0
     capsys.readouterr()
     legacy_flags = [f if f != "torch_dist" else "torch" for f in flags]
     assert main(["check", dst, "--", *legacy_flags]) == 0, capsys.readouterr().out
