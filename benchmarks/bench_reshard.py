@@ -193,6 +193,9 @@ def main() -> None:
         make_checkpoint(adam, layers=4, tp=2, ep=1, moe=None, adam=True)
     if not os.path.exists(distopt):
         make_checkpoint(distopt, layers=4, tp=2, ep=1, moe=None, distributed=True)
+    dense_dist = os.path.join(work, "dense_tp2_torch_dist")  # the same model in Megatron's default format
+    if not os.path.exists(dense_dist):
+        run_case(dense, dense_dist, ["--ckpt-format", "torch_dist"])
     cases = [
         ("dense TP2 -> TP1", dense, ["--tp", "1"]),
         ("dense TP2 -> TP2 PP2", dense, ["--pp", "2"]),
@@ -203,6 +206,9 @@ def main() -> None:
         ("dense+Adam TP2 -> PP2", adam, ["--pp", "2"]),
         ("dense+DistOpt TP2 -> TP1", distopt, ["--tp", "1"]),
         ("dense+DistOpt TP2 -> PP2", distopt, ["--pp", "2"]),
+        ("dense TP2 -> torch_dist", dense, ["--ckpt-format", "torch_dist"]),
+        ("torch_dist -> dense TP1", dense_dist, ["--tp", "1"]),
+        ("DistOpt TP2 -> torch_dist", distopt, ["--ckpt-format", "torch_dist"]),
     ]
     rows = []
     for label, src, flags in cases:

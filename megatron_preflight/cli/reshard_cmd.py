@@ -95,7 +95,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iteration")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="parallel processes")
     p.add_argument("--ckpt-format", choices=("torch", "torch_dist"),
-                   help="the format to write (default: torch, legacy; torch_dist: weights only for now)")
+                   help="the format to write (default: torch, legacy; torch_dist: Megatron's default, optimizer "
+                        "state in model space)")
     p.add_argument("--verify", action="store_true", help="check every written tensor against its source slices")
     p.add_argument("--drop-optimizer", action="store_true",
                    help="leave the optimizer state out (needed for a distributed optimizer's distrib_optim.pt, which "

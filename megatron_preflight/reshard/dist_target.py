@@ -8,8 +8,8 @@ TP1·PP1·EP1 layout — the same plans, validation and split rules as every res
 layer (and expert): a ``torch.save`` blob per chunk appended to ``__0_0.distcp``, then ``.metadata`` (PyTorch DCP's
 index of every chunk's byte range), ``common.pt`` (args, iteration, scheduler) and ``metadata.json``.
 
-Megatron reshards the weights of such a checkpoint at load time, to any layout. Weights only for now: the args say
-``no_save_optim`` (start with ``--no-load-optim``), and RNG states are not written (``--no-load-rng``).
+Megatron reshards such a checkpoint at load time, to any layout: the weights, and the optimizer state, written in model
+space (see :func:`write_optimizer_state`). RNG states are not written (``--no-load-rng``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,8 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
 from megatron_preflight.reshard.dist_source import LOCAL_SPEC_KEYS
 from megatron_preflight.reshard.executor import SourceFiles, build_tensor
-from megatron_preflight.reshard.planner import TensorPlan
+from megatron_preflight.reshard.optimizer import MASTER
+from megatron_preflight.reshard.planner import TensorPlan, plan_tensor
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +128,18 @@ def _layer_fqn(plan: TensorPlan, local_spec: bool, stacked: bool) -> tuple[str, 
     return head + _dist_suffix(gkey.suffix, local_spec), False
 
 
-def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_layers: int, num_experts: int) -> None:
-    """Every global tensor of the checkpoint (planned as the one rank of TP1·PP1·EP1), chunk by chunk."""
+Placement = dict[Any, tuple[str, tuple[int, ...], tuple[int, ...]]]  # gkey -> (fqn, stacked index, stacked dims)
+
+
+def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_layers: int,
+                       num_experts: int) -> Placement:
+    """Every global tensor of the checkpoint (planned as the one rank of TP1·PP1·EP1), chunk by chunk. Returns where
+    each parameter went (its optimizer state goes to the same places)."""
     args = g.layout.saved_args
     local_spec = getattr(args, "transformer_impl", "transformer_engine") == "local"
     stacked = _homogeneous(args)
     plan = g.plan_for_coords(next(iter(g.tgt.shard_dirs().values())), "global")
+    placed: Placement = {}
     for tp in plan.tensors:
         gkey = tp.gkey
         if gkey is None or gkey.layer is None:  # embeddings, final norm, output layer
@@ -141,6 +149,7 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
                 continue  # tied: the embedding is saved once
             t = build_tensor(tp, files, release=True)
             out.chunk(tp.key, tuple(t.shape), (0,) * t.dim(), t)
+            placed[gkey] = (tp.key, (), ())
             continue
         fqn, expert = _layer_fqn(tp, local_spec, stacked)
         lead: tuple[int, ...] = (gkey.layer,) if stacked else ()
@@ -154,42 +163,125 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
             continue
         t = build_tensor(tp, files, release=True)
         out.chunk(fqn, lead_shape + tuple(t.shape), lead + (0,) * t.dim(), t.reshape((1,) * len(lead) + tuple(t.shape)))
+        placed[gkey] = (fqn, lead, lead_shape)
+    return placed
+
+
+def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: SourceFiles, out: _Writer,
+                          placed: Placement) -> Any:
+    """The optimizer state in model space — the distributed optimizer's ``fully_reshardable`` form (``param``, the
+    fp32 master; ``exp_avg``; ``exp_avg_sq``) or the plain optimizer's (``exp_avg``, ``exp_avg_sq``, ``fp32_param``
+    for a bf16/fp16 run) — each tensor chunked like its parameter; returns the common state's ``optimizer`` entry
+    (param groups laid out for the target's optimizer parts: dense, and expert-parallel when ``tgt`` makes experts
+    expert-parallel)."""
+    idx = g.optimizer_index
+    assert idx is not None
+    coords = next(iter(g.tgt.shard_dirs().values()))
+    step = g._plain_step()
+    half = False
+    for gkey, fields in idx.fields.items():
+        if gkey not in placed:
+            continue
+        fqn, lead, lead_shape = placed[gkey]
+        master = fields.get(MASTER)
+        half = half or master is not None
+        if distributed:
+            states = {"param": master if master is not None else g.index[gkey], "exp_avg": fields.get("exp_avg"),
+                      "exp_avg_sq": fields.get("exp_avg_sq")}
+        else:
+            states = {"exp_avg": fields.get("exp_avg"), "exp_avg_sq": fields.get("exp_avg_sq")}
+            if master is not None:
+                states["fp32_param"] = master
+        for name, entry in states.items():
+            if entry is None:
+                raise PreflightError(f"no {name} for {fqn} in the optimizer state", path=g.layout.iter_dir,
+                                     fix="pass --drop-optimizer", code="optimizer")
+            plan = plan_tensor(entry, "optimizer", f"{fqn}#{name}", coords, g.tgt, g.vocab)
+            t = build_tensor(plan, files, release=True)
+            if distributed and name == "param":
+                t = t.float()  # the fp32 master (an fp32 run's weight is its own master)
+            out.chunk(f"optimizer.state.{name}.{fqn}", lead_shape + tuple(t.shape), lead + (0,) * t.dim(),
+                      t.reshape((1,) * len(lead) + tuple(t.shape)))
+    split = bool(idx.expert) and tgt.experts_are_expert_parallel()
+    layout = ([(False, [s for s in idx.order if s in idx.dense]), (True, [s for s in idx.order if s in idx.expert])]
+              if split else [(False, [s for s in idx.order if s in idx.dense | idx.expert])])
+    parts = []
+    for is_expert, sigs in layout:
+        groups = []
+        for sig in sigs:
+            settings = {k: v for k, v in idx.settings[sig].items() if k not in ("params", "step")}
+            settings["is_expert_parallel"] = is_expert
+            if distributed:
+                settings["step"] = step
+            groups.append(settings)
+        if distributed:
+            parts.append({"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"})
+        else:
+            inner = {"state": {"common_step": torch.tensor(step)}, "param_groups": groups}
+            if half:
+                part = {"optimizer": inner}
+                for k, v in idx.template.outer.items():
+                    if k not in ("optimizer", "fp32_from_fp16_params"):
+                        part[k] = files.materialize(idx.template_shard, v)  # an fp16 run's grad scaler
+                parts.append(part)
+            else:
+                parts.append(inner)
+    return {i: p for i, p in enumerate(parts)} if len(parts) > 1 else parts[0]
 
 
 def write_torch_dist(src: str, iter_out: str, target: TargetLayout, *, iteration: Any = None,
-                     trust: bool = False) -> tuple[int, int]:
+                     trust: bool = False, keep_optimizer: bool = True) -> tuple[int, int]:
     """Write the torch_dist form of ``src`` into the iteration dir ``iter_out`` (made by the caller, inside its
-    temp destination). ``target`` sets the args (and so the vocab padding) the checkpoint records. Returns (bytes
-    read, bytes written)."""
-    r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=False)
-    g = open_resharder(r.layout, TargetLayout(tp=1, pp=1, ep=1, etp=1, padded_vocab_size=r.padded_vocab),
-                       trust_checkpoint=trust, keep_optimizer=False)
+    temp destination). ``target`` sets the args (and so the vocab padding and the optimizer's kind and parts) the
+    checkpoint records. Returns (bytes read, bytes written)."""
+    r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=keep_optimizer)
+    carry = keep_optimizer and r.writes_optimizer
+    # the global tensors: the one rank of TP1·PP1·EP1 (the optimizer state in the plain form, the one that keeps
+    # fp32 masters and moments per parameter)
+    g = open_resharder(src, TargetLayout(tp=1, pp=1, ep=1, etp=1, padded_vocab_size=r.padded_vocab,
+                                         distributed_optimizer=False),
+                       iteration=iteration, trust_checkpoint=trust, keep_optimizer=carry)
     if g.layout.saved_args is None:
         raise PreflightError("the checkpoint has no saved args; a torch_dist checkpoint must record them",
                              path=g.layout.iter_dir, fix="convert a checkpoint saved by Megatron-LM", code="format")
+    if carry and g.optimizer_index is None:
+        raise PreflightError("the optimizer state could not be indexed in the plain form"
+                             + (f" ({g.optimizer_problem.message})" if g.optimizer_problem else ""),
+                             path=g.layout.iter_dir, fix="pass --drop-optimizer", code="optimizer")
     files = SourceFiles(g.layout.iter_dir or "", trust=trust)
     out = _Writer(os.path.join(iter_out, DATA_FILE))
+    optimizer = None
     try:
-        write_global_state(g, files, out, num_layers=g.src.num_layers or 0, num_experts=g.src.num_experts or 0)
+        placed = write_global_state(g, files, out, num_layers=g.src.num_layers or 0,
+                                    num_experts=g.src.num_experts or 0)
+        if carry:
+            optimizer = write_optimizer_state(g, r.tgt, r.target_distributed, files, out, placed)
     finally:
         out.close()
-        files.close()
     with open(os.path.join(iter_out, ".metadata"), "wb") as fh:
-        import pickle
-
         pickle.dump(out.metadata(), fh)
     header = r.header()
-    common: dict[str, Any] = {"args": header.get("args")}
-    common["args"].ckpt_format = "torch_dist"
-    common["args"].no_save_optim = True
-    common["args"].no_save_rng = True
+    args = header.get("args")
+    args.ckpt_format = "torch_dist"
+    args.no_save_optim = not carry
+    args.no_save_rng = True
+    if carry:
+        args.use_distributed_optimizer = r.target_distributed
+    common: dict[str, Any] = {"args": args}
     for key in COMMON_CARRIED:
         if key in header:
             common[key] = header[key]
+    if optimizer is not None:
+        common["optimizer"] = optimizer
     meta = r.layout.shards[0].meta or {}
     if "rerun_state_machine" in meta:
-        common["rerun_state_machine"] = meta["rerun_state_machine"]
-    common["content_metadata"] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        common["rerun_state_machine"] = files.materialize(r.layout.shards[0].name, meta["rerun_state_machine"])
+    files.close()
+    content: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if carry and r.target_distributed:
+        content.update(distrib_optim_sharding_type="fully_reshardable",
+                       distrib_optim_fully_reshardable_mem_efficient=False)
+    common["content_metadata"] = content
     torch.save(common, os.path.join(iter_out, "common.pt"), pickle_module=pickling)
     with open(os.path.join(iter_out, "metadata.json"), "w") as fh:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, fh)

@@ -295,13 +295,6 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
                                  "the new layout would drop it", path=p.path or r.layout.iter_dir,
                                  fix="pass --drop-optimizer to write the weights without it (then start the run with "
                                      "--no-load-optim)", code="usage")
-        if target.ckpt_format == "torch_dist" and not drop_optimizer and (
-                r.optimizer_index is not None or r.dist_index is not None or r.optimizer_problem is not None):
-            raise PreflightError("a torch_dist output carries the weights only (its optimizer state is not written "
-                                 "yet); writing it would drop the source's optimizer state",
-                                 path=r.layout.iter_dir, fix="pass --drop-optimizer (then start the run with "
-                                 "--no-load-optim), or write a legacy checkpoint (--ckpt-format torch), which "
-                                 "carries it", code="usage")
         files = SourceFiles(r.layout.iter_dir or "", trust=trust_checkpoint)
         try:
             r.check_masters(files)
@@ -368,7 +361,8 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
             if mine:
                 from megatron_preflight.reshard.dist_target import write_torch_dist
 
-                read, written = write_torch_dist(src, iter_out, target, iteration=iteration, trust=trust_checkpoint)
+                read, written = write_torch_dist(src, iter_out, target, iteration=iteration, trust=trust_checkpoint,
+                                                 keep_optimizer=not drop_optimizer)
                 results = [ShardResult(read, written, 0, 0)]
                 if progress and root:
                     progress(1, 1, "torch_dist")

@@ -89,7 +89,8 @@ def truncate(rel: str, keep: float) -> Callable[[str], None]:
 
 
 def garbage(rel: str) -> Callable[[str], None]:
-    return lambda root: open(os.path.join(root, rel), "wb").write(os.urandom(4096))
+    # random bytes, but never the pickle opcode 0x80 first (that would read as a pre-zip torch file)
+    return lambda root: open(os.path.join(root, rel), "wb").write(b"garbage " + os.urandom(4096))
 
 
 def cast_shard(dtype: torch.dtype, shard: str) -> Callable[[str], None]:

@@ -406,18 +406,21 @@ def test_torch_dist_that_megatron_refuses_loads_in_memory_with_auto(tmp_path, di
     ("moe_ep2_torch", "moe_ep2_torch_dist", 2,
      ["--num-experts", "4", "--moe-router-topk", "2", "--tensor-model-parallel-size", "2",
       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
-], ids=["tp2 -> torch_dist -> tp1", "bf16 gqa tp2 -> torch_dist -> tp1pp2", "moe ep2 -> torch_dist -> tp2ep2etp1"])
+    ("distopt_tp2dp2_torch", "distopt_tp2dp2_torch_dist", 2, ["--use-distributed-optimizer"]),
+], ids=["tp2 -> torch_dist -> tp1", "bf16 gqa tp2 -> torch_dist -> tp1pp2", "moe ep2 -> torch_dist -> tp2ep2etp1",
+        "distopt tp2dp2 -> torch_dist (fully_reshardable) -> tp1dp2"])
 def test_legacy_to_torch_dist_loads_in_plain_megatron_at_another_layout(tmp_path, legacy, dist, nproc, flags):
-    """`reshard --ckpt-format torch_dist` (weights) of a legacy checkpoint, loaded by Megatron WITHOUT the plugin at
-    another layout (its dist loader reshards it): iteration 3 equals Megatron's own load of the torch_dist twin."""
+    """`reshard --ckpt-format torch_dist` of a legacy checkpoint, weights and optimizer state, loaded by Megatron
+    WITHOUT the plugin at another layout (its dist loader reshards it): iterations 3 and 4 equal Megatron's own load of
+    the torch_dist twin."""
     out = tmp_path / "dist"
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(legacy), str(out),
-                        "--ckpt-format", "torch_dist", "--drop-optimizer", "--no-progress"], capture_output=True,
-                       text=True, timeout=300)
+                        "--ckpt-format", "torch_dist", "--no-progress"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    common = ("--no-load-rng", "--no-load-optim", "--ckpt-format", "torch_dist", *flags)
+    common = ("--no-load-rng", "--ckpt-format", "torch_dist", "--train-iters", "4", *flags)
     rc, log = run(tmp_path, str(out), nproc, *common, plugin=False, port=29738)
     assert rc == 0, log[-3000:]
     rc2, log2 = run(tmp_path, fixture_path(dist), nproc, *common, plugin=False, port=29739)
     assert rc2 == 0, log2[-3000:]
-    assert loss(log) is not None and loss(log) == loss(log2)
+    assert loss(log, 4, 4) is not None
+    assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))

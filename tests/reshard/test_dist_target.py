@@ -12,7 +12,6 @@ import os
 import pytest
 import torch
 
-from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import discover
 from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.api import TargetLayout
@@ -76,10 +75,33 @@ class _Null:
         return False
 
 
-def test_optimizer_state_is_not_dropped_silently(tmp_path):
-    with pytest.raises(PreflightError, match="--drop-optimizer"):
-        write_resharded(fixture_path("tp2_torch"), str(tmp_path / "out"), TargetLayout(ckpt_format="torch_dist"))
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("name", ["tp2_torch", "bf16_gqa_tp2_torch", "fp16_qkln_tp2_torch", "moe_ep2_torch",
+                                  "distopt_tp2dp2_torch", "distopt_moe_ep2dp2_torch", "distopt_bf16_tp2dp2_torch"])
+def test_round_trip_with_the_optimizer_state_is_bit_exact(tmp_path, name):
+    """legacy -> torch_dist (weights and optimizer state in model space) -> legacy: every value of every written file
+    (weights, moments, masters, steps, param groups, grad scaler, distrib_optim.pt) equals the legacy source's own
+    reshard at that layout."""
+    import dataclasses
+
+    from tests.reshard.test_dist_source import saved_state
+
+    same = TargetLayout.from_args(discover(fixture_path(name)).saved_args)
+    td, back, ref = str(tmp_path / "td"), str(tmp_path / "back"), str(tmp_path / "ref")
+    write_resharded(fixture_path(name), td, dataclasses.replace(same, ckpt_format="torch_dist"))
+    written = discover(td)
+    assert written.ok and not written.saved_args.no_save_optim
+    distributed = bool(discover(fixture_path(name)).distributed_optimizer)
+    assert written.dist_optimizer_sharding == ("fully_reshardable" if distributed else None)
+    write_resharded(td, back, dataclasses.replace(same, ckpt_format="torch"))
+    write_resharded(fixture_path(name), ref, same)
+    got, want = saved_state(back), saved_state(ref)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert isinstance(got[key], torch.Tensor) and got[key].dtype == value.dtype, key
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
 
 
 def test_the_run_flags_choose_the_output_format(tmp_path, capsys):
