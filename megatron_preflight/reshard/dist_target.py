@@ -75,6 +75,7 @@ class _Writer:
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
         self.objects: set[str] = set()
         self.bytes_written = 0
+        self.planned: list[tuple[str, tuple[int, ...], tuple[int, ...], TensorPlan, bool]] = []  # for --verify
 
     def _blob(self, value: Any) -> tuple[int, int]:
         buf = io.BytesIO()
@@ -85,11 +86,14 @@ class _Writer:
         self.bytes_written += len(data)
         return start, len(data)
 
-    def chunk(self, fqn: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], tensor: torch.Tensor) -> None:
+    def chunk(self, fqn: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], tensor: torch.Tensor,
+              plan: TensorPlan | None = None, as_float: bool = False) -> None:
         start, length = self._blob(tensor.contiguous().clone())
         self.items.append(Item(fqn, offsets, start, length))
         known = self.tensors.setdefault(fqn, (global_shape, tensor.dtype, []))
         known[2].append((offsets, tuple(tensor.shape)))
+        if plan is not None:
+            self.planned.append((fqn, offsets, tuple(tensor.shape), plan, as_float))
 
     def obj(self, fqn: str, value: Any) -> None:
         start, length = self._blob([value])  # Megatron saves a sharded object wrapped in a one-element list
@@ -148,7 +152,7 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
             if g.tied and tp.key == "output_layer.weight":
                 continue  # tied: the embedding is saved once
             t = build_tensor(tp, files, release=True)
-            out.chunk(tp.key, tuple(t.shape), (0,) * t.dim(), t)
+            out.chunk(tp.key, tuple(t.shape), (0,) * t.dim(), t, tp)
             placed[gkey] = (tp.key, (), ())
             continue
         fqn, expert = _layer_fqn(tp, local_spec, stacked)
@@ -162,7 +166,8 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
             out.obj(f"{fqn}/shard_{index}_{count}", tp.value)
             continue
         t = build_tensor(tp, files, release=True)
-        out.chunk(fqn, lead_shape + tuple(t.shape), lead + (0,) * t.dim(), t.reshape((1,) * len(lead) + tuple(t.shape)))
+        out.chunk(fqn, lead_shape + tuple(t.shape), lead + (0,) * t.dim(),
+                  t.reshape((1,) * len(lead) + tuple(t.shape)), tp)
         placed[gkey] = (fqn, lead, lead_shape)
     return placed
 
@@ -201,7 +206,7 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
             if distributed and name == "param":
                 t = t.float()  # the fp32 master (an fp32 run's weight is its own master)
             out.chunk(f"optimizer.state.{name}.{fqn}", lead_shape + tuple(t.shape), lead + (0,) * t.dim(),
-                      t.reshape((1,) * len(lead) + tuple(t.shape)))
+                      t.reshape((1,) * len(lead) + tuple(t.shape)), plan, distributed and name == "param")
     split = bool(idx.expert) and tgt.experts_are_expert_parallel()
     layout = ([(False, [s for s in idx.order if s in idx.dense]), (True, [s for s in idx.order if s in idx.expert])]
               if split else [(False, [s for s in idx.order if s in idx.dense | idx.expert])])
@@ -229,11 +234,35 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
     return {i: p for i, p in enumerate(parts)} if len(parts) > 1 else parts[0]
 
 
+def verify_written(iter_out: str, out: _Writer, files: SourceFiles) -> int:
+    """Re-read every written chunk through the torch_dist reader and compare it with its source slices, read again
+    (crc32 of the bytes). Returns the number of chunks checked; raises on any difference."""
+    import zlib
+
+    from megatron_preflight.reshard.dist_source import dist_reader
+
+    reader = dist_reader(iter_out)
+    try:
+        for fqn, offsets, sizes, plan, as_float in out.planned:
+            want = build_tensor(plan, files, release=True)
+            if as_float:
+                want = want.float()
+            got = reader.region(fqn, offsets, sizes, want.dtype)
+            a = zlib.crc32(got.contiguous().view(torch.uint8).numpy().tobytes())
+            b = zlib.crc32(want.reshape(sizes).contiguous().view(torch.uint8).numpy().tobytes())
+            if a != b:
+                raise PreflightError(f"verify: the written chunk of {fqn} at {offsets} differs from its source slices",
+                                     path=os.path.join(iter_out, DATA_FILE), code="verify")
+    finally:
+        reader.close()
+    return len(out.planned)
+
+
 def write_torch_dist(src: str, iter_out: str, target: TargetLayout, *, iteration: Any = None,
-                     trust: bool = False, keep_optimizer: bool = True) -> tuple[int, int]:
+                     trust: bool = False, keep_optimizer: bool = True, verify: bool = False) -> tuple[int, int, int]:
     """Write the torch_dist form of ``src`` into the iteration dir ``iter_out`` (made by the caller, inside its
     temp destination). ``target`` sets the args (and so the vocab padding and the optimizer's kind and parts) the
-    checkpoint records. Returns (bytes read, bytes written)."""
+    checkpoint records. Returns (bytes read, bytes written, chunks verified)."""
     r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=keep_optimizer)
     carry = keep_optimizer and r.writes_optimizer
     # the global tensors: the one rank of TP1·PP1·EP1 (the optimizer state in the plain form, the one that keeps
@@ -260,6 +289,10 @@ def write_torch_dist(src: str, iter_out: str, target: TargetLayout, *, iteration
         out.close()
     with open(os.path.join(iter_out, ".metadata"), "wb") as fh:
         pickle.dump(out.metadata(), fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    read = files.bytes_read
+    checked = verify_written(iter_out, out, files) if verify else 0
     header = r.header()
     args = header.get("args")
     args.ckpt_format = "torch_dist"
@@ -285,5 +318,8 @@ def write_torch_dist(src: str, iter_out: str, target: TargetLayout, *, iteration
     torch.save(common, os.path.join(iter_out, "common.pt"), pickle_module=pickling)
     with open(os.path.join(iter_out, "metadata.json"), "w") as fh:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, fh)
-    return files.bytes_read, out.bytes_written + sum(os.path.getsize(os.path.join(iter_out, n))
-                                                     for n in (".metadata", "common.pt", "metadata.json"))
+    for name in ("common.pt", "metadata.json"):  # durable before the caller's rename, like every shard file
+        with open(os.path.join(iter_out, name), "rb+") as fh:
+            os.fsync(fh.fileno())
+    return read, out.bytes_written + sum(os.path.getsize(os.path.join(iter_out, n))
+                                         for n in (".metadata", "common.pt", "metadata.json")), checked

@@ -361,9 +361,10 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
             if mine:
                 from megatron_preflight.reshard.dist_target import write_torch_dist
 
-                read, written = write_torch_dist(src, iter_out, target, iteration=iteration, trust=trust_checkpoint,
-                                                 keep_optimizer=not drop_optimizer)
-                results = [ShardResult(read, written, 0, 0)]
+                read, written, checked = write_torch_dist(src, iter_out, target, iteration=iteration,
+                                                          trust=trust_checkpoint, keep_optimizer=not drop_optimizer,
+                                                          verify=verify)
+                results = [ShardResult(read, written, checked, 0)]
                 if progress and root:
                     progress(1, 1, "torch_dist")
         else:

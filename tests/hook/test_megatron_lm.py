@@ -346,7 +346,8 @@ def test_dp_reshardable_converted_at_its_own_layout_trains_like_the_twins(tmp_pa
 @pytest.mark.parametrize("dpr, nproc, target, flags", [
     ("distopt_dpr_tp2dp2_torch_dist", 2, ["--tp", "1"], []),
     ("distopt_dpr_moe_ep2dp2_torch_dist", 4, ["--ep", "4"], DISTOPT_MOE + ["--expert-model-parallel-size", "4"]),
-], ids=["tp2dp2->tp1dp2", "moe ep2dp4->ep4"])
+    ("distopt_dpr_bf16_tp2dp2_torch_dist", 2, ["--tp", "1"], ["--bf16"]),
+], ids=["tp2dp2->tp1dp2", "moe ep2dp4->ep4", "bf16 tp2dp2->tp1dp2"])
 def test_dp_reshardable_at_a_layout_megatron_refuses_trains_like_the_twin(tmp_path, dpr, nproc, target, flags):
     """The layout change Megatron refuses for dp_reshardable (TP/PP, EP): converted offline, resumed by plain Megatron.
     The oracle is Megatron's own reshard of the fully_reshardable twin saved by an earlier run with the same flags

@@ -135,7 +135,8 @@ def test_an_unread_optimizer_form_is_refused_with_the_fix(tmp_path):
 # 4.2e-8 (CPU float reductions of two runs), so they are compared within 1e-6 — a misplaced parameter or moment would
 # be off by orders of magnitude more.
 DPR = {"distopt_dpr_tp2dp2": "distopt_tp2dp2", "distopt_dpr_moe_ep2dp2": "distopt_moe_ep2dp2",
-       "distopt_dpr_buckets_tp2dp2": "distopt_buckets_tp2dp2", "distopt_dpr_vpp_pp2dp2": "distopt_vpp_pp2dp2"}
+       "distopt_dpr_buckets_tp2dp2": "distopt_buckets_tp2dp2", "distopt_dpr_vpp_pp2dp2": "distopt_vpp_pp2dp2",
+       "distopt_dpr_bf16_tp2dp2": "distopt_bf16_tp2dp2"}
 
 
 @pytest.mark.parametrize("base,target", [
@@ -145,6 +146,7 @@ DPR = {"distopt_dpr_tp2dp2": "distopt_tp2dp2", "distopt_dpr_moe_ep2dp2": "distop
     ("distopt_dpr_moe_ep2dp2", dict(ep=1)),
     ("distopt_dpr_buckets_tp2dp2", dict(tp=1)),
     ("distopt_dpr_vpp_pp2dp2", dict(pp=1)),
+    ("distopt_dpr_bf16_tp2dp2", dict(tp=1)),
 ])
 def test_dp_reshardable_to_legacy_matches_the_legacy_twins_reshard(tmp_path, base, target):
     a, b = str(tmp_path / "from_dpr"), str(tmp_path / "from_legacy")

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import discover
 from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.api import TargetLayout
@@ -87,7 +88,8 @@ def test_round_trip_with_the_optimizer_state_is_bit_exact(tmp_path, name):
 
     same = TargetLayout.from_args(discover(fixture_path(name)).saved_args)
     td, back, ref = str(tmp_path / "td"), str(tmp_path / "back"), str(tmp_path / "ref")
-    write_resharded(fixture_path(name), td, dataclasses.replace(same, ckpt_format="torch_dist"))
+    s = write_resharded(fixture_path(name), td, dataclasses.replace(same, ckpt_format="torch_dist"), verify=True)
+    assert s.verified_tensors > 0
     written = discover(td)
     assert written.ok and not written.saved_args.no_save_optim
     distributed = bool(discover(fixture_path(name)).distributed_optimizer)
@@ -115,3 +117,25 @@ def test_the_run_flags_choose_the_output_format(tmp_path, capsys):
     assert main(["reshard", fixture_path("tp2_torch"), str(tmp_path / "b"), "--drop-optimizer", "--no-progress",
                  "--", *flags]) == 0  # no --ckpt-format among the flags: legacy, as before
     assert discover(str(tmp_path / "b")).format == Format.TORCH
+
+
+def test_verify_catches_a_damaged_chunk(tmp_path, monkeypatch):
+    """--verify re-reads every written chunk: one byte flipped in the data file after it was written is caught."""
+    from megatron_preflight.reshard import dist_target
+
+    original = dist_target._Writer.close
+
+    def close_and_flip(self):
+        original(self)
+        with open(self.fh.name, "r+b") as fh:
+            item = next(it for it in self.items if it.offsets is not None and it.length > 2000)
+            fh.seek(item.start + item.length // 2)  # the tensor bytes are the bulk of its record
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+
+    monkeypatch.setattr(dist_target._Writer, "close", close_and_flip)
+    with pytest.raises(PreflightError, match="verify"):
+        write_resharded(fixture_path("tp2_torch"), str(tmp_path / "td"), TargetLayout(ckpt_format="torch_dist"),
+                        verify=True)
+    assert not (tmp_path / "td").exists()
