@@ -24,7 +24,7 @@ import zlib
 
 import torch
 
-H, FFN, VOCAB = 1024, 4096, 50304
+H, FFN = 1024, 4096
 
 
 def seeded(name: str, *shape: int, positive: bool = False) -> torch.Tensor:
@@ -105,9 +105,11 @@ def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None
     os.makedirs(root, exist_ok=True)
     names = ([(f"mp_rank_{t:02d}", t, 0) for t in range(tp)] if ep == 1 else
              [(f"mp_rank_00_{e:03d}", 0, e) for e in range(ep)])
+    multiple = 128 * tp  # Megatron pads the vocab to a multiple of make-vocab-size-divisible-by x TP
+    padded = -(-50257 // multiple) * multiple
     for name, _t, _e in names:
         model: dict[str, torch.Tensor] = {
-            "embedding.word_embeddings.weight": seeded("word", VOCAB // tp, H),
+            "embedding.word_embeddings.weight": seeded("word", padded // tp, H),
             "embedding.position_embeddings.weight": seeded("position", 2048, H),
         }
         for i in range(layers):
@@ -118,7 +120,7 @@ def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
             expert_tensor_parallel_size=1 if moe else tp, virtual_pipeline_model_parallel_size=None, num_layers=layers,
             hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=16, num_query_groups=16, kv_channels=64,
-            num_experts=moe, padded_vocab_size=VOCAB, vocab_size=50257, make_vocab_size_divisible_by=128, swiglu=False,
+            num_experts=moe, moe_ffn_hidden_size=2048 if moe else None, padded_vocab_size=padded, vocab_size=50257, make_vocab_size_divisible_by=128, swiglu=False,
             add_bias_linear=not moe, untie_embeddings_and_output_weights=False, use_distributed_optimizer=distributed,
             ckpt_format="torch", world_size=max(tp, ep), data_parallel_size=max(tp, ep) // tp)
         d = os.path.join(root, "iter_0000001", name)

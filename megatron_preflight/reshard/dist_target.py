@@ -14,7 +14,6 @@ space (see :func:`write_optimizer_state`). RNG states are not written (``--no-lo
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -78,17 +77,19 @@ class _Writer:
         self.planned: list[tuple[str, tuple[int, ...], tuple[int, ...], TensorPlan, bool]] = []  # for --verify
 
     def _blob(self, value: Any) -> tuple[int, int]:
-        buf = io.BytesIO()
-        torch.save(value, buf, pickle_module=pickling)
-        data = buf.getbuffer()
+        """One ``torch.save`` blob appended to the data file, written straight into it (no copy in memory), as
+        PyTorch's own DCP writer does."""
         start = self.fh.tell()
-        self.fh.write(data)
-        self.bytes_written += len(data)
-        return start, len(data)
+        torch.save(value, self.fh, pickle_module=pickling)
+        length = self.fh.tell() - start
+        self.bytes_written += length
+        return start, length
 
     def chunk(self, fqn: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], tensor: torch.Tensor,
               plan: TensorPlan | None = None, as_float: bool = False) -> None:
-        start, length = self._blob(tensor.contiguous().clone())
+        whole = (tensor.is_contiguous() and tensor.storage_offset() == 0
+                 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+        start, length = self._blob(tensor if whole else tensor.contiguous().clone())  # never a bigger storage
         self.items.append(Item(fqn, offsets, start, length))
         known = self.tensors.setdefault(fqn, (global_shape, tensor.dtype, []))
         known[2].append((offsets, tuple(tensor.shape)))
@@ -267,7 +268,11 @@ def write_torch_dist(src: str, iter_out: str, target: TargetLayout, *, iteration
     carry = keep_optimizer and r.writes_optimizer
     # the global tensors: the one rank of TP1·PP1·EP1 (the optimizer state in the plain form, the one that keeps
     # fp32 masters and moments per parameter)
+    # the vocab padded for the target's TP (as a run at that TP builds it), planned at TP1
+    divisible = (target.make_vocab_size_divisible_by
+                 or int(getattr(r.layout.saved_args, "make_vocab_size_divisible_by", 128) or 128)) * r.tgt.tp
     g = open_resharder(src, TargetLayout(tp=1, pp=1, ep=1, etp=1, padded_vocab_size=r.padded_vocab,
+                                         vocab_size=target.vocab_size, make_vocab_size_divisible_by=divisible,
                                          distributed_optimizer=False),
                        iteration=iteration, trust_checkpoint=trust, keep_optimizer=carry)
     if g.layout.saved_args is None:

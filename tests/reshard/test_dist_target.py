@@ -139,3 +139,26 @@ def test_verify_catches_a_damaged_chunk(tmp_path, monkeypatch):
         write_resharded(fixture_path("tp2_torch"), str(tmp_path / "td"), TargetLayout(ckpt_format="torch_dist"),
                         verify=True)
     assert not (tmp_path / "td").exists()
+
+
+def test_the_vocab_is_padded_for_the_target_tp(tmp_path):
+    """A torch_dist output for a TP4 run holds the embedding padded as a TP4 run builds it (100 -> 512 rows), and it
+    reads back as TP4 legacy shards equal to a direct legacy reshard to TP4."""
+    out, ref = str(tmp_path / "td"), str(tmp_path / "ref")
+    write_resharded(fixture_path("tp2_torch"), out, TargetLayout(tp=4, ckpt_format="torch_dist"), drop_optimizer=True,
+                    verify=True)
+    written = discover(out)
+    assert written.dist_tensors["embedding.word_embeddings.weight"][0] == (512, 32)
+    assert written.saved_args.padded_vocab_size == 512 and written.tp == 4
+    write_resharded(fixture_path("tp2_torch"), ref, TargetLayout(tp=4), drop_optimizer=True)
+    back, _ = virtual_layout(written)
+    reader = dist_reader(back.iter_dir)
+    try:
+        for shard in discover(ref).shards:
+            mine = next(s for s in back.shards if s.name == shard.name)
+            with TorchFile(os.path.join(shard.path, "model_optim_rng.pt")) as f:
+                for key, value in shard.meta["model"].items():
+                    if isinstance(value, TensorRef):
+                        assert torch.equal(reader.tensor(mine.meta["model"][key]), f.tensor(value)), key
+    finally:
+        reader.close()
