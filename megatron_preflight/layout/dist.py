@@ -24,9 +24,30 @@ DCP_METADATA = ".metadata"
 COMMON_PT = "common.pt"
 
 
+_METADATA_CACHE: dict[tuple[str, int, int, bool], Any] = {}
+
+
 def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
+    """The DCP ``.metadata`` of a torch_dist iteration dir, unpickled once per file version (discovery, the check,
+    the resharder and its reader all ask for it; treat the result as read-only)."""
     path = os.path.join(iter_dir, DCP_METADATA)
     require_regular_file(path)
+    try:
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, trust)
+    except OSError:
+        key = None
+    if key is not None and key in _METADATA_CACHE:
+        return _METADATA_CACHE[key]
+    md = _read_dcp_metadata(path, trust)
+    if key is not None:
+        if len(_METADATA_CACHE) >= 8:
+            _METADATA_CACHE.pop(next(iter(_METADATA_CACHE)))
+        _METADATA_CACHE[key] = md
+    return md
+
+
+def _read_dcp_metadata(path: str, trust: bool) -> Any:
     with open(path, "rb") as fh:
         data = fh.read()
     try:
@@ -47,18 +68,30 @@ def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
     return md
 
 
+def object_index(md: Any) -> dict[str, Any]:
+    """fqn -> storage info of every bytes item (a sharded object: extra state, param groups, common state)."""
+    return {index.fqn: info for index, info in md.storage_data.items() if getattr(index, "offset", None) is None}
+
+
+def read_object(iter_dir: str, fqn: str, info: Any, *, trust: bool = False) -> Any:
+    """A sharded object's value: its ``torch.save`` blob read through the allow-list, unwrapped from the one-element
+    list Megatron saves it in."""
+    path = os.path.join(iter_dir, info.relative_path)
+    require_regular_file(path)
+    with open(path, "rb") as fh:
+        fh.seek(int(info.offset))
+        blob = fh.read(int(info.length))
+    if len(blob) != int(info.length):
+        raise PreflightError(f"the item {fqn} runs past the end of the file (truncated)", path=path,
+                             fix="restore the file from a complete copy", code="corrupt_file")
+    value = read_torch_bytes(blob, source=f"{path}[{fqn}]", trust=trust)
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
 def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:
-    for index, info in getattr(md, "storage_data", {}).items():
-        if getattr(index, "fqn", "").startswith("common_state"):
-            path = os.path.join(iter_dir, info.relative_path)
-            require_regular_file(path)
-            with open(path, "rb") as fh:
-                fh.seek(info.offset)
-                blob = fh.read(info.length)
-            if len(blob) != info.length:
-                raise PreflightError("the common_state item runs past the end of the file (truncated)", path=path,
-                                     fix="restore the file from a complete copy", code="corrupt_file")
-            return read_torch_bytes(blob, source=f"{path}[common_state]", trust=trust)
+    for fqn, info in object_index(md).items():
+        if fqn.startswith("common_state"):
+            return read_object(iter_dir, fqn, info, trust=trust)
     return None
 
 

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from megatron_preflight.errors import CorruptFileError, PreflightError
-from megatron_preflight.layout.dist import read_dcp_metadata
+from megatron_preflight.layout.dist import object_index, read_dcp_metadata, read_object
 from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.rules import parse_key, rule_for, segments
-from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile, read_torch_bytes
+from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
 
 LAYERS = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
@@ -191,12 +191,33 @@ def chunk_index(md: Any) -> dict[str, list[Chunk]]:
     return out
 
 
+def is_local_spec(args: Any) -> bool:
+    """``--transformer-impl local``: its layer norms are modules of their own in a legacy state dict."""
+    return getattr(args, "transformer_impl", "transformer_engine") == "local"
+
+
 def _legacy_suffix(rest: str, local_spec: bool) -> str:
+    """A layer key's name in a legacy state dict, from its torch_dist name."""
     if local_spec:
         for module, saved in LOCAL_SPEC_KEYS.items():
             if rest.startswith(saved):
                 return module + rest[len(saved):]
     return rest
+
+
+def dist_suffix(suffix: str, local_spec: bool) -> str:
+    """A layer key's torch_dist name, from its legacy name (the inverse of :func:`_legacy_suffix`)."""
+    if local_spec:
+        for module, saved in LOCAL_SPEC_KEYS.items():
+            if suffix.startswith(module):
+                return saved + suffix[len(module):]
+    return suffix
+
+
+def object_fqn(base: str, index: tuple[int, ...], count: tuple[int, ...]) -> str:
+    """A sharded object's key: ``<base>/shard_<index>_<count>`` (dims joined by dots; ``0_1`` when not stacked).
+    :meth:`_Builder.extra_state` parses it."""
+    return f"{base}/shard_{'.'.join(map(str, index)) or '0'}_{'.'.join(map(str, count)) or '1'}"
 
 
 # Megatron-Core's module registration order inside a transformer layer (the order of a legacy state dict; the DDP
@@ -230,18 +251,20 @@ class _Entry:
 class _Builder:
     """Collects, per virtual shard and model chunk, the legacy keys and their regions."""
 
-    def __init__(self, layout: Layout, par: ParallelLayout, md: Any) -> None:
+    def __init__(self, layout: Layout, par: ParallelLayout, md: Any, trust: bool = False) -> None:
         self.layout = layout
         self.par = par
         self.md = md
         args = layout.saved_args
         self.swiglu = bool(getattr(args, "swiglu", False))
-        self.local_spec = getattr(args, "transformer_impl", "transformer_engine") == "local"
+        self.local_spec = is_local_spec(args)
         self.te_grouped = bool(getattr(args, "moe_grouped_gemm", False)) and not self.local_spec
         self.dirs = par.shard_dirs()
         self.entries: dict[tuple[str, int], list[_Entry]] = {(n, c): [] for n in self.dirs for c in range(par.chunks)}
         self.position = {fqn: i for i, fqn in enumerate(md.state_dict_metadata)}
         self.iter_dir = layout.iter_dir or ""
+        self.objects = object_index(md)  # indexed once: a model has thousands of extra-state items
+        self.trust = trust
 
     def _shards(self, stage: int | None, ep: int | None = None) -> list[tuple[str, dict[str, int]]]:
         return [(n, c) for n, c in self.dirs.items() if (stage is None or c["pp"] == stage)
@@ -387,16 +410,8 @@ class _Builder:
                           "output_layer._extra_state", None)
 
     def _bytes_item(self, fqn: str) -> Any:
-        for index, info in self.md.storage_data.items():
-            if getattr(index, "fqn", None) == fqn:
-                path = os.path.join(self.iter_dir, info.relative_path)
-                with open(path, "rb") as fh:
-                    fh.seek(int(info.offset))
-                    blob = fh.read(int(info.length))
-                value = read_torch_bytes(blob, source=f"{path}[{fqn}]")
-                # saved as a one-element list per module (ShardedObject of a stacked layer)
-                return value[0] if isinstance(value, list) and len(value) == 1 else value
-        return None
+        info = self.objects.get(fqn)
+        return None if info is None else read_object(self.iter_dir, fqn, info, trust=self.trust)
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -423,7 +438,7 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
                              fix="restore common.pt (or the common_state item) from a complete copy")
     md = read_dcp_metadata(layout.iter_dir, trust=trust)
     par = layout.parallel
-    b = _Builder(layout, par, md)
+    b = _Builder(layout, par, md, trust)
     has_optimizer = False
     for fqn, tm in md.state_dict_metadata.items():
         if fqn.startswith("optimizer.") or (fqn.startswith("chained_") and ".optimizer." in fqn):

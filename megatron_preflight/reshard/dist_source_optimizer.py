@@ -8,7 +8,9 @@ legacy shard is the parameter's own region (:class:`~megatron_preflight.reshard.
 optimizer's key. The result is a :class:`DistOptimizerIndex` (settings per group, fields per parameter), which the
 resharder converts to whichever optimizer the target runs (:mod:`optimizer_convert`).
 
-The ``dp_reshardable`` form (flat per-bucket buffers per DP rank) is not read yet: refused with the fix.
+The ``dp_reshardable`` form (flat per-bucket buffers per DP rank) is read as the legacy ``distrib_optim.pt`` it
+equals (:func:`attach_dp_reshardable`); the forms not read (``fully_sharded_bucket_space``, ``dp_zero_gather_scatter``)
+are refused with the fix.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from typing import Any
 
 import torch
 
-from megatron_preflight.layout.dist import COMMON_PT, read_dcp_metadata
+from megatron_preflight.layout.dist import COMMON_PT, object_index, read_dcp_metadata, read_object
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.dist_optimizer import FIX, DistOptimizerIndex
 from megatron_preflight.reshard.dist_source import RegionRef, Slab
 from megatron_preflight.reshard.optimizer import OptimizerNotReshardable, _signature, is_param
 from megatron_preflight.reshard.planner import GlobalEntry, SourcePiece, is_tied, iter_source_keys
-from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile, read_torch_bytes
+from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
 
 MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
 # torch_dist state name -> the name the index uses ("param": the fp32 master)
@@ -223,15 +225,10 @@ def attach_dp_reshardable(source: Layout, virtual: Layout, *, trust: bool = Fals
         elif "/shard_" in rest:
             objects.setdefault((part, group), {})[rest.split("/shard_")[0]] = fqn
     chained = any(part > 0 for part, _ in buckets) or any(part > 0 for part, _ in objects)
-    reader_items = {index.fqn: info for index, info in md.storage_data.items()}
+    items = object_index(md)
 
     def item(fqn: str) -> Any:
-        info = reader_items[fqn]
-        path = os.path.join(iter_dir, info.relative_path)
-        with open(path, "rb") as fh:
-            fh.seek(int(info.offset))
-            value = read_torch_bytes(fh.read(int(info.length)), source=f"{path}[{fqn}]", trust=trust)
-        return value[0] if isinstance(value, list) and len(value) == 1 else value
+        return read_object(iter_dir, fqn, items[fqn], trust=trust)
 
     cache: dict[tuple[int, int], tuple[Any, Any]] = {}
 

@@ -26,7 +26,7 @@ import torch
 from megatron_preflight import pickling
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
-from megatron_preflight.reshard.dist_source import LOCAL_SPEC_KEYS
+from megatron_preflight.reshard.dist_source import dist_suffix, is_local_spec, object_fqn
 from megatron_preflight.reshard.executor import SourceFiles, build_tensor
 from megatron_preflight.reshard.optimizer import MASTER
 from megatron_preflight.reshard.planner import TensorPlan, plan_tensor
@@ -46,14 +46,6 @@ class Item:
     offsets: tuple[int, ...] | None  # None: a bytes item (an object)
     start: int
     length: int
-
-
-def _dist_suffix(suffix: str, local_spec: bool) -> str:
-    if local_spec:
-        for module, saved in LOCAL_SPEC_KEYS.items():
-            if suffix.startswith(module):
-                return saved + suffix[len(module):]
-    return suffix
 
 
 def _homogeneous(args: Any) -> bool:
@@ -130,7 +122,7 @@ def _layer_fqn(plan: TensorPlan, local_spec: bool, stacked: bool) -> tuple[str, 
     head = "decoder.layers." if stacked else f"decoder.layers.{gkey.layer}."
     if gkey.expert is not None:
         return head + "mlp.experts.experts." + gkey.suffix, True
-    return head + _dist_suffix(gkey.suffix, local_spec), False
+    return head + dist_suffix(gkey.suffix, local_spec), False
 
 
 Placement = dict[Any, tuple[str, tuple[int, ...], tuple[int, ...]]]  # gkey -> (fqn, stacked index, stacked dims)
@@ -141,7 +133,7 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
     """Every global tensor of the checkpoint (planned as the one rank of TP1·PP1·EP1), chunk by chunk. Returns where
     each parameter went (its optimizer state goes to the same places)."""
     args = g.layout.saved_args
-    local_spec = getattr(args, "transformer_impl", "transformer_engine") == "local"
+    local_spec = is_local_spec(args)
     stacked = _homogeneous(args)
     plan = g.plan_for_coords(next(iter(g.tgt.shard_dirs().values())), "global")
     placed: Placement = {}
@@ -162,9 +154,7 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
         if expert:
             lead, lead_shape = lead + (gkey.expert,), lead_shape + (num_experts,)
         if tp.shape is None:  # a module's extra state: a sharded object per layer (and expert)
-            index = ".".join(str(i) for i in lead) or "0"
-            count = ".".join(str(n) for n in lead_shape) or "1"
-            out.obj(f"{fqn}/shard_{index}_{count}", tp.value)
+            out.obj(object_fqn(fqn, lead, lead_shape), tp.value)
             continue
         t = build_tensor(tp, files, release=True)
         out.chunk(fqn, lead_shape + tuple(t.shape), lead + (0,) * t.dim(),
