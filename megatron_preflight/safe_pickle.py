@@ -21,10 +21,11 @@ import collections
 import io
 import pickle
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from megatron_preflight import pickle_limits
+from megatron_preflight.dtypes import torch_loaded
 from megatron_preflight.errors import UnsafePickleError
 
 # Module prefixes whose classes become inert placeholders (their data is kept, their code never imported).
@@ -110,10 +111,12 @@ def _guarded_reconstructor(cls: Any, base: Any, state: Any) -> Any:
     raise UnsafePickleError(f"copyreg._reconstructor called on non-allow-listed class {cls!r}")
 
 
-def _static_allow_list() -> dict[tuple[str, str], Any]:
-    import torch
+def _base_allow_list() -> dict[tuple[str, str], Any]:
+    """Plain Python types and values (no torch, no numpy)."""
+    import codecs
+    import signal
 
-    allowed: dict[tuple[str, str], Any] = {
+    return {
         ("collections", "OrderedDict"): collections.OrderedDict,
         ("collections", "defaultdict"): collections.defaultdict,
         ("argparse", "Namespace"): argparse.Namespace,
@@ -135,14 +138,19 @@ def _static_allow_list() -> dict[tuple[str, str], Any]:
         ("copyreg", "_reconstructor"): _guarded_reconstructor,
         # Transformer Engine's _extra_state (FP8 metadata) is a BytesIO of torch.save bytes: an inert buffer here.
         ("_io", "BytesIO"): io.BytesIO,
-        ("torch", "Size"): torch.Size,
-        ("torch", "device"): torch.device,
-        ("torch", "layout"): torch.layout,
-        ("torch", "strided"): torch.strided,
-        ("torch", "contiguous_format"): torch.contiguous_format,
-        ("torch", "preserve_format"): torch.preserve_format,
-        ("torch", "memory_format"): torch.memory_format,
+        ("_codecs", "encode"): codecs.encode,
+        ("signal", "Signals"): signal.Signals,
     }
+
+
+_TORCH_VALUES = ("Size", "device", "layout", "strided", "contiguous_format", "preserve_format", "memory_format")
+
+
+def _torch_allow_list() -> dict[tuple[str, str], Any]:
+    """torch's value types and numpy's array rebuilders, as the real objects (only once torch is loaded)."""
+    import torch
+
+    allowed: dict[tuple[str, str], Any] = {("torch", name): getattr(torch, name) for name in _TORCH_VALUES}
     for name in _DTYPE_NAMES:
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype):
@@ -150,27 +158,85 @@ def _static_allow_list() -> dict[tuple[str, str], Any]:
     try:
         import numpy
     except Exception:  # pragma: no cover - numpy is a torch dependency in practice
-        numpy = None
-    if numpy is not None:
-        try:
-            from numpy._core import multiarray as core_ma
-        except ImportError:  # numpy 1.x
-            from numpy.core import multiarray as core_ma
-        for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
-            allowed[(mod, "_reconstruct")] = core_ma._reconstruct
-            allowed[(mod, "scalar")] = core_ma.scalar
-        allowed[("numpy", "ndarray")] = numpy.ndarray
-        allowed[("numpy", "dtype")] = numpy.dtype
-        for name in dir(numpy.dtypes):
-            if name.endswith("DType"):
-                allowed[("numpy.dtypes", name)] = getattr(numpy.dtypes, name)
-        import codecs
-
-        allowed[("_codecs", "encode")] = codecs.encode
-    import signal
-
-    allowed[("signal", "Signals")] = signal.Signals
+        return allowed
+    try:
+        from numpy._core import multiarray as core_ma
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray as core_ma
+    for mod in _NUMPY_MULTIARRAY:
+        allowed[(mod, "_reconstruct")] = core_ma._reconstruct
+        allowed[(mod, "scalar")] = core_ma.scalar
+    allowed[("numpy", "ndarray")] = numpy.ndarray
+    allowed[("numpy", "dtype")] = numpy.dtype
+    for name in dir(numpy.dtypes):
+        if name.endswith("DType"):
+            allowed[("numpy.dtypes", name)] = getattr(numpy.dtypes, name)
     return allowed
+
+
+_NUMPY_MULTIARRAY = ("numpy.core.multiarray", "numpy._core.multiarray")
+
+
+def _torch_free_global(module: str, name: str) -> Any:
+    """What an allow-listed torch / numpy / DCP global stands for while torch is not loaded (see
+    :mod:`megatron_preflight.dtypes`): dtypes by name, ``torch.Size`` as a tuple, DCP metadata classes as
+    :class:`Record` classes, the rest (devices, layouts, numpy arrays of RNG state) as inert placeholders. None for
+    a name that is not allow-listed."""
+    from megatron_preflight import dtypes
+
+    if module == "torch":
+        if name in dtypes.NAMES:
+            return dtypes.dtype(name)
+        if name == "Size":
+            return tuple
+        if name in _TORCH_VALUES:
+            return placeholder_class(module, name)
+        return None
+    if (module, name) in _DCP_CLASSES:
+        return record_class(module, name)
+    if (module in _NUMPY_MULTIARRAY and name in ("_reconstruct", "scalar")) or (
+            module == "numpy" and name in ("ndarray", "dtype")) or (
+            module == "numpy.dtypes" and name.endswith("DType")) or (
+            module, name) in (("torch.serialization", "_get_layout"),
+                              ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                              ("torch.distributed.checkpoint.planner", "WriteItemType"),
+                              ("torch.distributed.checkpoint.planner", "LoadItemType")):
+        return placeholder_class(module, name)
+    return None
+
+
+class Record(Placeholder):
+    """Inert stand-in for one of torch.distributed.checkpoint's metadata dataclasses: its fields are attributes, and
+    it hashes by value (``MetadataIndex`` keys a dict)."""
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+            state = {**(state[0] or {}), **state[1]}
+        if isinstance(state, dict):
+            self.__dict__.update({str(k): v for k, v in state.items()})
+        elif self._name == "TensorProperties" and isinstance(state, tuple) and len(state) == 5:
+            self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+
+    def __hash__(self) -> int:
+        state = self._state if isinstance(self._state, dict) else {}
+        return hash((self._name, tuple(sorted((k, v) for k, v in state.items() if isinstance(v, Hashable)))))
+
+
+def record_class(module: str, name: str) -> type:
+    key = (module, name)
+    if key not in _record_classes:
+        _record_classes[key] = type(name, (Record,), {"_module": module, "_name": name})
+    return _record_classes[key]
+
+
+_record_classes: dict[tuple[str, str], type] = {}
+_DCP_CLASSES = frozenset(
+    [("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta")]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
+    + [("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "TensorWriteData", "WriteItem", "ReadItem")])
 
 
 _DTYPE_NAMES = (
@@ -220,9 +286,14 @@ def _dcp_allow_list() -> dict[tuple[str, str], Any]:
 
 
 def allowed_globals(module: str = "") -> dict[tuple[str, str], Any]:
+    """The allow-list as real objects: plain Python always; torch's and numpy's once torch is loaded."""
     global _ALLOWED, _DCP_LOADED
     if _ALLOWED is None:
-        _ALLOWED = _static_allow_list()
+        _ALLOWED = _base_allow_list()
+    if not torch_loaded():
+        return _ALLOWED
+    if ("torch", "Size") not in _ALLOWED:
+        _ALLOWED.update(_torch_allow_list())
     if not _DCP_LOADED and module.startswith(("torch.distributed.checkpoint", "torch.serialization")):
         _DCP_LOADED = True
         _ALLOWED.update(_dcp_allow_list())
@@ -266,10 +337,13 @@ class SafeUnpickler(pickle.Unpickler):
         if key in self._overrides:
             return self._overrides[key]
         allowed = allowed_globals(module)
-        if key in allowed:
+        value = allowed.get(key)
+        if value is None and module.startswith(("torch", "numpy")) and not torch_loaded():
+            value = _torch_free_global(module, name)
+        if value is not None:
             if self._budget is not None and key in _BUILDERS:
-                return self._budget.guard(f"{module}.{name}", allowed[key])
-            return allowed[key]
+                return self._budget.guard(f"{module}.{name}", value)
+            return value
         if module.startswith(PLACEHOLDER_PREFIXES) or module in ("megatron",):
             return placeholder_class(module, name)
         if self._trust:

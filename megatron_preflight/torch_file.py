@@ -17,37 +17,16 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError, PreflightError, require_regular_file
 from megatron_preflight.safe_pickle import bounded_load
-
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-    "UntypedStorage": torch.uint8,
-}
-for _name in ("Float8_e4m3fnStorage", "Float8_e5m2Storage"):
-    _dt = getattr(torch, _name.replace("Storage", "").lower(), None)
-    if _dt is not None:
-        _STORAGE_DTYPES[_name] = _dt
 
 
 @dataclass(frozen=True)
 class StorageType:
     """Stand-in for ``torch.FloatStorage`` & co. inside a pickle: just the dtype."""
 
-    dtype: torch.dtype
+    dtype: Any
 
 
 @dataclass(frozen=True)
@@ -55,7 +34,7 @@ class StorageRef:
     """One storage record of a torch zip file."""
 
     key: str
-    dtype: torch.dtype
+    dtype: Any  # a torch.dtype, or a dtypes.DType when read without torch
     numel: int
 
 
@@ -70,7 +49,7 @@ class TensorRef:
     stride: tuple[int, ...]
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> Any:
         return self.storage.dtype
 
     @property
@@ -147,9 +126,8 @@ def _overrides(file: str) -> dict[tuple[str, str], Any]:
         ("torch", "Tensor"): _TensorType,
         ("torch.nn.parameter", "Parameter"): lambda data=None, requires_grad=True: data,
     }
-    for name, dtype in _STORAGE_DTYPES.items():
-        hooks[("torch", name)] = StorageType(dtype)
-        hooks[("torch.storage", name)] = StorageType(dtype)
+    for name, dtype_name in dtypes.STORAGE_DTYPES.items():
+        hooks[("torch", name)] = hooks[("torch.storage", name)] = StorageType(dtypes.dtype(dtype_name))
     return hooks
 
 
@@ -285,7 +263,7 @@ class TorchFile:
             if not isinstance(pid, tuple) or not pid or pid[0] != "storage":
                 raise CorruptFileError(f"unexpected persistent id {pid!r}", path=self.path, code="corrupt_file")
             _, stype, key, _location, numel = pid[:5]
-            dtype = stype.dtype if isinstance(stype, StorageType) else torch.uint8
+            dtype = stype.dtype if isinstance(stype, StorageType) else dtypes.dtype("uint8")
             try:
                 numel = int(numel)
                 info = self._zip.getinfo(f"{self._archive}data/{key}") if self._zip is not None else None
@@ -345,18 +323,46 @@ class TorchFile:
             except (OSError, ValueError):
                 pass
 
-    def tensor(self, ref: TensorRef) -> torch.Tensor:
-        """The tensor ``ref`` points at, as a view of a copy-on-write mmap (lazy: pages are read on access)."""
+    def item(self, ref: TensorRef) -> Any:
+        """A one-element tensor's value as a Python number, read without torch (a step, a loss scale); ``ref`` itself
+        for a bigger tensor or a dtype this does not decode."""
+        name = dtypes.name_of(ref.dtype)
+        if ref.numel != 1 or (name not in _STRUCT and name != "bfloat16"):
+            return ref
         start, nbytes = self._record_offset(ref.storage.key)
+        size = ref.dtype.itemsize
+        if (ref.offset + 1) * size > nbytes:
+            raise CorruptFileError(f"storage {ref.storage.key} is shorter than its tensor", path=self.path,
+                                   code="corrupt_file", fix="restore the file from a complete copy")
+        assert self._fh is not None
+        self._fh.seek(start + ref.offset * size)
+        return _item(self._fh.read(size), name)
+
+    def tensor(self, ref: TensorRef) -> Any:
+        """The tensor ``ref`` points at, as a view of a copy-on-write mmap (lazy: pages are read on access)."""
+        import torch
+
+        start, nbytes = self._record_offset(ref.storage.key)
+        dtype = dtypes.to_torch(ref.dtype)
         if ref.numel == 0:
-            return torch.empty(ref.shape, dtype=ref.dtype)
+            return torch.empty(ref.shape, dtype=dtype)
         if self._mmap is None:
             raw = self._raw or self._fh
             assert raw is not None
             self._mmap = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_COPY)
-        count = nbytes // ref.dtype.itemsize
-        flat = torch.frombuffer(self._mmap, dtype=ref.dtype, count=count, offset=self._base + start)
+        count = nbytes // dtype.itemsize
+        flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
+
+
+_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h", "int8": "b",
+           "uint8": "B", "bool": "?"}
+
+
+def _item(raw: bytes, name: str) -> Any:
+    if name == "bfloat16":  # the upper half of a float32
+        return struct.unpack("<f", b"\x00\x00" + raw)[0]
+    return struct.unpack("<" + _STRUCT[name], raw)[0]
 
 
 def read_torch_file(path: str | os.PathLike, *, trust: bool = False) -> Any:

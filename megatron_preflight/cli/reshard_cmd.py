@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from megatron_preflight.reshard.api import TargetLayout
+if TYPE_CHECKING:
+    from megatron_preflight.reshard.api import TargetLayout
 
 
 def _int(v: str | None, flag: str = "a size") -> int | None:
@@ -23,6 +25,8 @@ def _int(v: str | None, flag: str = "a size") -> int | None:
 
 
 def target_from(ns: argparse.Namespace) -> TargetLayout:
+    from megatron_preflight.reshard.api import TargetLayout  # the engine (and torch) only when resharding
+
     if ns.megatron_args:
         from megatron_preflight.check.runtime_args import from_cli
 

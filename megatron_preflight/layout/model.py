@@ -7,8 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from megatron_preflight import dtypes
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.safe_pickle import Placeholder
 from megatron_preflight.torch_file import TensorRef
@@ -149,7 +148,7 @@ def to_plain(value: Any) -> Any:
         return value
     if isinstance(value, float):
         return value if value == value and value not in (float("inf"), float("-inf")) else str(value)
-    if isinstance(value, torch.dtype):
+    if dtypes.is_dtype(value):
         return str(value)
     if isinstance(value, enum.Enum):
         return value.name

@@ -25,10 +25,9 @@ import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
@@ -47,6 +46,9 @@ from megatron_preflight.reshard.planner import (
     plan_tensor,
 )
 from megatron_preflight.torch_file import StorageRef, TensorRef, read_torch_file
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 64
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -312,6 +314,8 @@ def _index_part(index: DistOptimizerIndex, state: dict[str, Any], buffers: list[
 def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8, shards: set[str] | None = None) -> int:
     """The fp32 masters read at the modelled places equal the model's weights (cast to the weight's dtype): a wrong
     buffer model would read another parameter's values. Sampled; returns the number of parameters checked."""
+    import torch
+
     checked = 0
     for shard, weight_ref, _, master_ref in index.checked:
         if shards is not None and shard not in shards:
@@ -343,7 +347,7 @@ class FlatPlan:
     numel: int
     parts: list[tuple[int, TensorPlan]]
     key: str = ""
-    dtype: torch.dtype = torch.float32
+    dtype: Any = field(default_factory=lambda: dtypes.dtype("float32"))
     names: list[str] = field(default_factory=list)  # "chunk:key" of each part's parameter, in parts' order
 
     @property

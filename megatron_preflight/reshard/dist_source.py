@@ -22,9 +22,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import CorruptFileError, PreflightError
 from megatron_preflight.layout.dist import object_index, read_dcp_metadata, read_object
@@ -32,6 +30,9 @@ from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.rules import parse_key, rule_for, segments
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
+
+if TYPE_CHECKING:
+    import torch
 
 LAYERS = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
@@ -114,6 +115,8 @@ class DistReader:
 
     def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The box of global tensor ``fqn`` at ``offsets`` / ``sizes``, assembled from the chunks that cover it."""
+        import torch
+
         out = torch.empty(sizes, dtype=dtype)
         covered = 0
         for c in self.chunks.get(fqn, ()):
@@ -147,6 +150,8 @@ class DistReader:
         return None
 
     def tensor(self, ref: RegionRef) -> torch.Tensor:
+        import torch  # reading tensors (the layout itself is metadata: this module loads without torch)
+
         if len(ref.slabs) == 1 and ref.shape and math.prod(ref.slabs[0].sizes) == math.prod(ref.shape):
             view = self._inside_one_chunk(ref.slabs[0], ref.dtype)
             if view is not None:

@@ -19,10 +19,9 @@ import dataclasses
 import os
 import re
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from megatron_preflight import dtypes
 from megatron_preflight.layout.dist import COMMON_PT, object_index, read_dcp_metadata, read_object
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
@@ -31,6 +30,9 @@ from megatron_preflight.reshard.dist_source import RegionRef, Slab
 from megatron_preflight.reshard.optimizer import OptimizerNotReshardable, _signature, is_param
 from megatron_preflight.reshard.planner import GlobalEntry, SourcePiece, is_tied, iter_source_keys
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
+
+if TYPE_CHECKING:
+    import torch
 
 MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
 # torch_dist state name -> the name the index uses ("param": the fp32 master)
@@ -87,7 +89,8 @@ def _find(tree: Any, name: str) -> Any:
 
 def read_common(iter_dir: str, md: Any, trust: bool = False) -> Any:
     """The common state (common.pt, or the ``common_state`` item of a .distcp file) with its few tensors read (the
-    step, a loss scale): small, read whole."""
+    step, a loss scale): small, read whole. Without torch loaded (the check), one-element tensors are read as numbers
+    and bigger ones stay references."""
     from megatron_preflight.reshard.tree import map_leaves
 
     path, window = os.path.join(iter_dir, COMMON_PT), None
@@ -100,7 +103,10 @@ def read_common(iter_dir: str, md: Any, trust: bool = False) -> Any:
             return None
     with TorchFile(path, trust=trust, window=window) as f:
         common = f.load_metadata()
-        common = map_leaves(common, lambda v, _p: f.tensor(v).clone() if isinstance(v, TensorRef) else v)
+        if dtypes.torch_loaded():
+            common = map_leaves(common, lambda v, _p: f.tensor(v).clone() if isinstance(v, TensorRef) else v)
+        else:
+            common = map_leaves(common, lambda v, _p: f.item(v) if isinstance(v, TensorRef) else v)
     return common[0] if isinstance(common, list) and common else common
 
 
@@ -189,11 +195,11 @@ _DPR = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\
 _BUCKET = re.compile(r"^gbuf_idx_(\d+)\.dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
 
 
-def _dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name.split(".", 1)[1], None)
-    if not isinstance(value, torch.dtype):
+def _dtype(name: str) -> Any:
+    short = name.split(".", 1)[1]
+    if short not in dtypes.NAMES:
         raise OptimizerNotReshardable(f"unknown dtype {name} in a dp_reshardable key", fix=FIX, code="optimizer")
-    return value
+    return dtypes.dtype(short)
 
 
 def attach_dp_reshardable(source: Layout, virtual: Layout, *, trust: bool = False) -> None:
@@ -250,7 +256,7 @@ def attach_dp_reshardable(source: Layout, virtual: Layout, *, trust: bool = Fals
                     world: dict[str, Any] = {}
                     total = 0
                     for name in ("param", "exp_avg", "exp_avg_sq"):
-                        slabs, acc, dtype = [], 0, torch.float32
+                        slabs, acc, dtype = [], 0, dtypes.dtype("float32")
                         for _b, fields in sorted(per_bucket.items()):
                             if name not in fields:
                                 raise OptimizerNotReshardable(f"bucket {_b} of buffer {gbuf} has no {name}",

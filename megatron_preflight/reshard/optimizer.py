@@ -24,8 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
@@ -48,7 +47,7 @@ from megatron_preflight.torch_file import TensorRef
 MASTER = "@master"  # field name of a Float16 optimizer's fp32 master copy
 PROVENANCE_KEY = "megatron_preflight"  # top-level entry our outputs carry (Megatron ignores unknown entries)
 _BUFFERS = ("router.expert_bias",)  # persistent buffers in the model state dict: not parameters
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = frozenset({"float16", "bfloat16"})  # dtype names of a bf16 / fp16 run's weights
 _DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -96,7 +95,7 @@ def parse_optimizer(value: Any, where: str) -> list[SubOptimizer]:
 
 def is_param(key: str, value: Any) -> bool:
     """Whether a model state-dict entry is a parameter (not extra state, not a persistent buffer)."""
-    return isinstance(value, (TensorRef, torch.Tensor, TensorPlan)) and not key.endswith(("_extra_state", *_BUFFERS))
+    return (isinstance(value, (TensorRef, TensorPlan)) or dtypes.is_tensor(value)) and not key.endswith(("_extra_state", *_BUFFERS))
 
 
 def _signature(settings: dict[str, Any]) -> str:
@@ -171,7 +170,7 @@ def _assign(subs: list[SubOptimizer], params: list[SourceKey], where: str,
                     f"optimizer param group {g}{f' of part {s}' if len(subs) > 1 else ''} holds {len(ids)} "
                     f"parameters, but the model entries that belong to it number {len(members)}", path=where,
                     fix=fix, code="optimizer")
-            half = [sk for sk in members if sk.value.dtype in _HALF]
+            half = [sk for sk in members if dtypes.name_of(sk.value.dtype) in _HALF]
             if sub.masters is not None and len(sub.masters[g]) != len(half):
                 raise OptimizerNotReshardable(
                     f"optimizer param group {g} holds {len(sub.masters[g])} fp32 master copies for {len(half)} "
@@ -436,7 +435,7 @@ def optimizer_status(layout: Layout) -> OptimizerStatus | None:
             index = index_dist_optimizer(layout, source_topology(layout))
         except PreflightError as e:
             return OptimizerStatus("distributed", False, e.message)
-        half = any(d != torch.float32 for d in index.grad_dtype)
+        half = any(dtypes.name_of(d) != "float32" for d in index.grad_dtype)
         parts = 2 if index.expert_groups else 1
         return OptimizerStatus("distributed", True, detail=f"{'fp32 masters (bf16/fp16 run)' if half else 'fp32'}, "
                                f"{parts} part(s), {len(index.fields)} parameters placed in distrib_optim.pt's buffers")

@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-import torch
-
+from megatron_preflight import dtypes
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.dist_optimizer import FIX, DistOptimizerIndex, source_params
@@ -27,7 +26,17 @@ from megatron_preflight.reshard.optimizer import (
 )
 from megatron_preflight.reshard.planner import GlobalEntry, GlobalKey, SourcePiece
 
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = frozenset({"float16", "bfloat16"})
+
+
+def _step_value(step: float) -> Any:
+    """A parameter's ``step``: a tensor of its own (torch's Adam increments it in place); the float while torch is
+    not loaded (the check indexes without making tensors; the writers always run with torch)."""
+    if not dtypes.torch_loaded():
+        return step
+    import torch
+
+    return torch.tensor(step)
 
 
 def plain_to_distributed(plain: OptimizerIndex, model: dict[GlobalKey, GlobalEntry], step: float,
@@ -57,9 +66,11 @@ def plain_to_distributed(plain: OptimizerIndex, model: dict[GlobalKey, GlobalEnt
     if template.wrapped:
         out.outer = OrderedDict((k, v) for k, v in template.outer.items() if k not in ("optimizer",
                                                                                        "fp32_from_fp16_params"))
-    half = {e.first().ref.dtype for e in model.values() if hasattr(e.first().ref, "dtype")} & set(_HALF)
-    out.grad_dtype = {d: torch.float32 if grad_in_fp32 else d for d in half}
-    out.grad_dtype[torch.float32] = torch.float32
+    half = {e.first().ref.dtype for e in model.values()
+            if dtypes.name_of(getattr(e.first().ref, "dtype", None)) in _HALF}
+    f32 = dtypes.dtype("float32")
+    out.grad_dtype = {d: f32 if grad_in_fp32 else d for d in half}
+    out.grad_dtype[f32] = f32
     return out
 
 
@@ -75,9 +86,9 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
     if len(steps) > 1:
         raise OptimizerNotReshardable(f"the param groups record different steps {sorted(steps)}", fix=FIX,
                                       code="optimizer")
-    step = torch.tensor(float(steps.pop()) if steps else 0.0)
+    step = float(steps.pop()) if steps else 0.0
     params = [p for ps in source_params(layout, src).values() for p in ps]
-    half = any(p.dtype in _HALF for p in params)
+    half = any(dtypes.name_of(p.dtype) in _HALF for p in params)
     outer: OrderedDict[str, Any] = OrderedDict()
     if half:
         outer["optimizer"] = None
@@ -111,10 +122,10 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
         if fields is None:
             raise OptimizerNotReshardable(f"no distributed optimizer state for {sk.key}", fix=FIX, code="optimizer")
         # a tensor of its own per parameter: torch's Adam increments each parameter's step in place
-        out: OrderedDict[str, Any] = OrderedDict([("step", SourcePiece(sk.shard, step.clone(), 0, 1)),
+        out: OrderedDict[str, Any] = OrderedDict([("step", SourcePiece(sk.shard, _step_value(step), 0, 1)),
                                                   ("exp_avg", fields["exp_avg"]),
                                                   ("exp_avg_sq", fields["exp_avg_sq"])])
-        if p.dtype in _HALF:
+        if dtypes.name_of(p.dtype) in _HALF:
             out[MASTER] = fields["param"]
         plain.fields[sk.gkey] = out
     return plain
