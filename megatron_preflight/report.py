@@ -82,6 +82,8 @@ def render_layout(layout: Layout, *, max_shards: int = 16, problems: bool = True
         for p in layout.problems:
             j = p.to_json()
             lines.append(f"  [{p.code}] {p.path}: {j['message']}")
+    elif layout.format is not None and layout.sampled:
+        lines.append("status      OK: complete (every shard present, sized, zip intact); consistent in the shards parsed")
     elif layout.format is not None:
         lines.append("status      OK: complete and consistent")
     return "\n".join(lines)

@@ -365,6 +365,27 @@ def _item(raw: bytes, name: str) -> Any:
     return struct.unpack("<" + _STRUCT[name], raw)[0]
 
 
+def zip_trailer_problem(path: str) -> str | None:
+    """Why ``path`` is not a complete zip file, from its last bytes only (the end-of-central-directory record and the
+    directory's extent): None when it looks complete. Catches a truncated save without parsing the file."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            tail_len = min(size, 1 << 16)
+            fh.seek(size - tail_len)
+            tail = fh.read(tail_len)
+    except OSError as exc:
+        return f"cannot read the file ({exc.strerror})"
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        return "the file has no zip directory at its end: it is truncated (an interrupted save) or not a torch file"
+    cd_size, cd_offset = struct.unpack_from("<II", tail, at + 12)
+    if cd_offset != 0xFFFFFFFF and cd_offset + cd_size > size - (len(tail) - at):
+        return "the file's zip directory points past its end: it is truncated or damaged"
+    return None
+
+
 def read_torch_file(path: str | os.PathLike, *, trust: bool = False) -> Any:
     """Metadata of a torch file (tensors as :class:`TensorRef`)."""
     with TorchFile(path, trust=trust) as f:

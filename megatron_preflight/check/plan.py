@@ -299,8 +299,9 @@ def plan_from_layout(layout: Layout, rt: RuntimeArgs, t0: float | None = None) -
 
 
 def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
-              iteration: int | str | None = None, trust_checkpoint: bool = False) -> Plan:
-    """The library API: the plan for loading ``checkpoint`` with ``args`` (a RuntimeArgs, Namespace or dict)."""
+              iteration: int | str | None = None, trust_checkpoint: bool = False, shards: str = "all") -> Plan:
+    """The library API: the plan for loading ``checkpoint`` with ``args`` (a RuntimeArgs, Namespace or dict).
+    ``shards``: which legacy shard files are parsed (see :func:`megatron_preflight.layout.discover.discover`)."""
     t0 = time.perf_counter()
     if isinstance(args, RuntimeArgs):
         rt = args
@@ -312,7 +313,7 @@ def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
         rt = from_namespace(args)
     if iteration is None and rt.ckpt_step is not None:
         iteration = rt.ckpt_step
-    layout = discover(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint)
+    layout = discover(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint, shards=shards)
     return plan_from_layout(layout, rt, t0)
 
 

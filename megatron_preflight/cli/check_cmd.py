@@ -15,7 +15,8 @@ def _run(ns: argparse.Namespace) -> int:
         rt = from_yaml(ns.config, ns.megatron_args)
     else:
         rt = from_cli(ns.megatron_args)
-    plan = make_plan(ns.path, rt, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint)
+    plan = make_plan(ns.path, rt, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
+                     shards="all" if ns.all_shards else "auto")
     if ns.json:
         print(json.dumps(plan.to_json(), indent=1))
     else:
@@ -31,4 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iteration", help="iteration to check (default: --ckpt-step, else the tracker's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled types outside the allow-list")
+    from megatron_preflight.cli.main import add_shards_flag
+
+    add_shards_flag(p)
     p.set_defaults(func=_run)

@@ -28,7 +28,8 @@ def _cmd_inspect(ns: argparse.Namespace) -> int:
     from megatron_preflight.layout.discover import discover
     from megatron_preflight.report import render_layout
 
-    layout = discover(ns.path, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint)
+    layout = discover(ns.path, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
+                      shards="all" if ns.all_shards else "auto")
     if ns.json:
         print(json.dumps(layout.to_json(), indent=1))
     else:
@@ -36,6 +37,12 @@ def _cmd_inspect(ns: argparse.Namespace) -> int:
     if any(p.code == "usage" for p in layout.problems):
         return EXIT_USAGE
     return EXIT_OK if layout.ok else EXIT_PROBLEMS
+
+
+def add_shards_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--all-shards", action="store_true",
+                   help="parse every legacy shard file (default: all up to 32, above that rank 0's, the first of each "
+                        "pipeline stage and the last, with every file sized and its zip trailer checked)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="the checkpoint root (the --load dir) or one iteration dir")
     p.add_argument("--iteration", help="iteration to inspect (default: the tracker's)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
+    add_shards_flag(p)
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow pickled types outside the allow-list (runs code from the file: only for files you trust)")
     p.set_defaults(func=_cmd_inspect)

@@ -41,7 +41,9 @@ def shared_layout(load_dir: str, iteration: Any, trust: bool, args: Any = None) 
 
     def read() -> tuple[str, Any]:
         checked = STATE.checked_layouts.get(os.path.abspath(load_dir))  # what the check on this rank just read
-        layout = checked if checked is not None else discover(load_dir, iteration=iteration, trust_checkpoint=trust)
+        if checked is None or checked.sampled:
+            checked = discover(load_dir, iteration=iteration, trust_checkpoint=trust)
+        layout = checked
         if layout.distributed_optimizer and not (getattr(args, "no_load_optim", False) or
                                                  getattr(args, "finetune", False)):
             from megatron_preflight.reshard.dist_optimizer import read_dist_meta

@@ -60,7 +60,8 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
         rt.auto_detect_ckpt_format = True  # auto mode turns it on for a dist checkpoint (apply_decision)
     if not rt.world_size:
         rt.world_size = consensus.world_size()
-    plan = make_plan(load_dir, rt, trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)))
+    plan = make_plan(load_dir, rt, trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)),
+                     shards="auto")  # a sampled verdict on rank 0 at scale; the resharder reads what it needs
     STATE.checked_layouts[os.path.abspath(load_dir)] = plan.layout  # the resharder reuses it: the metadata is read once
     allow_missing = bool(getattr(args, "preflight_allow_missing_checkpoint", False))
     if allow_missing and plan.layout.format is None and any(

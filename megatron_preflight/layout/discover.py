@@ -13,7 +13,7 @@ from megatron_preflight.layout import naming
 from megatron_preflight.layout.dist import DCP_METADATA, METADATA_JSON, inspect_dist
 from megatron_preflight.layout.foreign import looks_like
 from megatron_preflight.layout.model import Format, Layout, Shard
-from megatron_preflight.torch_file import read_torch_file
+from megatron_preflight.torch_file import read_torch_file, zip_trailer_problem
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,20 @@ def _list_iterations(root: str) -> list[int | str]:
     return sorted(its, key=lambda i: (-1 if i == naming.RELEASE else i))
 
 
+# ``shards="auto"`` parses every shard file of a legacy checkpoint up to this many, and a sample above it.
+SAMPLE_ABOVE = 32
+
+
 def discover(path: str | os.PathLike, *, iteration: int | str | None = None, trust_checkpoint: bool = False,
-             read_all_shards: bool = True) -> Layout:
-    """Describe the checkpoint at ``path``. Raises :class:`PreflightError` only when ``path`` is not a directory."""
+             shards: str = "all") -> Layout:
+    """Describe the checkpoint at ``path``. Raises :class:`PreflightError` only when ``path`` is not a directory.
+
+    ``shards`` says which legacy shard files are parsed: ``all`` (what the resharder needs), ``sample`` (rank 0's,
+    the first of every pipeline stage and the last: the verdict of a 8,192-shard checkpoint in a fraction of a
+    second; every shard dir is still listed, and its files sized and their zip trailers checked), or ``auto``
+    (all up to :data:`SAMPLE_ABOVE` files, a sample above)."""
+    if shards not in ("all", "sample", "auto"):
+        raise ValueError(f"shards={shards!r}: expected all, sample or auto")
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
         raise PreflightError("no such file or directory", path=path, fix="pass the --load dir of the run",
@@ -80,7 +91,7 @@ def discover(path: str | os.PathLike, *, iteration: int | str | None = None, tru
         _sizes_from_args(layout)
     elif shard_names:
         layout.format = Format.TORCH
-        _inspect_legacy(layout, iter_dir, shard_names, trust_checkpoint, read_all_shards)
+        _inspect_legacy(layout, iter_dir, shard_names, trust_checkpoint, shards)
     else:
         layout.looks_like = looks_like(iter_dir)
         layout.add("no_shards", iter_dir,
@@ -228,7 +239,31 @@ def has_expert_keys(keys: list[str]) -> bool:
     return any(".mlp.experts." in k or ".mlp.router." in k for k in keys)
 
 
-def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust: bool, read_all: bool) -> None:
+def _sample(layout: Layout, shards: list[Shard], trust: bool) -> list[Shard]:
+    """The shards a sampled verdict parses: the first (rank 0's: the args Megatron reads), the first of every
+    pipeline stage (stages differ: embedding, head, their layers) and the last. The first is parsed here, to learn
+    which names belong to which stage (a 2-D name's second index is PP or EP); all of them when it has no usable
+    args."""
+    first, err = _read_shard(shards[0], trust)
+    args = first.meta.get("args") if err is None and isinstance(first.meta, dict) else None
+    try:
+        par = parallel.from_args(args) if _is_namespace(args) else None
+    except PreflightError:
+        par = None
+    if par is None:
+        return shards
+    by_name = {s.name: s for s in shards}
+    picks = [shards[0]]
+    for pp in range(par.pp):
+        name = naming.shard_dir_name(0, pp, 0, pp_size=par.pp, ep_size=par.ep)
+        if name in by_name and by_name[name] not in picks:
+            picks.append(by_name[name])
+    if shards[-1] not in picks:
+        picks.append(shards[-1])
+    return picks
+
+
+def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust: bool, mode: str) -> None:
     for name in shard_names:
         spath = os.path.join(iter_dir, name)
         shard = Shard(name=name, tp_rank=None, pp_rank=None, ep_rank=None, path=spath)
@@ -260,10 +295,20 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
                        "the file is empty (0 bytes); the save was interrupted",
                        "restore it from a complete copy, or load an earlier iteration with --ckpt-step")
     to_read = [s for s in readable if s.files[naming.MODEL_FILENAME] > 0]
-    if not read_all:
-        to_read = to_read[:1]
+    if to_read and (mode == "sample" or (mode == "auto" and len(to_read) > SAMPLE_ABOVE)):
+        picked = _sample(layout, to_read, trust)
+        if len(picked) < len(to_read):
+            layout.sampled = True
+            for s in to_read:
+                if s not in picked:
+                    _check_trailer(layout, os.path.join(s.path, naming.MODEL_FILENAME))
+            layout.notes.append(
+                f"sampled: {len(picked)} of {len(to_read)} shard files parsed (rank 0's, the first of each pipeline "
+                "stage, the last); every shard dir was listed and its files sized and their zip trailers checked. "
+                "--all-shards parses every one (shapes and args agreeing across all shards)")
+        to_read = picked
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(to_read)))) as pool:
-        results = list(pool.map(lambda s: _read_shard(s, trust), to_read))
+        results = list(pool.map(lambda s: (s, None) if s.meta is not None else _read_shard(s, trust), to_read))
     good: list[Shard] = []
     for shard, err in results:
         if err is None:
@@ -296,8 +341,16 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
                        "this shard was copied from another iteration: restore the right one")
     _check_shard_set(layout)
     _check_distrib_optim(layout)
-    if read_all and not [p for p in layout.problems if p.code not in ("no_tracker", "bad_tracker")]:
+    if not layout.sampled and not [p for p in layout.problems if p.code not in ("no_tracker", "bad_tracker")]:
         _check_consistency(layout)
+
+
+def _check_trailer(layout: Layout, path: str) -> None:
+    """A shard file not parsed by a sampled verdict is still a complete zip (an interrupted save is not)."""
+    problem = zip_trailer_problem(path)
+    if problem:
+        layout.add("corrupt_file", path, problem,
+                   "restore it from a complete copy, or load an earlier iteration with --ckpt-step")
 
 
 def _check_consistency(layout: Layout) -> None:

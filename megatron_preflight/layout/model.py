@@ -95,6 +95,7 @@ class Layout:
     dist_tensors: dict[str, Any] = field(default_factory=dict)  # torch_dist: key -> (global shape, dtype)
     dist_optimizer_sharding: str | None = None  # torch_dist content_metadata distrib_optim_sharding_type
     parallel: ParallelLayout | None = None  # the layout the sizes above come from (saved args, or names + keys)
+    sampled: bool = False  # legacy: only some shard files were parsed (discover(shards="sample"/"auto"))
 
     @property
     def ok(self) -> bool:
@@ -131,6 +132,7 @@ class Layout:
             "dist_optimizer_sharding": self.dist_optimizer_sharding,
             "checkpoint_version": self.checkpoint_version,
             "total_bytes": self.total_bytes,
+            "sampled": self.sampled,
             "looks_like": self.looks_like,
             "shards": [s.to_json() for s in self.shards],
             "missing_shards": self.missing_shards,

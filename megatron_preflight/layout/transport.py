@@ -1,18 +1,65 @@
-"""A discovered :class:`Layout` as bytes, so rank 0 reads the checkpoint once and every other rank receives it.
+"""A discovered :class:`Layout` as compact bytes, so rank 0 reads the checkpoint once and every other rank receives it.
 
-The layout holds the metadata of every shard (keys, TensorRefs, the saved args) and inert placeholders for the
-Megatron classes the checkpoint names, which plain pickle cannot name; they are reduced to the function that makes
-them. The bytes are made by rank 0 of the same job from objects it built itself, never taken from a checkpoint.
+What is sent is what the other ranks use: every shard's metadata (keys, TensorRefs, optimizer state, the saved args)
+but not the shards' RNG states (per-rank values no other rank reads: the resharder drops them at another layout, see
+:data:`megatron_preflight.reshard.api.NOT_MAPPABLE`), each shard's args as its difference from the first shard's (they
+differ in a field or two), the whole pickled and zlib-compressed (shards repeat one another's key names and shapes).
+:func:`loads` gives back the layout exactly, less those RNG states.
+
+The layout holds inert placeholders for the Megatron classes the checkpoint names, which plain pickle cannot name;
+they are reduced to the function that makes them. The bytes are made by rank 0 of the same job from objects it built
+itself, never taken from a checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
+import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.safe_pickle import Placeholder, placeholder_class
+
+MAGIC = b"MPL1"
+NOT_SENT = ("rng_state",)  # per-shard entries left out (see the module docstring)
+LEVEL = 6
+
+
+@dataclass
+class ArgsDelta:
+    """A shard's saved args as their difference from the first shard's."""
+
+    changed: dict[str, Any] = field(default_factory=dict)
+    removed: tuple[str, ...] = ()
+
+
+def _delta(base: Any, args: Any) -> Any:
+    if not (hasattr(base, "__dict__") and type(args) is type(base)):
+        return args
+    a, b = vars(base), vars(args)
+    changed = {k: v for k, v in b.items() if k not in a or not _same(a[k], v)}
+    return ArgsDelta(changed, tuple(k for k in a if k not in b))
+
+
+def _same(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):
+        return False
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 - a value without a plain truth value is sent as is
+        return False
+
+
+def _apply(base: Any, delta: ArgsDelta) -> Any:
+    args = copy.copy(base)
+    for k in delta.removed:
+        delattr(args, k)
+    for k, v in delta.changed.items():
+        setattr(args, k, v)
+    return args
 
 
 def _placeholder(module: str, name: str, new_args: tuple, args: tuple, kwargs: dict, state: Any,
@@ -33,14 +80,45 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+def slim(layout: Layout) -> Layout:
+    """The layout as the other ranks get it: shard metadata without :data:`NOT_SENT` (a shallow copy)."""
+    out = copy.copy(layout)
+    out.shards = []
+    for shard in layout.shards:
+        s = copy.copy(shard)
+        if isinstance(shard.meta, dict):
+            s.meta = {k: v for k, v in shard.meta.items() if k not in NOT_SENT}
+        out.shards.append(s)
+    return out
+
+
 def dumps(layout: Layout) -> bytes:
+    out = slim(layout)
+    base = None
+    for s in out.shards:
+        args = s.meta.get("args") if isinstance(s.meta, dict) else None
+        if args is None:
+            continue
+        if base is None:
+            base = args
+        elif args is not base:
+            s.meta["args"] = _delta(base, args)
     buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(layout)
-    return buf.getvalue()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(out)
+    return MAGIC + zlib.compress(buf.getvalue(), LEVEL)
 
 
 def loads(data: bytes) -> Layout:
-    layout = pickle.loads(data)  # noqa: S301 - our own bytes from rank 0 of this job (see the module docstring)
+    if not data.startswith(MAGIC):
+        raise TypeError("not a layout sent by megatron-preflight's rank 0")
+    layout = pickle.loads(zlib.decompress(data[len(MAGIC):]))  # noqa: S301 - rank 0's own bytes (module docstring)
     if not isinstance(layout, Layout):
         raise TypeError(f"expected a Layout, got {type(layout).__name__}")
+    base = None
+    for s in layout.shards:
+        args = s.meta.get("args") if isinstance(s.meta, dict) else None
+        if isinstance(args, ArgsDelta):
+            s.meta["args"] = _apply(base, args)
+        elif args is not None and base is None:
+            base = args
     return layout

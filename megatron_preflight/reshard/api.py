@@ -163,6 +163,8 @@ class Resharder:
 
     def __post_init__(self) -> None:
         lay = self.layout
+        if lay.sampled:
+            raise ValueError("the resharder needs every shard's metadata: discover the checkpoint with shards='all'")
         if lay.format is None:
             p = lay.problems[0] if lay.problems else None
             raise PreflightError(f"this is not a Megatron checkpoint (it looks like {lay.looks_like or 'something else'})"

@@ -428,6 +428,10 @@ def optimizer_status(layout: Layout) -> OptimizerStatus | None:
         return None
     if "optimizer" not in first:
         return OptimizerStatus("none", False, "the checkpoint holds no optimizer state")
+    if layout.sampled:  # the per-shard state was not indexed: the resharder checks it before it moves a byte
+        kind = "distributed" if layout.distributed_optimizer else "plain"
+        return OptimizerStatus(kind, True, detail="per-shard state not indexed (sampled verdict; --all-shards "
+                                                  "indexes it)")
     if layout.distributed_optimizer:
         from megatron_preflight.reshard.dist_optimizer import index_dist_optimizer
 

@@ -1,4 +1,4 @@
-"""Synthetic legacy Megatron checkpoints of production layouts (1,024 or 8,192 shard dirs) for the scale benchmarks.
+"""Synthetic legacy Megatron checkpoints of production layouts (1,024 or 8,192 shard dirs): scale tests and benchmarks.
 
 Every shard file is a real ``torch.save`` of Megatron-Core's local-spec GPT MoE state dict at its (tp, pp, ep)
 rank: the key names, shapes and splits of a real save, and the full top-level state of a real one (args with their
@@ -26,7 +26,7 @@ from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.torch_file import TensorRef, read_torch_file
 
-TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "megatron-lm",
+TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron-lm",
                         "moe_shared_tp2pp2ep2_torch", "iter_0000002", "mp_rank_00_000_000", "model_optim_rng.pt")
 
 
@@ -77,7 +77,7 @@ def _args(m: Model, template_args: argparse.Namespace) -> argparse.Namespace:
                   num_layers_per_virtual_pipeline_stage=None, decoder_first_pipeline_num_layers=None,
                   decoder_last_pipeline_num_layers=None, untie_embeddings_and_output_weights=True,
                   moe_router_enable_expert_bias=False, swiglu=False, group_query_attention=False,
-                  add_bias_linear=True, normalization="LayerNorm", position_embedding_type="learned_absolute")
+                  add_bias_linear=False, normalization="LayerNorm", position_embedding_type="learned_absolute")
     for k, v in values.items():
         setattr(args, k, v)
     return args
@@ -97,9 +97,7 @@ def stage_state(m: Model, pp: int, hollow: bool) -> dict[str, torch.Tensor]:
         p = f"decoder.layers.{i}."
         sd[p + "input_layernorm.weight"], sd[p + "input_layernorm.bias"] = t(h), t(h)
         sd[p + "self_attention.linear_qkv.weight"] = t(3 * h // tp, h)
-        sd[p + "self_attention.linear_qkv.bias"] = t(3 * h // tp)
         sd[p + "self_attention.linear_proj.weight"] = t(h, h // tp)
-        sd[p + "self_attention.linear_proj.bias"] = t(h)
         sd[p + "pre_mlp_layernorm.weight"], sd[p + "pre_mlp_layernorm.bias"] = t(h), t(h)
         sd[p + "mlp.router.weight"] = t(m.num_experts, h)
         for j in range(m.num_experts // m.ep):

@@ -1,0 +1,250 @@
+"""What a reshard will cost, before any byte moves: bytes read and written, files opened, peak memory and time —
+per offline worker (``megatron-preflight reshard --dry-run``) or per runtime rank (the in-memory loader).
+
+Everything comes from the plans (metadata only). Bytes read are the source slices the plans copy (what the writer
+counts); bytes written are the exact sizes of the files the streaming writer makes (the same pickled tree and zip
+records, without the tensor bytes). Memory is a model of the writer: each process holds the resharder's index (its
+resident size now, measured) plus the pieces it streams (:data:`stream_save.CHUNK_BYTES` rows of one tensor and the
+source pages under them); an in-memory rank holds its whole state dict. Time is the bytes over a bandwidth the user
+gives or a quick read of the source filesystem, plus the workers' start-up.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatron_preflight.layout import naming
+from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+from megatron_preflight.reshard.tree import iter_leaves
+
+WORKER_START_SECONDS = 3.0  # a spawned worker imports torch and re-reads the metadata (measured: 2-4 s here)
+PROBE_BYTES = 64 * 2**20  # the quick read that measures the source filesystem
+
+
+@dataclass
+class ShardCost:
+    """One target shard dir (offline) or one runtime rank's state dict (in memory)."""
+
+    name: str
+    bytes_read: int
+    bytes_written: int  # the files written (offline); 0 in memory
+    bytes_built: int  # the tensors built (the state dict's size)
+    largest_tensor: int
+    files_opened: int
+    sources: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkerCost:
+    worker: int
+    shards: list[str]
+    bytes_read: int
+    bytes_written: int
+    files_opened: int
+    peak_rss_bytes: int
+    seconds: float
+
+
+@dataclass
+class Prediction:
+    """The cost of a reshard, in total and per worker (offline) or per rank (in memory)."""
+
+    mode: str  # offline | in_memory
+    bytes_read: int
+    bytes_written: int
+    peak_rss_bytes: int  # offline: the whole run (main process + concurrent workers); in memory: the largest rank
+    estimated_seconds: float
+    bandwidth_bytes_per_s: float
+    bandwidth_from: str  # given | measured
+    files_opened: int
+    workers: list[WorkerCost] = field(default_factory=list)  # offline
+    ranks: list[ShardCost] = field(default_factory=list)  # in memory: one per target shard dir (its DP replicas alike)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        if self.mode == "offline":
+            out.pop("ranks")
+        else:
+            out.pop("workers")
+            for r in out["ranks"]:
+                r.pop("bytes_written")
+        return out
+
+    def render(self) -> str:
+        mib = 2**20
+        if self.mode == "in_memory":
+            worst = max(self.ranks, key=lambda r: r.bytes_read, default=None)
+            if worst is None:
+                return "reshard cost: nothing to read"
+            return (f"reshard cost: {self.bytes_read / mib:.1f} MiB read in all; each rank reads at most "
+                    f"{worst.bytes_read / mib:.1f} MiB from {max(r.files_opened for r in self.ranks)} file(s) and "
+                    f"holds at most {self.peak_rss_bytes / mib:.1f} MiB of resharded state; about "
+                    f"{self.estimated_seconds:.1f} s at {self.bandwidth_bytes_per_s / mib:.0f} MiB/s "
+                    f"({self.bandwidth_from})")
+        lines = [f"dry run: nothing written. Predicted: read {self.bytes_read / mib:.1f} MiB, write "
+                 f"{self.bytes_written / mib:.1f} MiB, {self.files_opened} source file(s) opened, peak RSS "
+                 f"{self.peak_rss_bytes / mib:.0f} MiB (all processes), about {self.estimated_seconds:.1f} s at "
+                 f"{self.bandwidth_bytes_per_s / mib:.0f} MiB/s ({self.bandwidth_from})",
+                 f"{'worker':>6} {'shards':>6} {'read MiB':>10} {'write MiB':>10} {'files':>6} {'peak MiB':>9} "
+                 f"{'seconds':>8}"]
+        for w in self.workers:
+            lines.append(f"{w.worker:>6} {len(w.shards):>6} {w.bytes_read / mib:>10.1f} {w.bytes_written / mib:>10.1f} "
+                         f"{w.files_opened:>6} {w.peak_rss_bytes / mib:>9.0f} {w.seconds:>8.1f}")
+        return "\n".join(lines)
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape or ():
+        n *= s
+    return n
+
+
+def _planned(plan: RankPlan) -> list[TensorPlan]:
+    from megatron_preflight.reshard.dist_optimizer import flat_parts
+
+    out = [tp for tp in plan.tensors if tp.shape is not None]
+    out += [leaf for _, leaf in iter_leaves(plan.optimizer) if isinstance(leaf, TensorPlan) and leaf.shape is not None]
+    for _, fp in flat_parts(plan.dist_optimizer):
+        out += [tp for _, tp in fp.parts if tp.shape is not None]
+    return out
+
+
+def slices_read(plan: RankPlan) -> tuple[int, set[tuple[str, str]]]:
+    """Bytes of the source slices ``plan`` copies, and the (shard dir, file) pairs it opens."""
+    total = 0
+    opened: set[tuple[str, str]] = set()
+    for tp in _planned(plan):
+        for op in tp.ops:
+            shape = list(op.ref.shape)
+            if op.src is not None:
+                shape[op.src[0]] = op.src[2]
+            total += _numel(shape) * op.ref.dtype.itemsize
+            opened.add((op.shard, os.path.basename(getattr(op.ref, "file", "") or naming.MODEL_FILENAME)))
+    return total, opened
+
+
+def _built(plan: RankPlan) -> tuple[int, int]:
+    """(bytes of every tensor the plan builds, the largest one)."""
+    from megatron_preflight.reshard.dist_optimizer import flat_parts
+
+    sizes = [_numel(tp.shape) * tp.dtype.itemsize for tp in plan.tensors if tp.shape is not None]
+    sizes += [_numel(tp.shape) * tp.dtype.itemsize for _, tp in iter_leaves(plan.optimizer)
+              if isinstance(tp, TensorPlan) and tp.shape is not None]
+    sizes += [fp.numel * fp.dtype.itemsize for _, fp in flat_parts(plan.dist_optimizer)]
+    return sum(sizes), max(sizes, default=0)
+
+
+def shard_cost(r: Any, name: str, plan: RankPlan, header: dict[str, Any] | None) -> ShardCost:
+    """The cost of one target shard; with ``header`` (offline), the exact sizes of the files written."""
+    from megatron_preflight.reshard.stream_save import planned_size, shard_tree
+
+    read, opened = slices_read(plan)
+    built, largest = _built(plan)
+    written = 0
+    if header is not None:
+        written = planned_size(shard_tree(header, plan), naming.MODEL_FILENAME)
+        if plan.dist_optimizer is not None:
+            written += planned_size(plan.dist_optimizer, naming.DISTRIB_OPTIM_FILENAME)
+    return ShardCost(name, read, written, built, largest, len(opened), sorted({s for s, _ in opened}))
+
+
+def rss_now() -> int:
+    """This process's resident set (VmRSS), bytes."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_bandwidth(iter_dir: str, limit: int = PROBE_BYTES) -> float:
+    """Bytes per second of a quick sequential read of the biggest source file (up to ``limit`` bytes). On a warm
+    page cache this is the cache's speed: pass --bandwidth for a cold parallel filesystem."""
+    biggest, size = None, 0
+    for dirpath, _dirs, files in os.walk(iter_dir):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            try:
+                s = os.path.getsize(p)
+            except OSError:
+                continue
+            if s > size:
+                biggest, size = p, s
+    if biggest is None or size == 0:
+        return 1e9
+    t0 = time.perf_counter()
+    done = 0
+    with open(biggest, "rb", buffering=0) as fh:
+        while done < min(size, limit):
+            chunk = fh.read(4 * 2**20)
+            if not chunk:
+                break
+            done += len(chunk)
+    return done / max(time.perf_counter() - t0, 1e-6)
+
+
+def _bandwidth(r: Any, bandwidth: float | None) -> tuple[float, str]:
+    if bandwidth:
+        return bandwidth, "given"
+    return measure_bandwidth(r.layout.iter_dir or r.layout.path), "measured"
+
+
+def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth: float | None = None,
+                    names: list[str] | None = None) -> Prediction:
+    """The cost of ``megatron-preflight reshard`` (legacy output) with ``workers`` processes, from resharder ``r``."""
+    from megatron_preflight.reshard.executor import SourceFiles
+    from megatron_preflight.reshard.stream_save import CHUNK_BYTES
+
+    base = rss_now()  # the index and the imports: what the main process holds, and each worker again
+    files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
+    try:
+        header = r.header(files)
+        costs = [shard_cost(r, n, r.plan_for_coords(r.tgt.shard_dirs()[n], n), header)
+                 for n in (names or list(r.tgt.shard_dirs()))]
+    finally:
+        files.close()
+    bw, source = _bandwidth(r, bandwidth)
+    n_workers = max(1, min(workers, len(costs))) if workers > 1 and len(costs) > 1 else 1
+    # The pool hands shards out in order to whichever worker is free first.
+    free = [(0.0, w) for w in range(n_workers)]
+    assigned: dict[int, list[ShardCost]] = {w: [] for w in range(n_workers)}
+    for c in costs:
+        t, w = heapq.heappop(free)
+        assigned[w].append(c)
+        heapq.heappush(free, (t + (c.bytes_read + c.bytes_written) / bw, w))
+    out = []
+    for w, mine in assigned.items():
+        biggest = max((c.largest_tensor for c in mine), default=0)
+        working = 2 * min(biggest, CHUNK_BYTES) + (2 * biggest + max((c.bytes_written for c in mine), default=0)
+                                                   if verify else 0)
+        read, written = sum(c.bytes_read for c in mine), sum(c.bytes_written for c in mine)
+        out.append(WorkerCost(w, [c.name for c in mine], read * (2 if verify else 1), written,
+                              len({s for c in mine for s in c.sources}), base + working,
+                              (read * (2 if verify else 1) + written) / bw))
+    start = WORKER_START_SECONDS if n_workers > 1 else 0.0
+    peak = sum(w.peak_rss_bytes for w in out) + (base if n_workers > 1 else 0)
+    return Prediction("offline", sum(c.bytes_read for c in costs), sum(c.bytes_written for c in costs) + 16, peak,
+                      start + max(w.seconds for w in out), bw, source,
+                      len({s for c in costs for s in c.sources}), workers=out)
+
+
+def predict_in_memory(r: Any, *, bandwidth: float | None = None, names: list[str] | None = None) -> Prediction:
+    """The cost of loading through the in-memory resharder: per target shard dir (every runtime rank with those
+    coordinates reads the same), what the rank reads and the state it builds."""
+    costs = [shard_cost(r, n, r.plan_for_coords(r.tgt.shard_dirs()[n], n), None)
+             for n in (names or list(r.tgt.shard_dirs()))]
+    bw, source = _bandwidth(r, bandwidth)
+    worst = max(costs, key=lambda c: c.bytes_read, default=None)
+    return Prediction("in_memory", sum(c.bytes_read for c in costs), 0, max((c.bytes_built for c in costs), default=0),
+                      (worst.bytes_read / bw) if worst else 0.0, bw, source,
+                      len({s for c in costs for s in c.sources}), ranks=costs)
