@@ -114,6 +114,8 @@ def render_plan(plan: Plan) -> str:
         lines.append("no differences: the run matches the checkpoint")
     lines.append("")
     lines.append(f"loader      {plan.loader.value if plan.loader else '-'}")
+    if plan.cost is not None:
+        lines.append(f"cost        {plan.cost.render().removeprefix('reshard cost: ')}")
     lines.append(f"optimizer   {'load' if plan.load_optimizer else 'not loaded'};  "
                  f"rng {'load' if plan.load_rng else 'not loaded'}")
     n_fatal = len(plan.fatal)

@@ -12,6 +12,7 @@ from megatron_preflight.check.compare import check_runtime_layout, compare_archi
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_namespace
 from megatron_preflight.check.verdict import Loader, Verdict
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format, Layout
 
@@ -36,6 +37,7 @@ class Plan:
     load_rng: bool = True
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    cost: Any = None  # reshard.cost.Prediction of the in-memory reshard, for a reshard verdict
 
     @property
     def fatal(self) -> list[Finding]:
@@ -50,6 +52,7 @@ class Plan:
             "load_rng": self.load_rng,
             "seconds": round(self.seconds, 4),
             "notes": self.notes,
+            "cost": self.cost.to_json() if self.cost is not None else None,
             "layout": self.layout.to_json(),
         }
 
@@ -294,8 +297,32 @@ def plan_from_layout(layout: Layout, rt: RuntimeArgs, t0: float | None = None) -
         verdict = Verdict.LOAD
     order = {FATAL: 0, RESHARD: 1, INFO: 2}
     findings.sort(key=lambda f: order[f.severity])
-    return Plan(verdict, loader, findings, layout, rt, load_optimizer=load_optim, load_rng=load_rng,
-                seconds=time.perf_counter() - t0)
+    plan = Plan(verdict, loader, findings, layout, rt, load_optimizer=load_optim, load_rng=load_rng)
+    if verdict == Verdict.RESHARD:
+        _predict_cost(plan)
+    plan.seconds = time.perf_counter() - t0
+    return plan
+
+
+PROBE_BYTES = 8 * 2**20  # the check's quick read of the source filesystem (for the time estimate)
+
+
+def _predict_cost(plan: Plan) -> None:
+    """What the in-memory reshard will cost each rank (metadata only: the resharder's plans, no tensor bytes)."""
+    if plan.layout.sampled:
+        plan.notes.append("reshard cost not predicted: the shards were sampled (--all-shards predicts it)")
+        return
+    from megatron_preflight.reshard import cost
+    from megatron_preflight.reshard.api import Resharder, TargetLayout
+
+    try:
+        r = Resharder(plan.layout, TargetLayout.from_args(plan.runtime, given=plan.runtime.given),
+                      keep_optimizer=plan.load_optimizer)
+        bandwidth = cost.measure_bandwidth(plan.layout.iter_dir or plan.layout.path, limit=PROBE_BYTES)
+        plan.cost = cost.predict_in_memory(r, bandwidth=bandwidth)
+        plan.cost.bandwidth_from = "measured"
+    except PreflightError as exc:
+        plan.notes.append(f"reshard cost not predicted: {exc.message}")
 
 
 def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,

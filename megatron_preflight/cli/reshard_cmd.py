@@ -71,12 +71,40 @@ def _run(ns: argparse.Namespace) -> int:
         target = dataclasses.replace(target, distributed_optimizer=ns.optimizer == "distributed")
     if ns.ckpt_format:
         target = dataclasses.replace(target, ckpt_format=ns.ckpt_format)
+    if ns.dry_run:
+        return _dry_run(ns, target)
     summary = write_resharded(ns.src, ns.dst, target, workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                               progress=None if ns.no_progress else progress_bar, drop_optimizer=ns.drop_optimizer,
                               distributed=True, keep_stale=ns.keep_stale_temp)
     if int(os.environ.get("RANK", "0") or 0) == 0:
         print(summary.render())
+    return 0
+
+
+def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
+    """Plan everything, move nothing: print the predicted cost (bytes, files, memory, time)."""
+    import json
+    import time
+
+    from megatron_preflight.reshard import cost
+    from megatron_preflight.reshard.writer import check_destination, open_checked
+
+    check_destination(ns.src, ns.dst)
+    t0 = time.perf_counter()
+    bandwidth = float(ns.bandwidth) * 2**20 if ns.bandwidth else None
+    if target.ckpt_format == "torch_dist":
+        from megatron_preflight.reshard.dist_target import global_resharders
+
+        r, g, _ = global_resharders(ns.src, target, iteration=ns.iteration, trust=ns.trust_checkpoint,
+                                    keep_optimizer=not ns.drop_optimizer)
+        prediction = cost.predict_torch_dist(r, g, bandwidth=bandwidth, setup_seconds=time.perf_counter() - t0)
+    else:
+        r = open_checked(ns.src, target, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
+                         drop_optimizer=ns.drop_optimizer)
+        prediction = cost.predict_offline(r, workers=ns.workers, verify=ns.verify, bandwidth=bandwidth,
+                                          setup_seconds=time.perf_counter() - t0)
+    print(json.dumps(prediction.to_json(), indent=1) if ns.json else prediction.render())
     return 0
 
 
@@ -114,6 +142,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-stale-temp", action="store_true",
                    help="leave the partial output of earlier runs that died (.DST.tmp-PID) in place; by default it is "
                         "removed, and the summary names it")
+    p.add_argument("--dry-run", action="store_true",
+                   help="write nothing: plan every shard and print what the reshard will cost (bytes read and "
+                        "written, files opened, peak memory, time), in total and per worker")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the prediction as JSON")
+    p.add_argument("--bandwidth", type=float, metavar="MIB_S",
+                   help="with --dry-run: the filesystem's read/write speed in MiB/s for the time estimate (default: a "
+                        "quick read of the source measures it)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true")
     p.set_defaults(func=_run)

@@ -23,7 +23,7 @@ from megatron_preflight.reshard.dist_optimizer import (
     index_dist_optimizer,
     plan_dist_optimizer,
 )
-from megatron_preflight.reshard.dist_source import virtual_layout
+from megatron_preflight.reshard.dist_source import RegionRef, virtual_layout
 from megatron_preflight.reshard.executor import SourceFiles, execute
 from megatron_preflight.reshard.optimizer import (
     PROVENANCE_KEY,
@@ -325,7 +325,14 @@ class Resharder:
                 if isinstance(piece.ref, TensorRef):
                     files = SourceFiles(self.layout.iter_dir or "", trust=self.trust)
                     try:
-                        return float(files.tensor(piece.shard, piece.ref).item())
+                        if isinstance(piece.ref, RegionRef):
+                            return float(files.tensor(piece.shard, piece.ref).item())
+                        value = files.file_of(piece.shard, piece.ref).item(piece.ref)  # a number, without torch
+                        if isinstance(value, TensorRef):
+                            raise PreflightError(f"the optimizer's step of {piece.shard} is not one number",
+                                                 path=self.layout.iter_dir, code="optimizer",
+                                                 fix="pass --drop-optimizer / start with --no-load-optim")
+                        return float(value)
                     finally:
                         files.close()
                 return float(piece.ref)

@@ -2,8 +2,8 @@
 per offline worker (``megatron-preflight reshard --dry-run``) or per runtime rank (the in-memory loader).
 
 Everything comes from the plans (metadata only). Bytes read are the source slices the plans copy (what the writer
-counts); bytes written are the exact sizes of the files the streaming writer makes (the same pickled tree and zip
-records, without the tensor bytes). Memory is a model of the writer: each process holds the resharder's index (its
+counts); bytes written are the sizes of the files the streaming writer makes (the same pickled tree and zip records,
+without the tensor bytes: exact but for the pickle's memo of repeated values, tens of bytes a file). Memory is a model of the writer: each process holds the resharder's index (its
 resident size now, measured) plus the pieces it streams (:data:`stream_save.CHUNK_BYTES` rows of one tensor and the
 source pages under them); an in-memory rank holds its whole state dict. Time is the bytes over a bandwidth the user
 gives or a quick read of the source filesystem, plus the workers' start-up.
@@ -140,13 +140,13 @@ def _built(plan: RankPlan) -> tuple[int, int]:
 
 
 def shard_cost(r: Any, name: str, plan: RankPlan, header: dict[str, Any] | None) -> ShardCost:
-    """The cost of one target shard; with ``header`` (offline), the exact sizes of the files written."""
-    from megatron_preflight.reshard.stream_save import planned_size, shard_tree
-
+    """The cost of one target shard; with ``header`` (offline), the sizes of the files written."""
     read, opened = slices_read(plan)
     built, largest = _built(plan)
     written = 0
     if header is not None:
+        from megatron_preflight.reshard.stream_save import planned_size, shard_tree  # the writer's (torch)
+
         written = planned_size(shard_tree(header, plan), naming.MODEL_FILENAME)
         if plan.dist_optimizer is not None:
             written += planned_size(plan.dist_optimizer, naming.DISTRIB_OPTIM_FILENAME)
@@ -200,8 +200,9 @@ def _bandwidth(r: Any, bandwidth: float | None) -> tuple[float, str]:
 
 
 def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth: float | None = None,
-                    names: list[str] | None = None) -> Prediction:
-    """The cost of ``megatron-preflight reshard`` (legacy output) with ``workers`` processes, from resharder ``r``."""
+                    names: list[str] | None = None, setup_seconds: float = 0.0) -> Prediction:
+    """The cost of ``megatron-preflight reshard`` (legacy output) with ``workers`` processes, from resharder ``r``
+    (``setup_seconds``: what opening ``r`` took, which each worker spends again)."""
     from megatron_preflight.reshard.executor import SourceFiles
     from megatron_preflight.reshard.stream_save import CHUNK_BYTES
 
@@ -231,9 +232,10 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
         out.append(WorkerCost(w, [c.name for c in mine], read * (2 if verify else 1), written,
                               len({s for c in mine for s in c.sources}), base + working,
                               (read * (2 if verify else 1) + written) / bw))
-    start = WORKER_START_SECONDS if n_workers > 1 else 0.0
+    start = setup_seconds + (WORKER_START_SECONDS + setup_seconds if n_workers > 1 else 0.0)
     peak = sum(w.peak_rss_bytes for w in out) + (base if n_workers > 1 else 0)
-    return Prediction("offline", sum(c.bytes_read for c in costs), sum(c.bytes_written for c in costs) + 16, peak,
+    tracker = len(str(r.layout.iteration if r.layout.iteration is not None else 0))
+    return Prediction("offline", sum(c.bytes_read for c in costs), sum(c.bytes_written for c in costs) + tracker, peak,
                       start + max(w.seconds for w in out), bw, source,
                       len({s for c in costs for s in c.sources}), workers=out)
 
@@ -248,3 +250,24 @@ def predict_in_memory(r: Any, *, bandwidth: float | None = None, names: list[str
     return Prediction("in_memory", sum(c.bytes_read for c in costs), 0, max((c.bytes_built for c in costs), default=0),
                       (worst.bytes_read / bw) if worst else 0.0, bw, source,
                       len({s for c in costs for s in c.sources}), ranks=costs)
+
+
+DIST_CHUNK_OVERHEAD = 1200  # a torch_dist chunk's torch.save wrapper and .metadata entry, bytes (measured ~1 KB)
+
+
+def predict_torch_dist(r: Any, g: Any, *, bandwidth: float | None = None, setup_seconds: float = 0.0) -> Prediction:
+    """The cost of writing the torch_dist form (one process: the global tensors of ``g``, the TP1·PP1·EP1 plan, as
+    chunks; an estimate: chunk wrappers are counted at :data:`DIST_CHUNK_OVERHEAD` bytes each)."""
+    from megatron_preflight.reshard.stream_save import CHUNK_BYTES
+
+    base = rss_now()
+    name, coords = next(iter(g.tgt.shard_dirs().items()))
+    plan = g.plan_for_coords(coords, name)
+    c = shard_cost(g, name, plan, None)
+    tensors = len([tp for tp in _planned(plan)])
+    written = c.bytes_built + DIST_CHUNK_OVERHEAD * tensors
+    bw, source = _bandwidth(r, bandwidth)
+    peak = base + c.largest_tensor + min(c.largest_tensor, CHUNK_BYTES)  # one global tensor is held whole
+    w = WorkerCost(0, ["torch_dist"], c.bytes_read, written, c.files_opened, peak, (c.bytes_read + written) / bw)
+    return Prediction("offline", c.bytes_read, written, peak, setup_seconds + w.seconds, bw, source, c.files_opened,
+                      workers=[w])

@@ -249,22 +249,28 @@ def verify_written(iter_out: str, out: _Writer, files: SourceFiles) -> int:
     return len(out.planned)
 
 
-def write_torch_dist(src: str, iter_out: str, target: TargetLayout, *, iteration: Any = None,
-                     trust: bool = False, keep_optimizer: bool = True, verify: bool = False) -> tuple[int, int, int]:
-    """Write the torch_dist form of ``src`` into the iteration dir ``iter_out`` (made by the caller, inside its
-    temp destination). ``target`` sets the args (and so the vocab padding and the optimizer's kind and parts) the
-    checkpoint records. Returns (bytes read, bytes written, chunks verified)."""
+def global_resharders(src: str, target: TargetLayout, *, iteration: Any = None, trust: bool = False,
+                      keep_optimizer: bool = True) -> tuple[Resharder, Resharder, bool]:
+    """(the resharder at ``target``, the one that plans the global tensors, whether the optimizer state is carried).
+    The global tensors are the one rank of TP1·PP1·EP1 (the optimizer state in the plain form, the one that keeps
+    fp32 masters and moments per parameter), the vocab padded for the target's TP (as a run at that TP builds it)."""
     r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=keep_optimizer)
     carry = keep_optimizer and r.writes_optimizer
-    # the global tensors: the one rank of TP1·PP1·EP1 (the optimizer state in the plain form, the one that keeps
-    # fp32 masters and moments per parameter)
-    # the vocab padded for the target's TP (as a run at that TP builds it), planned at TP1
     divisible = (target.make_vocab_size_divisible_by
                  or int(getattr(r.layout.saved_args, "make_vocab_size_divisible_by", 128) or 128)) * r.tgt.tp
     g = open_resharder(src, TargetLayout(tp=1, pp=1, ep=1, etp=1, padded_vocab_size=r.padded_vocab,
                                          vocab_size=target.vocab_size, make_vocab_size_divisible_by=divisible,
                                          distributed_optimizer=False),
                        iteration=iteration, trust_checkpoint=trust, keep_optimizer=carry)
+    return r, g, carry
+
+
+def write_torch_dist(src: str, iter_out: str, target: TargetLayout, *, iteration: Any = None,
+                     trust: bool = False, keep_optimizer: bool = True, verify: bool = False) -> tuple[int, int, int]:
+    """Write the torch_dist form of ``src`` into the iteration dir ``iter_out`` (made by the caller, inside its
+    temp destination). ``target`` sets the args (and so the vocab padding and the optimizer's kind and parts) the
+    checkpoint records. Returns (bytes read, bytes written, chunks verified)."""
+    r, g, carry = global_resharders(src, target, iteration=iteration, trust=trust, keep_optimizer=keep_optimizer)
     if g.layout.saved_args is None:
         raise PreflightError("the checkpoint has no saved args; a torch_dist checkpoint must record them",
                              path=g.layout.iter_dir, fix="convert a checkpoint saved by Megatron-LM", code="format")

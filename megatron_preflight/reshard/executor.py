@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from megatron_preflight import dtypes
 from megatron_preflight.layout import naming
 from megatron_preflight.reshard.dist_source import DistReader, RegionRef, dist_reader
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
 from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.torch_file import TensorRef, TorchFile
+
+if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
+    import torch
 
 
 class SourceFiles:
@@ -107,10 +109,13 @@ def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> t
 
 def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False) -> torch.Tensor:
     """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time."""
+    import torch
+
     assert tp.shape is not None
     whole = not tp.shape or (r0 == 0 and r1 == tp.shape[0])
     shape = tp.shape if whole else (r1 - r0, *tp.shape[1:])
-    dst = torch.zeros(shape, dtype=tp.dtype) if tp.zero_fill else torch.empty(shape, dtype=tp.dtype)  # planned padding
+    dtype = dtypes.to_torch(tp.dtype)
+    dst = torch.zeros(shape, dtype=dtype) if tp.zero_fill else torch.empty(shape, dtype=dtype)  # planned padding
     for op in tp.ops:
         src = files.tensor(op.shard, op.ref)
         if whole:
@@ -138,6 +143,8 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
 def build_flat(fp: Any, files: SourceFiles) -> torch.Tensor:
     """A distributed optimizer's world tensor (:class:`dist_optimizer.FlatPlan`): each planned state flattened at its
     offset, zeros between."""
+    import torch
+
     out = torch.zeros(fp.numel, dtype=fp.dtype)
     for start, tp in fp.parts:
         t = build_tensor(tp, files).reshape(-1)
@@ -147,6 +154,8 @@ def build_flat(fp: Any, files: SourceFiles) -> torch.Tensor:
 
 def build_tree(tree: Any, files: SourceFiles) -> Any:
     """A copy of ``tree`` with every :class:`TensorPlan` (and world tensor plan) inside built into its tensor."""
+    import torch
+
     from megatron_preflight.reshard.dist_optimizer import FlatPlan
 
     def leaf(v: Any, _p: tuple) -> Any:

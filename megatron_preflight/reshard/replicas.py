@@ -6,14 +6,16 @@ are a real failure mode; they are reported with the shards involved, never avera
 from __future__ import annotations
 
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.reshard.executor import SourceFiles
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
 from megatron_preflight.reshard.tree import iter_leaves
 from megatron_preflight.torch_file import TensorRef
+
+if TYPE_CHECKING:
+    import torch
 
 SAMPLE = 32  # elements compared at each of three places in the sampled check
 
@@ -30,11 +32,15 @@ def _planned(plan: RankPlan) -> Iterator[TensorPlan]:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     flat = t.reshape(-1)
     return flat.view(torch.uint8) if flat.numel() else flat
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     if not t.is_contiguous() or t.numel() <= 3 * SAMPLE:
         return _bytes(t)
     flat, n = t.view(-1), t.numel()
@@ -45,6 +51,8 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
 def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False) -> int:
     """Compare every replica of every source piece ``plan`` reads with its main copy (bit for bit), whole or
     sampled. Returns the number of replicas compared; raises :class:`ReplicaMismatch` on the first difference."""
+    import torch
+
     seen: set[tuple] = set()
     compared = 0
     for tp in _planned(plan):

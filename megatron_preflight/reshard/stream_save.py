@@ -22,7 +22,7 @@ from megatron_preflight.reshard.dist_optimizer import FlatPlan
 from megatron_preflight.reshard.executor import SourceFiles, build_rows
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
 from megatron_preflight.reshard.tree import map_leaves
-from megatron_preflight.reshard.zip_writer import TorchZipWriter
+from megatron_preflight.reshard.zip_writer import TorchZipWriter, zip_size
 
 CHUNK_BYTES = 16 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
 
@@ -60,9 +60,8 @@ class _Pickler(pickling.Pickler):
         return None
 
 
-def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, path: str) -> int:
-    """Write ``header`` plus the model chunks (and optimizer state) of ``plan`` to ``path``; returns the bytes of
-    tensor data written."""
+def shard_tree(header: dict[str, Any], plan: RankPlan) -> dict[str, Any]:
+    """The object tree of a target ``model_optim_rng.pt``: ``header`` plus the planned model chunks and optimizer."""
     state: dict[str, Any] = dict(header)
     for chunk in plan.chunks:
         state[chunk] = OrderedDict()
@@ -70,12 +69,17 @@ def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, p
         state[tp.chunk][tp.key] = tp
     if plan.optimizer is not None:
         state["optimizer"] = plan.optimizer
-    return save_tree(state, files, path)
+    return state
 
 
-def save_tree(tree: Any, files: SourceFiles, path: str) -> int:
-    """Write ``tree`` as a torch file at ``path``, building each planned tensor (:class:`TensorPlan`,
-    :class:`FlatPlan`) from its source slices a piece at a time; returns the bytes of tensor data written."""
+def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, path: str) -> int:
+    """Write ``header`` plus the model chunks (and optimizer state) of ``plan`` to ``path``; returns the bytes of
+    tensor data written."""
+    return save_tree(shard_tree(header, plan), files, path)
+
+
+def _records(tree: Any) -> tuple[bytes, list[tuple[_StorageStub, Any]]]:
+    """The pickled object tree (tensors as storage references) and the storages to write after it."""
     pending: list[tuple[_StorageStub, Any]] = []
 
     def stub(value: Any, _path: tuple = ()) -> Any:
@@ -98,12 +102,36 @@ def save_tree(tree: Any, files: SourceFiles, path: str) -> int:
     state = map_leaves(tree, stub)
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(state)
+    return buf.getvalue(), pending
+
+
+_FORMAT_VERSION, _BYTEORDER, _VERSION = b"1", b"little", b"3\n"
+
+
+def _archive(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0] or "archive"
+
+
+def planned_size(tree: Any, filename: str) -> int:
+    """The size of the file :func:`save_tree` writes for ``tree`` under the name ``filename``: no tensor is built, the
+    pickled tree and the zip records are laid out as the writer lays them out (the pickle may differ by the memo of a
+    repeated value: tens of bytes)."""
+    data, pending = _records(tree)
+    records = [("data.pkl", len(data)), (".format_version", len(_FORMAT_VERSION)), ("byteorder", len(_BYTEORDER))]
+    records += [(f"data/{s.key}", s.numel * s.dtype.itemsize) for s, _ in pending]
+    records += [("version", len(_VERSION)), (".data/serialization_id", len(_serialization_id("", 0)))]
+    return zip_size(records, _archive(filename))
+
+
+def save_tree(tree: Any, files: SourceFiles, path: str) -> int:
+    """Write ``tree`` as a torch file at ``path``, building each planned tensor (:class:`TensorPlan`,
+    :class:`FlatPlan`) from its source slices a piece at a time; returns the bytes of tensor data written."""
+    data, pending = _records(tree)
     written = 0
-    archive = os.path.splitext(os.path.basename(path))[0] or "archive"
-    with TorchZipWriter(path, archive) as zw:
-        zw.write("data.pkl", buf.getvalue())
-        zw.write(".format_version", b"1")
-        zw.write("byteorder", b"little")
+    with TorchZipWriter(path, _archive(path)) as zw:
+        zw.write("data.pkl", data)
+        zw.write(".format_version", _FORMAT_VERSION)
+        zw.write("byteorder", _BYTEORDER)
         for storage, source in pending:
             nbytes = storage.numel * storage.dtype.itemsize
             with zw.open(f"data/{storage.key}", nbytes) as fh:
@@ -112,7 +140,7 @@ def save_tree(tree: Any, files: SourceFiles, path: str) -> int:
                     del part
                     files.release_pages()
             written += nbytes
-        zw.write("version", b"3\n")
+        zw.write("version", _VERSION)
         zw.write(".data/serialization_id", _serialization_id(path, written).encode())
     return written
 

@@ -270,31 +270,45 @@ def _check_parent(dst: str) -> None:
                              code="usage")
 
 
+def check_destination(src: str, dst: str) -> None:
+    """The destination is new (or empty), writable, and not inside the source."""
+    src_abs, dst_abs = os.path.abspath(src), os.path.abspath(dst)
+    if os.path.exists(dst_abs) and (not os.path.isdir(dst_abs) or os.listdir(dst_abs)):
+        raise PreflightError("the destination exists and is not empty", path=dst_abs,
+                             fix="pass a new directory (the source is never overwritten)", code="usage")
+    _check_parent(dst_abs)
+    src_real, dst_real = os.path.realpath(src_abs), os.path.realpath(dst_abs)  # through symlinks
+    if dst_real == src_real or dst_real.startswith(src_real + os.sep):
+        raise PreflightError("the destination is inside the source checkpoint", path=dst_abs,
+                             fix="write the new checkpoint somewhere else: the source is never written to",
+                             code="usage")
+
+
+def open_checked(src: str, target: TargetLayout, *, iteration: Any, trust_checkpoint: bool,
+                 drop_optimizer: bool) -> Resharder:
+    """The resharder for an offline run; refuses to drop optimizer state the user did not ask to drop."""
+    r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint,
+                       keep_optimizer=not drop_optimizer)
+    if r.optimizer_problem is not None and not drop_optimizer:
+        p = r.optimizer_problem
+        raise PreflightError(f"the source holds optimizer state that cannot be resharded ({p.message}); writing "
+                             "the new layout would drop it", path=p.path or r.layout.iter_dir,
+                             fix="pass --drop-optimizer to write the weights without it (then start the run with "
+                                 "--no-load-optim)", code="usage")
+    return r
+
+
 def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bool, iteration: int | str | None,
            trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
            grp: share.Share | None, keep_stale: bool = False) -> Summary:
-    src_abs, dst_abs = os.path.abspath(src), os.path.abspath(dst)
+    dst_abs = os.path.abspath(dst)
     root = grp is None or grp.rank == 0
     error: BaseException | None = None
     r: Resharder | None = None
     try:
-        if os.path.exists(dst_abs) and (not os.path.isdir(dst_abs) or os.listdir(dst_abs)):
-            raise PreflightError("the destination exists and is not empty", path=dst_abs,
-                                 fix="pass a new directory (the source is never overwritten)", code="usage")
-        _check_parent(dst_abs)
-        src_real, dst_real = os.path.realpath(src_abs), os.path.realpath(dst_abs)  # through symlinks
-        if dst_real == src_real or dst_real.startswith(src_real + os.sep):
-            raise PreflightError("the destination is inside the source checkpoint", path=dst_abs,
-                                 fix="write the new checkpoint somewhere else: the source is never written to",
-                                 code="usage")
-        r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint,
-                           keep_optimizer=not drop_optimizer)
-        if r.optimizer_problem is not None and not drop_optimizer:
-            p = r.optimizer_problem
-            raise PreflightError(f"the source holds optimizer state that cannot be resharded ({p.message}); writing "
-                                 "the new layout would drop it", path=p.path or r.layout.iter_dir,
-                                 fix="pass --drop-optimizer to write the weights without it (then start the run with "
-                                     "--no-load-optim)", code="usage")
+        check_destination(src, dst)
+        r = open_checked(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint,
+                         drop_optimizer=drop_optimizer)
         files = SourceFiles(r.layout.iter_dir or "", trust=trust_checkpoint)
         try:
             r.check_masters(files)

@@ -17,6 +17,29 @@ ALIGN = 64
 _PAD_ID = 0x4246  # "FB", the padding extra field torch's own writer uses
 
 
+def _pad(start: int) -> int:
+    return (-start) % ALIGN
+
+
+def zip_size(records: list[tuple[str, int]], archive: str) -> int:
+    """The size of the archive :class:`TorchZipWriter` writes for ``records`` ((name, bytes), in order): local
+    headers with the alignment padding, the data, the central directory (zip64 fields where zipfile adds them) and the
+    end records."""
+    pos = cd = 0
+    for name, size in records:
+        fname = len(f"{archive}/{name}".encode())
+        zip64 = size >= zipfile.ZIP64_LIMIT - 1024
+        extra = 4 + _pad(pos + 30 + fname + (20 if zip64 else 0) + 4)
+        offset = pos
+        pos += 30 + fname + extra + (20 if zip64 else 0) + size
+        fields = (2 if size > zipfile.ZIP64_LIMIT else 0) + (1 if offset > zipfile.ZIP64_LIMIT else 0)
+        cd += 46 + fname + extra + (4 + 8 * fields if fields else 0)
+    end = 22
+    if len(records) > zipfile.ZIP_FILECOUNT_LIMIT or cd > zipfile.ZIP64_LIMIT or pos > zipfile.ZIP64_LIMIT:
+        end += 56 + 20  # the zip64 end record and its locator
+    return pos + cd + end
+
+
 class TorchZipWriter:
     def __init__(self, path: str, archive: str = "archive") -> None:
         self.archive = archive
@@ -31,7 +54,7 @@ class TorchZipWriter:
         fp = self._zf.fp
         assert fp is not None
         start = fp.tell() + 30 + len(info.filename.encode()) + (20 if zip64 else 0) + 4
-        pad = (-start) % ALIGN
+        pad = _pad(start)
         info.extra = struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
         return info, zip64
 

@@ -13,12 +13,9 @@ import pytest
 
 from megatron_preflight.cli.main import main
 from tests.conftest import FIXTURES
+from tests.helpers.tiny import FLAGS
 
 CASES = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
-RUN_FLAGS = {
-    "same": None,  # the checkpoint's own sizes (filled per case from inspect)
-    "other": ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer", "--bf16"],
-}
 # Run the CLI in a fresh interpreter and report which heavy modules it loaded.
 _PROBE = """
 import json, sys
@@ -46,10 +43,27 @@ def _here(args: list[str]) -> tuple[int, dict]:
     return rc, json.loads(out.getvalue())
 
 
+def _model(layout: dict) -> list[str]:
+    experts = layout["saved_args"].get("num_experts")
+    return FLAGS + (["--num-experts", str(experts), "--moe-router-topk", "2"] if experts else [])
+
+
 def _same_sizes(layout: dict) -> list[str]:
     flags = ["--tensor-model-parallel-size", str(layout["tp"] or 1), "--pipeline-model-parallel-size",
              str(layout["pp"] or 1), "--expert-model-parallel-size", str(layout["ep"] or 1)]
-    return flags + (["--use-distributed-optimizer"] if layout["distributed_optimizer"] else [])
+    return _model(layout) + flags + (["--use-distributed-optimizer"] if layout["distributed_optimizer"] else [])
+
+
+def _other_sizes(layout: dict) -> list[str]:
+    return _model(layout) + ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"]
+
+
+def _stable(plan: dict) -> dict:
+    plan.pop("seconds", None)
+    if plan.get("cost"):  # measured: the filesystem's speed now
+        for k in ("estimated_seconds", "bandwidth_bytes_per_s"):
+            plan["cost"].pop(k)
+    return plan
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -58,11 +72,18 @@ def test_inspect_and_check_never_load_torch_and_answer_as_with_it(case):
     rc, free, loaded = _fresh(["inspect", path, "--json"])
     assert loaded == [], f"inspect loaded {loaded}"
     assert (rc, free) == _here(["inspect", path, "--json"])
-    for flags in (_same_sizes(free), RUN_FLAGS["other"]):
+    for flags in (_same_sizes(free), _other_sizes(free)):
         args = ["check", path, "--json", "--", *flags]
         rc, plan, loaded = _fresh(args)
         assert loaded == [], f"check loaded {loaded}"
-        plan.pop("seconds", None)
         rc2, plan2 = _here(args)
-        plan2.pop("seconds", None)
-        assert (rc, plan) == (rc2, plan2)
+        assert (rc, _stable(plan)) == (rc2, _stable(plan2))
+        VERDICTS.add(plan["verdict"])
+
+
+VERDICTS: set[str] = set()
+
+
+def test_every_verdict_was_compared():
+    """The cases above met every verdict (a reshard one with its cost prediction included)."""
+    assert VERDICTS >= {"load", "reshard", "fail"} or not VERDICTS
