@@ -256,9 +256,9 @@ def _sample(layout: Layout, shards: list[Shard], trust: bool) -> list[Shard]:
     picks = [shards[0]]
     for pp in range(par.pp):
         name = naming.shard_dir_name(0, pp, 0, pp_size=par.pp, ep_size=par.ep)
-        if name in by_name and by_name[name] not in picks:
+        if name in by_name and all(by_name[name] is not p for p in picks):
             picks.append(by_name[name])
-    if shards[-1] not in picks:
+    if all(shards[-1] is not p for p in picks):
         picks.append(shards[-1])
     return picks
 
@@ -283,8 +283,9 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
             readable.append(s)
         except PreflightError as exc:
             layout.add(exc.code, exc.path or s.path, exc.message, exc.fix or "")
+    readable_ids = {id(s) for s in readable}  # identity: comparing Shard dataclasses field by field is quadratic
     for s in layout.shards:
-        if s not in readable and naming.MODEL_FILENAME in s.files:
+        if id(s) not in readable_ids and naming.MODEL_FILENAME in s.files:
             continue
         if naming.MODEL_FILENAME not in s.files:
             layout.add("missing_file", os.path.join(s.path, naming.MODEL_FILENAME),
@@ -299,8 +300,9 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
         picked = _sample(layout, to_read, trust)
         if len(picked) < len(to_read):
             layout.sampled = True
+            picked_ids = {id(s) for s in picked}
             for s in to_read:
-                if s not in picked:
+                if id(s) not in picked_ids:
                     _check_trailer(layout, os.path.join(s.path, naming.MODEL_FILENAME))
             layout.notes.append(
                 f"sampled: {len(picked)} of {len(to_read)} shard files parsed (rank 0's, the first of each pipeline "

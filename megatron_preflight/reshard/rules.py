@@ -17,6 +17,7 @@ Unknown keys raise :class:`UnknownKeyError` naming the key: never silently copie
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -109,6 +110,7 @@ class KeyInfo:
         return f"decoder.layers.{layer}.{self.suffix}"
 
 
+@functools.lru_cache(maxsize=1 << 17)  # the same keys recur in every shard and every pass over them
 def parse_key(key: str) -> KeyInfo:
     m = _LAYER_RE.match(key)
     if not m:
@@ -141,18 +143,26 @@ def matching_rules(info: KeyInfo) -> list[tuple[str, Rule]]:
 
 def rule_for(info: KeyInfo, *, swiglu: bool) -> Rule:
     """The split rule of a parsed key: exactly one table row must match (SwiGLU decides whether fc1 is a GLU
-    split)."""
+    split). It depends on the suffix alone (and whether it is inside an expert): matched once per suffix."""
+    found = _rule_of_suffix(info.suffix, info.expert is not None, swiglu)
+    if isinstance(found, Rule):
+        return found
     where = info.render(info.layer, info.expert)
-    matches = matching_rules(info)
-    if len(matches) > 1:
-        raise AmbiguousRuleError(f"key {where} matches {len(matches)} rows of the split-rule table "
-                                 f"({', '.join(p for p, _ in matches)})",
+    if found:
+        raise AmbiguousRuleError(f"key {where} matches {len(found)} rows of the split-rule table ({', '.join(found)})",
                                  fix="this is a bug in megatron-preflight's rule table: report it", code="rules")
-    if not matches:
-        raise UnknownKeyError(
-            f"key {where} has no split rule (unknown parameter: another model type, MLA, MTP or a newer Megatron?)",
-            fix="no layout change can be done safely for it; load at the checkpoint's own layout, or convert with "
-                "Megatron to torch_dist and let its dist loader reshard", code="unknown_key")
+    raise UnknownKeyError(
+        f"key {where} has no split rule (unknown parameter: another model type, MLA, MTP or a newer Megatron?)",
+        fix="no layout change can be done safely for it; load at the checkpoint's own layout, or convert with "
+            "Megatron to torch_dist and let its dist loader reshard", code="unknown_key")
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _rule_of_suffix(suffix: str, expert: bool, swiglu: bool) -> Rule | tuple[str, ...]:
+    """The one rule for ``suffix``, or the patterns that matched (none, or more than one)."""
+    matches = matching_rules(KeyInfo(0, 0 if expert else None, suffix))
+    if len(matches) != 1:
+        return tuple(p for p, _ in matches)
     rule = matches[0][1]
     if rule.kind == "fc1":
         return Rule("glu" if swiglu else "column", rule.group)

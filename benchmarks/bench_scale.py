@@ -1,0 +1,352 @@
+"""Scale: the verdict's cost vs shard count, the layout rank 0 broadcasts, what each rank reads in memory, and the
+reshard cost prediction against the measured run. Prints one table per part.
+
+  A  `inspect` / `check` wall and peak RSS for 1, 64, 1,024 and 8,192 shard dirs (synthetic checkpoints with
+     Megatron-Core's key names and the full state of a real save, hollow tensors: real shapes, no bytes), each in a
+     fresh process, against `--all-shards`; and Megatron-LM's own torch_dist fixtures.
+  B  the layout payload rank 0 sends (the compact transport vs plain pickle of the full layout) and its broadcast time
+     over gloo to 4 processes, for 1,024 and 8,192 shards.
+  C  in-memory resharding: per rank, bytes read vs bytes of the state it needs, TP8->TP4, PP16->PP8, EP64->EP32,
+     sampled ranks built by 4 processes standing in for ranks (each receives the compact layout, as in the hook).
+  D  `reshard --dry-run --json` predictions vs the measured run (bytes read, bytes on disk, peak RSS of the whole
+     process tree polled from /proc, seconds) on ~0.3-1 GB checkpoints.
+
+Usage: python benchmarks/bench_scale.py [--work DIR] [--parts ABCD] [--big-shards 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from tests.helpers.synthetic import Model, write_legacy  # noqa: E402
+
+MIB = 2**20
+# one model (32 layers, 64 experts, hidden 4096) at four layouts
+LAYOUTS = {1: (1, 1, 1), 64: (2, 4, 8), 1024: (8, 16, 8), 8192: (8, 16, 64)}
+
+
+def big_model(tp: int, pp: int, ep: int) -> Model:
+    return Model(tp=tp, pp=pp, ep=ep, layers_per_stage=32 // pp, experts=64, hidden=4096, heads=32, ffn=16384,
+                 moe_ffn=2048, vocab=128000, seq=4096)
+
+
+def run_flags(m: Model) -> list[str]:
+    return ["--tensor-model-parallel-size", str(m.tp), "--pipeline-model-parallel-size", str(m.pp),
+            "--expert-model-parallel-size", str(m.ep), "--expert-tensor-parallel-size", str(m.tp),
+            "--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden), "--num-attention-heads", str(m.heads),
+            "--ffn-hidden-size", str(m.ffn), "--num-experts", str(m.num_experts), "--moe-ffn-hidden-size",
+            str(m.moe_ffn), "--seq-length", str(m.seq), "--max-position-embeddings", str(m.seq), "--vocab-size",
+            str(m.vocab), "--untie-embeddings-and-output-weights", "--transformer-impl", "local",
+            "--disable-bias-linear", "--ckpt-format", "torch", "--no-load-optim"]
+
+
+def run_cli(args: list[str]) -> tuple[float, int, str]:
+    """Wall, peak RSS (from the process's own /proc/self/status VmHWM) and stdout of `megatron-preflight ARGS`."""
+    probe = ("import sys,runpy\nfrom megatron_preflight.cli.main import main\nrc=main(sys.argv[1:])\nsys.stdout.flush()\n"
+             "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr)\n"
+             "sys.exit(rc)")
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    rss = int(p.stderr.strip().splitlines()[-1]) * 1024
+    return wall, rss, p.stdout
+
+
+def median_run(args: list[str], n: int = 3) -> tuple[float, int, str]:
+    runs = sorted((run_cli(args) for _ in range(n)), key=lambda r: r[0])
+    return runs[len(runs) // 2]
+
+
+def part_a(work: str, sizes: list[int]) -> None:
+    print("\nA. inspect / check vs shard count (fresh process each; median of 3; `all` = --all-shards, once)")
+    print(f"{'shards':>7} {'layout':>14} {'MiB on disk':>11} {'inspect s':>9} {'check s':>8} {'RSS MiB':>8} "
+          f"{'parsed':>7} {'inspect --all-shards s':>23}")
+    for n in sizes:
+        tp, pp, ep = LAYOUTS[n]
+        m = big_model(tp, pp, ep)
+        root = os.path.join(work, f"hollow_{n}")
+        if not os.path.exists(root):
+            write_legacy(root, m)
+        disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+        wi, rss, out = median_run(["inspect", root, "--json"])
+        layout = json.loads(out)
+        assert layout["ok"], layout["problems"]
+        wc, rss_c, out_c = median_run(["check", root, "--json", "--", *run_flags(m)])
+        assert json.loads(out_c)["verdict"] == "load", out_c[-2000:]
+        parsed = min(n, 2 + pp) if layout["sampled"] else n  # the sample: rank 0's, each stage's first, the last
+        wa = run_cli(["inspect", root, "--json", "--all-shards"])[0]
+        print(f"{n:>7} {f'TP{tp} PP{pp} EP{ep}':>14} {disk / MIB:>11.1f} {wi:>9.2f} {wc:>8.2f} "
+              f"{max(rss, rss_c) / MIB:>8.0f} {parsed:>7} {wa:>23.2f}")
+    fixtures = os.path.join(os.path.dirname(HERE), "tests", "fixtures", "megatron-lm")
+    rows = []
+    for name in ("tp2_torch_dist", "moe_shared_tp2pp2ep2_torch_dist", "distopt_dpr_moe_ep2dp2_torch_dist"):
+        wi = median_run(["inspect", os.path.join(fixtures, name)])[0]
+        rows.append(f"{name} {wi:.2f} s")
+    print("torch_dist (Megatron-LM's own saves), inspect: " + "; ".join(rows))
+
+
+def part_b(work: str, sizes: list[int]) -> None:
+    from megatron_preflight.layout import discover, transport
+
+    print("\nB. layout payload rank 0 sends, and its broadcast (gloo, 4 processes on this machine)")
+    print(f"{'shards':>7} {'read all s':>10} {'full pickle KiB/shard':>22} {'compact KiB/shard':>18} "
+          f"{'compact MiB':>12} {'encode s':>9} {'decode s':>9} {'broadcast s':>12}")
+    for n in sizes:
+        root = os.path.join(work, f"hollow_{n}")
+        if not os.path.exists(root):
+            write_legacy(root, big_model(*LAYOUTS[n]))
+        t0 = time.perf_counter()
+        layout = discover(root)
+        read = time.perf_counter() - t0
+        full = len(_full_pickle(layout))
+        t0 = time.perf_counter()
+        data = transport.dumps(layout)
+        enc = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        transport.loads(data)
+        dec = time.perf_counter() - t0
+        bcast = broadcast_seconds(data, world=4)
+        print(f"{n:>7} {read:>10.1f} {full / n / 1024:>22.1f} {len(data) / n / 1024:>18.2f} {len(data) / MIB:>12.2f} "
+              f"{enc:>9.2f} {dec:>9.2f} {bcast:>12.3f}")
+
+
+def _full_pickle(layout) -> bytes:
+    """What was sent before: the whole layout pickled (every shard's args and RNG state), uncompressed."""
+    import io
+    import pickle
+
+    from megatron_preflight.layout import transport
+
+    buf = io.BytesIO()
+    transport._Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(layout)
+    return buf.getvalue()
+
+
+def _bcast_worker(rank: int, world: int, port: int, path: str, q) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    box = [open(path, "rb").read() if rank == 0 else None]
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.broadcast_object_list(box, src=0)
+    dist.barrier()
+    q.put((rank, time.perf_counter() - t0, len(box[0])))
+    dist.destroy_process_group()
+
+
+def broadcast_seconds(data: bytes, world: int = 4) -> float:
+    import multiprocessing as mp
+    import socket
+
+    with tempfile.NamedTemporaryFile(delete=False) as fh:
+        fh.write(data)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_bcast_worker, args=(r, world, port, fh.name, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    os.unlink(fh.name)
+    assert all(n == len(data) for _, _, n in results)
+    return max(t for _, t, _ in results)
+
+
+CASES_C = [
+    ("TP8 -> TP4", (8, 16, 1), {"tp": 4}),
+    ("PP16 -> PP8", (8, 16, 1), {"pp": 8}),
+    ("EP64 -> EP32", (1, 2, 64), {"ep": 32}),
+]
+
+
+def _rank_worker(payload_path: str, target: dict, names: list[str], q) -> None:
+    from megatron_preflight.layout import transport
+    from megatron_preflight.reshard.api import TargetLayout, open_resharder
+    from megatron_preflight.reshard.executor import SourceFiles
+
+    layout = transport.loads(open(payload_path, "rb").read())
+    r = open_resharder(layout, TargetLayout(**target))
+    for name in names:
+        plan = r.plan_for_coords(r.tgt.shard_dirs()[name], name)
+        files = SourceFiles(r.layout.iter_dir or "")
+        try:
+            t0 = time.perf_counter()
+            state = r.build(plan, files)
+            secs = time.perf_counter() - t0
+            need = sum(t.numel() * t.element_size() for k, v in state.items() if k.startswith("model")
+                       for t in v.values() if hasattr(t, "numel"))
+            q.put((name, files.bytes_read, need, len(files._files), secs))
+        finally:
+            files.close()
+
+
+def part_c(work: str) -> None:
+    import multiprocessing as mp
+
+    from megatron_preflight.layout import discover, transport
+    from megatron_preflight.reshard import cost
+    from megatron_preflight.reshard.api import TargetLayout, open_resharder
+
+    print("\nC. in-memory reshard: per rank, bytes read vs bytes of its state dict (sampled ranks, 4 processes)")
+    print(f"{'case':<14} {'src shards':>10} {'ranks':>6} {'read MiB/rank':>14} {'needed MiB/rank':>16} "
+          f"{'read/needed max':>15} {'predicted=read':>14} {'files/rank':>10} {'payload KiB':>11}")
+    for label, (tp, pp, ep), target in CASES_C:
+        m = Model(tp=tp, pp=pp, ep=ep, layers_per_stage=max(1, 16 // pp), experts=64 if ep > 1 else 0, hidden=256,
+                  heads=16, ffn=1024, moe_ffn=512, vocab=4096, seq=256)
+        root = os.path.join(work, f"real_{tp}_{pp}_{ep}")
+        if not os.path.exists(root):
+            write_legacy(root, m, hollow=False)
+        layout = discover(root)
+        payload = transport.dumps(layout)
+        path = os.path.join(work, "payload.bin")
+        with open(path, "wb") as fh:
+            fh.write(payload)
+        r = open_resharder(layout, TargetLayout(**target))
+        names = list(r.tgt.shard_dirs())
+        sample = names[:: max(1, len(names) // 16)]
+        predicted = {c.name: c.bytes_read for c in cost.predict_in_memory(r, bandwidth=1e9, names=sample).ranks}
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_rank_worker, args=(path, target, sample[i::4], q)) for i in range(4)]
+        for p in procs:
+            p.start()
+        rows = [q.get(timeout=1800) for _ in sample]
+        for p in procs:
+            p.join()
+        read = [x[1] for x in rows]
+        need = [x[2] for x in rows]
+        exact = all(predicted[x[0]] == x[1] for x in rows)
+        ratio = max(a / b for a, b in zip(read, need, strict=True))
+        print(f"{label:<14} {len(layout.shards):>10} {len(rows):>6} {max(read) / MIB:>14.2f} {max(need) / MIB:>16.2f} "
+              f"{ratio:>15.3f} {str(exact):>14} {max(x[3] for x in rows):>10} {len(payload) / 1024:>11.1f}")
+
+
+def _tree_rss(root_pid: int) -> int:
+    """Resident set of a process and all its descendants (VmRSS summed), bytes."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/status") as fh:
+                fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        except OSError:
+            continue
+        pid, ppid = int(d), int(fields.get("PPid", "0").strip() or 0)
+        children.setdefault(ppid, []).append(pid)
+        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+    total, stack = 0, [root_pid]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total
+
+
+def measured_run(args: list[str]) -> tuple[float, int, str]:
+    """Wall seconds, peak RSS of the whole process tree (polled every 20 ms) and stdout of a reshard."""
+    p = subprocess.Popen([sys.executable, "-m", "megatron_preflight", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    peak = [0]
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _tree_rss(p.pid))
+            time.sleep(0.02)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t0 = time.perf_counter()
+    t.start()
+    out, err = p.communicate()
+    wall = time.perf_counter() - t0
+    done.set()
+    t.join()
+    if p.returncode:
+        raise SystemExit(f"reshard failed: {err}")
+    return wall, peak[0], out
+
+
+def part_d(work: str) -> None:
+    from bench_reshard import make_checkpoint
+
+    print("\nD. reshard --dry-run --json prediction vs the measured run (bandwidth: the dry run's quick read)")
+    print(f"{'case':<30} {'workers':>7} {'read MiB p/m':>16} {'written MiB p/m':>18} {'bytes err':>9} "
+          f"{'peak RSS MiB p/m':>17} {'ratio':>6} {'seconds p/m':>13}")
+    ckpts = {"dense": dict(layers=8, tp=2, ep=1, moe=None), "moe": dict(layers=4, tp=1, ep=2, moe=8),
+             "adam": dict(layers=3, tp=2, ep=1, moe=None, adam=True),
+             "distopt": dict(layers=3, tp=2, ep=1, moe=None, distributed=True)}
+    for name, kw in ckpts.items():
+        if not os.path.exists(os.path.join(work, name)):
+            make_checkpoint(os.path.join(work, name), **kw)
+    cases = [("dense TP2 -> TP1", "dense", ["--tp", "1"], 1), ("dense TP2 -> TP4", "dense", ["--tp", "4"], 2),
+             ("dense TP2 -> PP2", "dense", ["--pp", "2"], 4), ("MoE EP2 -> EP4", "moe", ["--ep", "4"], 2),
+             ("dense+Adam TP2 -> TP1", "adam", ["--tp", "1"], 1), ("dense+DistOpt TP2 -> PP2", "distopt",
+                                                                   ["--pp", "2"], 2),
+             ("dense TP2 -> TP1 --verify", "dense", ["--tp", "1", "--verify"], 1),
+             ("dense TP2 -> torch_dist", "dense", ["--ckpt-format", "torch_dist"], 1)]
+    for label, name, flags, workers in cases:
+        src, dst = os.path.join(work, name), os.path.join(work, "out")
+        shutil.rmtree(dst, ignore_errors=True)
+        common = ["reshard", src, dst, *flags, "--workers", str(workers), "--no-progress"]
+        _, _, out = measured_run([*common, "--dry-run", "--json"])
+        pred = json.loads(out)
+        assert not os.path.exists(dst)
+        wall, peak, out = measured_run(common)
+        read = float(out.split("read ")[1].split(" MiB")[0]) * MIB
+        written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dst) for f in fs)
+        err = max(abs(pred["bytes_read"] - read) / max(read, 1), abs(pred["bytes_written"] - written) / written)
+        ratio = pred["peak_rss_bytes"] / peak
+        print(f"{label:<30} {workers:>7} {pred['bytes_read'] / MIB:>7.1f}/{read / MIB:<8.1f} "
+              f"{pred['bytes_written'] / MIB:>8.1f}/{written / MIB:<9.1f} {err * 100:>8.2f}% "
+              f"{pred['peak_rss_bytes'] / MIB:>8.0f}/{peak / MIB:<8.0f} {ratio:>6.2f} "
+              f"{pred['estimated_seconds']:>6.1f}/{wall:<6.1f}")
+        shutil.rmtree(dst, ignore_errors=True)
+    print("read: as the summary counts it (the MiB it prints: rounded to 0.1); written: bytes on disk; peak RSS: the "
+          "whole process tree, VmRSS summed and polled every 20 ms; seconds: predicted vs the process's wall time "
+          "(incl. interpreter and torch start-up)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--parts", default="ABCD")
+    ap.add_argument("--big-shards", type=int, default=8192, choices=(1024, 8192))
+    ns = ap.parse_args()
+    work = ns.work or tempfile.mkdtemp(prefix="bench_scale_")
+    os.makedirs(work, exist_ok=True)
+    sizes = [n for n in (1, 64, 1024, 8192) if n <= ns.big_shards]
+    try:
+        if "A" in ns.parts:
+            part_a(work, sizes)
+        if "B" in ns.parts:
+            part_b(work, [n for n in sizes if n >= 1024])
+        if "C" in ns.parts:
+            part_c(work)
+        if "D" in ns.parts:
+            part_d(work)
+    finally:
+        if not ns.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
