@@ -293,7 +293,7 @@ def part_d(work: str) -> None:
           f"{'peak RSS MiB p/m':>17} {'ratio':>6} {'seconds p/m':>13}")
     ckpts = {"dense": dict(layers=8, tp=2, ep=1, moe=None), "moe": dict(layers=4, tp=1, ep=2, moe=8),
              "adam": dict(layers=3, tp=2, ep=1, moe=None, adam=True),
-             "distopt": dict(layers=3, tp=2, ep=1, moe=None, distributed=True)}
+             "distopt": dict(layers=4, tp=2, ep=1, moe=None, distributed=True)}
     for name, kw in ckpts.items():
         if not os.path.exists(os.path.join(work, name)):
             make_checkpoint(os.path.join(work, name), **kw)

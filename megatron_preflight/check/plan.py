@@ -323,6 +323,8 @@ def _predict_cost(plan: Plan) -> None:
         plan.cost.bandwidth_from = "measured"
     except PreflightError as exc:
         plan.notes.append(f"reshard cost not predicted: {exc.message}")
+    except Exception as exc:  # noqa: BLE001 - the prediction is advice: it never changes or blocks a verdict
+        plan.notes.append(f"reshard cost not predicted (internal error {type(exc).__name__}: {exc})")
 
 
 def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,

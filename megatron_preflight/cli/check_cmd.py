@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from megatron_preflight.check.plan import Verdict, make_plan
 from megatron_preflight.check.runtime_args import from_cli, from_yaml
@@ -18,7 +17,9 @@ def _run(ns: argparse.Namespace) -> int:
     plan = make_plan(ns.path, rt, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                      shards="all" if ns.all_shards else "auto")
     if ns.json:
-        print(json.dumps(plan.to_json(), indent=1))
+        from megatron_preflight.cli.main import to_json_text
+
+        print(to_json_text(plan.to_json(), len(plan.layout.shards)))
     else:
         print(render_plan(plan))
     return 1 if plan.verdict == Verdict.FAIL else 0

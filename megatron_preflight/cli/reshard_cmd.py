@@ -85,25 +85,23 @@ def _run(ns: argparse.Namespace) -> int:
 def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
     """Plan everything, move nothing: print the predicted cost (bytes, files, memory, time)."""
     import json
-    import time
 
     from megatron_preflight.reshard import cost
     from megatron_preflight.reshard.writer import check_destination, open_checked
 
     check_destination(ns.src, ns.dst)
-    t0 = time.perf_counter()
     bandwidth = float(ns.bandwidth) * 2**20 if ns.bandwidth else None
     if target.ckpt_format == "torch_dist":
         from megatron_preflight.reshard.dist_target import global_resharders
 
         r, g, _ = global_resharders(ns.src, target, iteration=ns.iteration, trust=ns.trust_checkpoint,
                                     keep_optimizer=not ns.drop_optimizer)
-        prediction = cost.predict_torch_dist(r, g, bandwidth=bandwidth, setup_seconds=time.perf_counter() - t0)
+        prediction = cost.predict_torch_dist(r, g, bandwidth=bandwidth, startup_seconds=cost.process_age())
     else:
         r = open_checked(ns.src, target, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                          drop_optimizer=ns.drop_optimizer)
         prediction = cost.predict_offline(r, workers=ns.workers, verify=ns.verify, bandwidth=bandwidth,
-                                          setup_seconds=time.perf_counter() - t0)
+                                          startup_seconds=cost.process_age())
     print(json.dumps(prediction.to_json(), indent=1) if ns.json else prediction.render())
     return 0
 
@@ -147,8 +145,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "written, files opened, peak memory, time), in total and per worker")
     p.add_argument("--json", action="store_true", help="with --dry-run: print the prediction as JSON")
     p.add_argument("--bandwidth", type=float, metavar="MIB_S",
-                   help="with --dry-run: the filesystem's read/write speed in MiB/s for the time estimate (default: a "
-                        "quick read of the source measures it)")
+                   help="with --dry-run: the filesystems' read and write speed in MiB/s for the time estimate "
+                        "(default: measured by a quick read of the source and an fsync'd write to the OS temp dir)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true")
     p.set_defaults(func=_run)

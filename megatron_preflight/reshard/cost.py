@@ -6,7 +6,8 @@ counts); bytes written are the sizes of the files the streaming writer makes (th
 without the tensor bytes: exact but for the pickle's memo of repeated values, tens of bytes a file). Memory is a model of the writer: each process holds the resharder's index (its
 resident size now, measured) plus the pieces it streams (:data:`stream_save.CHUNK_BYTES` rows of one tensor and the
 source pages under them); an in-memory rank holds its whole state dict. Time is the bytes over a bandwidth the user
-gives or a quick read of the source filesystem, plus the workers' start-up.
+gives, or quick probes (a read of the source, an fsync'd write to the OS temp dir), plus the start-up (this process's
+own age when it predicts: interpreter, torch, metadata), paid again by spawned workers.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from megatron_preflight.layout import naming
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
 from megatron_preflight.reshard.tree import iter_leaves
 
-WORKER_START_SECONDS = 3.0  # a spawned worker imports torch and re-reads the metadata (measured: 2-4 s here)
-PROBE_BYTES = 64 * 2**20  # the quick read that measures the source filesystem
+PROBE_BYTES = 64 * 2**20  # the quick read (and write) that measure the filesystems
 
 
 @dataclass
@@ -58,9 +58,11 @@ class Prediction:
     bytes_written: int
     peak_rss_bytes: int  # offline: the whole run (main process + concurrent workers); in memory: the largest rank
     estimated_seconds: float
-    bandwidth_bytes_per_s: float
+    bandwidth_bytes_per_s: float  # reading the source
     bandwidth_from: str  # given | measured
     files_opened: int
+    write_bandwidth_bytes_per_s: float = 0.0  # writing (and syncing) the output; offline only
+    startup_seconds: float = 0.0  # interpreter, torch and the metadata: paid by the main process and each worker
     workers: list[WorkerCost] = field(default_factory=list)  # offline
     ranks: list[ShardCost] = field(default_factory=list)  # in memory: one per target shard dir (its DP replicas alike)
 
@@ -87,8 +89,10 @@ class Prediction:
                     f"({self.bandwidth_from})")
         lines = [f"dry run: nothing written. Predicted: read {self.bytes_read / mib:.1f} MiB, write "
                  f"{self.bytes_written / mib:.1f} MiB, {self.files_opened} source file(s) opened, peak RSS "
-                 f"{self.peak_rss_bytes / mib:.0f} MiB (all processes), about {self.estimated_seconds:.1f} s at "
-                 f"{self.bandwidth_bytes_per_s / mib:.0f} MiB/s ({self.bandwidth_from})",
+                 f"{self.peak_rss_bytes / mib:.0f} MiB (all processes), about {self.estimated_seconds:.1f} s "
+                 f"(reading at {self.bandwidth_bytes_per_s / mib:.0f} MiB/s, writing at "
+                 f"{self.write_bandwidth_bytes_per_s / mib:.0f} MiB/s: {self.bandwidth_from}; "
+                 f"{self.startup_seconds:.1f} s start-up)",
                  f"{'worker':>6} {'shards':>6} {'read MiB':>10} {'write MiB':>10} {'files':>6} {'peak MiB':>9} "
                  f"{'seconds':>8}"]
         for w in self.workers:
@@ -193,6 +197,33 @@ def measure_bandwidth(iter_dir: str, limit: int = PROBE_BYTES) -> float:
     return done / max(time.perf_counter() - t0, 1e-6)
 
 
+def measure_write_bandwidth(limit: int = PROBE_BYTES) -> float:
+    """Bytes per second of writing and fsyncing ``limit`` bytes to a temp file of the OS temp dir (removed at once;
+    nothing is written near the checkpoint: pass --bandwidth when the destination is another filesystem)."""
+    import tempfile
+
+    block = b"\0" * (4 * 2**20)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile() as fh:
+        for _ in range(max(1, limit // len(block))):
+            fh.write(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return max(1, limit // len(block)) * len(block) / max(time.perf_counter() - t0, 1e-6)
+
+
+def process_age() -> float:
+    """Seconds since this process started (its interpreter and imports: what every worker pays again)."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _bandwidth(r: Any, bandwidth: float | None) -> tuple[float, str]:
     if bandwidth:
         return bandwidth, "given"
@@ -200,9 +231,9 @@ def _bandwidth(r: Any, bandwidth: float | None) -> tuple[float, str]:
 
 
 def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth: float | None = None,
-                    names: list[str] | None = None, setup_seconds: float = 0.0) -> Prediction:
+                    names: list[str] | None = None, startup_seconds: float = 0.0) -> Prediction:
     """The cost of ``megatron-preflight reshard`` (legacy output) with ``workers`` processes, from resharder ``r``
-    (``setup_seconds``: what opening ``r`` took, which each worker spends again)."""
+    (``startup_seconds``: what starting up and opening ``r`` took, which each worker spends again)."""
     from megatron_preflight.reshard.executor import SourceFiles
     from megatron_preflight.reshard.stream_save import CHUNK_BYTES
 
@@ -215,6 +246,7 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
     finally:
         files.close()
     bw, source = _bandwidth(r, bandwidth)
+    wbw = bandwidth or measure_write_bandwidth()
     n_workers = max(1, min(workers, len(costs))) if workers > 1 and len(costs) > 1 else 1
     # The pool hands shards out in order to whichever worker is free first.
     free = [(0.0, w) for w in range(n_workers)]
@@ -222,22 +254,23 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
     for c in costs:
         t, w = heapq.heappop(free)
         assigned[w].append(c)
-        heapq.heappush(free, (t + (c.bytes_read + c.bytes_written) / bw, w))
+        heapq.heappush(free, (t + c.bytes_read / bw + c.bytes_written / wbw, w))
     out = []
     for w, mine in assigned.items():
         biggest = max((c.largest_tensor for c in mine), default=0)
         working = 2 * min(biggest, CHUNK_BYTES) + (2 * biggest + max((c.bytes_written for c in mine), default=0)
                                                    if verify else 0)
         read, written = sum(c.bytes_read for c in mine), sum(c.bytes_written for c in mine)
-        out.append(WorkerCost(w, [c.name for c in mine], read * (2 if verify else 1), written,
-                              len({s for c in mine for s in c.sources}), base + working,
-                              (read * (2 if verify else 1) + written) / bw))
-    start = setup_seconds + (WORKER_START_SECONDS + setup_seconds if n_workers > 1 else 0.0)
+        again = read + written if verify else 0  # --verify re-reads the source slices and the written files
+        out.append(WorkerCost(w, [c.name for c in mine], read, written, len({s for c in mine for s in c.sources}),
+                              base + working, (read + again) / bw + written / wbw))
+    start = startup_seconds * (2 if n_workers > 1 else 1)  # the main process, then its spawned workers
     peak = sum(w.peak_rss_bytes for w in out) + (base if n_workers > 1 else 0)
     tracker = len(str(r.layout.iteration if r.layout.iteration is not None else 0))
     return Prediction("offline", sum(c.bytes_read for c in costs), sum(c.bytes_written for c in costs) + tracker, peak,
                       start + max(w.seconds for w in out), bw, source,
-                      len({s for c in costs for s in c.sources}), workers=out)
+                      len({s for c in costs for s in c.sources}), workers=out, write_bandwidth_bytes_per_s=wbw,
+                      startup_seconds=startup_seconds)
 
 
 def predict_in_memory(r: Any, *, bandwidth: float | None = None, names: list[str] | None = None) -> Prediction:
@@ -255,7 +288,8 @@ def predict_in_memory(r: Any, *, bandwidth: float | None = None, names: list[str
 DIST_CHUNK_OVERHEAD = 1200  # a torch_dist chunk's torch.save wrapper and .metadata entry, bytes (measured ~1 KB)
 
 
-def predict_torch_dist(r: Any, g: Any, *, bandwidth: float | None = None, setup_seconds: float = 0.0) -> Prediction:
+def predict_torch_dist(r: Any, g: Any, *, bandwidth: float | None = None,
+                       startup_seconds: float = 0.0) -> Prediction:
     """The cost of writing the torch_dist form (one process: the global tensors of ``g``, the TP1·PP1·EP1 plan, as
     chunks; an estimate: chunk wrappers are counted at :data:`DIST_CHUNK_OVERHEAD` bytes each)."""
     from megatron_preflight.reshard.stream_save import CHUNK_BYTES
@@ -267,7 +301,8 @@ def predict_torch_dist(r: Any, g: Any, *, bandwidth: float | None = None, setup_
     tensors = len([tp for tp in _planned(plan)])
     written = c.bytes_built + DIST_CHUNK_OVERHEAD * tensors
     bw, source = _bandwidth(r, bandwidth)
+    wbw = bandwidth or measure_write_bandwidth()
     peak = base + c.largest_tensor + min(c.largest_tensor, CHUNK_BYTES)  # one global tensor is held whole
-    w = WorkerCost(0, ["torch_dist"], c.bytes_read, written, c.files_opened, peak, (c.bytes_read + written) / bw)
-    return Prediction("offline", c.bytes_read, written, peak, setup_seconds + w.seconds, bw, source, c.files_opened,
-                      workers=[w])
+    w = WorkerCost(0, ["torch_dist"], c.bytes_read, written, c.files_opened, peak, c.bytes_read / bw + written / wbw)
+    return Prediction("offline", c.bytes_read, written, peak, startup_seconds + w.seconds, bw, source, c.files_opened,
+                      workers=[w], write_bandwidth_bytes_per_s=wbw, startup_seconds=startup_seconds)
