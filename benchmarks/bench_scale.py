@@ -85,7 +85,8 @@ def part_a(work: str, sizes: list[int]) -> None:
         assert layout["ok"], layout["problems"]
         wc, rss_c, out_c = median_run(["check", root, "--json", "--", *run_flags(m)])
         assert json.loads(out_c)["verdict"] == "load", out_c[-2000:]
-        parsed = min(n, 2 + pp) if layout["sampled"] else n  # the sample: rank 0's, each stage's first, the last
+        note = next((x for x in layout["notes"] if x.startswith("sampled: ")), "")
+        parsed = int(note.split()[1]) if note else n  # the sample: rank 0's, each stage's first, the last
         wa = run_cli(["inspect", root, "--json", "--all-shards"])[0]
         print(f"{n:>7} {f'TP{tp} PP{pp} EP{ep}':>14} {disk / MIB:>11.1f} {wi:>9.2f} {wc:>8.2f} "
               f"{max(rss, rss_c) / MIB:>8.0f} {parsed:>7} {wa:>23.2f}")

@@ -119,3 +119,17 @@ def test_auto_mode_turns_on_format_detection_for_dist_checkpoints():
                               preflight="check", auto_detect_ckpt_format=False, ckpt_format="torch")
     with pytest.raises(SystemExit):
         runtime.preflight(args)
+
+
+def test_reshard_report_states_each_ranks_cost_before_any_byte_moves(tmp_path):
+    """A reshard decision's report and JSON carry the in-memory cost per rank (from the plans, before loading)."""
+    report = tmp_path / "plan.json"
+    args = argparse.Namespace(**dict(TINY, expert_model_parallel_size=1), preflight="auto", num_experts=4,
+                              load=fixture_path("moe_ep2_torch"), preflight_report=str(report), world_size=1)
+    d = runtime.preflight(args)
+    assert d.verdict == "reshard" and d.loader == "reshard"
+    assert "cost        " in d.report and "each rank reads at most" in d.report
+    cost = json.loads(report.read_text())["plan"]["cost"]
+    assert cost["mode"] == "in_memory" and cost["bytes_read"] > 0
+    assert [r["name"] for r in cost["ranks"]] == ["mp_rank_00"]
+    assert cost["ranks"][0]["bytes_read"] == cost["bytes_read"] and cost["ranks"][0]["files_opened"] == 2
