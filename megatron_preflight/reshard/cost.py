@@ -264,11 +264,13 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
         again = read + written if verify else 0  # --verify re-reads the source slices and the written files
         out.append(WorkerCost(w, [c.name for c in mine], read, written, len({s for c in mine for s in c.sources}),
                               base + working, (read + again) / bw + written / wbw))
-    start = startup_seconds * (2 if n_workers > 1 else 1)  # the main process, then its spawned workers
+    # the main process starts, then its spawned workers (at once); more workers than cores share them
+    crowd = max(1.0, n_workers / (os.cpu_count() or 1))
+    start = startup_seconds * (1 + crowd if n_workers > 1 else 1)
     peak = sum(w.peak_rss_bytes for w in out) + (base if n_workers > 1 else 0)
     tracker = len(str(r.layout.iteration if r.layout.iteration is not None else 0))
     return Prediction("offline", sum(c.bytes_read for c in costs), sum(c.bytes_written for c in costs) + tracker, peak,
-                      start + max(w.seconds for w in out), bw, source,
+                      start + crowd * max(w.seconds for w in out), bw, source,
                       len({s for c in costs for s in c.sources}), workers=out, write_bandwidth_bytes_per_s=wbw,
                       startup_seconds=startup_seconds)
 
