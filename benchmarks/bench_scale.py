@@ -10,8 +10,10 @@ reshard cost prediction against the measured run. Prints one table per part.
      sampled ranks built by 4 processes standing in for ranks (each receives the compact layout, as in the hook).
   D  `reshard --dry-run --json` predictions vs the measured run (bytes read, bytes on disk, peak RSS of the whole
      process tree polled from /proc, seconds) on ~0.3-1 GB checkpoints.
+  E  the hook's full layout read before an in-memory reshard at 1,024 and 8,192 shards: rank 0 alone vs every rank
+     parsing its share (gloo, 2 and 4 processes).
 
-Usage: python benchmarks/bench_scale.py [--work DIR] [--parts ABCD] [--big-shards 8192]
+Usage: python benchmarks/bench_scale.py [--work DIR] [--parts ABCDE] [--big-shards 8192]
 """
 
 from __future__ import annotations
@@ -168,6 +170,57 @@ def broadcast_seconds(data: bytes, world: int = 4) -> float:
     os.unlink(fh.name)
     assert all(n == len(data) for _, _, n in results)
     return max(t for _, t, _ in results)
+
+
+def _shared_worker(rank: int, world: int, port: int, root: str, q) -> None:
+    import argparse
+
+    import torch.distributed as dist
+
+    from megatron_preflight.hook.legacy_load import shared_layout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.barrier()
+    t0 = time.perf_counter()
+    layout = shared_layout(root, None, False, argparse.Namespace(no_load_optim=True, finetune=False))
+    dist.barrier()
+    q.put((rank, time.perf_counter() - t0, len(layout.shards)))
+    dist.destroy_process_group()
+
+
+def shared_read_seconds(root: str, world: int) -> float:
+    """Wall seconds of the hook's layout read (every rank parses its share, rank 0 gathers and sends the layout)."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_shared_worker, args=(r, world, port, root, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    return max(t for _, t, _ in results)
+
+
+def part_e(work: str, sizes: list[int]) -> None:
+    from megatron_preflight.layout import discover
+
+    print("\nE. the hook's full layout read before an in-memory reshard: rank 0 alone vs every rank its share")
+    print(f"{'shards':>7} {'rank 0 alone s':>15} {'shared, 2 procs s':>18} {'shared, 4 procs s':>18}")
+    for n in sizes:
+        root = os.path.join(work, f"hollow_{n}")
+        if not os.path.exists(root):
+            write_legacy(root, big_model(*LAYOUTS[n]))
+        t0 = time.perf_counter()
+        discover(root)
+        alone = time.perf_counter() - t0
+        print(f"{n:>7} {alone:>15.1f} {shared_read_seconds(root, 2):>18.1f} {shared_read_seconds(root, 4):>18.1f}")
+    print("(this machine has 2 cores: 4 processes share them; on a cluster each rank parses its ~shards/world files)")
 
 
 CASES_C = [
@@ -329,7 +382,7 @@ def part_d(work: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default=None)
-    ap.add_argument("--parts", default="ABCD")
+    ap.add_argument("--parts", default="ABCDE")
     ap.add_argument("--big-shards", type=int, default=8192, choices=(1024, 8192))
     ns = ap.parse_args()
     work = ns.work or tempfile.mkdtemp(prefix="bench_scale_")
@@ -344,6 +397,8 @@ def main() -> None:
             part_c(work)
         if "D" in ns.parts:
             part_d(work)
+        if "E" in ns.parts:
+            part_e(work, [n for n in sizes if n >= 1024])
     finally:
         if not ns.work:
             shutil.rmtree(work, ignore_errors=True)

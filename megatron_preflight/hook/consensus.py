@@ -55,3 +55,13 @@ def decide_on_rank0(compute: Callable[[], Any], on_error: Callable[[BaseExceptio
         device = None
     d.broadcast_object_list(box, src=0, device=device)
     return box[0]
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj``, on rank 0 (None on the others). Collective."""
+    d = _dist()
+    if d is None:
+        return [obj]
+    out = [None] * d.get_world_size() if d.get_rank() == 0 else None
+    d.gather_object(obj, out, dst=0)
+    return out

@@ -33,22 +33,28 @@ def resharder_for(load_dir: str, args: Any) -> Resharder:
 
 
 def shared_layout(load_dir: str, iteration: Any, trust: bool, args: Any = None) -> Layout:
-    """The checkpoint's layout (every shard's metadata), read by rank 0 only and sent to every rank: one reader of
-    the shared filesystem instead of one per rank. Called by every rank at the same point (collective)."""
+    """The checkpoint's layout (every shard's metadata), assembled by rank 0 and sent to every rank. Rank 0 reads it
+    alone (one reader of the shared filesystem instead of one per rank), or, for thousands of shard files, every rank
+    parses its share and rank 0 gathers them (:mod:`shared_read`). Called by every rank at the same point
+    (collective)."""
     from megatron_preflight.errors import PreflightError
-    from megatron_preflight.hook import consensus
+    from megatron_preflight.hook import consensus, shared_read
     from megatron_preflight.layout import discover, transport
+
+    with_dist = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
+    gathered = shared_read.gather(load_dir, iteration, trust, with_dist)
 
     def read() -> tuple[str, Any]:
         checked = STATE.checked_layouts.get(os.path.abspath(load_dir))  # what the check on this rank just read
         if checked is None or checked.sampled:
-            checked = discover(load_dir, iteration=iteration, trust_checkpoint=trust)
+            checked = discover(load_dir, iteration=iteration, trust_checkpoint=trust, reader=gathered)
         layout = checked
-        if layout.distributed_optimizer and not (getattr(args, "no_load_optim", False) or
-                                                 getattr(args, "finetune", False)):
+        if layout.distributed_optimizer and with_dist:
             from megatron_preflight.reshard.dist_optimizer import read_dist_meta
             from megatron_preflight.reshard.optimizer import OptimizerNotReshardable
 
+            if gathered is not None:
+                gathered.attach_dist(layout.shards)
             for shard in layout.shards:  # the distributed optimizer's metadata too: read here, once
                 try:
                     read_dist_meta(shard, trust)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -47,14 +48,24 @@ def _list_iterations(root: str) -> list[int | str]:
 SAMPLE_ABOVE = 32
 
 
+ShardReader = Callable[[list[Shard], bool], list[tuple[Shard, Exception | None]]]
+
+
+def read_shards(shards: list[Shard], trust: bool) -> list[tuple[Shard, Exception | None]]:
+    """Parse each shard's model file (metadata only), a few at a time; the default :data:`ShardReader`."""
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(shards)))) as pool:
+        return list(pool.map(lambda s: (s, None) if s.meta is not None else read_shard(s, trust), shards))
+
+
 def discover(path: str | os.PathLike, *, iteration: int | str | None = None, trust_checkpoint: bool = False,
-             shards: str = "all") -> Layout:
+             shards: str = "all", reader: ShardReader | None = None) -> Layout:
     """Describe the checkpoint at ``path``. Raises :class:`PreflightError` only when ``path`` is not a directory.
 
     ``shards`` says which legacy shard files are parsed: ``all`` (what the resharder needs), ``sample`` (rank 0's,
     the first of every pipeline stage and the last: the verdict of a 8,192-shard checkpoint in a fraction of a
     second; every shard dir is still listed, and its files sized and their zip trailers checked), or ``auto``
-    (all up to :data:`SAMPLE_ABOVE` files, a sample above)."""
+    (all up to :data:`SAMPLE_ABOVE` files, a sample above). ``reader`` parses the shard files (default
+    :func:`read_shards`; the hook passes one that takes what every rank parsed of its share)."""
     if shards not in ("all", "sample", "auto"):
         raise ValueError(f"shards={shards!r}: expected all, sample or auto")
     path = os.path.abspath(os.fspath(path))
@@ -91,7 +102,7 @@ def discover(path: str | os.PathLike, *, iteration: int | str | None = None, tru
         _sizes_from_args(layout)
     elif shard_names:
         layout.format = Format.TORCH
-        _inspect_legacy(layout, iter_dir, shard_names, trust_checkpoint, shards)
+        _inspect_legacy(layout, iter_dir, shard_names, trust_checkpoint, shards, reader or read_shards)
     else:
         layout.looks_like = looks_like(iter_dir)
         layout.add("no_shards", iter_dir,
@@ -225,7 +236,8 @@ def _set_parallel(layout: Layout, par: parallel.ParallelLayout) -> None:
         par.tp, par.pp, par.ep, par.etp_eff, par.vpp, par.cp)
 
 
-def _read_shard(shard: Shard, trust: bool) -> tuple[Shard, Exception | None]:
+def read_shard(shard: Shard, trust: bool) -> tuple[Shard, Exception | None]:
+    """Parse one shard's model file into ``shard.meta``; the error instead of raising."""
     path = os.path.join(shard.path, naming.MODEL_FILENAME)
     try:
         shard.meta = read_torch_file(path, trust=trust)
@@ -256,7 +268,7 @@ def _sample(layout: Layout, shards: list[Shard], trust: bool) -> list[Shard]:
     pipeline stage (stages differ: embedding, head, their layers) and the last. The first is parsed here, to learn
     which names belong to which stage (a 2-D name's second index is PP or EP); all of them when it has no usable
     args."""
-    first, err = _read_shard(shards[0], trust)
+    first, err = read_shard(shards[0], trust)
     args = first.meta.get("args") if err is None and isinstance(first.meta, dict) else None
     try:
         par = parallel.from_args(args) if _is_namespace(args) else None
@@ -316,7 +328,8 @@ def _list_shard(iter_dir: str, name: str) -> tuple[Shard, PreflightError | None,
     return shard, error, total
 
 
-def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust: bool, mode: str) -> None:
+def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust: bool, mode: str,
+                    reader: ShardReader) -> None:
     listed = _each(lambda n: _list_shard(iter_dir, n), shard_names)
     readable = []
     layout.total_bytes = sum(n for _, _, n in listed)
@@ -354,8 +367,7 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
                 "stage, the last); every shard dir was listed and its files sized and their zip trailers checked. "
                 "--all-shards parses every one (shapes and args agreeing across all shards)")
         to_read = picked
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(to_read)))) as pool:
-        results = list(pool.map(lambda s: (s, None) if s.meta is not None else _read_shard(s, trust), to_read))
+    results = reader(to_read, trust)
     good: list[Shard] = []
     for shard, err in results:
         if err is None:
