@@ -20,7 +20,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.discover import read_shard, read_shards
 from megatron_preflight.layout.model import Shard
-from megatron_preflight.layout.transport import NOT_SENT, _Pickler
+from megatron_preflight.layout.transport import NOT_SENT, ArgsDelta, _Pickler, apply_delta, delta
 
 COOPERATIVE_ABOVE = int(os.environ.get("MEGATRON_PREFLIGHT_COOPERATIVE_ABOVE", "32") or 32)
 
@@ -47,9 +47,15 @@ def parse_share(items: list[tuple[str, str]], trust: bool, with_dist: bool) -> b
     from megatron_preflight.reshard.dist_optimizer import read_dist_meta
 
     out = []
+    base = None  # the share's first args: the others travel as deltas from it (they differ in rank, local_rank)
     for name, path in items:
         shard, err = read_shard(Shard(name, None, None, None, path=path), trust)
         meta = {k: v for k, v in shard.meta.items() if k not in NOT_SENT} if isinstance(shard.meta, dict) else None
+        if meta is not None and meta.get("args") is not None:
+            if base is None:
+                base = meta["args"]
+            else:
+                meta["args"] = delta(base, meta["args"])
         dist, dist_err = None, None
         if with_dist and err is None:
             try:
@@ -68,7 +74,13 @@ class Gathered:
     def __init__(self, payloads: list[bytes]) -> None:
         self.items: dict[str, tuple] = {}
         for data in payloads:
+            base = None
             for item in pickle.loads(zlib.decompress(data)):  # noqa: S301 - bytes made by this job's own ranks
+                meta = item[1]
+                if isinstance(meta, dict) and isinstance(meta.get("args"), ArgsDelta):
+                    meta["args"] = apply_delta(base, meta["args"])
+                elif isinstance(meta, dict) and meta.get("args") is not None and base is None:
+                    base = meta["args"]
                 self.items[item[0]] = item
 
     def __call__(self, shards: list[Shard], trust: bool) -> list[tuple[Shard, Exception | None]]:

@@ -36,7 +36,8 @@ class ArgsDelta:
     removed: tuple[str, ...] = ()
 
 
-def _delta(base: Any, args: Any) -> Any:
+def delta(base: Any, args: Any) -> Any:
+    """``args`` as an :class:`ArgsDelta` from ``base`` (both Megatron's args), or ``args`` itself."""
     if not (hasattr(base, "__dict__") and type(args) is type(base)):
         return args
     a, b = vars(base), vars(args)
@@ -53,11 +54,12 @@ def _same(x: Any, y: Any) -> bool:
         return False
 
 
-def _apply(base: Any, delta: ArgsDelta) -> Any:
+def apply_delta(base: Any, d: ArgsDelta) -> Any:
+    """The args ``d`` was made from."""
     args = copy.copy(base)
-    for k in delta.removed:
+    for k in d.removed:
         delattr(args, k)
-    for k, v in delta.changed.items():
+    for k, v in d.changed.items():
         setattr(args, k, v)
     return args
 
@@ -102,7 +104,7 @@ def dumps(layout: Layout) -> bytes:
         if base is None:
             base = args
         elif args is not base:
-            s.meta["args"] = _delta(base, args)
+            s.meta["args"] = delta(base, args)
     buf = io.BytesIO()
     _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(out)
     return MAGIC + zlib.compress(buf.getvalue(), LEVEL)
@@ -118,7 +120,7 @@ def loads(data: bytes) -> Layout:
     for s in layout.shards:
         args = s.meta.get("args") if isinstance(s.meta, dict) else None
         if isinstance(args, ArgsDelta):
-            s.meta["args"] = _apply(base, args)
+            s.meta["args"] = apply_delta(base, args)
         elif args is not None and base is None:
             base = args
     return layout

@@ -14,7 +14,7 @@ from typing import Any
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
-from megatron_preflight.reshard.planner import index_sources, iter_source_keys, source_topology
+from megatron_preflight.reshard.planner import index_sources, source_topology
 from megatron_preflight.torch_file import TensorRef
 
 _MIXED = "restore the iteration dir from one consistent save"
@@ -59,22 +59,25 @@ def complete_problems(index: Any, layout: Layout) -> list[PreflightError]:
     return out
 
 
-def dtype_problems(layout: Layout) -> list[PreflightError]:
+def dtype_problems(index: Any, layout: Layout) -> list[PreflightError]:
     """One parameter name (across layers, experts and shards) has one dtype: a shard saved in fp32 among bf16 shards
-    (or the reverse) was mixed in from another save."""
+    (or the reverse) was mixed in from another save. Shards are visited stage by stage, TP rank, then EP rank."""
     out: list[PreflightError] = []
     seen: dict[tuple[str, str], tuple[Any, str]] = {}
     flagged: set[str] = set()
-    for sk in iter_source_keys(layout, source_topology(layout)):
-        if not isinstance(sk.value, TensorRef):
-            continue
-        slot = (sk.info.style, sk.info.suffix)
-        ref = seen.setdefault(slot, (sk.value.dtype, sk.shard))
-        if ref[0] != sk.value.dtype and sk.shard not in flagged:
-            flagged.add(sk.shard)
+    rank = {s.name: (s.pp_rank or 0, s.tp_rank or 0, s.ep_rank or 0) for s in layout.shards}
+    pieces = sorted(((rank.get(p.shard, (0, 0, 0)), n, entry, p) for n, entry in enumerate(index.values())
+                     for ps in entry.pieces.values() for p in ps if isinstance(p.ref, TensorRef)),
+                    key=lambda x: (x[0], x[1]))
+    for _, _, entry, p in pieces:
+        slot = (entry.info.style, entry.info.suffix)
+        ref = seen.setdefault(slot, (p.ref.dtype, p.shard))
+        if ref[0] != p.ref.dtype and p.shard not in flagged:
+            flagged.add(p.shard)
             out.append(PreflightError(
-                f"{sk.key} is {sk.value.dtype} in {sk.shard} but {ref[0]} in {ref[1]}: the shards were saved with "
-                "different precisions", path=_file(layout, sk.shard), fix=_MIXED, code="inconsistent_shards"))
+                f"{entry.info.render(entry.key.layer, entry.key.expert)} is {p.ref.dtype} in {p.shard} but {ref[0]} "
+                f"in {ref[1]}: the shards were saved with different precisions", path=_file(layout, p.shard),
+                fix=_MIXED, code="inconsistent_shards"))
     return out
 
 
@@ -151,4 +154,4 @@ def checkpoint_problems(layout: Layout) -> list[PreflightError]:
         index = index_sources(layout, source_topology(layout), check=False)
     except PreflightError as exc:
         return [exc]
-    return complete_problems(index, layout) + dtype_problems(layout) + args_problems(index, layout)
+    return complete_problems(index, layout) + dtype_problems(index, layout) + args_problems(index, layout)
