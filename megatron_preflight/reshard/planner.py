@@ -9,6 +9,7 @@ metadata, so planning any layout is instant.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,6 +48,10 @@ class SourcePiece:
     group_size: int
 
 
+def _by_shard(p: SourcePiece) -> str:
+    return p.shard
+
+
 @dataclass
 class GlobalEntry:
     """One global tensor and every source piece of it: per rank of its split group, the piece held by each source
@@ -59,9 +64,9 @@ class GlobalEntry:
     order: tuple[int, int] = (0, 0)  # where the key sits in its layer (or section), as Megatron's modules order it
 
     def add(self, piece: SourcePiece) -> None:
-        replicas = self.pieces.setdefault(piece.group_rank, [])
-        replicas.append(piece)
-        replicas.sort(key=lambda p: p.shard)
+        # kept in shard-name order as pieces arrive (a layernorm has one replica per TP x EP rank: sorting the whole
+        # list on every arrival was quadratic in them)
+        bisect.insort(self.pieces.setdefault(piece.group_rank, []), piece, key=_by_shard)
 
     def main(self, group_rank: int) -> SourcePiece:
         return self.pieces[group_rank][0]

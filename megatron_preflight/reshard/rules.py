@@ -35,7 +35,10 @@ class Rule:
 
     @property
     def dim(self) -> int | None:
-        return {"column": 0, "glu": 0, "vocab": 0, "row": 1}.get(self.kind)
+        return _SPLIT_DIM.get(self.kind)
+
+
+_SPLIT_DIM = {"column": 0, "glu": 0, "vocab": 0, "row": 1}  # the dim each kind of split cuts (none: not split)
 
 
 COLUMN, ROW, VOCAB, REPL, EXTRA = Rule("column"), Rule("row"), Rule("vocab"), Rule("replicated"), Rule("extra")
