@@ -44,6 +44,14 @@ def big_model(tp: int, pp: int, ep: int) -> Model:
                  moe_ffn=2048, vocab=128000, seq=4096)
 
 
+def hollow(work: str, n: int) -> str:
+    """The hollow synthetic checkpoint of ``n`` shard dirs under ``work`` (written the first time)."""
+    root = os.path.join(work, f"hollow_{n}")
+    if not os.path.exists(root):
+        write_legacy(root, big_model(*LAYOUTS[n]))
+    return root
+
+
 def run_flags(m: Model) -> list[str]:
     return ["--tensor-model-parallel-size", str(m.tp), "--pipeline-model-parallel-size", str(m.pp),
             "--expert-model-parallel-size", str(m.ep), "--expert-tensor-parallel-size", str(m.tp),
@@ -78,9 +86,7 @@ def part_a(work: str, sizes: list[int]) -> None:
     for n in sizes:
         tp, pp, ep = LAYOUTS[n]
         m = big_model(tp, pp, ep)
-        root = os.path.join(work, f"hollow_{n}")
-        if not os.path.exists(root):
-            write_legacy(root, m)
+        root = hollow(work, n)
         disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
         wi, rss, out = median_run(["inspect", root, "--json"])
         layout = json.loads(out)
@@ -107,9 +113,7 @@ def part_b(work: str, sizes: list[int]) -> None:
     print(f"{'shards':>7} {'read all s':>10} {'full pickle KiB/shard':>22} {'compact KiB/shard':>18} "
           f"{'compact MiB':>12} {'encode s':>9} {'decode s':>9} {'broadcast s':>12}")
     for n in sizes:
-        root = os.path.join(work, f"hollow_{n}")
-        if not os.path.exists(root):
-            write_legacy(root, big_model(*LAYOUTS[n]))
+        root = hollow(work, n)
         t0 = time.perf_counter()
         layout = discover(root)
         read = time.perf_counter() - t0
@@ -150,23 +154,29 @@ def _bcast_worker(rank: int, world: int, port: int, path: str, q) -> None:
     dist.destroy_process_group()
 
 
-def broadcast_seconds(data: bytes, world: int = 4) -> float:
+def run_ranks(worker, world: int, *args) -> list[tuple]:
+    """``worker(rank, world, port, *args, queue)`` in ``world`` spawned processes (a gloo job); what each put."""
     import multiprocessing as mp
     import socket
 
-    with tempfile.NamedTemporaryFile(delete=False) as fh:
-        fh.write(data)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_bcast_worker, args=(r, world, port, fh.name, q)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, q)) for r in range(world)]
     for p in procs:
         p.start()
-    results = [q.get(timeout=600) for _ in procs]
+    results = [q.get(timeout=1800) for _ in procs]
     for p in procs:
         p.join()
+    return results
+
+
+def broadcast_seconds(data: bytes, world: int = 4) -> float:
+    with tempfile.NamedTemporaryFile(delete=False) as fh:
+        fh.write(data)
+    results = run_ranks(_bcast_worker, world, fh.name)
     os.unlink(fh.name)
     assert all(n == len(data) for _, _, n in results)
     return max(t for _, t, _ in results)
@@ -191,23 +201,8 @@ def _shared_worker(rank: int, world: int, port: int, root: str, q) -> None:
 def shared_read_seconds(root: str, world: int, alone: bool = False) -> float:
     """Wall seconds of the hook's layout read on ``world`` processes: every rank parses its share, rank 0 gathers,
     runs discovery and sends the layout (``alone``: rank 0 parses every file, as below the threshold)."""
-    import multiprocessing as mp
-    import socket
-
     os.environ["MEGATRON_PREFLIGHT_COOPERATIVE_ABOVE"] = str(10**9 if alone else 32)  # read by the spawned ranks
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_shared_worker, args=(r, world, port, root, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
-    return max(t for _, t, _ in results)
+    return max(t for _, t, _ in run_ranks(_shared_worker, world, root))
 
 
 def part_e(work: str, sizes: list[int]) -> None:
@@ -218,9 +213,7 @@ def part_e(work: str, sizes: list[int]) -> None:
     print(f"{'shards':>7} {'parse all, 1 proc s':>20} {'rank 0 alone, 4 procs s':>24} {'shared, 2 procs s':>18} "
           f"{'shared, 4 procs s':>18}")
     for n in sizes:
-        root = os.path.join(work, f"hollow_{n}")
-        if not os.path.exists(root):
-            write_legacy(root, big_model(*LAYOUTS[n]))
+        root = hollow(work, n)
         t0 = time.perf_counter()
         discover(root)
         parse = time.perf_counter() - t0

@@ -24,7 +24,7 @@ import types
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from megatron_preflight import pickle_limits
+from megatron_preflight import dtypes, pickle_limits
 from megatron_preflight.dtypes import torch_loaded
 from megatron_preflight.errors import UnsafePickleError
 
@@ -151,7 +151,7 @@ def _torch_allow_list() -> dict[tuple[str, str], Any]:
     import torch
 
     allowed: dict[tuple[str, str], Any] = {("torch", name): getattr(torch, name) for name in _TORCH_VALUES}
-    for name in _DTYPE_NAMES:
+    for name in dtypes.NAMES:
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype):
             allowed[("torch", name)] = value
@@ -182,8 +182,6 @@ def _torch_free_global(module: str, name: str) -> Any:
     :mod:`megatron_preflight.dtypes`): dtypes by name, ``torch.Size`` as a tuple, DCP metadata classes as
     :class:`Record` classes, the rest (devices, layouts, numpy arrays of RNG state) as inert placeholders. None for
     a name that is not allow-listed."""
-    from megatron_preflight import dtypes
-
     if module == "torch":
         if name in dtypes.NAMES:
             return dtypes.dtype(name)
@@ -196,11 +194,7 @@ def _torch_free_global(module: str, name: str) -> Any:
         return record_class(module, name)
     if (module in _NUMPY_MULTIARRAY and name in ("_reconstruct", "scalar")) or (
             module == "numpy" and name in ("ndarray", "dtype")) or (
-            module == "numpy.dtypes" and name.endswith("DType")) or (
-            module, name) in (("torch.serialization", "_get_layout"),
-                              ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-                              ("torch.distributed.checkpoint.planner", "WriteItemType"),
-                              ("torch.distributed.checkpoint.planner", "LoadItemType")):
+            module == "numpy.dtypes" and name.endswith("DType")) or (module, name) in _DCP_VALUES:
         return placeholder_class(module, name)
     return None
 
@@ -231,57 +225,34 @@ def record_class(module: str, name: str) -> type:
 
 
 _record_classes: dict[tuple[str, str], type] = {}
+_DCP = "torch.distributed.checkpoint"
+# torch.distributed.checkpoint's metadata dataclasses (read as Records without torch) ...
 _DCP_CLASSES = frozenset(
-    [("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta")]
-    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
-    + [("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "TensorWriteData", "WriteItem", "ReadItem")])
-
-
-_DTYPE_NAMES = (
-    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8", "uint8", "int16", "short",
-    "int32", "int", "int64", "long", "bool", "complex64", "complex128", "cfloat", "cdouble", "uint16", "uint32",
-    "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "qint8",
-    "quint8", "qint32",
-)
+    [(f"{_DCP}.metadata", n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                      "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta")]
+    + [(f"{_DCP}.filesystem", "_StorageInfo")]
+    + [(f"{_DCP}.planner", n) for n in ("SavePlan", "TensorWriteData", "WriteItem", "ReadItem")])
+# ... and the enums and functions their pickles name (inert placeholders without torch)
+_DCP_VALUES = frozenset([(f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"), (f"{_DCP}.planner", "WriteItemType"),
+                         (f"{_DCP}.planner", "LoadItemType"), ("torch.serialization", "_get_layout")])
 
 _ALLOWED: dict[tuple[str, str], Any] | None = None
 _DCP_LOADED = False
 
 
 def _dcp_allow_list() -> dict[tuple[str, str], Any]:
-    """torch.distributed.checkpoint's metadata dataclasses (imported only when a DCP pickle needs them)."""
+    """torch.distributed.checkpoint's metadata dataclasses as the real classes (imported only when a DCP pickle needs
+    them)."""
+    import importlib
+
     allowed: dict[tuple[str, str], Any] = {}
-    try:
-        from torch.distributed.checkpoint import metadata as dcp_md
-
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        ):
-            if hasattr(dcp_md, name):
-                allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(dcp_md, name)
-        from torch.distributed.checkpoint import filesystem as dcp_fs
-
-        allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_fs._StorageInfo
-        from torch.distributed.checkpoint import planner as dcp_planner
-
-        for name in ("SavePlan", "TensorWriteData", "WriteItem", "WriteItemType", "LoadItemType", "ReadItem"):
-            if hasattr(dcp_planner, name):
-                allowed[("torch.distributed.checkpoint.planner", name)] = getattr(dcp_planner, name)
-        import torch.serialization as ts
-
-        if hasattr(ts, "_get_layout"):
-            allowed[("torch.serialization", "_get_layout")] = ts._get_layout
-    except Exception:  # pragma: no cover - torch built without distributed
-        pass
+    for module, name in _DCP_CLASSES | _DCP_VALUES:
+        try:
+            value = getattr(importlib.import_module(module), name, None)
+        except Exception:  # pragma: no cover - torch built without distributed
+            continue
+        if value is not None:
+            allowed[(module, name)] = value
     return allowed
 
 

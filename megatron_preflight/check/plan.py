@@ -304,9 +304,6 @@ def plan_from_layout(layout: Layout, rt: RuntimeArgs, t0: float | None = None) -
     return plan
 
 
-PROBE_BYTES = 8 * 2**20  # the check's quick read of the source filesystem (for the time estimate)
-
-
 def _predict_cost(plan: Plan) -> None:
     """What the in-memory reshard will cost each rank (metadata only: the resharder's plans, no tensor bytes)."""
     if plan.layout.sampled:
@@ -318,9 +315,7 @@ def _predict_cost(plan: Plan) -> None:
     try:
         r = Resharder(plan.layout, TargetLayout.from_args(plan.runtime, given=plan.runtime.given),
                       keep_optimizer=plan.load_optimizer)
-        bandwidth = cost.measure_bandwidth(plan.layout.iter_dir or plan.layout.path, limit=PROBE_BYTES)
-        plan.cost = cost.predict_in_memory(r, bandwidth=bandwidth)
-        plan.cost.bandwidth_from = "measured"
+        plan.cost = cost.predict_in_memory(r)
     except PreflightError as exc:
         plan.notes.append(f"reshard cost not predicted: {exc.message}")
     except Exception as exc:  # noqa: BLE001 - the prediction is advice: it never changes or blocks a verdict

@@ -263,7 +263,7 @@ def has_expert_keys(keys: list[str]) -> bool:
     return any(".mlp.experts." in k or ".mlp.router." in k for k in keys)
 
 
-def _sample(layout: Layout, shards: list[Shard], trust: bool) -> list[Shard]:
+def _sample(shards: list[Shard], trust: bool) -> list[Shard]:
     """The shards a sampled verdict parses: the first (rank 0's: the args Megatron reads), the first of every
     pipeline stage (stages differ: embedding, head, their layers) and the last. The first is parsed here, to learn
     which names belong to which stage (a 2-D name's second index is PP or EP); all of them when it has no usable
@@ -353,7 +353,7 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
                        "restore it from a complete copy, or load an earlier iteration with --ckpt-step")
     to_read = [s for s in readable if s.files[naming.MODEL_FILENAME] > 0]
     if to_read and (mode == "sample" or (mode == "auto" and len(to_read) > SAMPLE_ABOVE)):
-        picked = _sample(layout, to_read, trust)
+        picked = _sample(to_read, trust)
         if len(picked) < len(to_read):
             layout.sampled = True
             picked_ids = {id(s) for s in picked}
@@ -402,7 +402,6 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
     _check_distrib_optim(layout)
     if not layout.sampled and not [p for p in layout.problems if p.code not in ("no_tracker", "bad_tracker")]:
         _check_consistency(layout)
-
 
 
 def _check_consistency(layout: Layout) -> None:

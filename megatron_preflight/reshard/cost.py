@@ -20,7 +20,6 @@ from typing import Any
 
 from megatron_preflight.layout import naming
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
-from megatron_preflight.reshard.tree import iter_leaves
 
 PROBE_BYTES = 64 * 2**20  # the quick read (and write) that measure the filesystems
 
@@ -57,9 +56,9 @@ class Prediction:
     bytes_read: int
     bytes_written: int
     peak_rss_bytes: int  # offline: the whole run (main process + concurrent workers); in memory: the largest rank
-    estimated_seconds: float
-    bandwidth_bytes_per_s: float  # reading the source
-    bandwidth_from: str  # given | measured
+    estimated_seconds: float | None  # None: no bandwidth known (the check reads metadata only: it does not probe)
+    bandwidth_bytes_per_s: float | None  # reading the source
+    bandwidth_from: str  # given | measured | none
     files_opened: int
     write_bandwidth_bytes_per_s: float = 0.0  # writing (and syncing) the output; offline only
     startup_seconds: float = 0.0  # interpreter, torch and the metadata: paid by the main process and each worker
@@ -82,11 +81,12 @@ class Prediction:
             worst = max(self.ranks, key=lambda r: r.bytes_read, default=None)
             if worst is None:
                 return "reshard cost: nothing to read"
+            time = ("" if self.estimated_seconds is None or not self.bandwidth_bytes_per_s else
+                    f"; about {self.estimated_seconds:.1f} s at {self.bandwidth_bytes_per_s / mib:.0f} MiB/s "
+                    f"({self.bandwidth_from})")
             return (f"reshard cost: {self.bytes_read / mib:.1f} MiB read in all; each rank reads at most "
                     f"{worst.bytes_read / mib:.1f} MiB from {max(r.files_opened for r in self.ranks)} file(s) and "
-                    f"holds at most {self.peak_rss_bytes / mib:.1f} MiB of resharded state; about "
-                    f"{self.estimated_seconds:.1f} s at {self.bandwidth_bytes_per_s / mib:.0f} MiB/s "
-                    f"({self.bandwidth_from})")
+                    f"holds at most {self.peak_rss_bytes / mib:.1f} MiB of resharded state{time}")
         lines = [f"dry run: nothing written. Predicted: read {self.bytes_read / mib:.1f} MiB, write "
                  f"{self.bytes_written / mib:.1f} MiB, {self.files_opened} source file(s) opened, peak RSS "
                  f"{self.peak_rss_bytes / mib:.0f} MiB (all processes), about {self.estimated_seconds:.1f} s "
@@ -109,13 +109,15 @@ def _numel(shape: Any) -> int:
 
 
 def _planned(plan: RankPlan) -> list[TensorPlan]:
+    """Every tensor the plan builds from source slices: model and optimizer state, and each parameter's state inside
+    a distributed optimizer's world tensors."""
     from megatron_preflight.reshard.dist_optimizer import flat_parts
+    from megatron_preflight.reshard.replicas import planned
 
-    out = [tp for tp in plan.tensors if tp.shape is not None]
-    out += [leaf for _, leaf in iter_leaves(plan.optimizer) if isinstance(leaf, TensorPlan) and leaf.shape is not None]
+    out = list(planned(plan))
     for _, fp in flat_parts(plan.dist_optimizer):
-        out += [tp for _, tp in fp.parts if tp.shape is not None]
-    return out
+        out += [tp for _, tp in fp.parts]
+    return [tp for tp in out if tp.shape is not None]
 
 
 def slices_read(plan: RankPlan) -> tuple[int, set[tuple[str, str]]]:
@@ -133,12 +135,11 @@ def slices_read(plan: RankPlan) -> tuple[int, set[tuple[str, str]]]:
 
 
 def _built(plan: RankPlan) -> tuple[int, int]:
-    """(bytes of every tensor the plan builds, the largest one)."""
+    """(bytes of every tensor the plan builds, the largest one); a world tensor counts whole, its padding included."""
     from megatron_preflight.reshard.dist_optimizer import flat_parts
+    from megatron_preflight.reshard.replicas import planned
 
-    sizes = [_numel(tp.shape) * tp.dtype.itemsize for tp in plan.tensors if tp.shape is not None]
-    sizes += [_numel(tp.shape) * tp.dtype.itemsize for _, tp in iter_leaves(plan.optimizer)
-              if isinstance(tp, TensorPlan) and tp.shape is not None]
+    sizes = [_numel(tp.shape) * tp.dtype.itemsize for tp in planned(plan) if tp.shape is not None]
     sizes += [fp.numel * fp.dtype.itemsize for _, fp in flat_parts(plan.dist_optimizer)]
     return sum(sizes), max(sizes, default=0)
 
@@ -277,13 +278,14 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
 
 def predict_in_memory(r: Any, *, bandwidth: float | None = None, names: list[str] | None = None) -> Prediction:
     """The cost of loading through the in-memory resharder: per target shard dir (every runtime rank with those
-    coordinates reads the same), what the rank reads and the state it builds."""
+    coordinates reads the same), what the rank reads and the state it builds; the time only with a ``bandwidth``
+    (nothing is probed: the check reads metadata only)."""
     costs = [shard_cost(r, n, r.plan_for_coords(r.tgt.shard_dirs()[n], n), None)
              for n in (names or list(r.tgt.shard_dirs()))]
-    bw, source = _bandwidth(r, bandwidth)
     worst = max(costs, key=lambda c: c.bytes_read, default=None)
+    seconds = worst.bytes_read / bandwidth if worst and bandwidth else (0.0 if bandwidth else None)
     return Prediction("in_memory", sum(c.bytes_read for c in costs), 0, max((c.bytes_built for c in costs), default=0),
-                      (worst.bytes_read / bw) if worst else 0.0, bw, source,
+                      seconds, bandwidth, "given" if bandwidth else "none",
                       len({s for c in costs for s in c.sources}), ranks=costs)
 
 
@@ -300,7 +302,7 @@ def predict_torch_dist(r: Any, g: Any, *, bandwidth: float | None = None,
     name, coords = next(iter(g.tgt.shard_dirs().items()))
     plan = g.plan_for_coords(coords, name)
     c = shard_cost(g, name, plan, None)
-    tensors = len([tp for tp in _planned(plan)])
+    tensors = len(_planned(plan))
     written = c.bytes_built + DIST_CHUNK_OVERHEAD * tensors
     bw, source = _bandwidth(r, bandwidth)
     wbw = bandwidth or measure_write_bandwidth()

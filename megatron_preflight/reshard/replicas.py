@@ -24,7 +24,7 @@ class ReplicaMismatch(PreflightError):
     """Two shards hold different values for the same piece of a tensor."""
 
 
-def _planned(plan: RankPlan) -> Iterator[TensorPlan]:
+def planned(plan: RankPlan) -> Iterator[TensorPlan]:
     yield from plan.tensors
     for _, leaf in iter_leaves(plan.optimizer):
         if isinstance(leaf, TensorPlan):
@@ -55,7 +55,7 @@ def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False) ->
 
     seen: set[tuple] = set()
     compared = 0
-    for tp in _planned(plan):
+    for tp in planned(plan):
         for op in tp.ops:
             for shard, ref in op.replicas:
                 key = (op.shard, _ident(op.ref), shard, _ident(ref))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_preflight import pickling
+from megatron_preflight import dtypes, pickling
 from megatron_preflight.reshard.dist_optimizer import FlatPlan
 from megatron_preflight.reshard.executor import SourceFiles, build_rows
 from megatron_preflight.reshard.planner import RankPlan, TensorPlan
@@ -26,11 +26,9 @@ from megatron_preflight.reshard.zip_writer import TorchZipWriter, zip_size
 
 CHUNK_BYTES = 16 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
 
-_STORAGE_NAMES = {
-    torch.float32: "FloatStorage", torch.float64: "DoubleStorage", torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage", torch.bool: "BoolStorage",
-}
+# torch dtype -> the legacy storage class torch.save names for it (the reverse of the reader's table)
+_STORAGE_NAMES = {dtypes.dtype(name): cls for cls, name in dtypes.STORAGE_DTYPES.items()
+                  if cls != "UntypedStorage" and hasattr(torch, cls)}
 
 
 class _StorageStub:
@@ -56,7 +54,7 @@ class _TensorStub:
 class _Pickler(pickling.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageStub):
-            return ("storage", getattr(torch, _STORAGE_NAMES[obj.dtype]), obj.key, "cpu", obj.numel)
+            return ("storage", getattr(torch, _STORAGE_NAMES[dtypes.to_torch(obj.dtype)]), obj.key, "cpu", obj.numel)
         return None
 
 
