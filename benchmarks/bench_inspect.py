@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from megatron_preflight.layout import discover
+from megatron_preflight.layout.discover import discover
 
 
 def write(root: str, hidden: int, layers: int = 8, tp: int = 2) -> int:

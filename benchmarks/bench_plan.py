@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.bench_reshard import adam_state  # noqa: E402
-from megatron_preflight.reshard.api import TargetLayout, open_resharder  # noqa: E402
+from megatron_preflight.reshard.resharder import open_resharder
+from megatron_preflight.reshard.target import TargetLayout  # noqa: E402
 
 H, FFN, LAYERS, EXPERTS, EP = 64, 128, 16, 64, 2
 

@@ -81,8 +81,8 @@ def adam_state(model: dict[str, torch.Tensor]) -> dict:
 
 def dist_state(model: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     """A distributed optimizer's state for ``model`` (one fp32 buffer, one bucket, laid out by Megatron's DDP rules as
-    megatron_preflight.reshard.dist_optimizer models them): (model_optim_rng.pt's optimizer entry, distrib_optim.pt)."""
-    from megatron_preflight.reshard.dist_optimizer import Slot, world_offsets
+    megatron_preflight.reshard.optimizer.distributed models them): (model_optim_rng.pt's optimizer entry, distrib_optim.pt)."""
+    from megatron_preflight.reshard.optimizer.distributed import Slot, world_offsets
 
     params = list(model.items())
     offsets, buckets = world_offsets([Slot(k, v.numel()) for k, v in params], None)

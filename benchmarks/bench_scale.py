@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from megatron_preflight.layout import naming  # noqa: E402
 from tests.helpers.synthetic import Model, write_legacy  # noqa: E402
 
 MIB = 2**20
@@ -107,7 +108,8 @@ def part_a(work: str, sizes: list[int]) -> None:
 
 
 def part_b(work: str, sizes: list[int]) -> None:
-    from megatron_preflight.layout import discover, transport
+    from megatron_preflight.layout import transport
+    from megatron_preflight.layout.discover import discover
 
     print("\nB. layout payload rank 0 sends, and its broadcast (gloo, 4 processes on this machine)")
     print(f"{'shards':>7} {'read all s':>10} {'full pickle KiB/shard':>22} {'compact KiB/shard':>18} "
@@ -206,7 +208,7 @@ def shared_read_seconds(root: str, world: int, alone: bool = False) -> float:
 
 
 def part_e(work: str, sizes: list[int]) -> None:
-    from megatron_preflight.layout import discover
+    from megatron_preflight.layout.discover import discover
 
     print("\nE. the hook's full layout read before an in-memory reshard (until every rank holds it): rank 0 alone vs "
           "every rank its share")
@@ -231,13 +233,14 @@ CASES_C = [
 
 def _rank_worker(payload_path: str, target: dict, names: list[str], q) -> None:
     from megatron_preflight.layout import transport
-    from megatron_preflight.reshard.api import TargetLayout, open_resharder
-    from megatron_preflight.reshard.executor import SourceFiles
+    from megatron_preflight.reshard.resharder import open_resharder
+    from megatron_preflight.reshard.sources.files import SourceFiles
+    from megatron_preflight.reshard.target import TargetLayout
 
     layout = transport.loads(open(payload_path, "rb").read())
     r = open_resharder(layout, TargetLayout(**target))
     for name in names:
-        plan = r.plan_for_coords(r.tgt.shard_dirs()[name], name)
+        plan = r.plan_for_coords(naming.shard_writers(r.tgt)[name], name)
         files = SourceFiles(r.layout.iter_dir or "")
         try:
             t0 = time.perf_counter()
@@ -253,9 +256,11 @@ def _rank_worker(payload_path: str, target: dict, names: list[str], q) -> None:
 def part_c(work: str) -> None:
     import multiprocessing as mp
 
-    from megatron_preflight.layout import discover, transport
+    from megatron_preflight.layout import transport
+    from megatron_preflight.layout.discover import discover
     from megatron_preflight.reshard import cost
-    from megatron_preflight.reshard.api import TargetLayout, open_resharder
+    from megatron_preflight.reshard.resharder import open_resharder
+    from megatron_preflight.reshard.target import TargetLayout
 
     print("\nC. in-memory reshard: per rank, bytes read vs bytes of its state dict (sampled ranks, 4 processes)")
     print(f"{'case':<14} {'src shards':>10} {'ranks':>6} {'read MiB/rank':>14} {'needed MiB/rank':>16} "
@@ -272,7 +277,7 @@ def part_c(work: str) -> None:
         with open(path, "wb") as fh:
             fh.write(payload)
         r = open_resharder(layout, TargetLayout(**target))
-        names = list(r.tgt.shard_dirs())
+        names = list(naming.shard_writers(r.tgt))
         sample = names[:: max(1, len(names) // 16)]
         predicted = {c.name: c.bytes_read for c in cost.predict_in_memory(r, bandwidth=1e9, names=sample).ranks}
         ctx = mp.get_context("spawn")

@@ -19,8 +19,8 @@ sys.path.insert(0, ROOT)
 
 def main() -> int:
     from megatron_preflight.check.plan import make_plan
+    from megatron_preflight.check.report import render_plan
     from megatron_preflight.check.runtime_args import from_cli
-    from megatron_preflight.report import render_plan
     from tests.helpers.mcore_models import Layout, ModelSpec
     from tests.helpers.pool import Pool
 

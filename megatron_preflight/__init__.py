@@ -8,10 +8,11 @@ __all__ = ["PreflightError", "__version__", "inspect_checkpoint", "install"]
 
 
 def inspect_checkpoint(path, iteration=None, trust_checkpoint=False):
-    """Discover the layout of the checkpoint at ``path`` (see :func:`megatron_preflight.layout.discover`)."""
-    from megatron_preflight.layout.discover import discover
+    """The layout of the checkpoint at ``path``, its shards' consistency checked (what ``megatron-preflight inspect``
+    reports; see :func:`megatron_preflight.reshard.open_index`)."""
+    from megatron_preflight.reshard import open_index  # the package's import stays light (the hook imports it)
 
-    return discover(path, iteration=iteration, trust_checkpoint=trust_checkpoint)
+    return open_index(path, iteration=iteration, trust_checkpoint=trust_checkpoint).layout
 
 
 def install(**kwargs):

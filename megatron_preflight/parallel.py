@@ -201,18 +201,6 @@ class ParallelLayout:
         """Whether expert weights use the expert grid (their own optimizer part, their own DP group)."""
         return self.ep > 1 or self.etp_eff != self.tp
 
-    # -- ranks and shard dirs (naming knows the names) ------------------------------------------------------------
-    def rank_coordinates(self, rank: int, world: int) -> dict[str, int]:
-        from megatron_preflight.layout import naming
-
-        return naming.rank_coordinates(rank, world, self)
-
-    def shard_dirs(self) -> dict[str, dict[str, int]]:
-        """Every shard dir this layout writes -> coordinates (tp, pp, ep, etp, ...) of a rank that writes it."""
-        from megatron_preflight.layout import naming
-
-        return naming.shard_writers(self)
-
     def vpp_args(self) -> dict[str, int | None]:
         """The Megatron args that make :func:`derive_vpp` give this VPP: layers per virtual stage (counting the
         embedding / loss when accounted in the split), or virtual stages per rank with uneven first/last stages."""
@@ -224,12 +212,73 @@ class ParallelLayout:
         return {"num_layers_per_virtual_pipeline_stage": total // (self.pp * self.vpp),
                 "num_virtual_stages_per_pipeline_rank": None}
 
+    def to_args(self) -> dict[str, Any]:
+        """The Megatron args that make :func:`from_args` build this layout (the inverse of the one builder): sizes,
+        the virtual pipeline flags, the stage split, the model's layer and expert counts, the rank order."""
+        out: dict[str, Any] = {
+            "tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
+            "expert_model_parallel_size": self.ep, "expert_tensor_parallel_size": self.etp_eff,
+            "context_parallel_size": self.cp, "virtual_pipeline_model_parallel_size": self.vpp,
+            "num_layers_per_virtual_pipeline_stage": None, "num_virtual_stages_per_pipeline_rank": None,
+            "decoder_first_pipeline_num_layers": self.first_stage_layers,
+            "decoder_last_pipeline_num_layers": self.last_stage_layers,
+            "account_for_embedding_in_pipeline_split": self.embedding_in_split,
+            "account_for_loss_in_pipeline_split": self.loss_in_split,
+            "num_layers": self.num_layers, "num_experts": self.num_experts,
+            "use_tp_pp_dp_mapping": self.order == TP_PP_DP_ORDER,
+            "pipeline_model_parallel_layout": self.pipeline_layout,
+        }
+        if self.vpp and (self.num_layers is not None or self.first_stage_layers is not None
+                         or self.last_stage_layers is not None):
+            out.update(self.vpp_args())
+        return out
+
     def validate(self) -> None:
         """Raise :class:`LayoutError` when the layout cannot hold the model (layers and experts, when known)."""
         if self.num_layers is not None:
             self.chunk_layer_counts()
         if self.num_experts:
             self.experts_per_rank()
+
+
+def divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def fit_problems(layout: ParallelLayout, model: Any, *, training: bool = True) -> list[LayoutError]:
+    """Whether ``layout`` can hold the model ``model`` describes (Megatron args: a Namespace, RuntimeArgs or
+    mapping): heads, query groups and the ffn split over TP, experts over EP, the expert ffn over ETP (and, for a run
+    that trains, MoE biases only at ETP 1). Each problem names its field and the sizes that work. The check asks it
+    of the run's layout, the resharder of its target."""
+    out: list[LayoutError] = []
+    tp, ep, etp = layout.tp, layout.ep, layout.etp_eff
+    heads = _int(model, "num_attention_heads")
+    groups = _int(model, "num_query_groups") if _get(model, "group_query_attention") else None
+    ffn = _int(model, "ffn_hidden_size")
+    experts = _int(model, "num_experts")
+    if heads and heads % tp:
+        out.append(LayoutError(f"{heads} attention heads are not divisible by TP{tp}", field="tensor_model_parallel_size",
+                               fix=f"choose a TP size that divides the {heads} heads: {divisors(heads)}"))
+    if groups and groups % tp:
+        out.append(LayoutError(f"{groups} query groups are not divisible by TP{tp}", field="tensor_model_parallel_size",
+                               fix=f"choose a TP size that divides the {groups} query groups: {divisors(groups)}"))
+    if ffn and ffn % tp:
+        out.append(LayoutError(f"ffn hidden size {ffn} is not divisible by TP{tp}", field="tensor_model_parallel_size",
+                               fix=f"choose a TP size that divides {ffn}"))
+    if experts:
+        if experts % ep:
+            out.append(LayoutError(f"{experts} experts are not divisible by EP{ep}", field="expert_model_parallel_size",
+                                   fix=f"choose an EP size that divides the {experts} experts: {divisors(experts)}"))
+        bias = _get(model, "add_bias_linear")
+        if training and etp > 1 and (bias is None or bool(bias)):
+            out.append(LayoutError("MoE biases are only supported with expert-tensor-parallel size 1",
+                                   field="expert_tensor_parallel_size",
+                                   fix="add --disable-bias-linear or set --expert-tensor-parallel-size 1"))
+        moe_ffn = _int(model, "moe_ffn_hidden_size") or ffn
+        if moe_ffn and moe_ffn % etp:
+            out.append(LayoutError(f"expert ffn size {moe_ffn} is not divisible by ETP{etp}",
+                                   field="expert_tensor_parallel_size", fix="choose an ETP size that divides it"))
+    return out
 
 
 def _positive(name: str, value: Any) -> None:
@@ -295,6 +344,26 @@ def derive_vpp(args: Any) -> int | None:
     return vpp if vpp and vpp > 1 else None
 
 
+# Every size flag a run can give, with its letter: each must be a positive integer when given.
+SIZE_ARGS = {
+    "tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP", "expert_model_parallel_size": "EP",
+    "expert_tensor_parallel_size": "ETP", "context_parallel_size": "CP",
+    "virtual_pipeline_model_parallel_size": "VPP", "num_layers_per_virtual_pipeline_stage": "VPP",
+    "num_virtual_stages_per_pipeline_rank": "VPP", "world_size": "world",
+}
+
+
+def validate_sizes(args: Any) -> None:
+    """Raise a usage error naming the flag when a size in ``args`` (Megatron names) is not a positive integer: where
+    sizes enter (the run's flags, YAML, the live args, a reshard target), before anything divides by them."""
+    for name, letter in SIZE_ARGS.items():
+        value = _int(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise PreflightError(f"the {letter} size must be a positive integer, got {value} ({flag})",
+                                 fix=f"pass an integer >= 1 to {flag} (or leave it out)", code="usage")
+
+
 def from_args(args: Any, **override: Any) -> ParallelLayout:
     """THE builder: the layout a Megatron run with ``args`` uses. ``args`` is a Megatron ``Namespace``, a mapping of
     Megatron arg names, or anything with those attributes (saved args, ``RuntimeArgs``). ``override`` replaces the
@@ -303,6 +372,7 @@ def from_args(args: Any, **override: Any) -> ParallelLayout:
         base = dict(vars(args)) if hasattr(args, "__dict__") and not isinstance(args, Mapping) else dict(args or {})
         base.update(override)
         args = base
+    validate_sizes(args)
     pp = _int(args, "pipeline_model_parallel_size", 1)
     experts = _int(args, "num_experts")
     return ParallelLayout(

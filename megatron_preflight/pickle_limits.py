@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_preflight.errors import UnsafePickleError
+from megatron_preflight.placeholders import Placeholder
 
 MAX_OPS = 50_000_000  # a metadata pickle of the largest checkpoints holds well under a million
 MAX_MARK_DEPTH = 1_000
@@ -160,8 +161,6 @@ class CallBudget:
 def check_shape(obj: Any, stream_bytes: int, source: str) -> None:
     """Refuse an object tree nested deeper than :data:`MAX_OBJECT_DEPTH`, or that expands (shared containers counted
     once per path) far beyond its stream. Iterative, and stops as soon as a bound is crossed."""
-    from megatron_preflight.safe_pickle import Placeholder
-
     limit = EXPANSION_FACTOR * stream_bytes + EXPANSION_FLOOR
     seen = 0
     stack: list[tuple[Any, int]] = [(obj, 0)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from megatron_preflight.safe_pickle import Placeholder
+from megatron_preflight.placeholders import Placeholder
 
 
 class Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can be extended

@@ -21,87 +21,16 @@ import collections
 import io
 import pickle
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 from megatron_preflight import dtypes, pickle_limits
 from megatron_preflight.dtypes import torch_loaded
 from megatron_preflight.errors import UnsafePickleError
+from megatron_preflight.placeholders import Placeholder, placeholder_class, record_class
 
 # Module prefixes whose classes become inert placeholders (their data is kept, their code never imported).
 PLACEHOLDER_PREFIXES = ("megatron.", "megatron_", "transformer_engine.", "modelopt.", "nvidia_resiliency_ext.")
-
-
-class Placeholder:
-    """Inert stand-in for a class that is referenced by a pickle but deliberately not imported.
-
-    Holds the constructor arguments (enums: ``Cls(value)``) and any state set by ``BUILD``.
-    """
-
-    _module = "?"
-    _name = "?"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Placeholder":
-        obj = super().__new__(cls)
-        obj._new_args = args  # NEWOBJ: cls.__new__(cls, *args), no __init__
-        obj._args = ()
-        obj._kwargs = {}
-        obj._state = None
-        obj._called = False
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # REDUCE: cls(*args)
-        self._args = args
-        self._kwargs = kwargs
-        self._called = True
-
-    def __reduce__(self) -> Any:
-        """Pickle back as the original class (see :mod:`megatron_preflight.pickling`)."""
-        import copyreg
-
-        if self._called:
-            return (type(self), self._args) if self._state is None else (type(self), self._args, self._state)
-        return (copyreg.__newobj__, (type(self), *self._new_args), self._state)
-
-    def __setstate__(self, state: Any) -> None:
-        self._state = state
-        self._called = getattr(self, "_called", False)
-
-    @property
-    def value(self) -> Any:
-        """The enum value, for enum-like placeholders (``Cls(value)``)."""
-        return self._args[0] if len(self._args) == 1 else None
-
-    def describe(self) -> str:
-        if len(self._args) == 1 and self._state is None:
-            return f"{self._name}({self._args[0]!r})"
-        if self._state is not None and not self._args:
-            return f"{self._name}({self._state!r})"
-        return f"{self._name}{self._args!r}"
-
-    def __repr__(self) -> str:
-        return f"<{self._module}.{self.describe()}>"
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Placeholder)
-            and (self._module, self._name, self._args, self._state)
-            == (other._module, other._name, other._args, other._state)
-        )
-
-    def __hash__(self) -> int:
-        return hash((self._module, self._name, repr(self._args)))
-
-
-_placeholder_classes: dict[tuple[str, str], type] = {}
-
-
-def placeholder_class(module: str, name: str) -> type:
-    """The (cached) placeholder class standing for ``module.name``."""
-    key = (module, name)
-    if key not in _placeholder_classes:
-        _placeholder_classes[key] = type(name, (Placeholder,), {"_module": module, "_name": name})
-    return _placeholder_classes[key]
 
 
 def _guarded_reconstructor(cls: Any, base: Any, state: Any) -> Any:
@@ -199,32 +128,6 @@ def _torch_free_global(module: str, name: str) -> Any:
     return None
 
 
-class Record(Placeholder):
-    """Inert stand-in for one of torch.distributed.checkpoint's metadata dataclasses: its fields are attributes, and
-    it hashes by value (``MetadataIndex`` keys a dict)."""
-
-    def __setstate__(self, state: Any) -> None:
-        super().__setstate__(state)
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
-            state = {**(state[0] or {}), **state[1]}
-        if isinstance(state, dict):
-            self.__dict__.update({str(k): v for k, v in state.items()})
-        elif self._name == "TensorProperties" and isinstance(state, tuple) and len(state) == 5:
-            self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
-
-    def __hash__(self) -> int:
-        state = self._state if isinstance(self._state, dict) else {}
-        return hash((self._name, tuple(sorted((k, v) for k, v in state.items() if isinstance(v, Hashable)))))
-
-
-def record_class(module: str, name: str) -> type:
-    key = (module, name)
-    if key not in _record_classes:
-        _record_classes[key] = type(name, (Record,), {"_module": module, "_name": name})
-    return _record_classes[key]
-
-
-_record_classes: dict[tuple[str, str], type] = {}
 _DCP = "torch.distributed.checkpoint"
 # torch.distributed.checkpoint's metadata dataclasses (read as Records without torch) ...
 _DCP_CLASSES = frozenset(

@@ -5,7 +5,8 @@ import pickle
 import pytest
 
 from megatron_preflight.errors import UnsafePickleError
-from megatron_preflight.safe_pickle import Placeholder, safe_loads
+from megatron_preflight.placeholders import Placeholder
+from megatron_preflight.safe_pickle import safe_loads
 
 
 def test_plain_megatron_args_roundtrip():

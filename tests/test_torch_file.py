@@ -5,7 +5,7 @@ import zipfile
 
 import torch
 
-from megatron_preflight.safe_pickle import placeholder_class
+from megatron_preflight.placeholders import placeholder_class
 from megatron_preflight.torch_file import TensorRef, TorchFile, read_torch_file
 from tests.conftest import fixture_path
 

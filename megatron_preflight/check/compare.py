@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_preflight import parallel
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout.model import Format, Layout
@@ -185,10 +186,6 @@ def _compare_dtype(saved: Any, rt: RuntimeArgs) -> list[Finding]:
     return []
 
 
-def divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
 def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
     """Is the run's own parallel layout valid? (What Megatron would assert later, or fail on mid-load.)"""
     out: list[Finding] = []
@@ -203,30 +200,14 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
             layout.chunk_layer_counts()
     except LayoutError as e:
         bad(e.field or "pipeline_model_parallel_size", None, e.message, e.fix or "")
-    if rt.num_attention_heads and rt.num_attention_heads % tp:
-        bad("tensor_model_parallel_size", tp, f"{rt.num_attention_heads} attention heads are not divisible by TP{tp}",
-            f"choose a TP size that divides the {rt.num_attention_heads} heads: {divisors(rt.num_attention_heads)}")
-    if rt.num_query_groups and rt.num_query_groups % tp and rt.group_query_attention:
-        bad("tensor_model_parallel_size", tp, f"{rt.num_query_groups} query groups are not divisible by TP{tp}",
-            f"choose a TP size that divides the {rt.num_query_groups} query groups: {divisors(rt.num_query_groups)}")
-    if rt.ffn_hidden_size and rt.ffn_hidden_size % tp:
-        bad("tensor_model_parallel_size", tp, f"ffn hidden size {rt.ffn_hidden_size} is not divisible by TP{tp}",
-            f"choose a TP size that divides {rt.ffn_hidden_size}")
     if rt.num_layers_per_virtual_pipeline_stage and pp == 1:
         bad("num_layers_per_virtual_pipeline_stage", rt.num_layers_per_virtual_pipeline_stage,
             "a virtual pipeline needs PP > 1", "remove --num-layers-per-virtual-pipeline-stage")
-    if rt.num_experts:
-        if rt.num_experts % ep:
-            bad("expert_model_parallel_size", ep, f"{rt.num_experts} experts are not divisible by EP{ep}",
-                f"choose an EP size that divides the {rt.num_experts} experts: {divisors(rt.num_experts)}")
-        if etp > 1 and rt.add_bias_linear:
-            bad("expert_tensor_parallel_size", etp, "MoE biases are only supported with expert-tensor-parallel size 1",
-                "add --disable-bias-linear or set --expert-tensor-parallel-size 1")
-        moe_ffn = rt.moe_ffn_hidden_size or rt.ffn_hidden_size
-        if moe_ffn and moe_ffn % etp:
-            bad("expert_tensor_parallel_size", etp, f"expert ffn size {moe_ffn} is not divisible by ETP{etp}",
-                "choose an ETP size that divides it")
-    elif ep > 1:
+    sizes = parallel.ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp)
+    value = {"tensor_model_parallel_size": tp, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+    for e in parallel.fit_problems(sizes, rt):  # heads, groups, ffn over TP; experts over EP, ETP: as the resharder
+        bad(e.field, value.get(e.field), e.message, e.fix or "")
+    if ep > 1 and not rt.num_experts:
         bad("expert_model_parallel_size", ep, "expert parallelism without --num-experts",
             "remove --expert-model-parallel-size or add --num-experts")
     if rt.world_size:

@@ -13,8 +13,8 @@ from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_namespace
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format, Layout
+from megatron_preflight.reshard import CheckpointIndex, TargetLayout, open_index, open_resharder, predict_in_memory
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +31,17 @@ class Plan:
     verdict: Verdict
     loader: Loader | None
     findings: list[Finding]
-    layout: Layout
+    index: CheckpointIndex  # the checkpoint as read and indexed: the loader and the cost line reuse it
     runtime: RuntimeArgs
     load_optimizer: bool = True
     load_rng: bool = True
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     cost: Any = None  # reshard.cost.Prediction of the in-memory reshard, for a reshard verdict
+
+    @property
+    def layout(self) -> Layout:
+        return self.index.layout
 
     @property
     def fatal(self) -> list[Finding]:
@@ -111,8 +115,9 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
     return out, changed
 
 
-def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[list[Finding], bool, bool]:
+def _state_findings(index: CheckpointIndex, rt: RuntimeArgs, changed: bool) -> tuple[list[Finding], bool, bool]:
     """Optimizer and RNG state: what can be carried across, and what must be dropped (never silently)."""
+    layout = index.layout
     out: list[Finding] = []
     skip_optim = rt.no_load_optim or rt.finetune
     skip_rng = rt.no_load_rng or rt.finetune
@@ -130,7 +135,7 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
                            "optimizer fresh", "add --no-load-optim to say so explicitly"))
         load_optim = False
     if load_optim and ck_dopt != rt.use_distributed_optimizer and layout.format == Format.TORCH and \
-            _convertible(layout):
+            _convertible(index):
         out.append(Finding("use_distributed_optimizer", ck_dopt, rt.use_distributed_optimizer, RESHARD,
                            "the optimizer state was saved by the "
                            + ("distributed optimizer; the run uses the plain one" if ck_dopt else
@@ -145,9 +150,7 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
                            + ", or add --no-load-optim to start the optimizer fresh"))
     if changed and load_optim:
         if layout.format == Format.TORCH:
-            from megatron_preflight.reshard.optimizer import optimizer_status
-
-            status = optimizer_status(layout)
+            status = index.optimizer_status
             problem = status.reason if status is not None and not status.reshardable else None
             if problem is None and status is not None and not status.in_memory:
                 out.append(Finding("optimizer", "distributed", "load", FATAL,
@@ -176,14 +179,14 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
                                                        bool(getattr(saved, "num_experts", None)))
             if tp_pp_change and sharding not in FULLY_RESHARDABLE:
                 out.append(_megatron_refuses(
-                    layout, sharding, f"TP{rt.tp} PP{rt.pp}",
+                    index, sharding, f"TP{rt.tp} PP{rt.pp}",
                     f"Megatron fails here with '(TP, PP) mismatch after resume ... not supported for "
                     f"DistributedOptimizer with sharding type {sharding}'", readable=sharding == "dp_reshardable",
                     other="add --no-load-optim; or re-save at the old layout with "
                           "--dist-ckpt-optim-fully-reshardable and load that"))
             elif ep_change:
                 out.append(_megatron_refuses(
-                    layout, f"EP{layout.ep}", f"EP{rt.ep}",
+                    index, f"EP{layout.ep}", f"EP{rt.ep}",
                     "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
                     "('Could not find parameter group with key ...')",
                     readable=layout.format == Format.TORCH_DIST and sharding in READABLE_DIST_OPTIMIZER,
@@ -192,7 +195,7 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
             ep_change = (layout.ep or 1) != rt.ep
             if ep_change and has_optim:
                 out.append(_megatron_refuses(
-                    layout, f"EP{layout.ep}", f"EP{rt.ep}",
+                    index, f"EP{layout.ep}", f"EP{rt.ep}",
                     "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
                     "('Could not find parameter group with key ...')", readable=layout.format == Format.TORCH_DIST,
                     other="add --no-load-optim"))
@@ -208,10 +211,8 @@ def _state_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> tuple[lis
     return out, load_optim, load_rng
 
 
-def _convertible(layout: Layout) -> bool:
-    from megatron_preflight.reshard.optimizer import optimizer_status
-
-    status = optimizer_status(layout)
+def _convertible(index: CheckpointIndex) -> bool:
+    status = index.optimizer_status
     return status is not None and status.reshardable
 
 
@@ -265,8 +266,11 @@ def _problem_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     return out
 
 
-def plan_from_layout(layout: Layout, rt: RuntimeArgs, t0: float | None = None) -> Plan:
+def plan_from_layout(checkpoint: Layout | CheckpointIndex, rt: RuntimeArgs, t0: float | None = None) -> Plan:
+    """The plan for loading a discovered checkpoint (its index is built here, or reused) with the run's args."""
     t0 = time.perf_counter() if t0 is None else t0
+    index = open_index(checkpoint)
+    layout = index.layout
     findings: list[Finding] = []
     findings += _problem_findings(layout, rt)
     findings += check_runtime_layout(rt)
@@ -274,9 +278,9 @@ def plan_from_layout(layout: Layout, rt: RuntimeArgs, t0: float | None = None) -
         findings += _format_findings(layout, rt)
         findings += compare_architecture(layout, rt)
         lay, changed = _layout_findings(layout, rt)
-        changed = changed or (optimizer_toggled(layout, rt) and _convertible(layout))
+        changed = changed or (optimizer_toggled(layout, rt) and _convertible(index))
         findings += lay
-        state, load_optim, load_rng = _state_findings(layout, rt, changed)
+        state, load_optim, load_rng = _state_findings(index, rt, changed)
         findings += state
     else:
         changed, load_optim, load_rng = False, False, False
@@ -297,7 +301,7 @@ def plan_from_layout(layout: Layout, rt: RuntimeArgs, t0: float | None = None) -
         verdict = Verdict.LOAD
     order = {FATAL: 0, RESHARD: 1, INFO: 2}
     findings.sort(key=lambda f: order[f.severity])
-    plan = Plan(verdict, loader, findings, layout, rt, load_optimizer=load_optim, load_rng=load_rng)
+    plan = Plan(verdict, loader, findings, index, rt, load_optimizer=load_optim, load_rng=load_rng)
     if verdict == Verdict.RESHARD:
         _predict_cost(plan)
     plan.seconds = time.perf_counter() - t0
@@ -309,13 +313,10 @@ def _predict_cost(plan: Plan) -> None:
     if plan.layout.sampled:
         plan.notes.append("reshard cost not predicted: the shards were sampled (--all-shards predicts it)")
         return
-    from megatron_preflight.reshard import cost
-    from megatron_preflight.reshard.api import Resharder, TargetLayout
-
     try:
-        r = Resharder(plan.layout, TargetLayout.from_args(plan.runtime, given=plan.runtime.given),
-                      keep_optimizer=plan.load_optimizer)
-        plan.cost = cost.predict_in_memory(r)
+        r = open_resharder(plan.index, TargetLayout.from_args(plan.runtime, given=plan.runtime.given),
+                           keep_optimizer=plan.load_optimizer)
+        plan.cost = predict_in_memory(r)
     except PreflightError as exc:
         plan.notes.append(f"reshard cost not predicted: {exc.message}")
     except Exception as exc:  # noqa: BLE001 - the prediction is advice: it never changes or blocks a verdict
@@ -337,23 +338,21 @@ def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
         rt = from_namespace(args)
     if iteration is None and rt.ckpt_step is not None:
         iteration = rt.ckpt_step
-    layout = discover(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint, shards=shards)
-    return plan_from_layout(layout, rt, t0)
+    index = open_index(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint, shards=shards)
+    return plan_from_layout(index, rt, t0)
 
 
-def _megatron_refuses(layout: Layout, ckpt: Any, run: Any, why: str, *, readable: bool, other: str) -> Finding:
+def _megatron_refuses(index: CheckpointIndex, ckpt: Any, run: Any, why: str, *, readable: bool, other: str) -> Finding:
     """A torch_dist optimizer state Megatron's own loader refuses at the run's layout: when the resharder reads its
     form, ``--preflight auto`` loads it in memory instead (a reshard finding, and the reshard loader); else fatal."""
     problem = None
     if readable:
-        from megatron_preflight.reshard.dist_source_optimizer import dist_source_problem
-
-        problem = dist_source_problem(layout)
+        problem = index.source_problem()
     if readable and problem is None:
         return Finding("optimizer", ckpt, run, RESHARD,
                        f"{why}; the in-memory resharder reads this form, so --preflight auto loads the weights and the "
                        "optimizer state through it instead of Megatron's dist loader",
-                       f"run with --preflight auto; or {_dist_to_legacy_fix(layout)}")
+                       f"run with --preflight auto; or {_dist_to_legacy_fix(index.layout)}")
     if problem is not None:
         why += f"; the in-memory resharder cannot serve it either ({problem})"
     return Finding("optimizer", ckpt, run, FATAL, why, other)

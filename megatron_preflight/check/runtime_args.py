@@ -110,7 +110,9 @@ class RuntimeArgs:
         return self.world_size // (self.tp * self.pp * self.cp)
 
     def derive(self) -> "RuntimeArgs":
-        """Apply Megatron's derived defaults (as ``validate_args`` and the tokenizer do). Idempotent."""
+        """Apply Megatron's derived defaults (as ``validate_args`` and the tokenizer do). Idempotent. A size that is
+        not a positive integer is a usage error, raised here, before anything divides by it."""
+        parallel.validate_sizes(self)
         if self.num_attention_heads and self.hidden_size and self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if not self.group_query_attention and self.num_attention_heads:

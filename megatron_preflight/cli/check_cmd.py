@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from megatron_preflight.check.plan import Verdict, make_plan
+from megatron_preflight.check.report import render_plan
 from megatron_preflight.check.runtime_args import from_cli, from_yaml
-from megatron_preflight.report import render_plan
+from megatron_preflight.cli.common import add_shards_flag, to_json_text
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -17,8 +18,6 @@ def _run(ns: argparse.Namespace) -> int:
     plan = make_plan(ns.path, rt, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                      shards="all" if ns.all_shards else "auto")
     if ns.json:
-        from megatron_preflight.cli.main import to_json_text
-
         print(to_json_text(plan.to_json(), len(plan.layout.shards)))
     else:
         print(render_plan(plan))
@@ -33,7 +32,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iteration", help="iteration to check (default: --ckpt-step, else the tracker's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled types outside the allow-list")
-    from megatron_preflight.cli.main import add_shards_flag
-
     add_shards_flag(p)
     p.set_defaults(func=_run)

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
 import threading
 from collections.abc import Callable
 
-from megatron_preflight.cli import check_cmd, reshard_cmd
+from megatron_preflight.cli import check_cmd, inspect_cmd, reshard_cmd
+from megatron_preflight.cli.common import EXIT_PROBLEMS, EXIT_USAGE
 from megatron_preflight.errors import PreflightError, environment_error
-
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 log = logging.getLogger("megatron_preflight")
 
@@ -24,47 +22,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _cmd_inspect(ns: argparse.Namespace) -> int:
-    from megatron_preflight.layout.discover import discover
-    from megatron_preflight.report import render_layout
-
-    layout = discover(ns.path, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
-                      shards="all" if ns.all_shards else "auto")
-    if ns.json:
-        print(to_json_text(layout.to_json(), len(layout.shards)))
-    else:
-        print(render_layout(layout))
-    if any(p.code == "usage" for p in layout.problems):
-        return EXIT_USAGE
-    return EXIT_OK if layout.ok else EXIT_PROBLEMS
-
-
-def to_json_text(doc: dict, shards: int) -> str:
-    """Indented for a person; compact (json's C encoder) for thousands of shards, where indenting takes seconds."""
-    return json.dumps(doc, indent=1 if shards <= 256 else None)
-
-
-def add_shards_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--all-shards", action="store_true",
-                   help="parse every legacy shard file (default: all up to 32, above that rank 0's, the first of each "
-                        "pipeline stage and the last, with every file sized and its zip trailer checked)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="megatron-preflight",
                      description="Pre-flight checks and resharding for Megatron-LM checkpoints.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("inspect", help="describe a checkpoint: format, iteration, TP/PP/EP, shards, problems")
-    p.add_argument("path", help="the checkpoint root (the --load dir) or one iteration dir")
-    p.add_argument("--iteration", help="iteration to inspect (default: the tracker's)")
-    p.add_argument("--json", action="store_true", help="print a JSON report")
-    add_shards_flag(p)
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="allow pickled types outside the allow-list (runs code from the file: only for files you trust)")
-    p.set_defaults(func=_cmd_inspect)
-
+    inspect_cmd.add_parser(sub)
     check_cmd.add_parser(sub)
     reshard_cmd.add_parser(sub)
     return parser

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megatron_preflight.reshard.api import TargetLayout
+from megatron_preflight.check.runtime_args import from_cli
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.reshard import TargetLayout, predict_offline, predict_torch_dist, process_age
 
 
 def _int(v: str | None, flag: str = "a size") -> int | None:
@@ -18,18 +20,13 @@ def _int(v: str | None, flag: str = "a size") -> int | None:
     try:
         return int(v)
     except ValueError:
-        from megatron_preflight.errors import PreflightError
-
         raise PreflightError(f"{flag} {v!r} is not an integer", fix=f"pass a whole number to {flag}",
                              code="usage") from None
 
 
 def target_from(ns: argparse.Namespace) -> TargetLayout:
-    from megatron_preflight.reshard.api import TargetLayout  # the engine (and torch) only when resharding
-
+    """The target the command line asks for: the new run's flags after ``--``, or the size flags."""
     if ns.megatron_args:
-        from megatron_preflight.check.runtime_args import from_cli
-
         rt = from_cli(ns.megatron_args)
         return TargetLayout.from_args(rt, given=rt.given)
     size = {name: _int(getattr(ns, name), "--" + name.replace("_", "-")) for name in _SIZE_FLAGS}
@@ -60,9 +57,7 @@ def progress_bar(done: int, total: int, name: str) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    import dataclasses
-
-    from megatron_preflight.reshard.writer import write_resharded
+    from megatron_preflight.reshard import write_resharded  # the writers import torch: only when resharding
 
     target = target_from(ns)
     if ns.optimizer_group_order:
@@ -84,24 +79,23 @@ def _run(ns: argparse.Namespace) -> int:
 
 def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
     """Plan everything, move nothing: print the predicted cost (bytes, files, memory, time)."""
-    import json
-
-    from megatron_preflight.reshard import cost
-    from megatron_preflight.reshard.writer import check_destination, open_checked
+    from megatron_preflight.reshard import (  # the writers import torch: only when resharding
+        check_destination,
+        global_resharders,
+        open_checked,
+    )
 
     check_destination(ns.src, ns.dst)
     bandwidth = float(ns.bandwidth) * 2**20 if ns.bandwidth else None
     if target.ckpt_format == "torch_dist":
-        from megatron_preflight.reshard.dist_target import global_resharders
-
         r, g, _ = global_resharders(ns.src, target, iteration=ns.iteration, trust=ns.trust_checkpoint,
                                     keep_optimizer=not ns.drop_optimizer)
-        prediction = cost.predict_torch_dist(r, g, bandwidth=bandwidth, startup_seconds=cost.process_age())
+        prediction = predict_torch_dist(r, g, bandwidth=bandwidth, startup_seconds=process_age())
     else:
         r = open_checked(ns.src, target, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                          drop_optimizer=ns.drop_optimizer)
-        prediction = cost.predict_offline(r, workers=ns.workers, verify=ns.verify, bandwidth=bandwidth,
-                                          startup_seconds=cost.process_age())
+        prediction = predict_offline(r, workers=ns.workers, verify=ns.verify, bandwidth=bandwidth,
+                                          startup_seconds=process_age())
     print(json.dumps(prediction.to_json(), indent=1) if ns.json else prediction.render())
     return 0
 
@@ -129,8 +123,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "state in model space)")
     p.add_argument("--verify", action="store_true", help="check every written tensor against its source slices")
     p.add_argument("--drop-optimizer", action="store_true",
-                   help="leave the optimizer state out (needed for a distributed optimizer's distrib_optim.pt, which "
-                        "cannot be resharded; the plain optimizer's state is resharded otherwise)")
+                   help="leave the optimizer state out (then start the new run with --no-load-optim); needed only "
+                        "when the state cannot be resharded")
     p.add_argument("--optimizer-group-order", choices=("sorted", "per-rank"),
                    help="how the Megatron-LM that loads DST orders optimizer param groups: sorted (2026-01 on, "
                         "megatron-core >= 0.16) or per-rank (earlier); default: as the source checkpoint shows it")

@@ -10,49 +10,75 @@ import os
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.hook import consensus, shared_read
 from megatron_preflight.hook.state import STATE
-from megatron_preflight.layout.model import Layout
-from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
+from megatron_preflight.layout import naming, transport
+from megatron_preflight.reshard import (
+    GROUP_KEY,
+    CheckpointIndex,
+    OptimizerNotReshardable,
+    Resharder,
+    SourceFiles,
+    TargetLayout,
+    align_groups,
+    build_tree,
+    open_index,
+    open_resharder,
+    read_dist_meta,
+    relocate,
+)
 
 log = logging.getLogger("megatron_preflight")
 
 def target_from_args(args: Any) -> TargetLayout:
-    """The layout of the running job (Megatron's validated ``args``), through the one layout builder."""
+    """The layout of the running job: the one rank 0 decided on (broadcast with the decision), else built from
+    Megatron's validated ``args`` through the one layout builder."""
+    decision = STATE.decision
+    if decision is not None and decision.target is not None:
+        return decision.target
     return TargetLayout.from_args(args)
+
+
+def keep_optimizer(args: Any) -> bool:
+    """Whether the optimizer state is loaded: the decision's answer (--no-load-optim, --finetune, a checkpoint
+    without one), else the args'."""
+    decision = STATE.decision
+    if decision is not None and decision.loader is not None:
+        return bool(decision.load_optimizer)
+    return not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
 
 
 def resharder_for(load_dir: str, args: Any) -> Resharder:
     iteration = getattr(args, "ckpt_step", None)
-    keep_optimizer = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
-    key = (os.path.abspath(load_dir), iteration, keep_optimizer, tuple(sorted(vars(target_from_args(args)).items())))
+    keep = keep_optimizer(args)
+    target = target_from_args(args)
+    key = (os.path.abspath(load_dir), iteration, keep, tuple(sorted(vars(target).items())))
     if key not in STATE.resharders:
         trust = bool(getattr(args, "preflight_trust_checkpoint", False))
-        STATE.resharders[key] = open_resharder(shared_layout(load_dir, iteration, trust, args), target_from_args(args),
-                                          trust_checkpoint=trust, keep_optimizer=keep_optimizer)
+        STATE.resharders[key] = open_resharder(shared_index(load_dir, iteration, trust, keep), target,
+                                               keep_optimizer=keep)
     return STATE.resharders[key]
 
 
-def shared_layout(load_dir: str, iteration: Any, trust: bool, args: Any = None) -> Layout:
-    """The checkpoint's layout (every shard's metadata), assembled by rank 0 and sent to every rank. Rank 0 reads it
-    alone (one reader of the shared filesystem instead of one per rank), or, for thousands of shard files, every rank
-    parses its share and rank 0 gathers them (:mod:`shared_read`). Called by every rank at the same point
-    (collective)."""
-    from megatron_preflight.errors import PreflightError
-    from megatron_preflight.hook import consensus, shared_read
-    from megatron_preflight.layout import discover, transport
-
-    with_dist = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
+def shared_index(load_dir: str, iteration: Any, trust: bool, with_dist: bool) -> CheckpointIndex:
+    """This process's index of the checkpoint (every shard's metadata), assembled by rank 0 and sent to every rank.
+    Rank 0 keeps the index its check built (reading the shards it had not parsed when that verdict was sampled: it
+    reads them alone, or, for thousands of shard files, every rank parses its share and rank 0 gathers them, see
+    :mod:`shared_read`); the others index the layout rank 0 sends. Called by every rank at the same point
+    (collective); built once per process."""
+    where = os.path.abspath(load_dir)
+    mine = STATE.indexes.get(where)
+    if mine is not None and not mine.layout.sampled and getattr(mine, "shared", False):
+        return mine
     gathered = shared_read.gather(load_dir, iteration, trust, with_dist)
+    box: list[CheckpointIndex] = []
 
     def read() -> tuple[str, Any]:
-        checked = STATE.checked_layouts.get(os.path.abspath(load_dir))  # what the check on this rank just read
-        if checked is None or checked.sampled:
-            checked = discover(load_dir, iteration=iteration, trust_checkpoint=trust, reader=gathered)
-        layout = checked
+        index = STATE.indexes.get(where)  # what the check on this rank just read
+        if index is None or index.layout.sampled:
+            index = open_index(load_dir, iteration=iteration, trust_checkpoint=trust, reader=gathered)
+        layout = index.layout
         if layout.distributed_optimizer and with_dist:
-            from megatron_preflight.reshard.dist_optimizer import read_dist_meta
-            from megatron_preflight.reshard.optimizer import OptimizerNotReshardable
-
             if gathered is not None:
                 gathered.attach_dist(layout.shards)
             for shard in layout.shards:  # the distributed optimizer's metadata too: read here, once
@@ -60,7 +86,7 @@ def shared_layout(load_dir: str, iteration: Any, trust: bool, args: Any = None) 
                     read_dist_meta(shard, trust)
                 except OptimizerNotReshardable:
                     pass  # reported by the resharder, with its fix
-
+        box.append(index)
         return "ok", transport.dumps(layout)
 
     def failed(exc: BaseException) -> tuple[str, Any]:
@@ -72,7 +98,10 @@ def shared_layout(load_dir: str, iteration: Any, trust: bool, args: Any = None) 
     if kind == "error":
         message, path, fix, code = payload
         raise PreflightError(message, path=path, fix=fix, code=code)
-    return transport.loads(payload)
+    index = box[0] if box else CheckpointIndex(transport.loads(payload), trust=trust)
+    index.shared = True
+    STATE.indexes[where] = index
+    return index
 
 
 def runtime_coordinates(world_rank: int, world: int, resharder: Resharder) -> dict[str, int]:
@@ -86,13 +115,11 @@ def runtime_coordinates(world_rank: int, world: int, resharder: Resharder) -> di
                     "ep": ps.get_expert_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank()}
     except Exception:  # pragma: no cover - megatron.core missing or older
         pass
-    return resharder.tgt.rank_coordinates(world_rank, world)
+    return naming.rank_coordinates(world_rank, world, resharder.tgt)
 
 
 def live_groups(optimizer: Any) -> list[list[tuple[tuple, int]]] | None:
     """The running optimizer's param groups, per part: (settings key, parameter count), in its order."""
-    from megatron_preflight.reshard.optimizer import GROUP_KEY
-
     if optimizer is None:
         return None
     out = []
@@ -109,9 +136,6 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
     """(state_dict, a checkpoint name for Megatron's messages, release) for this rank. With the run's ``optimizer``,
     the resharded optimizer state's param groups are put in that optimizer's order (which older Megatron-LM
     versions choose per rank)."""
-    from megatron_preflight.hook import consensus
-    from megatron_preflight.layout import naming
-
     r = resharder_for(load_dir, args)
     release = r.layout.iteration == naming.RELEASE
     name = os.path.join(r.layout.iter_dir or load_dir, f"<resharded to TP{r.tgt.tp} PP{r.tgt.pp} EP{r.tgt.ep}>")
@@ -124,8 +148,6 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
     state = r.build(plan)
     groups = None if r.target_distributed else live_groups(optimizer)  # the distributed one maps groups by key
     if "optimizer" in state and groups is not None:
-        from megatron_preflight.reshard.optimizer import align_groups
-
         state["optimizer"] = align_groups(state["optimizer"], groups)
     log.info("built rank state dict from %s (%d tensors, %.1f MiB)", ", ".join(plan.sources), len(plan.tensors),
              plan.nbytes / 2**20)
@@ -137,8 +159,7 @@ def serve_parameter_state(optimizer: Any, args: Any, model: Any = None) -> Any:
     ``optimizer.load_parameter_state(path)`` take this rank's state from memory instead of the file (built only on
     the ranks that are data-parallel rank 0 of an optimizer part, as Megatron reads the file; it then scatters it).
     Returns the function that undoes it."""
-    if optimizer is None or not getattr(args, "use_distributed_optimizer", False) or \
-            getattr(args, "no_load_optim", False) or getattr(args, "finetune", False) or \
+    if optimizer is None or not getattr(args, "use_distributed_optimizer", False) or not keep_optimizer(args) or \
             not hasattr(optimizer, "load_parameter_state"):
         return lambda: None
     load_dir = getattr(args, "load", None)
@@ -176,11 +197,6 @@ def this_rank_parameter_state(r: Resharder, parts: list[Any] | None = None, mode
     """This rank's distrib_optim.pt content at the run's layout, built in memory (world tensors of its dir). With the
     running optimizer's ``parts`` and ``model`` chunks, each parameter is placed where the running optimizer keeps it
     (its own buffer layout: nothing modelled on the target side)."""
-    from megatron_preflight.hook import consensus
-    from megatron_preflight.layout import naming
-    from megatron_preflight.reshard.dist_optimizer import relocate
-    from megatron_preflight.reshard.executor import SourceFiles, build_tree
-
     coords = runtime_coordinates(consensus.rank(), consensus.world_size(), r)
     plan = r.plan_for_coords(coords, naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"],
                                                            pp_size=r.tgt.pp, ep_size=r.tgt.ep))

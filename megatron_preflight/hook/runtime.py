@@ -15,14 +15,18 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_preflight.check.plan import make_plan
+from megatron_preflight.check.report import render_plan
+from megatron_preflight.check.runtime_args import from_namespace
 from megatron_preflight.check.verdict import Loader, Verdict
-from megatron_preflight.errors import PreflightError
+from megatron_preflight.errors import PreflightError, environment_error
 from megatron_preflight.hook import consensus
 from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
+from megatron_preflight.reshard import TargetLayout
 
 log = logging.getLogger("megatron_preflight")
 
-EXIT_FAIL = 1
+EXIT_FAIL, EXIT_USAGE = 1, 2
 
 
 @dataclass
@@ -35,9 +39,11 @@ class Decision:
     load_optimizer: bool = True
     load_rng: bool = True
     checkpoint: str | None = None
+    target: Any = None  # the run's layout for the resharder (reshard.TargetLayout), made once on rank 0
     report: str = ""
     plan: dict[str, Any] = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)
+    exit_code: int = 1  # with a fail verdict: 1, or 2 for a usage error (a flag to fix)
 
 
 def current() -> Decision | None:
@@ -51,10 +57,6 @@ def _say(msg: str) -> None:
 
 
 def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
-    from megatron_preflight.check.plan import make_plan
-    from megatron_preflight.check.runtime_args import from_namespace
-    from megatron_preflight.report import render_plan
-
     rt = from_namespace(args)
     if mode == "auto":
         rt.auto_detect_ckpt_format = True  # auto mode turns it on for a dist checkpoint (apply_decision)
@@ -62,7 +64,7 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
         rt.world_size = consensus.world_size()
     plan = make_plan(load_dir, rt, trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)),
                      shards="auto")  # a sampled verdict on rank 0 at scale; the resharder reads what it needs
-    STATE.checked_layouts[os.path.abspath(load_dir)] = plan.layout  # the resharder reuses it: the metadata is read once
+    STATE.indexes[os.path.abspath(load_dir)] = plan.index  # the loader reuses it: read and indexed once
     allow_missing = bool(getattr(args, "preflight_allow_missing_checkpoint", False))
     if allow_missing and plan.layout.format is None and any(
             p.code in ("not_megatron", "no_iterations") for p in plan.layout.problems):
@@ -77,16 +79,18 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
                    "`megatron-preflight reshard`.")
     if verdict == Verdict.FAIL and plan.layout.format is None and not allow_missing:
         report += ("\nIf starting from scratch is intended, add --preflight-allow-missing-checkpoint.")
-    return Decision(mode, verdict, plan.loader, plan.load_optimizer, plan.load_rng, load_dir, report, plan.to_json())
+    target = TargetLayout.from_args(args) if plan.loader == Loader.RESHARD else None
+    return Decision(mode, verdict, plan.loader, plan.load_optimizer, plan.load_rng, load_dir, target, report,
+                    plan.to_json())
 
 
 def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:
-    from megatron_preflight.errors import PreflightError, environment_error
-
     if isinstance(exc, OSError):
         exc = environment_error(exc)
     if isinstance(exc, PreflightError):
         text = str(exc)
+        if exc.code == "usage":
+            return Decision(mode, Verdict.FAIL, None, checkpoint=load_dir, report=text, exit_code=EXIT_USAGE)
     else:
         text = (f"internal error while checking the checkpoint ({type(exc).__name__}: {exc}); this is a bug in "
                 "megatron-preflight: rerun with --preflight off to bypass it, and report it")
@@ -114,10 +118,10 @@ def preflight(args: Any) -> Decision | None:
     if decision.verdict == Verdict.FAIL:
         if consensus.rank() == 0:
             print(decision.report, file=sys.stderr, flush=True)
-            print("[megatron-preflight] the job must not start: stopping every rank (exit 1)", file=sys.stderr,
-                  flush=True)
+            print(f"[megatron-preflight] the job must not start: stopping every rank (exit {decision.exit_code})",
+                  file=sys.stderr, flush=True)
         _release_process_groups()
-        raise SystemExit(EXIT_FAIL)
+        raise SystemExit(decision.exit_code)
     apply_decision(args, decision)
     return decision
 

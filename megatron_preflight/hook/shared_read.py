@@ -17,17 +17,18 @@ import zlib
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.hook import consensus
+from megatron_preflight.hook.state import STATE
 from megatron_preflight.layout import naming
-from megatron_preflight.layout.discover import read_shard, read_shards
-from megatron_preflight.layout.model import Shard
+from megatron_preflight.layout.discover import discover, read_shard, read_shards
+from megatron_preflight.layout.model import Format, Shard
 from megatron_preflight.layout.transport import NOT_SENT, ArgsDelta, _Pickler, apply_delta, delta
+from megatron_preflight.reshard import OptimizerNotReshardable, read_dist_meta
 
 COOPERATIVE_ABOVE = int(os.environ.get("MEGATRON_PREFLIGHT_COOPERATIVE_ABOVE", "32") or 32)
 
 
 def _error(exc: BaseException) -> tuple[str, str, str | None, str | None, str]:
-    from megatron_preflight.reshard.optimizer import OptimizerNotReshardable
-
     kind = "optimizer" if isinstance(exc, OptimizerNotReshardable) else "error"
     if isinstance(exc, PreflightError):
         return kind, exc.message, exc.path, exc.fix, exc.code
@@ -35,8 +36,6 @@ def _error(exc: BaseException) -> tuple[str, str, str | None, str | None, str]:
 
 
 def rebuild_error(e: tuple) -> PreflightError:
-    from megatron_preflight.reshard.optimizer import OptimizerNotReshardable
-
     kind, message, path, fix, code = e
     cls = OptimizerNotReshardable if kind == "optimizer" else PreflightError
     return cls(message, path=path, fix=fix, code=code)
@@ -44,8 +43,6 @@ def rebuild_error(e: tuple) -> PreflightError:
 
 def parse_share(items: list[tuple[str, str]], trust: bool, with_dist: bool) -> bytes:
     """Parse the model file (and ``distrib_optim.pt``) of each (shard name, shard dir); the results as bytes."""
-    from megatron_preflight.reshard.dist_optimizer import read_dist_meta
-
     out = []
     base = None  # the share's first args: the others travel as deltas from it (they differ in rank, local_rank)
     for name, path in items:
@@ -111,14 +108,9 @@ class Gathered:
 def gather(load_dir: str, iteration: Any, trust: bool, with_dist: bool) -> Gathered | None:
     """Collective (every rank calls it at the same point): on rank 0, what every rank parsed of its share of the
     shard files; None on the other ranks, and on every rank when the checkpoint is small or not legacy."""
-    from megatron_preflight.hook import consensus
-
     def listing() -> list[tuple[str, str]]:
-        from megatron_preflight.hook.state import STATE
-        from megatron_preflight.layout.discover import discover
-        from megatron_preflight.layout.model import Format
-
-        layout = STATE.checked_layouts.get(os.path.abspath(load_dir))  # the check's read, when it ran
+        index = STATE.indexes.get(os.path.abspath(load_dir))  # the check's read, when it ran
+        layout = index.layout if index is not None else None
         if layout is None:
             layout = discover(load_dir, iteration=iteration, trust_checkpoint=trust, shards="sample")
         files = [(s.name, s.path) for s in layout.shards if s.files.get(naming.MODEL_FILENAME)]

@@ -9,7 +9,7 @@ from typing import Any
 @dataclass
 class HookState:
     decision: Any = None  # the Decision of this process's pre-flight run (runtime.Decision)
-    checked_layouts: dict[str, Any] = field(default_factory=dict)  # --load dir -> Layout rank 0's check read
+    indexes: dict[str, Any] = field(default_factory=dict)  # --load dir -> this process's CheckpointIndex of it
     resharders: dict[tuple, Any] = field(default_factory=dict)  # (load dir, iteration, target, ...) -> Resharder
 
 
@@ -17,7 +17,7 @@ STATE = HookState()
 
 
 def reset() -> None:
-    """Forget the decision, the layouts read and the resharders built (a new job in the same process, or a test)."""
+    """Forget the decision, the checkpoints indexed and the resharders built (a new job in the same process, or a test)."""
     STATE.decision = None
-    STATE.checked_layouts.clear()
+    STATE.indexes.clear()
     STATE.resharders.clear()

@@ -1,6 +1,3 @@
-"""Layout discovery: what a Megatron checkpoint dir holds, from metadata only."""
-
-from megatron_preflight.layout.discover import discover
-from megatron_preflight.layout.model import Format, Layout, Problem, Shard
-
-__all__ = ["Format", "Layout", "Problem", "Shard", "discover"]
+"""Layout discovery: what a Megatron checkpoint dir holds, from metadata only (:mod:`.discover`), described by the
+records of :mod:`.model`; shard naming in :mod:`.naming`, torch_dist metadata in :mod:`.dist`, the compact transport of
+a layout between ranks in :mod:`.transport`."""

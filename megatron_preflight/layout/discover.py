@@ -400,16 +400,6 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
                        "this shard was copied from another iteration: restore the right one")
     _check_shard_set(layout)
     _check_distrib_optim(layout)
-    if not layout.sampled and not [p for p in layout.problems if p.code not in ("no_tracker", "bad_tracker")]:
-        _check_consistency(layout)
-
-
-def _check_consistency(layout: Layout) -> None:
-    """The shards agree with each other and with their saved args (shapes, dtypes, layers; metadata only)."""
-    from megatron_preflight.reshard.consistency import checkpoint_problems  # the resharder's index: imported late
-
-    for exc in checkpoint_problems(layout):
-        layout.add(exc.code, exc.path or layout.iter_dir or layout.path, exc.message, exc.fix or "")
 
 
 def _is_namespace(args: Any) -> bool:

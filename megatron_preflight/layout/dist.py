@@ -16,7 +16,8 @@ from typing import Any
 
 from megatron_preflight.errors import PreflightError, require_regular_file
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.safe_pickle import Placeholder, safe_loads
+from megatron_preflight.placeholders import Placeholder
+from megatron_preflight.safe_pickle import safe_loads
 from megatron_preflight.torch_file import read_torch_bytes, read_torch_file
 
 METADATA_JSON = "metadata.json"

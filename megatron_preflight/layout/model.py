@@ -9,7 +9,7 @@ from typing import Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.safe_pickle import Placeholder
+from megatron_preflight.placeholders import Placeholder
 from megatron_preflight.torch_file import TensorRef
 
 
@@ -96,6 +96,7 @@ class Layout:
     dist_optimizer_sharding: str | None = None  # torch_dist content_metadata distrib_optim_sharding_type
     parallel: ParallelLayout | None = None  # the layout the sizes above come from (saved args, or names + keys)
     sampled: bool = False  # legacy: only some shard files were parsed (discover(shards="sample"/"auto"))
+    consistency_checked: bool = False  # the shards' agreement (reshard.plan.consistency) is in ``problems``
 
     @property
     def ok(self) -> bool:

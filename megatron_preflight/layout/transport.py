@@ -2,7 +2,7 @@
 
 What is sent is what the other ranks use: every shard's metadata (keys, TensorRefs, optimizer state, the saved args)
 but not the shards' RNG states (per-rank values no other rank reads: the resharder drops them at another layout, see
-:data:`megatron_preflight.reshard.api.NOT_MAPPABLE`), each shard's args as its difference from the first shard's (they
+:data:`megatron_preflight.reshard.carried.NOT_MAPPABLE`), each shard's args as its difference from the first shard's (they
 differ in a field or two), the whole pickled and zlib-compressed (shards repeat one another's key names and shapes).
 :func:`loads` gives back the layout exactly, less those RNG states.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight.layout.model import Layout
-from megatron_preflight.safe_pickle import Placeholder, placeholder_class
+from megatron_preflight.placeholders import Placeholder, placeholder_class
 
 MAGIC = b"MPL1"
 NOT_SENT = ("rng_state",)  # per-shard entries left out (see the module docstring)

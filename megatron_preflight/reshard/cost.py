@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_preflight.layout import naming
-from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
 
 PROBE_BYTES = 64 * 2**20  # the quick read (and write) that measure the filesystems
 
@@ -111,8 +111,8 @@ def _numel(shape: Any) -> int:
 def _planned(plan: RankPlan) -> list[TensorPlan]:
     """Every tensor the plan builds from source slices: model and optimizer state, and each parameter's state inside
     a distributed optimizer's world tensors."""
-    from megatron_preflight.reshard.dist_optimizer import flat_parts
-    from megatron_preflight.reshard.replicas import planned
+    from megatron_preflight.reshard.execute.replicas import planned
+    from megatron_preflight.reshard.plan.types import flat_parts
 
     out = list(planned(plan))
     for _, fp in flat_parts(plan.dist_optimizer):
@@ -136,8 +136,8 @@ def slices_read(plan: RankPlan) -> tuple[int, set[tuple[str, str]]]:
 
 def _built(plan: RankPlan) -> tuple[int, int]:
     """(bytes of every tensor the plan builds, the largest one); a world tensor counts whole, its padding included."""
-    from megatron_preflight.reshard.dist_optimizer import flat_parts
-    from megatron_preflight.reshard.replicas import planned
+    from megatron_preflight.reshard.execute.replicas import planned
+    from megatron_preflight.reshard.plan.types import flat_parts
 
     sizes = [_numel(tp.shape) * tp.dtype.itemsize for tp in planned(plan) if tp.shape is not None]
     sizes += [fp.numel * fp.dtype.itemsize for _, fp in flat_parts(plan.dist_optimizer)]
@@ -150,7 +150,7 @@ def shard_cost(r: Any, name: str, plan: RankPlan, header: dict[str, Any] | None)
     built, largest = _built(plan)
     written = 0
     if header is not None:
-        from megatron_preflight.reshard.stream_save import planned_size, shard_tree  # the writer's (torch)
+        from megatron_preflight.reshard.targets.stream_save import planned_size, shard_tree  # the writer's (torch)
 
         written = planned_size(shard_tree(header, plan), naming.MODEL_FILENAME)
         if plan.dist_optimizer is not None:
@@ -235,15 +235,15 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
                     names: list[str] | None = None, startup_seconds: float = 0.0) -> Prediction:
     """The cost of ``megatron-preflight reshard`` (legacy output) with ``workers`` processes, from resharder ``r``
     (``startup_seconds``: what starting up and opening ``r`` took, which each worker spends again)."""
-    from megatron_preflight.reshard.executor import SourceFiles
-    from megatron_preflight.reshard.stream_save import CHUNK_BYTES
+    from megatron_preflight.reshard.sources.files import SourceFiles
+    from megatron_preflight.reshard.targets.stream_save import CHUNK_BYTES
 
     base = rss_now()  # the index and the imports: what the main process holds, and each worker again
     files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
         header = r.header(files)
-        costs = [shard_cost(r, n, r.plan_for_coords(r.tgt.shard_dirs()[n], n), header)
-                 for n in (names or list(r.tgt.shard_dirs()))]
+        costs = [shard_cost(r, n, r.plan_for_coords(naming.shard_writers(r.tgt)[n], n), header)
+                 for n in (names or list(naming.shard_writers(r.tgt)))]
     finally:
         files.close()
     bw, source = _bandwidth(r, bandwidth)
@@ -280,8 +280,8 @@ def predict_in_memory(r: Any, *, bandwidth: float | None = None, names: list[str
     """The cost of loading through the in-memory resharder: per target shard dir (every runtime rank with those
     coordinates reads the same), what the rank reads and the state it builds; the time only with a ``bandwidth``
     (nothing is probed: the check reads metadata only)."""
-    costs = [shard_cost(r, n, r.plan_for_coords(r.tgt.shard_dirs()[n], n), None)
-             for n in (names or list(r.tgt.shard_dirs()))]
+    costs = [shard_cost(r, n, r.plan_for_coords(naming.shard_writers(r.tgt)[n], n), None)
+             for n in (names or list(naming.shard_writers(r.tgt)))]
     worst = max(costs, key=lambda c: c.bytes_read, default=None)
     seconds = worst.bytes_read / bandwidth if worst and bandwidth else (0.0 if bandwidth else None)
     return Prediction("in_memory", sum(c.bytes_read for c in costs), 0, max((c.bytes_built for c in costs), default=0),
@@ -296,10 +296,10 @@ def predict_torch_dist(r: Any, g: Any, *, bandwidth: float | None = None,
                        startup_seconds: float = 0.0) -> Prediction:
     """The cost of writing the torch_dist form (one process: the global tensors of ``g``, the TP1·PP1·EP1 plan, as
     chunks; an estimate: chunk wrappers are counted at :data:`DIST_CHUNK_OVERHEAD` bytes each)."""
-    from megatron_preflight.reshard.stream_save import CHUNK_BYTES
+    from megatron_preflight.reshard.targets.stream_save import CHUNK_BYTES
 
     base = rss_now()
-    name, coords = next(iter(g.tgt.shard_dirs().items()))
+    name, coords = next(iter(naming.shard_writers(g.tgt).items()))
     plan = g.plan_for_coords(coords, name)
     c = shard_cost(g, name, plan, None)
     tensors = len(_planned(plan))

@@ -9,6 +9,7 @@ import torch
 
 from megatron_preflight.check.plan import Loader, Verdict, make_plan
 from megatron_preflight.check.runtime_args import from_cli, from_namespace, from_yaml
+from megatron_preflight.layout import naming
 from tests.conftest import fixture_path
 from tests.helpers.tiny import FLAGS
 
@@ -66,10 +67,11 @@ def _regroup_optimizer(root):
     """Rewrite every shard so one bias sits in the weight-decay group: param groups Megatron's default rules do not
     make (as custom per-parameter settings would)."""
     from megatron_preflight import pickling
-    from megatron_preflight.reshard.api import TargetLayout, open_resharder
+    from megatron_preflight.reshard.resharder import open_resharder
+    from megatron_preflight.reshard.target import TargetLayout
 
     r = open_resharder(root, TargetLayout())
-    for name, coords in r.tgt.shard_dirs().items():
+    for name, coords in naming.shard_writers(r.tgt).items():
         sd = r.build(r.plan_for_coords(coords, name))
         groups = sd["optimizer"]["param_groups"]
         groups[0]["params"].append(groups[1]["params"].pop(0))
@@ -228,7 +230,7 @@ def test_damaged_checkpoint_is_fatal(real_fixture):
     f = next(f for f in p.fatal if f.field == "missing_shard")
     assert f.checkpoint is None and f.runtime is None  # no problem code or path in the value columns
     assert "mp_rank_01" in f.message and "Fix" not in f.message and f.fix  # the fix once, in its own place
-    from megatron_preflight.report import render_plan
+    from megatron_preflight.check.report import render_plan
 
     text = render_plan(p)
     assert text.count(f.fix) == 1
@@ -265,8 +267,8 @@ def test_a_torch_dist_the_resharder_cannot_read_stays_fatal(tmp_path):
     model type) keeps Megatron's refusal fatal, with the resharder's reason."""
     import shutil
 
-    from megatron_preflight.layout import discover
-    from megatron_preflight.reshard.dist_source_optimizer import dist_source_problem
+    from megatron_preflight.layout.discover import discover
+    from megatron_preflight.reshard.sources.torch_dist_optimizer import dist_source_problem
 
     assert dist_source_problem(discover(fixture_path("distopt_dpr_tp2dp2_torch_dist"))) is None
     assert dist_source_problem(discover(fixture_path("moe_ep2_torch_dist"))) is None

@@ -11,7 +11,8 @@ from megatron_preflight.check.runtime_args import from_cli
 from megatron_preflight.cli.main import build_parser
 from megatron_preflight.cli.reshard_cmd import target_from
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.reshard.api import TargetLayout, open_resharder
+from megatron_preflight.reshard.resharder import open_resharder
+from megatron_preflight.reshard.target import TargetLayout
 from tests.conftest import fixture_path
 
 # fixture -> its layer count (tests/fixtures/megatron-lm/LOCAL_FIXTURES.md)

@@ -6,8 +6,9 @@ import pytest
 
 from megatron_preflight.cli.main import main
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout import discover
-from megatron_preflight.reshard.api import TargetLayout, open_resharder
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard.resharder import open_resharder
+from megatron_preflight.reshard.target import TargetLayout
 from tests.conftest import fixture_path
 
 
@@ -121,7 +122,7 @@ def test_disk_full_read_only_and_permission_say_what_the_system_did(tmp_path, mo
     """FAULT INJECTED: the zip writer's record write fails as the filesystem would (no real full disk here)."""
     import errno
 
-    from megatron_preflight.reshard import zip_writer
+    from megatron_preflight.reshard.targets import zip_writer
 
     code = getattr(errno, errno_name)
 
@@ -163,3 +164,28 @@ def test_torch_dist_optimizer_across_an_ep_change_fix_converts_offline(tmp_path,
     capsys.readouterr()
     legacy_flags = [f if f != "torch_dist" else "torch" for f in flags]
     assert main(["check", dst, "--", *legacy_flags]) == 0, capsys.readouterr().out
+
+
+SIZES = ["--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size",
+         "--expert-tensor-parallel-size", "--context-parallel-size", "--num-layers-per-virtual-pipeline-stage"]
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+@pytest.mark.parametrize("flag", SIZES)
+def test_a_non_positive_size_is_a_usage_error_in_every_entry_point(flag, value, tmp_path, capsys):
+    """check and reshard, with the run's flags after --, reshard's own size flags, and a YAML config: exit 2 with one
+    line naming the flag (once, check ended in 'internal error (ZeroDivisionError)')."""
+    src = fixture_path("tp2_torch")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"{flag[2:].replace('-', '_')}: {value}\n")
+    runs = [["check", src, "--", flag, value], ["check", src, "--config", str(cfg)],
+            ["reshard", src, str(tmp_path / "out"), "--no-progress", "--", flag, value]]
+    if flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size",
+                "--expert-tensor-parallel-size", "--num-layers-per-virtual-pipeline-stage"):
+        runs.append(["reshard", src, str(tmp_path / "out"), "--no-progress", flag, value])
+    for argv in runs:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and flag in err and "positive integer" in err, (argv, err)
+        assert "internal error" not in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "out")

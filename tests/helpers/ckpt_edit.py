@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from megatron_preflight import pickling
-from megatron_preflight.safe_pickle import PLACEHOLDER_PREFIXES, placeholder_class
+from megatron_preflight.placeholders import placeholder_class
+from megatron_preflight.safe_pickle import PLACEHOLDER_PREFIXES
 
 
 class _Unpickler(pickle.Unpickler):

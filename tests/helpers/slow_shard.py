@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from megatron_preflight.reshard import writer
+from megatron_preflight.reshard.targets import legacy as writer
 
 
 def write_shard(name, iter_out, verify, resharder=None):

@@ -12,8 +12,8 @@ import torch
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import legacy_load
 from megatron_preflight.hook import state as state_mod
-from megatron_preflight.reshard.api import TargetLayout
-from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.legacy import write_resharded
 from tests.conftest import fixture_path
 from tests.reshard.test_dist_optimizer import _world
 
@@ -123,7 +123,7 @@ class FakeLiveBuffer(FakeBuffer):
 def test_parameters_are_placed_where_the_running_optimizer_keeps_them(tmp_path):
     """The running optimizer's own index map decides the target places: here it swaps two same-size parameters
     against the modelled layout, and the served world tensors follow it."""
-    from megatron_preflight.reshard.dist_optimizer import Slot, target_params, world_offsets
+    from megatron_preflight.reshard.optimizer.distributed import Slot, target_params, world_offsets
 
     state_mod.reset()
     args = args_for(tmp_path)

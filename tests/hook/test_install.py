@@ -203,15 +203,12 @@ def test_reshard_failure_is_one_message_and_exit_1(monkeypatch, capsys):
     assert mods["megatron.training.checkpointing"]._load_base_checkpoint.__name__ == "_load_base_checkpoint"
 
 
-def test_resharder_reuses_the_layout_the_check_read(monkeypatch):
-    """Rank 0 reads the checkpoint's metadata once: the check's layout feeds the resharder. Every name the read
-    function is reachable under (the module, the package, the plan's and the API's imports) is counted."""
-    import megatron_preflight.layout as layout_pkg
-    from megatron_preflight.check import plan as plan_mod
-    from megatron_preflight.reshard import api as api_mod
+def test_resharder_reuses_the_index_the_check_built(monkeypatch):
+    """Rank 0 reads the checkpoint's metadata once and indexes it once: the check's CheckpointIndex feeds the
+    resharder (the check's cost line and the loader reuse it)."""
+    from megatron_preflight.reshard import checkpoint_index
 
-    discover_mod = sys.modules["megatron_preflight.layout.discover"]  # the package attribute is the function
-    real = discover_mod.discover
+    real = checkpoint_index.discover
     reads = []
 
     def counted(*a, **k):
@@ -221,11 +218,12 @@ def test_resharder_reuses_the_layout_the_check_read(monkeypatch):
     mods, state = make_fake_megatron_training(monkeypatch)
     install_mod.install()
     state_mod.reset()  # no resharder cached by an earlier test
-    for mod in (layout_pkg, discover_mod, plan_mod, api_mod):
-        monkeypatch.setattr(mod, "discover", counted)
+    monkeypatch.setattr(checkpoint_index, "discover", counted)
+    before = checkpoint_index.index_builds()
     state["args"] = argparse.Namespace(**TINY, load=fixture_path("tp2_torch"), preflight="auto")
     mods["megatron.training.training"].setup_model_and_optimizer()
     sd, _ = state["loaded"]
     assert sd["args"].tensor_model_parallel_size == 1
     assert reads == [fixture_path("tp2_torch")]  # the check's read, and no other
-    assert state_mod.STATE.resharders  # the resharder was built in this test, from the check's layout
+    assert checkpoint_index.index_builds() - before == 1  # consistency, the cost line and the loader: one index
+    assert state_mod.STATE.resharders  # the resharder was built in this test, from the check's index

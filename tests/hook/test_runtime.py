@@ -27,8 +27,8 @@ WORKER = textwrap.dedent("""
         def no_read(*a, **k):
             raise AssertionError("rank %d read the checkpoint" % rank)
         d.discover = no_read
-        import megatron_preflight.check.plan as p
-        p.discover = no_read
+        import megatron_preflight.reshard.checkpoint_index as ci
+        ci.discover = no_read
     from megatron_preflight.hook import runtime
     args = argparse.Namespace(**spec)
     t = time.time()
@@ -64,6 +64,19 @@ def test_fatal_verdict_exits_every_rank_with_one_report(tmp_path):
     assert len(reports) == 1  # rank 0 only
     assert "hidden_size" in reports[0] and "num_layers" in reports[0]
     assert reports[0].count("hidden_size") >= 1 and "Traceback" not in reports[0]
+
+
+@pytest.mark.parametrize("flag", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                  "expert_model_parallel_size", "expert_tensor_parallel_size",
+                                  "context_parallel_size", "num_layers_per_virtual_pipeline_stage"])
+def test_a_non_positive_size_is_a_usage_error_on_every_rank(flag):
+    """In one process (every rank gets the same decision: see the tests above): exit 2, one line, no traceback."""
+    args = argparse.Namespace(**dict(TINY, **{flag: 0}), preflight="check", load=fixture_path("tp2_torch"))
+    with pytest.raises(SystemExit) as exc:
+        runtime.preflight(args)
+    assert exc.value.code == 2
+    assert "size must be a positive integer" in runtime.current().report
+    assert "--" + flag.replace("_", "-") in runtime.current().report
 
 
 def test_every_rank_gets_the_same_decision(tmp_path):

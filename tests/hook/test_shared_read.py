@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from megatron_preflight.layout import discover, transport
+from megatron_preflight.layout import transport
+from megatron_preflight.reshard import open_index
 from tests.conftest import fixture_path
 from tests.helpers.synthetic import Model, write_legacy
 
@@ -30,12 +31,17 @@ WORKER = textwrap.dedent("""
         return real(shard, trust)
     d.read_shard = sr.read_shard = counting
     import argparse
-    from megatron_preflight.hook.legacy_load import shared_layout
+    from megatron_preflight.hook.legacy_load import shared_index
     from megatron_preflight.layout import transport
-    layout = shared_layout(load, None, False, argparse.Namespace(no_load_optim=not with_optim, finetune=False))
+    from megatron_preflight.reshard import TargetLayout, index_builds, open_resharder
+    index = shared_index(load, None, False, with_optim)
+    assert shared_index(load, None, False, with_optim) is index  # once per process
+    layout = index.layout
     with open(out % rank, "wb") as fh:
         fh.write(transport.dumps(layout))
-    print(json.dumps({"rank": rank, "parsed": parsed}), flush=True)
+    for tp in (1, 2):  # two resharders (the run's layout, another): one index between them
+        open_resharder(index, TargetLayout(tp=tp, pp=1, ep=1, etp=1), keep_optimizer=with_optim)
+    print(json.dumps({"rank": rank, "parsed": parsed, "builds": index_builds()}), flush=True)
     dist.destroy_process_group()
 """)
 
@@ -67,7 +73,7 @@ def big(tmp_path_factory):
 
 def test_each_rank_parses_its_share_and_all_get_rank0s_layout(tmp_path, big):
     results, layouts = run_world(tmp_path, big, world=4)
-    alone = transport.slim(discover(big))
+    alone = transport.slim(open_index(big).layout)
     assert all(layout == alone for layout in layouts)
     names = sorted(s.name for s in alone.shards)
     shares = {r["rank"]: r["parsed"] for r in results}
@@ -83,15 +89,16 @@ def test_small_checkpoints_forced_cooperative_equal_rank0_alone(tmp_path, name):
     load = fixture_path(name)
     results, layouts = run_world(tmp_path, load, world=3, with_optim=True,
                                  env={"MEGATRON_PREFLIGHT_COOPERATIVE_ABOVE": "0"})
-    alone = discover(load)
+    alone = open_index(load).layout
     if alone.distributed_optimizer:
-        from megatron_preflight.reshard.dist_optimizer import read_dist_meta
+        from megatron_preflight.reshard.optimizer.distributed import read_dist_meta
 
         for s in alone.shards:
             read_dist_meta(s)
         assert all(s.dist_meta is not None for s in layouts[1].shards)
     assert all(layout == transport.slim(alone) for layout in layouts)
     assert results[2]["parsed"] == [s.name for s in alone.shards][2::3]
+    assert [r["builds"] for r in results] == [1, 1, 1]  # one global index per process, whatever the resharders
 
 
 def test_below_the_threshold_only_rank0_reads(tmp_path):

@@ -4,7 +4,8 @@ from dataclasses import asdict
 
 import pytest
 
-from megatron_preflight.layout import Format, discover
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.layout.model import Format
 from megatron_preflight.layout.naming import expected_shards
 from megatron_preflight.parallel import ParallelLayout
 from tests.helpers.mcore_models import Layout, ModelSpec

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_preflight.layout import Format, discover
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.layout.model import Format
 from tests.conftest import fixture_path
 
 CASES = {

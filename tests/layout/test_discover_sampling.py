@@ -8,8 +8,7 @@ import os
 import pytest
 
 from megatron_preflight.check.plan import make_plan
-from megatron_preflight.layout import discover
-from megatron_preflight.layout.discover import SAMPLE_ABOVE
+from megatron_preflight.layout.discover import SAMPLE_ABOVE, discover
 from megatron_preflight.torch_file import zip_trailer_problem
 from tests.helpers.synthetic import Model, write_legacy
 
@@ -84,10 +83,11 @@ def test_missing_unparsed_shard_is_caught(big, tmp_path):
 
 
 def test_the_resharder_refuses_a_sampled_layout(big):
-    from megatron_preflight.reshard.api import Resharder, TargetLayout
+    from megatron_preflight.reshard import open_resharder
+    from megatron_preflight.reshard.target import TargetLayout
 
     with pytest.raises(ValueError, match="every shard"):
-        Resharder(discover(big, shards="sample"), TargetLayout(tp=1))
+        open_resharder(discover(big, shards="sample"), TargetLayout(tp=1))
 
 
 def test_zip_trailer(tmp_path):

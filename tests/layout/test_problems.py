@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from megatron_preflight.layout import discover
+from megatron_preflight.layout.discover import discover
 from tests.conftest import fixture_path
 
 

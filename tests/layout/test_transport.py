@@ -4,9 +4,11 @@ resharded state."""
 import pytest
 import torch
 
-from megatron_preflight.layout import discover, transport
-from megatron_preflight.reshard.api import TargetLayout, open_resharder
-from megatron_preflight.safe_pickle import Placeholder
+from megatron_preflight.layout import transport
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.placeholders import Placeholder
+from megatron_preflight.reshard.resharder import open_resharder
+from megatron_preflight.reshard.target import TargetLayout
 from tests.conftest import fixture_path
 
 

@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from megatron_preflight.cli.main import main
+from megatron_preflight.layout import naming
 from megatron_preflight.reshard import cost
-from megatron_preflight.reshard.api import TargetLayout, open_resharder
-from megatron_preflight.reshard.executor import SourceFiles, build_tree
-from megatron_preflight.reshard.writer import write_resharded
-from megatron_preflight.reshard.zip_writer import TorchZipWriter, zip_size
+from megatron_preflight.reshard.execute.executor import build_tree
+from megatron_preflight.reshard.resharder import open_resharder
+from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.legacy import write_resharded
+from megatron_preflight.reshard.targets.zip_writer import TorchZipWriter, zip_size
 from tests.conftest import fixture_path
 
 CASES = [
@@ -50,9 +53,9 @@ def test_offline_prediction_matches_the_run(tmp_path, name, target):
 def test_in_memory_prediction_is_what_each_rank_reads_and_builds(name, target):
     r = open_resharder(fixture_path(name), target)
     p = cost.predict_in_memory(r, bandwidth=2**30)
-    assert [c.name for c in p.ranks] == list(r.tgt.shard_dirs())
+    assert [c.name for c in p.ranks] == list(naming.shard_writers(r.tgt))
     for c in p.ranks:
-        plan = r.plan_for_coords(r.tgt.shard_dirs()[c.name], c.name)
+        plan = r.plan_for_coords(naming.shard_writers(r.tgt)[c.name], c.name)
         files = SourceFiles(r.layout.iter_dir)
         try:
             state = r.build(plan, files)

@@ -8,13 +8,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_preflight.layout import discover
-from megatron_preflight.reshard import dist_optimizer
-from megatron_preflight.reshard.api import TargetLayout, open_resharder
-from megatron_preflight.reshard.dist_optimizer import Slot, check_masters, world_offsets
-from megatron_preflight.reshard.executor import SourceFiles
-from megatron_preflight.reshard.optimizer import OptimizerNotReshardable
-from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard.optimizer import distributed as dist_optimizer
+from megatron_preflight.reshard.optimizer.distributed import Slot, check_masters, world_offsets
+from megatron_preflight.reshard.optimizer.plain import OptimizerNotReshardable
+from megatron_preflight.reshard.resharder import open_resharder
+from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
 

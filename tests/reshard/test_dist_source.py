@@ -12,10 +12,11 @@ import os
 import pytest
 import torch
 
-from megatron_preflight.layout import discover
-from megatron_preflight.reshard.api import TargetLayout
-from megatron_preflight.reshard.dist_source import RegionRef, dist_reader, virtual_layout
-from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard import open_resharder
+from megatron_preflight.reshard.sources.torch_dist import RegionRef, dist_reader, virtual_layout
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import FIXTURES, fixture_path
 from tests.helpers import ckpt_edit
@@ -122,11 +123,9 @@ def test_torch_dist_to_legacy_equals_the_legacy_twins_reshard(tmp_path, base, ta
 def test_an_unread_optimizer_form_is_refused_with_the_fix(tmp_path):
     """A form the resharder does not read (the deprecated fully_sharded_bucket_space): weights only, and only when
     asked."""
-    from megatron_preflight.reshard.api import Resharder
-
     layout = discover(fixture_path("distopt_tp2dp2_torch_dist"))
     layout.common_state["optimizer"]["param_state_sharding_type"] = "fully_sharded_bucket_space"
-    r = Resharder(layout, TargetLayout(tp=1))
+    r = open_resharder(layout, TargetLayout(tp=1))
     assert r.optimizer_problem is not None and "fully_sharded_bucket_space" in r.optimizer_problem.message
     assert "not resharded" in r.dropped["optimizer"]
 
@@ -195,7 +194,7 @@ def test_dp_reshardable_buffers_at_the_same_layout_are_the_saved_buckets(tmp_pat
 
 
 def test_inspect_says_what_a_torch_dist_optimizer_state_allows():
-    from megatron_preflight.reshard.optimizer import optimizer_status
+    from megatron_preflight.reshard.optimizer.status import optimizer_status
 
     plain = optimizer_status(discover(fixture_path("tp2_torch_dist")))
     assert plain.kind == "plain" and plain.reshardable and not plain.in_memory

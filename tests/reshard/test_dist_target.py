@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout import discover
+from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format
-from megatron_preflight.reshard.api import TargetLayout
-from megatron_preflight.reshard.dist_source import dist_reader, virtual_layout
-from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.reshard.sources.torch_dist import dist_reader, virtual_layout
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
 
@@ -121,7 +121,7 @@ def test_the_run_flags_choose_the_output_format(tmp_path, capsys):
 
 def test_verify_catches_a_damaged_chunk(tmp_path, monkeypatch):
     """--verify re-reads every written chunk: one byte flipped in the data file after it was written is caught."""
-    from megatron_preflight.reshard import dist_target
+    from megatron_preflight.reshard.targets import torch_dist as dist_target
 
     original = dist_target._Writer.close
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.reshard import destination
-from megatron_preflight.reshard.api import TargetLayout
-from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets import destination
+from megatron_preflight.reshard.targets.legacy import write_resharded
 from tests.conftest import fixture_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The real writer with 2 worker processes; each worker sleeps before writing its shard (tests.helpers.slow_shard).
 CHILD = r"""
 import sys
-from megatron_preflight.reshard import writer
-from megatron_preflight.reshard.api import TargetLayout
+from megatron_preflight.reshard.targets import legacy as writer
+from megatron_preflight.reshard import TargetLayout
 from tests.helpers import slow_shard
 writer._write_shard = slow_shard.write_shard
 writer.write_resharded(sys.argv[1], sys.argv[2], TargetLayout(tp=2, pp=2), workers=2)
@@ -137,7 +137,7 @@ def test_destination_reached_through_a_symlink_into_the_source_is_refused(tmp_pa
 # the main process, as a scheduler does) while the workers are busy.
 CLI_CHILD = r"""
 import sys
-from megatron_preflight.reshard import writer
+from megatron_preflight.reshard.targets import legacy as writer
 from megatron_preflight.cli.main import main
 from tests.helpers import slow_shard
 writer._write_shard = slow_shard.write_shard

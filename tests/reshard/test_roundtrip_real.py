@@ -9,10 +9,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout import discover
-from megatron_preflight.reshard.api import TargetLayout, open_resharder
+from megatron_preflight.layout import naming
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard.resharder import open_resharder
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.reshard.tree import iter_leaves
-from megatron_preflight.reshard.writer import write_resharded
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
 
@@ -201,7 +203,7 @@ def twin_tensor(g, key, prefix=""):
 def test_tp1_reshard_equals_megatrons_torch_dist_twin(legacy, dist, target):
     """Megatron's own global view of the same weights and Adam state is the ground truth for a TP1·PP1·EP1
     reshard."""
-    from megatron_preflight.reshard.optimizer import is_param, iter_plans
+    from megatron_preflight.reshard.optimizer.plain import is_param, iter_plans
 
     g = dist_globals(dist)
     r = open_resharder(fixture_path(legacy), target)
@@ -240,20 +242,20 @@ def test_group_order_follows_the_saving_megatron():
     parameter met. The target follows what the source shows (a round trip above restores it bit-exact)."""
     r = open_resharder(fixture_path("v14_tp2pp2_torch"), TargetLayout(tp=2, pp=2))
     assert r.optimizer_index.per_rank_order
-    last = r.plan_for_coords(r.tgt.shard_dirs()["mp_rank_00_001"], "mp_rank_00_001").optimizer
+    last = r.plan_for_coords(naming.shard_writers(r.tgt)["mp_rank_00_001"], "mp_rank_00_001").optimizer
     assert [g["wd_mult"] for g in last["param_groups"]] == [0.0, 1.0]
     r = open_resharder(fixture_path("tp2_torch"), TargetLayout(tp=2, pp=2))
     assert not r.optimizer_index.per_rank_order
-    last = r.plan_for_coords(r.tgt.shard_dirs()["mp_rank_00_001"], "mp_rank_00_001").optimizer
+    last = r.plan_for_coords(naming.shard_writers(r.tgt)["mp_rank_00_001"], "mp_rank_00_001").optimizer
     assert [g["wd_mult"] for g in last["param_groups"]] == [1.0, 0.0]
 
 
 def test_align_groups_to_the_running_optimizer():
     """The hook puts the groups in the live optimizer's order; parameters are renumbered with their state."""
-    from megatron_preflight.reshard.optimizer import GROUP_KEY, align_groups
+    from megatron_preflight.reshard.optimizer.plain import GROUP_KEY, align_groups
 
     r = open_resharder(fixture_path("tp2_torch"), TargetLayout(tp=2, pp=2))
-    opt = r.build(r.plan_for_coords(r.tgt.shard_dirs()["mp_rank_00_001"], "mp_rank_00_001"))["optimizer"]
+    opt = r.build(r.plan_for_coords(naming.shard_writers(r.tgt)["mp_rank_00_001"], "mp_rank_00_001"))["optimizer"]
     before = {i: s["exp_avg"].clone() for i, s in opt["state"].items()}
     groups = [g["params"] for g in opt["param_groups"]]
     live = [[(tuple(g.get(k) for k in GROUP_KEY), len(g["params"])) for g in reversed(opt["param_groups"])]]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from megatron_preflight.reshard import rules
-from megatron_preflight.reshard.rules import (
+from megatron_preflight.reshard.plan import rules
+from megatron_preflight.reshard.plan.rules import (
     AmbiguousRuleError,
     Rule,
     UnknownKeyError,

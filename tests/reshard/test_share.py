@@ -6,9 +6,9 @@ import subprocess
 import sys
 import zipfile
 
-from megatron_preflight.reshard.api import TargetLayout
-from megatron_preflight.reshard.share import deal
-from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.legacy import write_resharded
+from megatron_preflight.reshard.targets.share import deal
 from megatron_preflight.torch_file import TorchFile
 from tests.conftest import fixture_path
 

@@ -13,9 +13,11 @@ from collections import OrderedDict
 import torch
 
 from megatron_preflight import pickling
-from megatron_preflight.layout import discover
-from megatron_preflight.reshard.api import TargetLayout, open_resharder
-from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.layout import naming
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard.resharder import open_resharder
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.legacy import write_resharded
 from tests.conftest import fixture_path
 from tests.reshard.test_roundtrip_real import assert_same_optimizer, model_tensors, optimizer_entries
 
@@ -34,7 +36,7 @@ def _te_name(key):
 def make_te_checkpoint(root):
     r = open_resharder(fixture_path("tp2_torch"), TargetLayout())
     iter_dir = os.path.join(root, "iter_0000002")
-    for name, coords in r.tgt.shard_dirs().items():
+    for name, coords in naming.shard_writers(r.tgt).items():
         sd = r.build(r.plan_for_coords(coords, name))
         sd["model"] = OrderedDict(
             (_te_name(k), io.BytesIO(f"fp8-meta:{name}:{k}".encode()) if k.endswith("_extra_state") else v)

@@ -7,9 +7,9 @@ import torch
 
 from megatron_preflight.cli.main import main
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout import discover
-from megatron_preflight.reshard.api import TargetLayout
-from megatron_preflight.reshard.writer import write_resharded
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.legacy import write_resharded
 from tests.conftest import fixture_path
 from tests.layout.test_problems import _snapshot
 from tests.reshard.test_roundtrip_real import model_tensors, optimizer_entries
@@ -18,7 +18,7 @@ from tests.reshard.test_roundtrip_real import model_tensors, optimizer_entries
 def test_refuses_to_drop_optimizer_silently(tmp_path, monkeypatch):
     # A distributed optimizer whose buffers do not follow the modelled layout (here: another alignment) cannot be
     # resharded: refused unless the user accepts dropping it.
-    from megatron_preflight.reshard import dist_optimizer
+    from megatron_preflight.reshard.optimizer import distributed as dist_optimizer
 
     monkeypatch.setattr(dist_optimizer, "ALIGN", 32)
     with pytest.raises(PreflightError) as exc:
@@ -80,7 +80,7 @@ def test_plain_optimizer_carried_by_default(tmp_path, capsys):
 ])
 def test_row_chunked_streaming_equals_whole_tensors(tmp_path, monkeypatch, name, target):
     """Target tensors are built and written a few rows at a time; the bytes are the same as building them whole."""
-    from megatron_preflight.reshard import stream_save
+    from megatron_preflight.reshard.targets import stream_save
 
     whole, chunked = str(tmp_path / "whole"), str(tmp_path / "chunked")
     write_resharded(fixture_path(name), whole, target)

@@ -14,7 +14,6 @@ from typing import Any
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
-from megatron_preflight.reshard.planner import index_sources, source_topology
 from megatron_preflight.torch_file import TensorRef
 
 _MIXED = "restore the iteration dir from one consistent save"
@@ -148,10 +147,7 @@ def expected_shapes(args: Any) -> dict[tuple[bool, str], tuple[int | None, ...]]
     return out
 
 
-def checkpoint_problems(layout: Layout) -> list[PreflightError]:
-    """Every way the legacy checkpoint's shards disagree with each other or with their saved args."""
-    try:
-        index = index_sources(layout, source_topology(layout), check=False)
-    except PreflightError as exc:
-        return [exc]
+def checkpoint_problems(index: Any, layout: Layout) -> list[PreflightError]:
+    """Every way the legacy checkpoint's shards disagree with each other or with their saved args (``index``: its
+    global index, built with ``check=False``)."""
     return complete_problems(index, layout) + dtype_problems(index, layout) + args_problems(index, layout)

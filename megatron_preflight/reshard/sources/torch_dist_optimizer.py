@@ -22,13 +22,16 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
+from megatron_preflight.layout import naming
 from megatron_preflight.layout.dist import COMMON_PT, object_index, read_dcp_metadata, read_object
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.dist_optimizer import FIX, DistOptimizerIndex
-from megatron_preflight.reshard.dist_source import RegionRef, Slab
-from megatron_preflight.reshard.optimizer import OptimizerNotReshardable, _signature, is_param
-from megatron_preflight.reshard.planner import GlobalEntry, SourcePiece, is_tied, iter_source_keys
+from megatron_preflight.reshard.optimizer.distributed import FIX, DistOptimizerIndex
+from megatron_preflight.reshard.optimizer.plain import OptimizerNotReshardable, _signature, is_param
+from megatron_preflight.reshard.plan.index import iter_source_keys
+from megatron_preflight.reshard.plan.topology import is_tied
+from megatron_preflight.reshard.plan.types import GlobalEntry, SourcePiece
+from megatron_preflight.reshard.sources.torch_dist import RegionRef, Slab
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
 
 if TYPE_CHECKING:
@@ -272,7 +275,7 @@ def attach_dp_reshardable(source: Layout, virtual: Layout, *, trust: bool = Fals
             cache[(part, group)] = (entry, state)
         return cache[(part, group)]
 
-    dirs = par.shard_dirs()
+    dirs = naming.shard_writers(par)
     for shard in virtual.shards:
         c = dirs[shard.name]
         dense_group = c["tp"] + par.tp * c["pp"]
@@ -291,10 +294,11 @@ def dist_source_problem(layout: Layout, *, trust: bool = False) -> str | None:
     """Why the resharder could not serve this torch_dist checkpoint with its optimizer state (None: it can). Metadata
     only: the model's keys and the optimizer's form are indexed as the resharder would, without tensor bytes."""
     from megatron_preflight.errors import PreflightError
-    from megatron_preflight.reshard.dist_optimizer import index_dist_optimizer
-    from megatron_preflight.reshard.dist_source import virtual_layout
-    from megatron_preflight.reshard.optimizer_convert import distributed_to_plain
-    from megatron_preflight.reshard.planner import index_sources, source_topology
+    from megatron_preflight.reshard.optimizer.convert import distributed_to_plain
+    from megatron_preflight.reshard.optimizer.distributed import index_dist_optimizer
+    from megatron_preflight.reshard.plan.index import index_sources
+    from megatron_preflight.reshard.plan.topology import source_topology
+    from megatron_preflight.reshard.sources.torch_dist import virtual_layout
 
     try:
         virtual, has_optimizer = virtual_layout(layout, trust=trust)

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from megatron_preflight import dtypes, pickling
-from megatron_preflight.reshard.dist_optimizer import FlatPlan
-from megatron_preflight.reshard.executor import SourceFiles, build_rows
-from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+from megatron_preflight.reshard.execute.executor import build_rows
+from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
+from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.targets.zip_writer import TorchZipWriter, zip_size
 from megatron_preflight.reshard.tree import map_leaves
-from megatron_preflight.reshard.zip_writer import TorchZipWriter, zip_size
 
 CHUNK_BYTES = 16 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
 

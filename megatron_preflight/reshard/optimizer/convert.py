@@ -15,8 +15,8 @@ from typing import Any
 from megatron_preflight import dtypes
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.dist_optimizer import FIX, DistOptimizerIndex, source_params
-from megatron_preflight.reshard.optimizer import (
+from megatron_preflight.reshard.optimizer.distributed import FIX, DistOptimizerIndex, source_params
+from megatron_preflight.reshard.optimizer.plain import (
     MASTER,
     OptimizerIndex,
     OptimizerNotReshardable,
@@ -24,7 +24,7 @@ from megatron_preflight.reshard.optimizer import (
     _candidates,
     _signature,
 )
-from megatron_preflight.reshard.planner import GlobalEntry, GlobalKey, SourcePiece
+from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourcePiece
 
 _HALF = frozenset({"float16", "bfloat16"})
 

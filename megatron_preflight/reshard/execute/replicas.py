@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.reshard.executor import SourceFiles
-from megatron_preflight.reshard.planner import RankPlan, TensorPlan
+from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
+from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.tree import iter_leaves
 from megatron_preflight.torch_file import TensorRef
 

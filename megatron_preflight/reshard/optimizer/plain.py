@@ -28,7 +28,11 @@ from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.planner import (
+from megatron_preflight.reshard.carried import PROVENANCE_KEY
+from megatron_preflight.reshard.plan.index import iter_source_keys
+from megatron_preflight.reshard.plan.planner import plan_tensor
+from megatron_preflight.reshard.plan.topology import is_tied
+from megatron_preflight.reshard.plan.types import (
     CopyOp,
     GlobalEntry,
     GlobalKey,
@@ -37,17 +41,21 @@ from megatron_preflight.reshard.planner import (
     SourcePiece,
     TensorPlan,
     VocabPlan,
-    is_tied,
-    iter_source_keys,
-    plan_tensor,
 )
 from megatron_preflight.reshard.tree import iter_leaves, map_leaves
 from megatron_preflight.torch_file import TensorRef
 
 MASTER = "@master"  # field name of a Float16 optimizer's fp32 master copy
-PROVENANCE_KEY = "megatron_preflight"  # top-level entry our outputs carry (Megatron ignores unknown entries)
+
+
+
+
 _BUFFERS = ("router.expert_bias",)  # persistent buffers in the model state dict: not parameters
+
+
 _HALF = frozenset({"float16", "bfloat16"})  # dtype names of a bf16 / fp16 run's weights
+
+
 _DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -394,83 +402,3 @@ def _plan_part(index: OptimizerIndex, plan: RankPlan, src: ParallelLayout, tgt: 
 def iter_plans(tree: Any) -> Any:
     """(path, TensorPlan) for every tensor plan inside an optimizer tree."""
     return ((path, leaf) for path, leaf in iter_leaves(tree) if isinstance(leaf, TensorPlan))
-
-
-@dataclass(frozen=True)
-class OptimizerStatus:
-    """What a legacy checkpoint's optimizer state is, and whether it can follow a layout change."""
-
-    kind: str  # none | plain | distributed
-    reshardable: bool  # offline (megatron-preflight reshard)
-    reason: str = ""  # why it cannot (empty when it can)
-    detail: str = ""  # fp32 or fp32 masters, parts, group order
-    in_memory: bool = True  # also by the hook's in-memory loader (--preflight auto)
-
-    def describe(self) -> str:
-        if self.kind == "none":
-            return "none saved (--no-save-optim)"
-        if not self.reshardable:
-            return f"{self.kind}, not reshardable: {self.reason}"
-        where = "with the weights" if self.in_memory else "offline with `megatron-preflight reshard` (not yet in memory)"
-        return f"{self.kind}, {self.detail}; reshardable {where}"
-
-
-def optimizer_status(layout: Layout) -> OptimizerStatus | None:
-    """THE answer to "can this checkpoint's optimizer state follow a layout change?" (check and inspect both ask
-    here), from metadata only. None for a checkpoint this does not apply to (not legacy, or unreadable)."""
-    from megatron_preflight.layout.model import Format
-    from megatron_preflight.reshard.planner import source_topology
-
-    if layout.format == Format.TORCH_DIST:
-        return _dist_status(layout)
-    first = layout.shards[0].meta if layout.shards else None
-    if layout.format != Format.TORCH or not isinstance(first, dict):
-        return None
-    if "optimizer" not in first:
-        return OptimizerStatus("none", False, "the checkpoint holds no optimizer state")
-    if layout.sampled:  # the per-shard state was not indexed: the resharder checks it before it moves a byte
-        kind = "distributed" if layout.distributed_optimizer else "plain"
-        return OptimizerStatus(kind, True, detail="per-shard state not indexed (sampled verdict; --all-shards "
-                                                  "indexes it)")
-    if layout.distributed_optimizer:
-        from megatron_preflight.reshard.dist_optimizer import index_dist_optimizer
-
-        try:
-            index = index_dist_optimizer(layout, source_topology(layout))
-        except PreflightError as e:
-            return OptimizerStatus("distributed", False, e.message)
-        half = any(dtypes.name_of(d) != "float32" for d in index.grad_dtype)
-        parts = 2 if index.expert_groups else 1
-        return OptimizerStatus("distributed", True, detail=f"{'fp32 masters (bf16/fp16 run)' if half else 'fp32'}, "
-                               f"{parts} part(s), {len(index.fields)} parameters placed in distrib_optim.pt's buffers")
-    try:
-        parts = parse_optimizer(first["optimizer"], layout.shards[0].path)
-        index = index_optimizer(layout, source_topology(layout))
-    except PreflightError as e:
-        return OptimizerStatus("plain", False, e.message)
-    kind = "fp32 masters (bf16/fp16 run)" if parts[0].wrapped else "fp32"
-    order = "ordered per rank" if index and index.per_rank_order else "in the same order on every rank"
-    return OptimizerStatus("plain", True, detail=f"{kind}, {len(parts)} part(s), param groups {order}")
-
-
-def _dist_status(layout: Layout) -> OptimizerStatus | None:
-    """A torch_dist checkpoint's optimizer state, from its common state: what Megatron and the resharder can do."""
-    common = layout.common_state
-    if not isinstance(common, dict):
-        return None
-    if common.get("optimizer") is None:
-        return OptimizerStatus("none", False, "the checkpoint holds no optimizer state", in_memory=False)
-    both = ("Megatron reloads it at any TP/PP (not across an EP change); the resharder converts it to legacy at any "
-            "layout")
-    if not layout.dist_optimizer_sharding:
-        return OptimizerStatus("plain", True, detail=f"model space (exp_avg, exp_avg_sq per parameter): {both}",
-                               in_memory=False)
-    sharding = layout.dist_optimizer_sharding
-    if sharding in ("fully_reshardable", "fully_sharded_model_space"):
-        return OptimizerStatus("distributed", True, detail=f"{sharding} (model space): {both}", in_memory=False)
-    if sharding == "dp_reshardable":
-        return OptimizerStatus("distributed", True, detail="dp_reshardable (flat buckets per DP rank): Megatron reloads "
-                               "it only at the same TP/PP (a DP change is fine); the resharder converts it to legacy "
-                               "at any layout", in_memory=False)
-    return OptimizerStatus("distributed", False, f"saved as {sharding}, a form megatron-preflight does not read",
-                           in_memory=False)

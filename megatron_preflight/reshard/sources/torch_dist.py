@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import CorruptFileError, PreflightError
+from megatron_preflight.layout import naming
 from megatron_preflight.layout.dist import object_index, read_dcp_metadata, read_object
 from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.rules import parse_key, rule_for, segments
+from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
+from megatron_preflight.reshard.plan.rules import parse_key, rule_for, segments
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
 
 if TYPE_CHECKING:
@@ -39,9 +41,6 @@ EXPERTS = "mlp.experts.experts."
 # --transformer-impl local: module names -> the names the torch_dist save uses (megatron-core's local layer spec)
 LOCAL_SPEC_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-# Non-model entries of the common state that a legacy file carries at top level.
-COMMON_CARRIED = ("args", "iteration", "checkpoint_version", "opt_param_scheduler",
-                  "num_floating_point_operations_so_far", "tokens_so_far")
 
 
 @dataclass(frozen=True)
@@ -264,7 +263,7 @@ class _Builder:
         self.swiglu = bool(getattr(args, "swiglu", False))
         self.local_spec = is_local_spec(args)
         self.te_grouped = bool(getattr(args, "moe_grouped_gemm", False)) and not self.local_spec
-        self.dirs = par.shard_dirs()
+        self.dirs = naming.shard_writers(par)
         self.entries: dict[tuple[str, int], list[_Entry]] = {(n, c): [] for n in self.dirs for c in range(par.chunks)}
         self.position = {fqn: i for i, fqn in enumerate(md.state_dict_metadata)}
         self.iter_dir = layout.iter_dir or ""
@@ -458,7 +457,7 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
     b.tied_output(not bool(getattr(layout.saved_args, "untie_embeddings_and_output_weights", False)))
     b.output_extra_state()
     common = layout.common_state or {}
-    head = {k: common[k] for k in COMMON_CARRIED if k in common}
+    head = {k: common[k] for k in REWRITTEN + FROM_TORCH_DIST if k in common}  # what a legacy file holds at top level
     shards: list[Shard] = []
     for name, coords in b.dirs.items():
         meta: dict[str, Any] = dict(head)

@@ -23,15 +23,16 @@ from typing import Any
 import torch
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout import naming
-from megatron_preflight.reshard import destination, durable, lifeline, share
-from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
-from megatron_preflight.reshard.dist_optimizer import flat_parts
-from megatron_preflight.reshard.executor import SourceFiles
-from megatron_preflight.reshard.optimizer import iter_plans
-from megatron_preflight.reshard.planner import RankPlan, TensorPlan
-from megatron_preflight.reshard.replicas import check_replicas
-from megatron_preflight.reshard.stream_save import save_streaming, save_tree
+from megatron_preflight.layout import naming, transport
+from megatron_preflight.reshard.checkpoint_index import CheckpointIndex
+from megatron_preflight.reshard.execute.replicas import check_replicas
+from megatron_preflight.reshard.optimizer.plain import iter_plans
+from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan, flat_parts
+from megatron_preflight.reshard.resharder import Resharder, open_resharder
+from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets import destination, durable, lifeline, share
+from megatron_preflight.reshard.targets.stream_save import save_streaming, save_tree
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
 log = logging.getLogger(__name__)
@@ -106,18 +107,20 @@ Progress = Callable[[int, int, str], None]  # (shards done, shards in all, the s
 _WORKER: Resharder | None = None
 
 
-def _init_worker(src: str, target: TargetLayout, iteration: Any, trust: bool, keep_optimizer: bool,
-                 parent_pid: int) -> None:
+def _init_worker(layout: bytes, target: TargetLayout, trust: bool, keep_optimizer: bool, parent_pid: int) -> None:
+    """A worker's resharder, from the layout the main process discovered and checked (sent compact: no worker lists,
+    parses or checks the source again; each builds its one index)."""
     global _WORKER
     lifeline.die_with_parent(parent_pid)  # a killed main process takes its workers with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (and to stop us)
-    _WORKER = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=keep_optimizer)
+    _WORKER = open_resharder(CheckpointIndex(transport.loads(layout), trust=trust), target,
+                             keep_optimizer=keep_optimizer)
 
 
 def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | None = None) -> ShardResult:
     r = resharder or _WORKER
     assert r is not None
-    plan = r.plan_for_coords(r.tgt.shard_dirs()[name], name)
+    plan = r.plan_for_coords(naming.shard_writers(r.tgt)[name], name)
     files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
         out_dir = os.path.join(iter_out, name)
@@ -166,7 +169,7 @@ def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
 def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
     """Re-read a written distrib_optim.pt: every parameter's state at its offset equals its source slices, and the
     alignment padding between them is zero. Returns the number of world tensors checked."""
-    from megatron_preflight.reshard.executor import build_tensor
+    from megatron_preflight.reshard.execute.executor import build_tensor
 
     checked = 0
     with TorchFile(path) as out:
@@ -333,7 +336,7 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
                    iteration: Any, trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
                    grp: share.Share | None, root: bool, keep_stale: bool, claimed: Callable) -> Summary:
     dist_out = target.ckpt_format == "torch_dist"
-    names = ["torch_dist"] if dist_out else list(r.tgt.shard_dirs())
+    names = ["torch_dist"] if dist_out else list(naming.shard_writers(r.tgt))
     parent = os.path.dirname(dst_abs) or "."
     iteration_value = r.layout.iteration if r.layout.iteration is not None else 0
     tmp = ""
@@ -373,11 +376,10 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
     try:
         if dist_out:
             if mine:
-                from megatron_preflight.reshard.dist_target import write_torch_dist
+                from megatron_preflight.reshard.targets.torch_dist import write_torch_dist
 
-                read, written, checked = write_torch_dist(src, iter_out, target, iteration=iteration,
-                                                          trust=trust_checkpoint, keep_optimizer=not drop_optimizer,
-                                                          verify=verify)
+                read, written, checked = write_torch_dist(r.checkpoint, iter_out, target,
+                                                          keep_optimizer=not drop_optimizer, verify=verify)
                 results = [ShardResult(read, written, checked, 0)]
                 if progress and root:
                     progress(1, 1, "torch_dist")
@@ -452,7 +454,8 @@ def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, targe
 
         ctx = mp.get_context("spawn")
         pool = ProcessPoolExecutor(max_workers=min(workers, len(names)), mp_context=ctx, initializer=_init_worker,
-                                   initargs=(src, target, iteration, trust, keep_optimizer, os.getpid()))
+                                   initargs=(transport.dumps(r.checkpoint.layout), target, trust, keep_optimizer,
+                                             os.getpid()))
         try:
             # Workers start inside submit(); with SIGINT blocked meanwhile they (and the resource tracker) start with
             # it blocked, so a Ctrl-C while one is still importing cannot print a half traceback from it. A Ctrl-C

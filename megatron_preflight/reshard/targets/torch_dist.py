@@ -25,17 +25,21 @@ import torch
 
 from megatron_preflight import pickling
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.reshard.api import Resharder, TargetLayout, open_resharder
-from megatron_preflight.reshard.dist_source import dist_suffix, is_local_spec, object_fqn
-from megatron_preflight.reshard.executor import SourceFiles, build_tensor
-from megatron_preflight.reshard.optimizer import MASTER
-from megatron_preflight.reshard.planner import TensorPlan, plan_tensor
+from megatron_preflight.layout import naming
+from megatron_preflight.reshard.carried import TO_TORCH_DIST
+from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_index
+from megatron_preflight.reshard.execute.executor import build_tensor
+from megatron_preflight.reshard.optimizer.plain import MASTER
+from megatron_preflight.reshard.plan.planner import plan_tensor
+from megatron_preflight.reshard.plan.types import TensorPlan
+from megatron_preflight.reshard.resharder import Resharder, open_resharder
+from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.sources.torch_dist import dist_suffix, is_local_spec, object_fqn
+from megatron_preflight.reshard.target import TargetLayout
 
 log = logging.getLogger(__name__)
 
 DATA_FILE = "__0_0.distcp"
-COMMON_CARRIED = ("checkpoint_version", "iteration", "opt_param_scheduler", "num_floating_point_operations_so_far",
-                  "tokens_so_far")
 
 
 @dataclass
@@ -135,7 +139,7 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
     args = g.layout.saved_args
     local_spec = is_local_spec(args)
     stacked = _homogeneous(args)
-    plan = g.plan_for_coords(next(iter(g.tgt.shard_dirs().values())), "global")
+    plan = g.plan_for_coords(next(iter(naming.shard_writers(g.tgt).values())), "global")
     placed: Placement = {}
     for tp in plan.tensors:
         gkey = tp.gkey
@@ -172,8 +176,8 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
     expert-parallel)."""
     idx = g.optimizer_index
     assert idx is not None
-    coords = next(iter(g.tgt.shard_dirs().values()))
-    step = g._plain_step()
+    coords = next(iter(naming.shard_writers(g.tgt).values()))
+    step = g.plain_step()
     half = False
     for gkey, fields in idx.fields.items():
         if gkey not in placed:
@@ -230,7 +234,7 @@ def verify_written(iter_out: str, out: _Writer, files: SourceFiles) -> int:
     (crc32 of the bytes). Returns the number of chunks checked; raises on any difference."""
     import zlib
 
-    from megatron_preflight.reshard.dist_source import dist_reader
+    from megatron_preflight.reshard.sources.torch_dist import dist_reader
 
     reader = dist_reader(iter_out)
     try:
@@ -249,23 +253,24 @@ def verify_written(iter_out: str, out: _Writer, files: SourceFiles) -> int:
     return len(out.planned)
 
 
-def global_resharders(src: str, target: TargetLayout, *, iteration: Any = None, trust: bool = False,
-                      keep_optimizer: bool = True) -> tuple[Resharder, Resharder, bool]:
+def global_resharders(src: str | CheckpointIndex, target: TargetLayout, *, iteration: Any = None,
+                      trust: bool = False, keep_optimizer: bool = True) -> tuple[Resharder, Resharder, bool]:
     """(the resharder at ``target``, the one that plans the global tensors, whether the optimizer state is carried).
     The global tensors are the one rank of TP1·PP1·EP1 (the optimizer state in the plain form, the one that keeps
     fp32 masters and moments per parameter), the vocab padded for the target's TP (as a run at that TP builds it)."""
-    r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust, keep_optimizer=keep_optimizer)
+    index = open_index(src, iteration=iteration, trust_checkpoint=trust)  # one index for both resharders
+    r = open_resharder(index, target, keep_optimizer=keep_optimizer)
     carry = keep_optimizer and r.writes_optimizer
     divisible = (target.make_vocab_size_divisible_by
                  or int(getattr(r.layout.saved_args, "make_vocab_size_divisible_by", 128) or 128)) * r.tgt.tp
-    g = open_resharder(src, TargetLayout(tp=1, pp=1, ep=1, etp=1, padded_vocab_size=r.padded_vocab,
+    g = open_resharder(index, TargetLayout(tp=1, pp=1, ep=1, etp=1, padded_vocab_size=r.padded_vocab,
                                          vocab_size=target.vocab_size, make_vocab_size_divisible_by=divisible,
                                          distributed_optimizer=False),
-                       iteration=iteration, trust_checkpoint=trust, keep_optimizer=carry)
+                       keep_optimizer=carry)
     return r, g, carry
 
 
-def write_torch_dist(src: str, iter_out: str, target: TargetLayout, *, iteration: Any = None,
+def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLayout, *, iteration: Any = None,
                      trust: bool = False, keep_optimizer: bool = True, verify: bool = False) -> tuple[int, int, int]:
     """Write the torch_dist form of ``src`` into the iteration dir ``iter_out`` (made by the caller, inside its
     temp destination). ``target`` sets the args (and so the vocab padding and the optimizer's kind and parts) the
@@ -302,14 +307,11 @@ def write_torch_dist(src: str, iter_out: str, target: TargetLayout, *, iteration
     if carry:
         args.use_distributed_optimizer = r.target_distributed
     common: dict[str, Any] = {"args": args}
-    for key in COMMON_CARRIED:
+    for key in TO_TORCH_DIST:  # materialised by header()
         if key in header:
             common[key] = header[key]
     if optimizer is not None:
         common["optimizer"] = optimizer
-    meta = r.layout.shards[0].meta or {}
-    if "rerun_state_machine" in meta:
-        common["rerun_state_machine"] = files.materialize(r.layout.shards[0].name, meta["rerun_state_machine"])
     files.close()
     content: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if carry and r.target_distributed:

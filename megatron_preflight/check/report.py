@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.check.verdict import Verdict
 from megatron_preflight.layout.model import Layout
+from megatron_preflight.reshard import CheckpointIndex, open_index
 
 if TYPE_CHECKING:
     from megatron_preflight.check.plan import Plan
@@ -31,8 +32,11 @@ def _size(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def render_layout(layout: Layout, *, max_shards: int = 16, problems: bool = True) -> str:
-    """The layout report; ``problems=False`` leaves the problems out (a plan lists them as its findings)."""
+def render_layout(checkpoint: CheckpointIndex | Layout, *, max_shards: int = 16, problems: bool = True) -> str:
+    """The layout report of a checkpoint (its index, or a discovered layout); ``problems=False`` leaves the problems
+    out (a plan lists them as its findings)."""
+    index = open_index(checkpoint)
+    layout = index.layout
     lines: list[str] = []
     lines.append(f"checkpoint  {layout.path}")
     if layout.format is None:
@@ -51,7 +55,7 @@ def render_layout(layout: Layout, *, max_shards: int = 16, problems: bool = True
         if layout.dist_optimizer_sharding:
             dist_opt += f" ({layout.dist_optimizer_sharding})"
         lines.append(f"dist. optim {dist_opt}")
-        optim = _optimizer_line(layout)
+        optim = _optimizer_line(index)
         if optim:
             lines.append(f"optimizer   {optim}")
         lines.append(f"size        {human_bytes(layout.total_bytes)}")
@@ -89,18 +93,16 @@ def render_layout(layout: Layout, *, max_shards: int = 16, problems: bool = True
     return "\n".join(lines)
 
 
-def _optimizer_line(layout: Layout) -> str | None:
+def _optimizer_line(index: CheckpointIndex) -> str | None:
     """What the optimizer state of a legacy checkpoint is, and whether it can follow a layout change."""
-    from megatron_preflight.reshard.optimizer import optimizer_status
-
-    if layout.problems:
+    if index.layout.problems:
         return None
-    status = optimizer_status(layout)
+    status = index.optimizer_status
     return status.describe() if status else None
 
 
 def render_plan(plan: Plan) -> str:
-    lines = [render_layout(plan.layout, max_shards=8, problems=False), ""]
+    lines = [render_layout(plan.index, max_shards=8, problems=False), ""]
     if plan.findings:
         lines.append(f"{'severity':<8} {'field':<38} {'checkpoint':>14} {'run':>14}")
         for f in plan.findings:

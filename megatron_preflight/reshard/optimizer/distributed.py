@@ -27,13 +27,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.optimizer import OptimizerNotReshardable, _signature, is_param
-from megatron_preflight.reshard.planner import (
+from megatron_preflight.reshard.optimizer.plain import OptimizerNotReshardable, _signature, is_param
+from megatron_preflight.reshard.plan.index import iter_source_keys
+from megatron_preflight.reshard.plan.planner import plan_tensor
+from megatron_preflight.reshard.plan.topology import is_tied
+from megatron_preflight.reshard.plan.types import (
+    FlatPlan,
     GlobalEntry,
     GlobalKey,
     RankPlan,
@@ -41,10 +44,8 @@ from megatron_preflight.reshard.planner import (
     SourcePiece,
     TensorPlan,
     VocabPlan,
-    is_tied,
-    iter_source_keys,
-    plan_tensor,
 )
+from megatron_preflight.reshard.plan.validate import validate_flat
 from megatron_preflight.torch_file import StorageRef, TensorRef, read_torch_file
 
 if TYPE_CHECKING:
@@ -339,22 +340,6 @@ def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8, sha
 
 
 # -- the target side --------------------------------------------------------------------------------------------
-@dataclass
-class FlatPlan:
-    """A 1-D fp32 world tensor of ``numel`` elements: each planned parameter state flattened at its offset, zeros
-    between (the 64-element alignment padding)."""
-
-    numel: int
-    parts: list[tuple[int, TensorPlan]]
-    key: str = ""
-    dtype: Any = field(default_factory=lambda: dtypes.dtype("float32"))
-    names: list[str] = field(default_factory=list)  # "chunk:key" of each part's parameter, in parts' order
-
-    @property
-    def shape(self) -> tuple[int]:
-        return (self.numel,)
-
-
 def target_params(plan: RankPlan, tgt: ParallelLayout, tied: bool) -> list[Param]:
     expert_parallel = tgt.experts_are_expert_parallel()
     out = []
@@ -438,23 +423,4 @@ def relocate(fp: FlatPlan, offsets: dict[str, int]) -> int:
     return moved
 
 
-def flat_parts(tree: Any) -> list[tuple[tuple, FlatPlan]]:
-    """(path, FlatPlan) for every world tensor inside a planned distrib_optim.pt."""
-    from megatron_preflight.reshard.tree import iter_leaves
-
-    return [(p, v) for p, v in iter_leaves(tree) if isinstance(v, FlatPlan)]
-
-
-def validate_flat(fp: FlatPlan) -> None:
-    pos = 0
-    for start, tp in sorted(fp.parts, key=lambda x: x[0]):
-        n = 1
-        for s in tp.shape or ():
-            n *= s
-        if start < pos or start + n > fp.numel:
-            raise PreflightError(f"the plan for {fp.key} places {tp.key} at {start}:{start + n}, overlapping or "
-                                 f"outside its {fp.numel} elements", code="plan")
-        pos = start + n
-
-
-__all__ = ["FlatPlan", "StorageRef", "check_masters", "index_dist_optimizer", "plan_dist_optimizer"]
+__all__ = ["StorageRef", "check_masters", "index_dist_optimizer", "plan_dist_optimizer"]

@@ -1,0 +1,95 @@
+"""The global index of a checkpoint: every global tensor and every source piece that holds it."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from megatron_preflight.layout import naming
+from megatron_preflight.layout.model import Layout
+from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.reshard.plan.consistency import complete_problems, raise_first
+from megatron_preflight.reshard.plan.rules import parse_key, rule_for
+from megatron_preflight.reshard.plan.topology import is_tied, model_chunks, saved_arg
+from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourceKey, SourcePiece
+from megatron_preflight.torch_file import TensorRef
+
+
+def _layer_orders(keys: list[str]) -> dict[str, tuple[int, int]]:
+    """Each key's place inside its layer, as (slot, sub-slot) independent of the local expert index: Megatron's
+    module order, read from the source. Sequential experts form one block (expert-major inside it); TE-grouped
+    expert weights sort by name, then expert."""
+    out: dict[str, tuple[int, int]] = {}
+    first: dict[tuple[int | None, str, str], int] = {}
+    block: dict[int | None, int] = {}
+    pos: dict[int | None, int] = {}
+    for key in keys:
+        info = parse_key(key)
+        layer = info.layer
+        p = pos[layer] = pos.get(layer, -1) + 1
+        slot = first.setdefault((layer, info.style, info.suffix), p)
+        if info.style == "seq_expert":
+            start = block.setdefault(layer, p)
+            out[key] = (start, slot - start)
+        else:
+            out[key] = (slot, 0)
+    return out
+
+
+def iter_source_keys(layout: Layout, src: ParallelLayout) -> Any:
+    """Every model-chunk entry of every source shard, with its global key and split group coordinates."""
+    swiglu = bool(saved_arg(layout.saved_args, "swiglu", False))
+    dirs = naming.shard_writers(src)
+    shards = sorted(layout.shards, key=lambda s: (s.pp_rank or 0, s.tp_rank or 0, s.ep_rank or 0))
+    for shard in shards:
+        coords = dirs.get(shard.name)
+        if coords is None or shard.meta is None:
+            continue
+        for chunk_idx, ck in model_chunks(shard.meta):
+            orders = _layer_orders(list(shard.meta[ck]))
+            for key, value in shard.meta[ck].items():
+                info = parse_key(key)
+                rule = rule_for(info, swiglu=swiglu)
+                layer = src.global_layer(coords["pp"], chunk_idx, info.layer) if info.layer is not None else None
+                expert = src.global_expert(coords["ep"], info.expert) if info.expert is not None else None
+                if rule.dim is None:  # replicated: every holder is a replica of one piece
+                    grank, gsize = 0, 1
+                elif rule.group == "etp":
+                    grank, gsize = coords["etp"], src.etp_eff
+                else:
+                    grank, gsize = coords["tp"], src.tp
+                yield SourceKey(shard.name, chunk_idx, key, value, info, rule, GlobalKey(layer, expert, info.style, info.suffix),
+                                grank, gsize, orders[key])
+
+
+GlobalIndex = OrderedDict[GlobalKey, GlobalEntry]  # every global tensor of a checkpoint, in model order
+EMBEDDING = GlobalKey(None, None, "plain", "embedding.word_embeddings.weight")
+
+
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+
+
+def index_sources(layout: Layout, src: ParallelLayout, *, check: bool = True
+                  ) -> GlobalIndex:
+    """Every global tensor of the checkpoint and every source piece that holds it (replicas included: the same piece
+    on several shards, e.g. a layernorm on every TP rank or a dense weight on every EP rank; with tied embeddings, the
+    last stage's ``output_layer.weight`` is a replica of the word embeddings)."""
+    tied = is_tied(layout)
+    index: OrderedDict[GlobalKey, GlobalEntry] = OrderedDict()
+    head_copies: list[SourceKey] = []
+    for sk in iter_source_keys(layout, src):
+        if tied and sk.key == "output_layer.weight":
+            head_copies.append(sk)  # the tied copy of the word embeddings: served from the embedding
+            continue
+        entry = index.get(sk.gkey)
+        if entry is None:
+            order = sk.order if sk.info.layer is not None else (len(index), 0)
+            entry = index[sk.gkey] = GlobalEntry(sk.gkey, sk.info, sk.rule, order=order)
+        entry.add(SourcePiece(sk.shard, sk.value, sk.group_rank, sk.group_size))
+    if EMBEDDING in index:
+        for sk in head_copies:
+            if isinstance(sk.value, TensorRef) and sk.value.shape == index[EMBEDDING].first().ref.shape:
+                index[EMBEDDING].add(SourcePiece(sk.shard, sk.value, sk.group_rank, sk.group_size))
+    if check:
+        raise_first(complete_problems(index, layout))
+    return index

@@ -1,0 +1,203 @@
+"""Plan a target rank's state dict from the index: which source pieces, which slices, where they go.
+
+For each tensor the target rank owns, its target segments are intersected with the source segments. Nothing is read
+here but metadata, so planning any layout is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import OrderedDict
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.model import Layout
+from megatron_preflight.parallel import ParallelLayout, pad_vocab
+from megatron_preflight.reshard.plan.index import EMBEDDING
+from megatron_preflight.reshard.plan.rules import Rule, segments
+from megatron_preflight.reshard.plan.topology import saved_arg
+from megatron_preflight.reshard.plan.types import (
+    CopyOp,
+    GlobalEntry,
+    GlobalKey,
+    RankPlan,
+    SourcePiece,
+    TensorPlan,
+    VocabPlan,
+)
+from megatron_preflight.torch_file import TensorRef
+
+
+def target_vocab(layout: Layout, tgt: ParallelLayout, padded_vocab_size: int | None, vocab_size: int | None,
+                 divisible_by: int | None, source_padded: int) -> VocabPlan:
+    """The vocab rows at the target (Megatron's padding rule), from the true vocab size when it is known. The target
+    never has fewer rows than the real vocab: real rows are never cut."""
+    args = layout.saved_args
+    div = divisible_by or int(saved_arg(args, "make_vocab_size_divisible_by", 128) or 128)
+    true = vocab_size or saved_arg(args, "vocab_size")
+    real = int(true) if true else source_padded
+    if true and int(true) > source_padded:
+        raise PreflightError(f"the vocab size {true} is larger than the checkpoint's {source_padded} embedding rows",
+                             path=layout.iter_dir, fix="pass the vocab size of the tokenizer the checkpoint was "
+                             "trained with (--vocab-size)", code="usage")
+    if padded_vocab_size:
+        target = int(padded_vocab_size)
+    elif true:
+        target = pad_vocab(int(true), div, tgt.tp)
+    else:
+        m, src_m = div * tgt.tp, div * (layout.tp or 1)
+        if m % src_m:
+            raise PreflightError(
+                f"the checkpoint does not record its true vocab size (padded_vocab_size={source_padded} at "
+                f"TP{layout.tp}), so the padded vocab at TP{tgt.tp} is ambiguous", path=layout.iter_dir,
+                fix="pass --vocab-size (the tokenizer's vocab size) or --padded-vocab-size", code="usage")
+        target = pad_vocab(source_padded, div, tgt.tp)  # a coarser multiple of the padded size: same as from true
+    if target < real:
+        raise PreflightError(
+            f"a padded vocab of {target} rows would cut real vocabulary rows (the checkpoint has {real}"
+            f"{' real' if true else ''} rows)", path=layout.iter_dir,
+            fix=f"pass a --padded-vocab-size of at least {real}, a multiple of {div} x TP (or leave it out)",
+            code="usage")
+    most = max(source_padded, pad_vocab(real, div, tgt.tp))
+    if target > most:  # refused by arithmetic before anything is planned or allocated
+        raise PreflightError(
+            f"a padded vocab of {target:,} rows is more than the checkpoint's {source_padded:,} rows and more than "
+            f"Megatron builds for {real:,} vocabulary rows at TP{tgt.tp} (make-vocab-size-divisible-by {div}: "
+            f"{pad_vocab(real, div, tgt.tp):,} rows); the run could not load it", path=layout.iter_dir,
+            fix=f"leave --padded-vocab-size out (it follows the target TP), or pass at most {most} (to pad further, "
+                "give the new run's --make-vocab-size-divisible-by after --)", code="usage")
+    return VocabPlan(real, source_padded, target)
+
+
+def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, tgt: ParallelLayout,
+              coords: dict[str, int], *, tied: bool, vocab: VocabPlan | None, shard_name: str = "") -> RankPlan:
+    """The plan for the target rank at ``coords`` (its tp, pp, ep, etp ranks); see :func:`validate_plan`."""
+    stage, ep_rank = coords["pp"], coords["ep"]
+    chunk_names = ["model"] if tgt.chunks == 1 else [f"model{v}" for v in range(tgt.chunks)]
+    tensors: list[tuple[tuple, TensorPlan]] = []
+    for gkey, entry in index.items():
+        layer, expert, _style, suffix = gkey
+        if layer is not None:
+            t_stage, chunk, local = tgt.place_layer(layer)
+            if t_stage != stage:
+                continue
+            section = 1
+        else:
+            local = None
+            if suffix.startswith("embedding."):
+                if stage != 0:
+                    continue
+                chunk, section = 0, 0
+            elif suffix.startswith(("decoder.final_", "output_layer.")):
+                if stage != tgt.pp - 1:
+                    continue
+                chunk, section = tgt.chunks - 1, 2
+            else:
+                raise PreflightError(f"no placement rule for non-layer key {suffix}", code="unknown_key")
+        local_expert = None
+        if expert is not None:
+            e_rank, local_expert = tgt.place_expert(expert)
+            if e_rank != ep_rank:
+                continue
+        key = entry.info.render(local, local_expert)
+        # Megatron's module order: chunk, then embedding / layers / head, then the key's place in its layer.
+        order = (chunk, section, local or 0, entry.order[0], local_expert or 0, entry.order[1])
+        tensors.append((order, plan_tensor(entry, chunk_names[chunk], key, coords, tgt, vocab)))
+    tensors.sort(key=lambda item: item[0])
+    out = [t for _, t in tensors]
+    if tied and tgt.pp > 1 and stage == tgt.pp - 1 and EMBEDDING in index:
+        # The last stage holds its own copy of the tied word embeddings as output_layer.weight (a parameter: it
+        # comes before the head's _extra_state, as in the module's state dict).
+        head = plan_tensor(index[EMBEDDING], chunk_names[-1], "output_layer.weight", coords, tgt, vocab)
+        at = next((i for i, t in enumerate(out) if t.chunk == head.chunk and t.key == "output_layer._extra_state"),
+                  len(out))
+        out.insert(at, head)
+    return RankPlan(coords, shard_name, chunk_names, out)
+
+
+def _replicas(replicas: list[SourcePiece]) -> tuple[tuple[str, TensorRef], ...]:
+    return tuple((p.shard, p.ref) for p in replicas[1:] if isinstance(p.ref, TensorRef))
+
+
+def plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int], tgt: ParallelLayout,
+                vocab: VocabPlan | None) -> TensorPlan:
+    """The copy ops that build the target rank's piece of ``entry``: its target segments along the split dim,
+    intersected with every source piece's segments."""
+    rule = entry.rule
+    main_rank = min(entry.pieces)
+    first = entry.main(main_rank)
+    if rule.kind == "extra" or not isinstance(first.ref, TensorRef) or rule.dim is None:
+        if isinstance(first.ref, TensorRef):  # replicated (or TE extra state held as a tensor): one whole copy
+            op = CopyOp(first.shard, first.ref, None, None, _replicas(entry.pieces[main_rank]))
+            return TensorPlan(chunk, key, tuple(first.ref.shape), first.ref.dtype, [op], gkey=entry.key)
+        return TensorPlan(chunk, key, None, None, [], value=first.ref, gkey=entry.key)
+    ref: TensorRef = first.ref
+    dim = rule.dim
+    t_rank, t_size = (coords["etp"], tgt.etp_eff) if rule.group == "etp" else (coords["tp"], tgt.tp)
+    g_len = entry.global_len()
+    assert g_len is not None
+    t_global, real = g_len, g_len
+    if rule.kind == "vocab" and vocab is not None:
+        t_global, real = vocab.target_padded, vocab.real
+    if t_global % t_size or (rule.kind == "glu" and (t_global // 2) % t_size):
+        raise PreflightError(f"tensor {key}: {t_global} rows along dim {dim} do not split over {t_size} ranks",
+                             code="layout")
+    shape = list(ref.shape)
+    shape[dim] = t_global // t_size
+    ops: list[CopyOp] = []
+    gaps: list[tuple[int, int]] = []
+    pad_from = None
+    t_rule = rule if rule.kind != "vocab" else Rule("column", rule.group)
+    for tg, tn, tl in segments(t_rule, t_global, t_size, t_rank):
+        covered: list[tuple[int, int]] = []
+        for grank in sorted(entry.pieces):
+            replicas = entry.pieces[grank]
+            piece = replicas[0]
+            for sg, sn, sl in segments(t_rule, g_len, piece.group_size, piece.group_rank):
+                lo, hi = max(tg, sg), min(tg + tn, sg + sn)
+                if lo >= hi:
+                    continue
+                ops.append(CopyOp(piece.shard, piece.ref, (dim, sl + lo - sg, hi - lo), (dim, tl + lo - tg, hi - lo),
+                                  _replicas(replicas)))
+                covered.append((lo, hi))
+        pos = tg
+        for lo, hi in sorted(covered):
+            if lo > pos:
+                gaps.append((tl + pos - tg, lo - pos))
+            pos = max(pos, hi)
+        if pos < tg + tn:
+            gaps.append((tl + pos - tg, tg + tn - pos))
+        if rule.kind == "vocab":
+            pad_from = tl + max(0, min(real, tg + tn) - tg)
+    return TensorPlan(chunk, key, tuple(shape), ref.dtype, ops, zero_fill=tuple(gaps), pad_from=pad_from,
+                      gkey=entry.key)
+
+
+def rewrite_args(args: Any, tgt: ParallelLayout, padded_vocab: int | None,
+                 distributed_optimizer: bool | None = None) -> Any:
+    """The saved args, rewritten to the target layout (what Megatron's check_checkpoint_args compares)."""
+    if args is None:
+        return None
+    new = argparse.Namespace(**vars(args))
+    sizes = tgt.to_args()  # the one translation of a layout into Megatron args
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        setattr(new, name, sizes[name])
+    for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if hasattr(new, name) or sizes[name]:  # flags the saving Megatron-LM had, or ones the target needs
+            setattr(new, name, sizes[name])
+    if padded_vocab is not None:
+        new.padded_vocab_size = padded_vocab
+    if distributed_optimizer is not None:
+        new.use_distributed_optimizer = distributed_optimizer
+    world = tgt.min_world()
+    if hasattr(new, "world_size"):
+        new.world_size = world
+    if hasattr(new, "data_parallel_size"):
+        new.data_parallel_size = world // (tgt.tp * tgt.pp * tgt.cp)
+    for name in ("tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"):
+        if hasattr(new, name):
+            setattr(new, name, tgt.tp if name.startswith("tensor") else tgt.etp_eff)
+    return new

@@ -1,0 +1,101 @@
+"""The layout to reshard to, as asked for: a partial override of the source's layout, and the output's options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_preflight import parallel
+from megatron_preflight.parallel import ParallelLayout
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """The layout to reshard to, as asked for. Sizes left None keep the source's, except ETP (follows the target TP
+    unless given) and VPP (none unless given); the stage split (uneven first/last stages, the embedding / loss
+    counted in it) is the source's when PP is kept and none of it is given. :meth:`resolve` turns it into the one
+    :class:`ParallelLayout`."""
+
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+    etp: int | None = None
+    vpp: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    padded_vocab_size: int | None = None
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int | None = None
+    embedding_in_split: bool | None = None  # --account-for-embedding-in-pipeline-split at the target
+    loss_in_split: bool | None = None  # --account-for-loss-in-pipeline-split at the target
+    # How the target's Megatron-LM orders optimizer param groups: "sorted" (2026-01 on, core >= 0.16: the same on
+    # every rank) or "per_rank" (earlier: by the first parameter each rank meets). None: as the source shows it.
+    optimizer_group_order: str | None = None
+    # The target run's --use-distributed-optimizer (None: as the source): the optimizer state is converted when it
+    # differs.
+    distributed_optimizer: bool | None = None
+    # The format to write: "torch" (legacy, the default) or "torch_dist" (see dist_target).
+    ckpt_format: str | None = None
+
+    def __post_init__(self) -> None:
+        parallel.validate_sizes(self.megatron_sizes())  # a size that enters here is checked here, once
+
+    def megatron_sizes(self) -> dict[str, int | None]:
+        """The sizes given, by their Megatron arg names (None: keep the source's)."""
+        return {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
+                "expert_model_parallel_size": self.ep, "expert_tensor_parallel_size": self.etp,
+                "virtual_pipeline_model_parallel_size": self.vpp,
+                "num_layers_per_virtual_pipeline_stage": self.num_layers_per_virtual_pipeline_stage,
+                "num_virtual_stages_per_pipeline_rank": self.num_virtual_stages_per_pipeline_rank}
+
+    @classmethod
+    def from_args(cls, args: Any, given: set[str] | None = None) -> TargetLayout:
+        """The target a run with Megatron ``args`` (a Namespace, RuntimeArgs or mapping) needs. ``given``: the arg
+        names set explicitly (the others keep the source's); None: every size is given. The virtual pipeline flags
+        are kept as flags: :meth:`resolve` derives the VPP with the model's layer count, as Megatron does."""
+
+        def get(name: str) -> Any:
+            value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
+            return value if given is None or name in given else None
+
+        per_chunk, stages = get("num_layers_per_virtual_pipeline_stage"), get("num_virtual_stages_per_pipeline_rank")
+        return cls(
+            tp=get("tensor_model_parallel_size"), pp=get("pipeline_model_parallel_size"),
+            ep=get("expert_model_parallel_size"), etp=get("expert_tensor_parallel_size"),
+            vpp=get("virtual_pipeline_model_parallel_size") if per_chunk is None and stages is None else None,
+            num_layers_per_virtual_pipeline_stage=per_chunk, num_virtual_stages_per_pipeline_rank=stages,
+            first_stage_layers=get("decoder_first_pipeline_num_layers"),
+            last_stage_layers=get("decoder_last_pipeline_num_layers"),
+            # a run's flags: an accounting flag not given is off (Megatron's default), not "keep the source's"
+            embedding_in_split=bool(get("account_for_embedding_in_pipeline_split")),
+            loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
+            padded_vocab_size=get("padded_vocab_size") if given is None else None,
+            distributed_optimizer=bool(get("use_distributed_optimizer")),
+            vocab_size=get("vocab_size"),
+            make_vocab_size_divisible_by=get("make_vocab_size_divisible_by"),
+            # the output's format only when the run's flags name it (Megatron's default is torch_dist)
+            ckpt_format=get("ckpt_format") if given is not None else None,
+        )
+
+    def resolve(self, src: ParallelLayout) -> ParallelLayout:
+        """The target's parallel layout: the source's (:meth:`ParallelLayout.to_args`) with these sizes over it, built
+        by the one builder, :func:`parallel.from_args`. ETP follows the target TP and there is no virtual pipeline
+        unless given; the stage split is the source's when PP is kept and none of it is given."""
+        args = src.to_args()
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            value = self.megatron_sizes()[name]
+            if value is not None:
+                args[name] = value
+        args.update({name: self.megatron_sizes()[name] for name in (
+            "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size",
+            "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")})
+        split = (self.first_stage_layers, self.last_stage_layers, self.embedding_in_split, self.loss_in_split)
+        if args["pipeline_model_parallel_size"] != src.pp or any(v is not None for v in split):
+            args.update(decoder_first_pipeline_num_layers=self.first_stage_layers,
+                        decoder_last_pipeline_num_layers=self.last_stage_layers,
+                        account_for_embedding_in_pipeline_split=bool(self.embedding_in_split),
+                        account_for_loss_in_pipeline_split=bool(self.loss_in_split))
+        args.update(context_parallel_size=1, pipeline_model_parallel_layout=None)  # not modelled at the target
+        return parallel.from_args(args)
