@@ -67,7 +67,7 @@ def dtype(name: str) -> Any:
     """The dtype called ``name`` (``float32``, ``half``): torch's when torch is loaded, else a :class:`DType`."""
     name = canonical(name)
     if torch_loaded():
-        import torch
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
         value = getattr(torch, name, None)
         if value is not None:
@@ -91,7 +91,7 @@ def is_dtype(value: Any) -> bool:
 
 def to_torch(value: Any) -> Any:
     """The real ``torch.dtype`` for a dtype of either kind (imports torch: for code that makes tensors)."""
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     name = name_of(value)
     return getattr(torch, name) if name is not None else value
@@ -101,6 +101,6 @@ def is_tensor(value: Any) -> bool:
     """Whether ``value`` is a ``torch.Tensor`` (False without importing torch when it is not loaded)."""
     if not torch_loaded():
         return False
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     return isinstance(value, torch.Tensor)

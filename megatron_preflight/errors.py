@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno as errno_mod
+import os
+import stat
+
 
 class PreflightError(Exception):
     """An error the user can act on. ``str()`` is the whole message: what, where, and the fix."""
@@ -50,8 +54,6 @@ _ENV_FIXES = {
 
 def environment_error(exc: OSError) -> PreflightError:
     """What the system did (disk full, read-only, permission, ...), as one clear error: not a bug of this tool."""
-    import errno as errno_mod
-
     name = errno_mod.errorcode.get(exc.errno or 0, "")
     what = exc.strerror or str(exc)
     where = exc.filename if isinstance(exc.filename, str) else None
@@ -63,9 +65,6 @@ def environment_error(exc: OSError) -> PreflightError:
 def require_regular_file(path: str) -> None:
     """Only regular files are opened: a FIFO, a socket or a device where a checkpoint file should be would block or
     stream forever. Raises :class:`PreflightError` (code ``not_regular``) for anything else that exists."""
-    import os
-    import stat
-
     try:
         mode = os.stat(path).st_mode
     except OSError:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copyreg
 from collections.abc import Hashable
 from typing import Any
 
@@ -33,8 +34,6 @@ class Placeholder:
 
     def __reduce__(self) -> Any:
         """Pickle back as the original class (see :mod:`megatron_preflight.pickling`)."""
-        import copyreg
-
         if self._called:
             return (type(self), self._args) if self._state is None else (type(self), self._args, self._state)
         return (copyreg.__newobj__, (type(self), *self._new_args), self._state)

@@ -12,6 +12,9 @@ import os
 import runpy
 import sys
 
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.hook.install import install
+
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -26,9 +29,6 @@ def main(argv: list[str] | None = None) -> None:
     script_dir = os.path.dirname(os.path.abspath(script))
     sys.path.insert(0, script_dir)
     sys.argv = [script] + argv[1:]
-    from megatron_preflight.errors import PreflightError
-    from megatron_preflight.hook.install import install
-
     try:
         install()
     except PreflightError as exc:

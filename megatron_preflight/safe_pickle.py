@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import _compat_pickle
 import argparse
+import codecs
 import collections
+import importlib
 import io
 import pickle
+import signal
 import types
 from collections.abc import Callable
 from typing import Any
@@ -42,9 +45,6 @@ def _guarded_reconstructor(cls: Any, base: Any, state: Any) -> Any:
 
 def _base_allow_list() -> dict[tuple[str, str], Any]:
     """Plain Python types and values (no torch, no numpy)."""
-    import codecs
-    import signal
-
     return {
         ("collections", "OrderedDict"): collections.OrderedDict,
         ("collections", "defaultdict"): collections.defaultdict,
@@ -77,7 +77,7 @@ _TORCH_VALUES = ("Size", "device", "layout", "strided", "contiguous_format", "pr
 
 def _torch_allow_list() -> dict[tuple[str, str], Any]:
     """torch's value types and numpy's array rebuilders, as the real objects (only once torch is loaded)."""
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     allowed: dict[tuple[str, str], Any] = {("torch", name): getattr(torch, name) for name in _TORCH_VALUES}
     for name in dtypes.NAMES:
@@ -85,13 +85,13 @@ def _torch_allow_list() -> dict[tuple[str, str], Any]:
         if isinstance(value, torch.dtype):
             allowed[("torch", name)] = value
     try:
-        import numpy
+        import numpy  # deferred: numpy only for a pickle that holds arrays
     except Exception:  # pragma: no cover - numpy is a torch dependency in practice
         return allowed
     try:
-        from numpy._core import multiarray as core_ma
+        from numpy._core import multiarray as core_ma  # deferred: numpy only for a pickle that holds arrays
     except ImportError:  # numpy 1.x
-        from numpy.core import multiarray as core_ma
+        from numpy.core import multiarray as core_ma  # deferred: numpy only for a pickle that holds arrays
     for mod in _NUMPY_MULTIARRAY:
         allowed[(mod, "_reconstruct")] = core_ma._reconstruct
         allowed[(mod, "scalar")] = core_ma.scalar
@@ -146,8 +146,6 @@ _DCP_LOADED = False
 def _dcp_allow_list() -> dict[tuple[str, str], Any]:
     """torch.distributed.checkpoint's metadata dataclasses as the real classes (imported only when a DCP pickle needs
     them)."""
-    import importlib
-
     allowed: dict[tuple[str, str], Any] = {}
     for module, name in _DCP_CLASSES | _DCP_VALUES:
         try:

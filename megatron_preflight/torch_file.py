@@ -13,6 +13,7 @@ import io
 import mmap
 import os
 import struct
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,15 @@ class TensorRef:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def window(self, start: int, shape: tuple[int, ...]) -> TensorRef:
+        """Elements ``start .. start + prod(shape)`` of this 1-D tensor (a flat optimizer buffer), as a contiguous
+        tensor of ``shape`` (every source format's refs answer this: a torch_dist region cuts its slabs)."""
+        stride, acc = [], 1
+        for s in reversed(shape):
+            stride.append(acc)
+            acc *= s
+        return TensorRef(self.file, self.storage, self.offset + start, tuple(shape), tuple(reversed(stride)))
 
     def __repr__(self) -> str:
         return f"TensorRef({tuple(self.shape)}, {self.dtype})"
@@ -340,7 +350,7 @@ class TorchFile:
 
     def tensor(self, ref: TensorRef) -> Any:
         """The tensor ``ref`` points at, as a view of a copy-on-write mmap (lazy: pages are read on access)."""
-        import torch
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
         start, nbytes = self._record_offset(ref.storage.key)
         dtype = dtypes.to_torch(ref.dtype)
@@ -394,8 +404,6 @@ def read_torch_file(path: str | os.PathLike, *, trust: bool = False) -> Any:
 
 def read_torch_bytes(data: bytes, *, source: str, trust: bool = False) -> Any:
     """Metadata of an in-memory ``torch.save`` blob (e.g. the ``common_state`` item of a torch_dist checkpoint)."""
-    import tempfile
-
     # zipfile needs a seekable file; blobs here are small (tens of KB).
     with tempfile.NamedTemporaryFile(suffix=".pt") as tmp:
         tmp.write(data)

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_preflight.layout.model import to_plain
+
 
 class Severity(str, enum.Enum):
     FATAL = "fatal"  # the job must not start
@@ -23,8 +25,6 @@ class Finding:
     fix: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        from megatron_preflight.layout.model import to_plain
-
         return {
             "field": self.field,
             "checkpoint": to_plain(self.checkpoint),

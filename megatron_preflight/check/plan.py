@@ -10,7 +10,7 @@ from typing import Any
 
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
 from megatron_preflight.check.findings import Finding, Severity
-from megatron_preflight.check.runtime_args import RuntimeArgs, from_namespace
+from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, from_namespace
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
@@ -331,8 +331,6 @@ def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
     if isinstance(args, RuntimeArgs):
         rt = args
     elif isinstance(args, dict):
-        from megatron_preflight.check.runtime_args import from_mapping
-
         rt = from_mapping(args)
     else:
         rt = from_namespace(args)

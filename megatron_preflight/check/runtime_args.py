@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.parallel import pad_vocab
@@ -232,8 +234,6 @@ def from_cli(argv: list[str], env: dict[str, str] | None = None) -> RuntimeArgs:
 
 
 def _yaml_values(path: str) -> dict[str, Any]:
-    import yaml
-
     try:
         with open(path) as fh:
             data = yaml.safe_load(fh) or {}

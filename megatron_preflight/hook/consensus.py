@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 
 def _dist():
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch only in a distributed run
     except ImportError:  # pragma: no cover
         return None
     return dist if dist.is_available() and dist.is_initialized() else None
@@ -47,7 +47,7 @@ def decide_on_rank0(compute: Callable[[], Any], on_error: Callable[[BaseExceptio
     box = [result]
     device = None
     try:
-        import torch
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
         if d.get_backend() == "nccl" and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())

@@ -24,6 +24,8 @@ from typing import Any
 
 from megatron_preflight.check.verdict import Loader
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.hook import legacy_load, runtime
+from megatron_preflight.hook.flags import add_preflight_arguments
 
 log = logging.getLogger("megatron_preflight")
 
@@ -111,9 +113,6 @@ def install() -> None:
     if _INSTALLED:
         return
     resolved = {(m, n): _resolve(m, n) for m, n in REQUIRED}
-    from megatron_preflight.hook import legacy_load, runtime
-    from megatron_preflight.hook.flags import add_preflight_arguments
-
     _install_args_seam(add_preflight_arguments)
 
     training_mod, setup = resolved[("megatron.training.training", "setup_model_and_optimizer")]
@@ -136,6 +135,7 @@ def install() -> None:
                 return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
 
             def reshard_base(load_dir, args, rank0=False, sharded_state_dict=None, *ba, **bk):
+                # Megatron-LM is optional: present only inside a Megatron job
                 from megatron.training.checkpointing import CheckpointType
 
                 state, name, release = legacy_load.resharded_state_dict(load_dir, args, rank0=rank0,

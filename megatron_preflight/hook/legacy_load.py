@@ -108,7 +108,7 @@ def runtime_coordinates(world_rank: int, world: int, resharder: Resharder) -> di
     """This rank's (tp, pp, ep, etp) ranks: from Megatron's parallel state when it is up, else Megatron's rank
     layout computed from the sizes."""
     try:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # Megatron-LM is optional: present only inside a Megatron job
 
         if ps.model_parallel_is_initialized():
             return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
@@ -206,7 +206,7 @@ def this_rank_parameter_state(r: Resharder, parts: list[Any] | None = None, mode
         for part, state in zip(parts, states, strict=False):
             for gbuf, buffer in enumerate(getattr(part, "buffers", None) or []):
                 offsets = live_offsets(buffer, names)
-                if offsets is None or not isinstance(state.get(gbuf), dict):
+                if offsets is None or not isinstance(state, dict) or not isinstance(state.get(gbuf), dict):
                     continue
                 (_, world), = state[gbuf].items()
                 for key in ("param", "exp_avg", "exp_avg_sq"):

@@ -140,7 +140,7 @@ def _release_process_groups() -> None:
     """Tear down torch.distributed locally before exiting, so no rank aborts in a communicator destructor while
     its peers are already gone (every rank got the same decision; no collective follows)."""
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch only in a distributed run
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

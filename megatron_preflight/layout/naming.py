@@ -15,10 +15,8 @@ Facts (Megatron-LM ``checkpointing.get_checkpoint_name`` / ``parallel_state.Rank
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.parallel import ParallelLayout
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     # the checkpoint, read and indexed once per process
     "CheckpointIndex": "checkpoint_index", "open_index": "checkpoint_index", "index_builds": "checkpoint_index",
+    "checkpoint_index": "",
     # one checkpoint at one target layout
     "TargetLayout": "target", "Resharder": "resharder", "open_resharder": "resharder",
     "build_rank_state_dict": "resharder", "choose_optimizer": "resharder",
@@ -25,7 +26,7 @@ _EXPORTS = {
     # executing a plan (the hook builds its rank's state in memory)
     "SourceFiles": "sources.files", "build_tree": "execute.executor",
     # writing a new checkpoint
-    "write_resharded": "targets.legacy", "check_destination": "targets.legacy", "open_checked": "targets.legacy",
+    "write_resharded": "targets.offline", "check_destination": "targets.offline", "open_checked": "targets.offline",
     "global_resharders": "targets.torch_dist",
     # what it costs
     "predict_in_memory": "cost", "predict_offline": "cost", "predict_torch_dist": "cost", "process_age": "cost",
@@ -43,6 +44,7 @@ __all__ = [
     "build_rank_state_dict",
     "build_tree",
     "check_destination",
+    "checkpoint_index",
     "choose_optimizer",
     "global_resharders",
     "index_builds",
@@ -63,7 +65,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = importlib.import_module(f"{__name__}.{name}") if module == "" else \
+        getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 
@@ -78,5 +81,5 @@ if TYPE_CHECKING:  # for type checkers only: at run time the names above are imp
     from megatron_preflight.reshard.resharder import Resharder, build_rank_state_dict, choose_optimizer, open_resharder
     from megatron_preflight.reshard.sources.files import SourceFiles
     from megatron_preflight.reshard.target import TargetLayout
-    from megatron_preflight.reshard.targets.legacy import check_destination, open_checked, write_resharded
+    from megatron_preflight.reshard.targets.offline import check_destination, open_checked, write_resharded
     from megatron_preflight.reshard.targets.torch_dist import global_resharders

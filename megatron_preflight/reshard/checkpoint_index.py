@@ -29,7 +29,7 @@ from megatron_preflight.reshard.plan.index import GlobalIndex, index_sources
 from megatron_preflight.reshard.plan.topology import is_tied, source_topology
 from megatron_preflight.reshard.plan.types import SourcePiece
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.sources.torch_dist import RegionRef, virtual_layout
+from megatron_preflight.reshard.sources.torch_dist import virtual_layout
 from megatron_preflight.reshard.sources.torch_dist_optimizer import attach_dp_reshardable, index_dist_source_optimizer
 from megatron_preflight.torch_file import TensorRef
 
@@ -194,9 +194,7 @@ class CheckpointIndex:
             return float(piece.ref)
         files = SourceFiles(self.view.iter_dir or "", trust=self.trust)
         try:
-            if isinstance(piece.ref, RegionRef):
-                return float(files.tensor(piece.shard, piece.ref).item())
-            value = files.file_of(piece.shard, piece.ref).item(piece.ref)  # a number, without torch
+            value = files.item(piece.shard, piece.ref)  # a number (from a legacy file: without torch)
             if isinstance(value, TensorRef):
                 raise PreflightError(f"the optimizer's step of {piece.shard} is not one number",
                                      path=self.view.iter_dir, code="optimizer",

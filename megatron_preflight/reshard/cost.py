@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import heapq
 import os
+import resource
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_preflight.layout import naming
-from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
+from megatron_preflight.reshard.execute.replicas import planned
+from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan, flat_parts
+from megatron_preflight.reshard.sources.files import SourceFiles
 
 PROBE_BYTES = 64 * 2**20  # the quick read (and write) that measure the filesystems
 
@@ -111,9 +115,6 @@ def _numel(shape: Any) -> int:
 def _planned(plan: RankPlan) -> list[TensorPlan]:
     """Every tensor the plan builds from source slices: model and optimizer state, and each parameter's state inside
     a distributed optimizer's world tensors."""
-    from megatron_preflight.reshard.execute.replicas import planned
-    from megatron_preflight.reshard.plan.types import flat_parts
-
     out = list(planned(plan))
     for _, fp in flat_parts(plan.dist_optimizer):
         out += [tp for _, tp in fp.parts]
@@ -136,9 +137,6 @@ def slices_read(plan: RankPlan) -> tuple[int, set[tuple[str, str]]]:
 
 def _built(plan: RankPlan) -> tuple[int, int]:
     """(bytes of every tensor the plan builds, the largest one); a world tensor counts whole, its padding included."""
-    from megatron_preflight.reshard.execute.replicas import planned
-    from megatron_preflight.reshard.plan.types import flat_parts
-
     sizes = [_numel(tp.shape) * tp.dtype.itemsize for tp in planned(plan) if tp.shape is not None]
     sizes += [fp.numel * fp.dtype.itemsize for _, fp in flat_parts(plan.dist_optimizer)]
     return sum(sizes), max(sizes, default=0)
@@ -167,8 +165,6 @@ def rss_now() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -201,8 +197,6 @@ def measure_bandwidth(iter_dir: str, limit: int = PROBE_BYTES) -> float:
 def measure_write_bandwidth(limit: int = PROBE_BYTES) -> float:
     """Bytes per second of writing and fsyncing ``limit`` bytes to a temp file of the OS temp dir (removed at once;
     nothing is written near the checkpoint: pass --bandwidth when the destination is another filesystem)."""
-    import tempfile
-
     block = b"\0" * (4 * 2**20)
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as fh:
@@ -235,8 +229,7 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
                     names: list[str] | None = None, startup_seconds: float = 0.0) -> Prediction:
     """The cost of ``megatron-preflight reshard`` (legacy output) with ``workers`` processes, from resharder ``r``
     (``startup_seconds``: what starting up and opening ``r`` took, which each worker spends again)."""
-    from megatron_preflight.reshard.sources.files import SourceFiles
-    from megatron_preflight.reshard.targets.stream_save import CHUNK_BYTES
+    from megatron_preflight.reshard.targets.stream_save import CHUNK_BYTES  # deferred: the writer imports torch
 
     base = rss_now()  # the index and the imports: what the main process holds, and each worker again
     files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
@@ -296,7 +289,7 @@ def predict_torch_dist(r: Any, g: Any, *, bandwidth: float | None = None,
                        startup_seconds: float = 0.0) -> Prediction:
     """The cost of writing the torch_dist form (one process: the global tensors of ``g``, the TP1·PP1·EP1 plan, as
     chunks; an estimate: chunk wrappers are counted at :data:`DIST_CHUNK_OVERHEAD` bytes each)."""
-    from megatron_preflight.reshard.targets.stream_save import CHUNK_BYTES
+    from megatron_preflight.reshard.targets.stream_save import CHUNK_BYTES  # deferred: the writer imports torch
 
     base = rss_now()
     name, coords = next(iter(naming.shard_writers(g.tgt).items()))

@@ -1,7 +1,8 @@
-"""Resharding API: a legacy checkpoint, read at any TP/PP/EP/ETP/VPP layout, one rank at a time.
-
-``build_rank_state_dict(checkpoint, target, rank)`` is what the Megatron hook calls: each rank builds only its own
-state dict, in the form Megatron's ``load_checkpoint`` expects from a legacy ``model_optim_rng.pt``.
+"""One checkpoint at one target layout: :func:`open_resharder` resolves the target against the checkpoint's
+:class:`~megatron_preflight.reshard.checkpoint_index.CheckpointIndex`, checks it fits the model, decides the optimizer
+state (:func:`choose_optimizer`) and returns a frozen :class:`Resharder`, which plans any target rank and builds its
+state dict: what Megatron's ``load_checkpoint`` reads from a legacy ``model_optim_rng.pt`` of that layout. The hook
+builds its rank's state dict from it in memory; the offline targets write files from its plans.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -123,6 +124,7 @@ class Resharder:
     choice: OptimizerChoice
     bucket_size: int | None  # the target's DDP bucket size (the source's settings; see optimizer.distributed)
     dropped: Mapping[str, str]
+    _plans: dict[tuple, RankPlan] = field(default_factory=dict, repr=False, compare=False)  # the latest plans
 
     # -- the source (the checkpoint index holds it) ----------------------------------------------------------------
     @property
@@ -185,7 +187,17 @@ class Resharder:
         return {name: self.plan_for_coords(coords, name) for name, coords in naming.shard_writers(self.tgt).items()}
 
     def plan_for_coords(self, coords: dict[str, int], name: str = "") -> RankPlan:
-        """The validated plan of the target rank at ``coords`` (model chunks and, when kept, the optimizer state)."""
+        """The validated plan of the target rank at ``coords`` (model chunks and, when kept, the optimizer state),
+        planned once (the hook's model and distributed-optimizer loads ask for the same rank's plan; only the latest
+        few are kept: an offline run plans thousands of shards one after another)."""
+        key = (name, tuple(sorted(coords.items())))
+        if key not in self._plans:
+            while len(self._plans) >= 2:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = self._plan(coords, name)
+        return self._plans[key]
+
+    def _plan(self, coords: dict[str, int], name: str) -> RankPlan:
         plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied, vocab=self.vocab, shard_name=name)
         if self.optimizer_index is not None and self.keep_optimizer:
             plan.optimizer = plan_optimizer(self.optimizer_index, plan, self.src, self.tgt, self.vocab)
@@ -196,7 +208,7 @@ class Resharder:
         return plan
 
     def check_masters(self, files: SourceFiles, shards: set[str] | None = None) -> int:
-        """A distributed optimizer's fp32 masters sit where the buffer model says (sampled; see dist_optimizer), in
+        """A distributed optimizer's fp32 masters sit where the buffer model says (sampled; see optimizer/distributed.py), in
         every source dir or in ``shards``."""
         if self.source_dist_index is None or not self.keep_optimizer:
             return 0

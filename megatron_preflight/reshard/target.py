@@ -36,7 +36,7 @@ class TargetLayout:
     # The target run's --use-distributed-optimizer (None: as the source): the optimizer state is converted when it
     # differs.
     distributed_optimizer: bool | None = None
-    # The format to write: "torch" (legacy, the default) or "torch_dist" (see dist_target).
+    # The format to write: "torch" (legacy, the default) or "torch_dist" (see reshard/targets/torch_dist.py).
     ckpt_format: str | None = None
 
     def __post_init__(self) -> None:

@@ -267,12 +267,10 @@ def test_a_torch_dist_the_resharder_cannot_read_stays_fatal(tmp_path):
     model type) keeps Megatron's refusal fatal, with the resharder's reason."""
     import shutil
 
-    from megatron_preflight.layout.discover import discover
-    from megatron_preflight.reshard.sources.torch_dist_optimizer import dist_source_problem
+    from megatron_preflight.reshard import open_index
 
-    assert dist_source_problem(discover(fixture_path("distopt_dpr_tp2dp2_torch_dist"))) is None
-    assert dist_source_problem(discover(fixture_path("moe_ep2_torch_dist"))) is None
-    layout = discover(fixture_path("distopt_dpr_tp2dp2_torch_dist"))
+    assert open_index(fixture_path("distopt_dpr_tp2dp2_torch_dist")).source_problem() is None
+    assert open_index(fixture_path("moe_ep2_torch_dist")).source_problem() is None
     md_key = "decoder.layers.self_attention.linear_qkv.weight"
     from megatron_preflight.layout.dist import read_dcp_metadata
 
@@ -288,8 +286,7 @@ def test_a_torch_dist_the_resharder_cannot_read_stays_fatal(tmp_path):
         if index.fqn == md_key:
             md.storage_data[dataclasses.replace(index, fqn=mystery)] = info
     (it / ".metadata").write_bytes(pickle.dumps(md))
-    layout = discover(str(root))
-    assert "no split rule" in dist_source_problem(layout)
+    assert "no split rule" in open_index(str(root)).source_problem()
     p = plan(str(root), "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
              "--tensor-model-parallel-size", "1")
     assert p.verdict == Verdict.FAIL and any("cannot serve it either" in f.message for f in p.fatal), p.fatal

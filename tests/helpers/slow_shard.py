@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from megatron_preflight.reshard.targets import legacy as writer
+from megatron_preflight.reshard.targets import offline as writer
 
 
 def write_shard(name, iter_out, verify, resharder=None):

@@ -12,10 +12,10 @@ import torch
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import legacy_load
 from megatron_preflight.hook import state as state_mod
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from tests.conftest import fixture_path
-from tests.reshard.test_dist_optimizer import _world
+from tests.reshard.optimizer.test_distributed import _world
 
 
 class FakeGroup:

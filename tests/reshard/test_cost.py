@@ -10,12 +10,11 @@ import torch
 
 from megatron_preflight.cli.main import main
 from megatron_preflight.layout import naming
-from megatron_preflight.reshard import cost
+from megatron_preflight.reshard import cost, write_resharded
 from megatron_preflight.reshard.execute.executor import build_tree
 from megatron_preflight.reshard.resharder import open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.reshard.targets.zip_writer import TorchZipWriter, zip_size
 from tests.conftest import fixture_path
 

@@ -75,8 +75,8 @@ def test_dense_tp1_to_tp4_logits(mcore_pool, tmp_path):
 
 def test_rope_model_roundtrip(mcore_pool, tmp_path):
     """RoPE (no position-embedding weights): a real PP2 checkpoint to TP2·PP1 and back, bit-exact."""
+    from megatron_preflight.reshard import write_resharded
     from megatron_preflight.reshard.target import TargetLayout
-    from megatron_preflight.reshard.targets.legacy import write_resharded
     from tests.reshard.test_roundtrip_real import assert_same_weights, model_tensors
 
     spec = ModelSpec(position="rope", tie=False)

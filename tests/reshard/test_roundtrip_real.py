@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.resharder import open_resharder
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.reshard.tree import iter_leaves
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path

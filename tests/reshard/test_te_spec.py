@@ -15,9 +15,9 @@ import torch
 from megatron_preflight import pickling
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.resharder import open_resharder
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from tests.conftest import fixture_path
 from tests.reshard.test_roundtrip_real import assert_same_optimizer, model_tensors, optimizer_entries
 

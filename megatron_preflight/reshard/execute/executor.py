@@ -6,7 +6,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
-from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
+from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.tree import map_leaves
 
@@ -30,7 +30,7 @@ def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> t
 
 def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False) -> torch.Tensor:
     """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time."""
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     assert tp.shape is not None
     whole = not tp.shape or (r0 == 0 and r1 == tp.shape[0])
@@ -62,9 +62,9 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
 
 
 def build_flat(fp: Any, files: SourceFiles) -> torch.Tensor:
-    """A distributed optimizer's world tensor (:class:`dist_optimizer.FlatPlan`): each planned state flattened at its
+    """A distributed optimizer's world tensor (:class:`~megatron_preflight.reshard.plan.types.FlatPlan`): each planned state flattened at its
     offset, zeros between."""
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     out = torch.zeros(fp.numel, dtype=fp.dtype)
     for start, tp in fp.parts:
@@ -75,9 +75,8 @@ def build_flat(fp: Any, files: SourceFiles) -> torch.Tensor:
 
 def build_tree(tree: Any, files: SourceFiles) -> Any:
     """A copy of ``tree`` with every :class:`TensorPlan` (and world tensor plan) inside built into its tensor."""
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
-    from megatron_preflight.reshard.plan.types import FlatPlan
 
     def leaf(v: Any, _p: tuple) -> Any:
         if isinstance(v, FlatPlan):

@@ -32,14 +32,14 @@ def planned(plan: RankPlan) -> Iterator[TensorPlan]:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     flat = t.reshape(-1)
     return flat.view(torch.uint8) if flat.numel() else flat
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     if not t.is_contiguous() or t.numel() <= 3 * SAMPLE:
         return _bytes(t)
@@ -51,7 +51,7 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
 def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False) -> int:
     """Compare every replica of every source piece ``plan`` reads with its main copy (bit for bit), whole or
     sampled. Returns the number of replicas compared; raises :class:`ReplicaMismatch` on the first difference."""
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     seen: set[tuple] = set()
     compared = 0

@@ -2,8 +2,8 @@
 
 Both index the same thing — per global parameter, its fp32 master (a bf16/fp16 run's master copy, or the fp32 weight
 itself), ``exp_avg`` and ``exp_avg_sq`` — in two forms: the plain form numbers parameters inside param groups
-(:class:`optimizer.OptimizerIndex`), the distributed form keeps group settings only, positions come from the buffers
-(:class:`dist_optimizer.DistOptimizerIndex`). Converting one index into the other lets either writer serve either
+(:class:`.plain.OptimizerIndex`), the distributed form keeps group settings only, positions come from the buffers
+(:class:`.distributed.DistOptimizerIndex`). Converting one index into the other lets either writer serve either
 source. The distributed optimizer keeps ``step`` in its param groups, the plain one per parameter.
 """
 
@@ -34,7 +34,7 @@ def _step_value(step: float) -> Any:
     not loaded (the check indexes without making tensors; the writers always run with torch)."""
     if not dtypes.torch_loaded():
         return step
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     return torch.tensor(step)
 

@@ -139,17 +139,6 @@ def buffers_of(params: list[Param], expert: bool) -> list[tuple[torch.dtype, lis
     return out
 
 
-def _view(world: TensorRef, start: int, shape: tuple[int, ...]) -> TensorRef:
-    window = getattr(world, "window", None)  # a torch_dist buffer: a region of its saved buckets
-    if window is not None:
-        return window(start, shape)
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return TensorRef(world.file, world.storage, world.offset + start, tuple(shape), tuple(reversed(stride)))
-
-
 @dataclass
 class DistOptimizerIndex:
     """The distributed optimizer's state of every source shard, by global parameter."""
@@ -304,18 +293,18 @@ def _index_part(index: DistOptimizerIndex, state: dict[str, Any], buffers: list[
                 gkey = GlobalKey(None, None, "plain", "embedding.word_embeddings.weight")  # a replica of it
             fields = index.fields.setdefault(gkey, OrderedDict())
             for name in STATE_KEYS:
-                view = _view(world[name], offsets[p.name], p.shape)
+                view = world[name].window(offsets[p.name], p.shape)
                 entry = fields.get(name)
                 if entry is None:
                     entry = fields[name] = GlobalEntry(gkey, sk.info, sk.rule)
                 entry.add(SourcePiece(shard, view, sk.group_rank, sk.group_size))
-            index.checked.append((shard, sk.value, shard, _view(world["param"], offsets[p.name], p.shape)))
+            index.checked.append((shard, sk.value, shard, world["param"].window(offsets[p.name], p.shape)))
 
 
 def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8, shards: set[str] | None = None) -> int:
     """The fp32 masters read at the modelled places equal the model's weights (cast to the weight's dtype): a wrong
     buffer model would read another parameter's values. Sampled; returns the number of parameters checked."""
-    import torch
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     checked = 0
     for shard, weight_ref, _, master_ref in index.checked:
@@ -356,8 +345,10 @@ def target_params(plan: RankPlan, tgt: ParallelLayout, tied: bool) -> list[Param
 def plan_dist_optimizer(index: DistOptimizerIndex, plan: RankPlan, tgt: ParallelLayout, vocab: VocabPlan | None,
                         *, tied: bool, size: int | None) -> tuple[Any, Any]:
     """The target rank's distributed optimizer: (the ``optimizer`` entry of model_optim_rng.pt, the content of
-    distrib_optim.pt with :class:`FlatPlan` world tensors). Every part is filled (Megatron reads only the parts of
-    which the reading rank is DP rank 0)."""
+    distrib_optim.pt with :class:`FlatPlan` world tensors). As Megatron's ChainedOptimizer saves it: a part is in the
+    file of a rank that is data-parallel rank 0 of that part (``dp`` for the dense part, ``edp`` for the expert
+    part, from ``plan.coords``), None in the others' (Megatron reads only the parts of which the reading rank is DP
+    rank 0). Coordinates without them (the hook's live ranks) keep every part."""
     params = target_params(plan, tgt, tied)
     split = any(p.expert for p in params) or (bool(index.expert_groups) and tgt.experts_are_expert_parallel())
     parts: list[tuple[bool, list[tuple[torch.dtype, list[Param]]]]]
@@ -400,7 +391,8 @@ def plan_dist_optimizer(index: DistOptimizerIndex, plan: RankPlan, tgt: Parallel
         entries.append(entry)
     if len(entries) == 1:
         return entries[0], files[0]
-    return entries, files
+    holds = (plan.coords.get("dp", 0) == 0, plan.coords.get("edp", 0) == 0)
+    return entries, [f if held else None for f, held in zip(files, holds, strict=True)]
 
 
 def _chunks(params: list[Param]) -> list[list[Param]]:

@@ -15,7 +15,8 @@ list. So the target's parts are laid out for the target layout, not copied from 
 decay for biases and 1-D tensors, decoupled LR for the embedding and head) and then checked against every group's
 size and every state tensor's shape on disk: a checkpoint whose groups follow other rules is refused, never guessed.
 
-The distributed optimizer keeps its tensors in ``distrib_optim.pt`` (flat per-bucket buffers); that is not handled.
+The distributed optimizer keeps its tensors in ``distrib_optim.pt`` (flat per-bucket buffers): see :mod:`.distributed`
+(and :mod:`.convert` to turn one form into the other).
 """
 
 from __future__ import annotations

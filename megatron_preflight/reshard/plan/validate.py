@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.reshard.plan.types import FlatPlan, PlanError, RankPlan, TensorPlan
+from megatron_preflight.reshard.plan.types import FlatPlan, PlanError, RankPlan, TensorPlan, flat_parts
+from megatron_preflight.reshard.tree import iter_leaves
 
 
 def validate_plan(plan: RankPlan) -> None:
@@ -11,14 +12,9 @@ def validate_plan(plan: RankPlan) -> None:
     exactly by its copy ops — whole-tensor copies of the same shape, or slices along one dim with no gap and no
     overlap, each the same shape at both ends and inside its source — and the only rows left to zeros are vocab
     padding at or after the real vocab. Raises :class:`PlanError` naming the tensor."""
-    from megatron_preflight.reshard.tree import iter_leaves
-
     tensors = [(f"{tp.chunk}.{tp.key}", tp) for tp in plan.tensors]
     tensors += [(f"optimizer.{tp.key}", tp) for _, tp in iter_leaves(plan.optimizer) if isinstance(tp, TensorPlan)]
     if plan.dist_optimizer is not None:
-        from megatron_preflight.reshard.plan.types import flat_parts
-        from megatron_preflight.reshard.plan.validate import validate_flat
-
         for _, fp in flat_parts(plan.dist_optimizer):
             validate_flat(fp)
             tensors += [(f"{fp.key}.{tp.key}", tp) for _, tp in fp.parts]

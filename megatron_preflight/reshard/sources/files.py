@@ -1,65 +1,73 @@
-"""The source files of one checkpoint, opened on demand: the one place a piece reference is turned into a tensor."""
+"""The source of one checkpoint, read on demand: the one place a piece reference is turned into a tensor.
+
+Every source format reads the references it makes through a :class:`Reader` (legacy: :class:`LegacyReader` for a
+:class:`~megatron_preflight.torch_file.TensorRef`; torch_dist: :class:`DistReader` for a :class:`RegionRef`).
+:data:`READERS` maps each reference type to its reader; a new format adds its reference type, its reader and one row.
+"""
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from megatron_preflight.layout import naming
-from megatron_preflight.reshard.sources.torch_dist import DistReader, RegionRef, dist_reader
+from megatron_preflight.reshard.sources.legacy import LegacyReader
+from megatron_preflight.reshard.sources.torch_dist import RegionRef, dist_reader
 from megatron_preflight.reshard.tree import map_leaves
-from megatron_preflight.torch_file import TensorRef, TorchFile
+from megatron_preflight.torch_file import TensorRef
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
     import torch
 
 
+class Reader(Protocol):
+    """What a source format provides: tensors for its references, pages dropped, files closed."""
+
+    def tensor(self, shard: str, ref: Any) -> torch.Tensor: ...
+
+    def item(self, shard: str, ref: Any) -> Any: ...
+
+    def release(self, shard: str, ref: Any) -> None: ...
+
+    def release_pages(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# reference type -> how to open its format's reader (iter dir, trust); the most derived type first
+READERS: list[tuple[type, Callable[[str, bool], Reader]]] = [
+    (RegionRef, lambda iter_dir, trust: dist_reader(iter_dir, trust=trust)),
+    (TensorRef, lambda iter_dir, trust: LegacyReader(iter_dir, trust)),
+]
+
+
 class SourceFiles:
-    """Open source shard files on demand (one :class:`TorchFile` per shard), and count bytes read."""
+    """The readers of one source iteration dir, opened on first use; counts the bytes materialised here."""
 
     def __init__(self, iter_dir: str, trust: bool = False) -> None:
         self.iter_dir = iter_dir
         self.trust = trust
-        self._files: dict[str, TorchFile] = {}
-        self._dist: DistReader | None = None  # a torch_dist source's chunks (see dist_source)
-        self._last: tuple[RegionRef, torch.Tensor] | None = None
+        self._readers: dict[type, Reader] = {}
         self.bytes_read = 0
 
-    def _region(self, ref: RegionRef) -> torch.Tensor:
-        """A torch_dist piece, assembled once (row-chunked writers ask for it again and again)."""
-        if self._last is not None and self._last[0] is ref:
-            return self._last[1]
-        if self._dist is None:
-            self._dist = dist_reader(self.iter_dir, trust=self.trust)
-        t = self._dist.tensor(ref)
-        self._last = (ref, t)
-        return t
-
-    def file(self, shard: str, name: str = naming.MODEL_FILENAME) -> TorchFile:
-        """The open file ``name`` (model_optim_rng.pt, distrib_optim.pt) of shard dir ``shard``."""
-        key = shard if name == naming.MODEL_FILENAME else f"{shard}/{name}"
-        if key not in self._files:
-            self._files[key] = TorchFile(os.path.join(self.iter_dir, shard, name), trust=self.trust)
-        return self._files[key]
-
-    def file_of(self, shard: str, ref: TensorRef) -> TorchFile:
-        """The file of shard dir ``shard`` that ``ref`` was found in."""
-        return self.file(shard, os.path.basename(ref.file) or naming.MODEL_FILENAME)
+    def reader(self, ref: Any) -> Reader:
+        for kind, make in READERS:
+            if isinstance(ref, kind):
+                if kind not in self._readers:
+                    self._readers[kind] = make(self.iter_dir, self.trust)
+                return self._readers[kind]
+        raise TypeError(f"no source reader for {type(ref).__name__}")
 
     def tensor(self, shard: str, ref: TensorRef) -> torch.Tensor:
         """The tensor ``ref`` points at (a lazy mmap view; a torch_dist piece is assembled from its chunks)."""
-        if isinstance(ref, RegionRef):
-            return self._region(ref)
-        return self.file_of(shard, ref).tensor(ref)
+        return self.reader(ref).tensor(shard, ref)
+
+    def item(self, shard: str, ref: TensorRef) -> Any:
+        """A one-element tensor as a number."""
+        return self.reader(ref).item(shard, ref)
 
     def release(self, shard: str, ref: TensorRef) -> None:
-        """Drop the mapped pages of the file ``ref`` was read from."""
-        if isinstance(ref, RegionRef):
-            self._last = None
-            if self._dist is not None:
-                self._dist.release_pages()
-            return
-        self.file_of(shard, ref).release_pages()
+        """Drop the mapped pages ``ref`` was read from."""
+        self.reader(ref).release(shard, ref)
 
     def materialize(self, shard: str, value: Any) -> Any:
         """A copy of ``value`` with every TensorRef inside replaced by its tensor (for carried non-model state)."""
@@ -74,17 +82,10 @@ class SourceFiles:
         return map_leaves(value, leaf)
 
     def release_pages(self) -> None:
-        for f in self._files.values():
-            f.release_pages()
-        self._last = None
-        if self._dist is not None:
-            self._dist.release_pages()
+        for r in self._readers.values():
+            r.release_pages()
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-        self._last = None
-        if self._dist is not None:
-            self._dist.close()
-            self._dist = None
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()

@@ -96,6 +96,7 @@ class DistReader:
         self.chunks = chunks
         self.trust = trust
         self._files: dict[tuple[str, int], tuple[TorchFile, TensorRef]] = {}
+        self._last: tuple[RegionRef, torch.Tensor] | None = None
         self.bytes_read = 0
 
     def _chunk(self, chunk: Chunk) -> torch.Tensor:
@@ -114,7 +115,7 @@ class DistReader:
 
     def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The box of global tensor ``fqn`` at ``offsets`` / ``sizes``, assembled from the chunks that cover it."""
-        import torch
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
         out = torch.empty(sizes, dtype=dtype)
         covered = 0
@@ -148,7 +149,22 @@ class DistReader:
                                                                              strict=True))]
         return None
 
-    def tensor(self, ref: RegionRef) -> torch.Tensor:
+    def tensor(self, shard: str, ref: RegionRef) -> torch.Tensor:
+        """The piece ``ref`` (its shard is in the slabs), assembled once: row-chunked writers ask again and again."""
+        if self._last is not None and self._last[0] is ref:
+            return self._last[1]
+        t = self._assemble(ref)
+        self._last = (ref, t)
+        return t
+
+    def item(self, shard: str, ref: RegionRef) -> Any:
+        return self.tensor(shard, ref).item()
+
+    def release(self, shard: str, ref: RegionRef) -> None:
+        self._last = None
+        self.release_pages()
+
+    def _assemble(self, ref: RegionRef) -> torch.Tensor:
         import torch  # reading tensors (the layout itself is metadata: this module loads without torch)
 
         if len(ref.slabs) == 1 and ref.shape and math.prod(ref.slabs[0].sizes) == math.prod(ref.shape):
@@ -172,10 +188,12 @@ class DistReader:
         return out
 
     def release_pages(self) -> None:
+        self._last = None
         for f, _ in self._files.values():
             f.release_pages()
 
     def close(self) -> None:
+        self._last = None
         for f, _ in self._files.values():
             f.close()
         self._files.clear()

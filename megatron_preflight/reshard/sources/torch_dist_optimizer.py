@@ -32,6 +32,7 @@ from megatron_preflight.reshard.plan.index import iter_source_keys
 from megatron_preflight.reshard.plan.topology import is_tied
 from megatron_preflight.reshard.plan.types import GlobalEntry, SourcePiece
 from megatron_preflight.reshard.sources.torch_dist import RegionRef, Slab
+from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
 
 if TYPE_CHECKING:
@@ -94,8 +95,6 @@ def read_common(iter_dir: str, md: Any, trust: bool = False) -> Any:
     """The common state (common.pt, or the ``common_state`` item of a .distcp file) with its few tensors read (the
     step, a loss scale): small, read whole. Without torch loaded (the check), one-element tensors are read as numbers
     and bigger ones stay references."""
-    from megatron_preflight.reshard.tree import map_leaves
-
     path, window = os.path.join(iter_dir, COMMON_PT), None
     if not os.path.isfile(path):
         for index, info in md.storage_data.items():
@@ -288,29 +287,3 @@ def attach_dp_reshardable(source: Layout, virtual: Layout, *, trust: bool = Fals
         holds_dense = c["ep"] == 0  # the dense part's DP rank 0 sits in the ep-0 dir (as a legacy save)
         shard.meta["optimizer"] = [entry, e_entry]
         shard.dist_meta = [state if holds_dense else None, e_state if c["tp"] == c["etp"] else None]
-
-
-def dist_source_problem(layout: Layout, *, trust: bool = False) -> str | None:
-    """Why the resharder could not serve this torch_dist checkpoint with its optimizer state (None: it can). Metadata
-    only: the model's keys and the optimizer's form are indexed as the resharder would, without tensor bytes."""
-    from megatron_preflight.errors import PreflightError
-    from megatron_preflight.reshard.optimizer.convert import distributed_to_plain
-    from megatron_preflight.reshard.optimizer.distributed import index_dist_optimizer
-    from megatron_preflight.reshard.plan.index import index_sources
-    from megatron_preflight.reshard.plan.topology import source_topology
-    from megatron_preflight.reshard.sources.torch_dist import virtual_layout
-
-    try:
-        virtual, has_optimizer = virtual_layout(layout, trust=trust)
-        src = source_topology(virtual)
-        index_sources(virtual, src)
-        if not has_optimizer:
-            return None
-        if layout.dist_optimizer_sharding == "dp_reshardable":
-            attach_dp_reshardable(layout, virtual, trust=trust)
-            index_dist_optimizer(virtual, src, trust=trust)
-        else:
-            distributed_to_plain(index_dist_source_optimizer(layout, virtual, src, trust=trust), virtual, src)
-    except PreflightError as e:
-        return e.message
-    return None

@@ -24,14 +24,14 @@ class Share:
     owns_group: bool = False
 
     def broadcast(self, obj: Any) -> Any:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch only in a distributed run
 
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def gather(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch only in a distributed run
 
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj)
@@ -39,7 +39,7 @@ class Share:
 
     def close(self) -> None:
         if self.owns_group:
-            import torch.distributed as dist
+            import torch.distributed as dist  # deferred: torch only in a distributed run
 
             dist.destroy_process_group()
 
@@ -49,7 +49,7 @@ def from_env() -> Share | None:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1 or "MASTER_ADDR" not in os.environ:
         return None
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch only in a distributed run
 
     owns = False
     if not dist.is_initialized():

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import pickle
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from megatron_preflight.reshard.plan.planner import plan_tensor
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.sources.torch_dist import dist_suffix, is_local_spec, object_fqn
+from megatron_preflight.reshard.sources.torch_dist import dist_reader, dist_suffix, is_local_spec, object_fqn
 from megatron_preflight.reshard.target import TargetLayout
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class _Writer:
         self.fh.close()
 
     def metadata(self) -> Any:
+        # deferred: torch's DCP only when writing torch_dist
         from torch.distributed.checkpoint import metadata as md
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -232,10 +234,6 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
 def verify_written(iter_out: str, out: _Writer, files: SourceFiles) -> int:
     """Re-read every written chunk through the torch_dist reader and compare it with its source slices, read again
     (crc32 of the bytes). Returns the number of chunks checked; raises on any difference."""
-    import zlib
-
-    from megatron_preflight.reshard.sources.torch_dist import dist_reader
-
     reader = dist_reader(iter_out)
     try:
         for fqn, offsets, sizes, plan, as_float in out.planned:

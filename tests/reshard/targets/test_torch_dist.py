@@ -15,9 +15,9 @@ import torch
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.sources.torch_dist import dist_reader, virtual_layout
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
 
@@ -58,8 +58,8 @@ def test_round_trip_through_torch_dist_is_bit_exact(tmp_path, name):
                     assert list(got) == list(want), (shard.name, ck)
                     for key, value in want.items():
                         if isinstance(value, TensorRef):
-                            expected = f.tensor(value) if src_reader is None else src_reader.tensor(value)
-                            assert torch.equal(reader.tensor(got[key]), expected), (shard.name, key)
+                            expected = f.tensor(value) if src_reader is None else src_reader.tensor("", value)
+                            assert torch.equal(reader.tensor("", got[key]), expected), (shard.name, key)
                         else:
                             assert got[key] == value, (shard.name, key)
     finally:
@@ -84,7 +84,7 @@ def test_round_trip_with_the_optimizer_state_is_bit_exact(tmp_path, name):
     reshard at that layout."""
     import dataclasses
 
-    from tests.reshard.test_dist_source import saved_state
+    from tests.reshard.sources.test_torch_dist import saved_state
 
     same = TargetLayout.from_args(discover(fixture_path(name)).saved_args)
     td, back, ref = str(tmp_path / "td"), str(tmp_path / "back"), str(tmp_path / "ref")
@@ -159,6 +159,6 @@ def test_the_vocab_is_padded_for_the_target_tp(tmp_path):
             with TorchFile(os.path.join(shard.path, "model_optim_rng.pt")) as f:
                 for key, value in shard.meta["model"].items():
                     if isinstance(value, TensorRef):
-                        assert torch.equal(reader.tensor(mine.meta["model"][key]), f.tensor(value)), key
+                        assert torch.equal(reader.tensor("", mine.meta["model"][key]), f.tensor(value)), key
     finally:
         reader.close()

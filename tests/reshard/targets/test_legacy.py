@@ -8,8 +8,8 @@ import torch
 from megatron_preflight.cli.main import main
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from tests.conftest import fixture_path
 from tests.layout.test_problems import _snapshot
 from tests.reshard.test_roundtrip_real import model_tensors, optimizer_entries

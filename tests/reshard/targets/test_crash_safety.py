@@ -9,9 +9,9 @@ import sys
 import torch
 
 from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets import durable
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
 from tests.layout.test_problems import _snapshot
@@ -20,7 +20,7 @@ from tests.layout.test_problems import _snapshot
 # directory fsync, the tracker, the rename); prints the number of steps when N is never reached.
 CHILD = r"""
 import os, signal, sys
-from megatron_preflight.reshard.targets import durable, legacy as writer, zip_writer
+from megatron_preflight.reshard.targets import durable, offline as writer, zip_writer
 from megatron_preflight.reshard import TargetLayout
 kill_at, count = int(sys.argv[3]), [0]
 def step(fn):

@@ -6,8 +6,8 @@ import subprocess
 import sys
 import zipfile
 
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.reshard.targets.share import deal
 from megatron_preflight.torch_file import TorchFile
 from tests.conftest import fixture_path

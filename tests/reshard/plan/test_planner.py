@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.execute.replicas import ReplicaMismatch
 from megatron_preflight.reshard.plan import planner
 from megatron_preflight.reshard.plan.types import CopyOp, PlanError, TensorPlan
 from megatron_preflight.reshard.plan.validate import validate_tensor_plan
 from megatron_preflight.reshard.resharder import open_resharder
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.torch_file import StorageRef, TensorRef
 from tests.conftest import fixture_path
 

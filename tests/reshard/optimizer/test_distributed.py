@@ -9,13 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_preflight.layout.discover import discover
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.optimizer import distributed as dist_optimizer
 from megatron_preflight.reshard.optimizer.distributed import Slot, check_masters, world_offsets
 from megatron_preflight.reshard.optimizer.plain import OptimizerNotReshardable
 from megatron_preflight.reshard.resharder import open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
 
@@ -74,6 +74,29 @@ def _world(path):
         return out
 
 
+def _parts(path):
+    """Which optimizer parts a distrib_optim.pt holds: a dict (one part), or per part held / None."""
+    with TorchFile(path) as f:
+        meta = f.load_metadata()
+    return "one" if isinstance(meta, dict) else [part is not None for part in meta]
+
+
+def test_moe_parts_are_written_by_each_parts_dp_rank_0_only(tmp_path):
+    """EP2·DP2 -> EP4: the dense part only in the dense DP rank 0's file (mp_rank_00_000), the expert part in every
+    expert rank's file, as Megatron's ChainedOptimizer saves them (not four copies of the dense state)."""
+    out = tmp_path / "ep4"
+    write_resharded(fixture_path("distopt_moe_ep2dp2_torch"), str(out), TargetLayout(ep=4), verify=True)
+    it = out / "iter_0000002"
+    assert {d: _parts(str(it / d / "distrib_optim.pt")) for d in sorted(os.listdir(it))} == {
+        "mp_rank_00_000": [True, True], "mp_rank_00_001": [False, True], "mp_rank_00_002": [False, True],
+        "mp_rank_00_003": [False, True]}
+    back = tmp_path / "back"
+    write_resharded(str(out), str(back), TargetLayout(ep=2), verify=True)  # read back: the None parts are skipped
+    for d in ("mp_rank_00_000", "mp_rank_00_001"):
+        assert [w[:3] for w in _world(str(back / "iter_0000002" / d / "distrib_optim.pt"))] == \
+            [w[:3] for w in _world(os.path.join(fixture_path("distopt_moe_ep2dp2_torch"), "iter_0000002", d, "distrib_optim.pt"))]
+
+
 def _groups(path):
     with TorchFile(path) as f:
         return f.load_metadata()["optimizer"]
@@ -87,7 +110,8 @@ def test_same_layout_rewrites_distrib_optim_byte_for_byte(tmp_path, name):
     for s in src.shards:
         a, b = os.path.join(s.path, "distrib_optim.pt"), str(out / "iter_0000002" / s.name / "distrib_optim.pt")
         wa, wb = _world(a), _world(b)
-        assert len(wb) >= len(wa)  # every part filled in every dir (Megatron writes None where another rank wrote)
+        assert _parts(b) == _parts(a)  # each part where Megatron writes it: None in the files of other DP ranks
+        assert [w[:3] for w in wb] == [w[:3] for w in wa]
         for gbuf, key, numel, tensors in wa:
             match = [w for w in wb if w[0] == gbuf and w[1] == key and w[2] == numel]
             assert match and all(torch.equal(tensors[n], match[0][3][n]) for n in tensors)

@@ -10,17 +10,17 @@ import time
 import pytest
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets import destination
-from megatron_preflight.reshard.targets.legacy import write_resharded
 from tests.conftest import fixture_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # The real writer with 2 worker processes; each worker sleeps before writing its shard (tests.helpers.slow_shard).
 CHILD = r"""
 import sys
-from megatron_preflight.reshard.targets import legacy as writer
+from megatron_preflight.reshard.targets import offline as writer
 from megatron_preflight.reshard import TargetLayout
 from tests.helpers import slow_shard
 writer._write_shard = slow_shard.write_shard
@@ -137,7 +137,7 @@ def test_destination_reached_through_a_symlink_into_the_source_is_refused(tmp_pa
 # the main process, as a scheduler does) while the workers are busy.
 CLI_CHILD = r"""
 import sys
-from megatron_preflight.reshard.targets import legacy as writer
+from megatron_preflight.reshard.targets import offline as writer
 from megatron_preflight.cli.main import main
 from tests.helpers import slow_shard
 writer._write_shard = slow_shard.write_shard

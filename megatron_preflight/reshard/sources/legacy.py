@@ -1,0 +1,52 @@
+"""The legacy source: each shard dir's ``model_optim_rng.pt`` / ``distrib_optim.pt``, opened once, tensors mapped
+lazily (a :class:`~megatron_preflight.torch_file.TensorRef` names its file and bytes)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from megatron_preflight.layout import naming
+from megatron_preflight.torch_file import TensorRef, TorchFile
+
+if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
+    import torch
+
+
+class LegacyReader:
+    """Reads :class:`TensorRef` pieces of one legacy iteration dir (a :class:`~.files.Reader`)."""
+
+    def __init__(self, iter_dir: str, trust: bool = False) -> None:
+        self.iter_dir = iter_dir
+        self.trust = trust
+        self._files: dict[str, TorchFile] = {}
+
+    def file(self, shard: str, name: str = naming.MODEL_FILENAME) -> TorchFile:
+        """The open file ``name`` (model_optim_rng.pt, distrib_optim.pt) of shard dir ``shard``."""
+        key = shard if name == naming.MODEL_FILENAME else f"{shard}/{name}"
+        if key not in self._files:
+            self._files[key] = TorchFile(os.path.join(self.iter_dir, shard, name), trust=self.trust)
+        return self._files[key]
+
+    def file_of(self, shard: str, ref: TensorRef) -> TorchFile:
+        """The file of shard dir ``shard`` that ``ref`` was found in."""
+        return self.file(shard, os.path.basename(ref.file) or naming.MODEL_FILENAME)
+
+    def tensor(self, shard: str, ref: TensorRef) -> torch.Tensor:
+        return self.file_of(shard, ref).tensor(ref)
+
+    def item(self, shard: str, ref: TensorRef) -> Any:
+        """A one-element tensor as a number, from its bytes (no torch)."""
+        return self.file_of(shard, ref).item(ref)
+
+    def release(self, shard: str, ref: TensorRef) -> None:
+        self.file_of(shard, ref).release_pages()
+
+    def release_pages(self) -> None:
+        for f in self._files.values():
+            f.release_pages()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()

@@ -1,0 +1,106 @@
+"""The package's shape: imports run one way, entry points -> check -> reshard -> layout -> base, with no cycle
+(every import counts, those inside functions too), and a function-level import only defers torch, numpy, torch's
+DCP or Megatron-LM, each with its reason on the line."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_preflight")
+LAYERS = ["base", "layout", "reshard", "check", "entry"]  # an import may only go to its own layer or a lower one
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in ("run", "__main__", "cli", "hook"):
+        return "entry"
+    return parts[1] if parts[1] in ("layout", "reshard", "check") else "base"
+
+
+def modules() -> dict[str, str]:
+    out = {}
+    for dirpath, _dirs, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports(mods: dict[str, str]) -> dict[str, list[tuple[str, ast.AST, bool]]]:
+    """module -> (imported module of this package, the node, whether it sits at module level)."""
+    out: dict[str, list[tuple[str, ast.AST, bool]]] = {}
+    for name, path in mods.items():
+        tree = ast.parse(open(path).read(), path)
+        top = {id(n) for n in tree.body}
+        edges = []
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for t in targets:
+                if t in mods and t != name and not name.startswith(t + "."):
+                    edges.append((t, node, id(node) in top))
+        out[name] = edges
+    return out
+
+
+MODS = modules()
+EDGES = imports(MODS)
+
+
+def test_imports_run_down_the_layers():
+    upward = [f"{m} ({layer(m)}) imports {t} ({layer(t)})" for m, edges in EDGES.items() for t, _, _ in edges
+              if LAYERS.index(layer(t)) > LAYERS.index(layer(m))]
+    assert upward == []
+
+
+def test_no_import_cycles():
+    graph = {m: {t for t, _, _ in edges} for m, edges in EDGES.items()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(m: str, path: list[str]) -> bool:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycle.extend(path[path.index(t):] + [m, t] if t in path else [m, t])
+                return True
+            if state.get(t) is None and visit(t, path + [m]):
+                return True
+        state[m] = 2
+        return False
+
+    for m in sorted(graph):
+        if state.get(m) is None and visit(m, []):
+            break
+    assert cycle == []
+
+
+DEFERRABLE = ("torch", "numpy", "megatron.", "megatron_preflight.reshard.targets.stream_save",
+              "megatron_preflight.reshard import")
+
+
+@pytest.mark.parametrize("module", sorted(MODS))
+def test_a_function_level_import_only_defers_a_heavy_dependency(module):
+    src = open(MODS[module]).read().splitlines()
+    tree = ast.parse("\n".join(src))
+    top = {id(n) for n in tree.body}
+    guarded = {id(m) for n in tree.body if isinstance(n, ast.If) for m in ast.walk(n)}  # if TYPE_CHECKING:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top | guarded:
+            line = src[node.lineno - 1]
+            text = line.strip()
+            above = node.lineno - 2
+            while above > 0 and src[above].strip().startswith(("import ", "from ")):  # a block under one comment
+                above -= 1
+            reason = "#" in line or src[above].strip().startswith("#")
+            heavy = any(text.removeprefix("from ").removeprefix("import ").startswith(d.removeprefix("import "))
+                        or d in text for d in DEFERRABLE)
+            assert heavy and reason, f"{module}:{node.lineno}: {text}"
