@@ -13,7 +13,6 @@ import io
 import mmap
 import os
 import struct
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from typing import Any
@@ -400,16 +399,3 @@ def read_torch_file(path: str | os.PathLike, *, trust: bool = False) -> Any:
     """Metadata of a torch file (tensors as :class:`TensorRef`)."""
     with TorchFile(path, trust=trust) as f:
         return f.load_metadata()
-
-
-def read_torch_bytes(data: bytes, *, source: str, trust: bool = False) -> Any:
-    """Metadata of an in-memory ``torch.save`` blob (e.g. the ``common_state`` item of a torch_dist checkpoint)."""
-    # zipfile needs a seekable file; blobs here are small (tens of KB).
-    with tempfile.NamedTemporaryFile(suffix=".pt") as tmp:
-        tmp.write(data)
-        tmp.flush()
-        try:
-            return read_torch_file(tmp.name, trust=trust)
-        except PreflightError as exc:
-            exc.path = source
-            raise

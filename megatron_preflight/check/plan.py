@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, from_namespace
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.reshard import CheckpointIndex, TargetLayout, open_index, open_resharder, predict_in_memory
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class Plan:
     verdict: Verdict
     loader: Loader | None
     findings: list[Finding]
-    index: CheckpointIndex  # the checkpoint as read and indexed: the loader and the cost line reuse it
+    index: reshard.CheckpointIndex  # the checkpoint as read and indexed: the loader and the cost line reuse it
     runtime: RuntimeArgs
     load_optimizer: bool = True
     load_rng: bool = True
@@ -115,7 +115,7 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
     return out, changed
 
 
-def _state_findings(index: CheckpointIndex, rt: RuntimeArgs, changed: bool) -> tuple[list[Finding], bool, bool]:
+def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bool) -> tuple[list[Finding], bool, bool]:
     """Optimizer and RNG state: what can be carried across, and what must be dropped (never silently)."""
     layout = index.layout
     out: list[Finding] = []
@@ -211,7 +211,7 @@ def _state_findings(index: CheckpointIndex, rt: RuntimeArgs, changed: bool) -> t
     return out, load_optim, load_rng
 
 
-def _convertible(index: CheckpointIndex) -> bool:
+def _convertible(index: reshard.CheckpointIndex) -> bool:
     status = index.optimizer_status
     return status is not None and status.reshardable
 
@@ -266,10 +266,10 @@ def _problem_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     return out
 
 
-def plan_from_layout(checkpoint: Layout | CheckpointIndex, rt: RuntimeArgs, t0: float | None = None) -> Plan:
+def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeArgs, t0: float | None = None) -> Plan:
     """The plan for loading a discovered checkpoint (its index is built here, or reused) with the run's args."""
     t0 = time.perf_counter() if t0 is None else t0
-    index = open_index(checkpoint)
+    index = reshard.open_index(checkpoint)
     layout = index.layout
     findings: list[Finding] = []
     findings += _problem_findings(layout, rt)
@@ -314,9 +314,9 @@ def _predict_cost(plan: Plan) -> None:
         plan.notes.append("reshard cost not predicted: the shards were sampled (--all-shards predicts it)")
         return
     try:
-        r = open_resharder(plan.index, TargetLayout.from_args(plan.runtime, given=plan.runtime.given),
+        r = reshard.open_resharder(plan.index, reshard.TargetLayout.from_args(plan.runtime, given=plan.runtime.given),
                            keep_optimizer=plan.load_optimizer)
-        plan.cost = predict_in_memory(r)
+        plan.cost = reshard.predict_in_memory(r)
     except PreflightError as exc:
         plan.notes.append(f"reshard cost not predicted: {exc.message}")
     except Exception as exc:  # noqa: BLE001 - the prediction is advice: it never changes or blocks a verdict
@@ -336,11 +336,11 @@ def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
         rt = from_namespace(args)
     if iteration is None and rt.ckpt_step is not None:
         iteration = rt.ckpt_step
-    index = open_index(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint, shards=shards)
+    index = reshard.open_index(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint, shards=shards)
     return plan_from_layout(index, rt, t0)
 
 
-def _megatron_refuses(index: CheckpointIndex, ckpt: Any, run: Any, why: str, *, readable: bool, other: str) -> Finding:
+def _megatron_refuses(index: reshard.CheckpointIndex, ckpt: Any, run: Any, why: str, *, readable: bool, other: str) -> Finding:
     """A torch_dist optimizer state Megatron's own loader refuses at the run's layout: when the resharder reads its
     form, ``--preflight auto`` loads it in memory instead (a reshard finding, and the reshard loader); else fatal."""
     problem = None

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.verdict import Verdict
 from megatron_preflight.layout.model import Layout
-from megatron_preflight.reshard import CheckpointIndex, open_index
 
 if TYPE_CHECKING:
     from megatron_preflight.check.plan import Plan
@@ -32,10 +32,10 @@ def _size(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def render_layout(checkpoint: CheckpointIndex | Layout, *, max_shards: int = 16, problems: bool = True) -> str:
+def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: int = 16, problems: bool = True) -> str:
     """The layout report of a checkpoint (its index, or a discovered layout); ``problems=False`` leaves the problems
     out (a plan lists them as its findings)."""
-    index = open_index(checkpoint)
+    index = reshard.open_index(checkpoint)
     layout = index.layout
     lines: list[str] = []
     lines.append(f"checkpoint  {layout.path}")
@@ -93,7 +93,7 @@ def render_layout(checkpoint: CheckpointIndex | Layout, *, max_shards: int = 16,
     return "\n".join(lines)
 
 
-def _optimizer_line(index: CheckpointIndex) -> str | None:
+def _optimizer_line(index: reshard.CheckpointIndex) -> str | None:
     """What the optimizer state of a legacy checkpoint is, and whether it can follow a layout change."""
     if index.layout.problems:
         return None

@@ -19,12 +19,14 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from megatron_preflight.check.verdict import Loader
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import legacy_load, runtime
+from megatron_preflight.hook import state as state_mod
 from megatron_preflight.hook.flags import add_preflight_arguments
 
 log = logging.getLogger("megatron_preflight")
@@ -145,6 +147,7 @@ def install() -> None:
             ckpt_mod._load_base_checkpoint = reshard_base
             # A distributed optimizer reads distrib_optim.pt by path after the model: serve it from memory too.
             restore = legacy_load.serve_parameter_state(optimizer, get_args(), ddp_model)
+            started = time.perf_counter()
             try:
                 result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
             except PreflightError as exc:  # our own, clear errors: one message and exit 1, never a traceback
@@ -153,7 +156,11 @@ def install() -> None:
             finally:
                 ckpt_mod._load_base_checkpoint = base_loader
                 restore()
-            runtime._say(f"loaded through the in-memory resharder (iteration {result[0] if result else '?'})")
+            spent = state_mod.STATE.seconds
+            runtime._say(f"loaded through the in-memory resharder (iteration {result[0] if result else '?'}; "
+                         f"load_checkpoint {time.perf_counter() - started:.2f} s on rank 0, of which the shared "
+                         f"index {spent.get('index', 0.0):.2f} s, reading and building its state "
+                         f"{spent.get('build', 0.0):.2f} s)")
             return result
 
         return _mark(load_checkpoint)

@@ -7,36 +7,24 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
+from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus, shared_read
 from megatron_preflight.hook.state import STATE
 from megatron_preflight.layout import naming, transport
-from megatron_preflight.reshard import (
-    GROUP_KEY,
-    CheckpointIndex,
-    OptimizerNotReshardable,
-    Resharder,
-    SourceFiles,
-    TargetLayout,
-    align_groups,
-    build_tree,
-    open_index,
-    open_resharder,
-    read_dist_meta,
-    relocate,
-)
 
 log = logging.getLogger("megatron_preflight")
 
-def target_from_args(args: Any) -> TargetLayout:
+def target_from_args(args: Any) -> reshard.TargetLayout:
     """The layout of the running job: the one rank 0 decided on (broadcast with the decision), else built from
     Megatron's validated ``args`` through the one layout builder."""
     decision = STATE.decision
     if decision is not None and decision.target is not None:
         return decision.target
-    return TargetLayout.from_args(args)
+    return reshard.TargetLayout.from_args(args)
 
 
 def keep_optimizer(args: Any) -> bool:
@@ -48,43 +36,43 @@ def keep_optimizer(args: Any) -> bool:
     return not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
 
 
-def resharder_for(load_dir: str, args: Any) -> Resharder:
+def resharder_for(load_dir: str, args: Any) -> reshard.Resharder:
     iteration = getattr(args, "ckpt_step", None)
     keep = keep_optimizer(args)
     target = target_from_args(args)
     key = (os.path.abspath(load_dir), iteration, keep, tuple(sorted(vars(target).items())))
     if key not in STATE.resharders:
         trust = bool(getattr(args, "preflight_trust_checkpoint", False))
-        STATE.resharders[key] = open_resharder(shared_index(load_dir, iteration, trust, keep), target,
+        STATE.resharders[key] = reshard.open_resharder(shared_index(load_dir, iteration, trust, keep), target,
                                                keep_optimizer=keep)
     return STATE.resharders[key]
 
 
-def shared_index(load_dir: str, iteration: Any, trust: bool, with_dist: bool) -> CheckpointIndex:
+def shared_index(load_dir: str, iteration: Any, trust: bool, with_dist: bool) -> reshard.CheckpointIndex:
     """This process's index of the checkpoint (every shard's metadata), assembled by rank 0 and sent to every rank.
     Rank 0 keeps the index its check built (reading the shards it had not parsed when that verdict was sampled: it
     reads them alone, or, for thousands of shard files, every rank parses its share and rank 0 gathers them, see
     :mod:`shared_read`); the others index the layout rank 0 sends. Called by every rank at the same point
     (collective); built once per process."""
     where = os.path.abspath(load_dir)
-    mine = STATE.indexes.get(where)
-    if mine is not None and not mine.layout.sampled and getattr(mine, "shared", False):
-        return mine
+    if where in STATE.shared:
+        return STATE.indexes[where]
+    started = time.perf_counter()
     gathered = shared_read.gather(load_dir, iteration, trust, with_dist)
-    box: list[CheckpointIndex] = []
+    box: list[reshard.CheckpointIndex] = []
 
     def read() -> tuple[str, Any]:
         index = STATE.indexes.get(where)  # what the check on this rank just read
         if index is None or index.layout.sampled:
-            index = open_index(load_dir, iteration=iteration, trust_checkpoint=trust, reader=gathered)
+            index = reshard.open_index(load_dir, iteration=iteration, trust_checkpoint=trust, reader=gathered)
         layout = index.layout
         if layout.distributed_optimizer and with_dist:
             if gathered is not None:
                 gathered.attach_dist(layout.shards)
             for shard in layout.shards:  # the distributed optimizer's metadata too: read here, once
                 try:
-                    read_dist_meta(shard, trust)
-                except OptimizerNotReshardable:
+                    reshard.read_dist_meta(shard, trust)
+                except reshard.OptimizerNotReshardable:
                     pass  # reported by the resharder, with its fix
         box.append(index)
         return "ok", transport.dumps(layout)
@@ -98,13 +86,14 @@ def shared_index(load_dir: str, iteration: Any, trust: bool, with_dist: bool) ->
     if kind == "error":
         message, path, fix, code = payload
         raise PreflightError(message, path=path, fix=fix, code=code)
-    index = box[0] if box else CheckpointIndex(transport.loads(payload), trust=trust)
-    index.shared = True
+    index = box[0] if box else reshard.CheckpointIndex(transport.loads(payload), trust=trust)
     STATE.indexes[where] = index
+    STATE.shared.add(where)
+    STATE.seconds["index"] = STATE.seconds.get("index", 0.0) + time.perf_counter() - started
     return index
 
 
-def runtime_coordinates(world_rank: int, world: int, resharder: Resharder) -> dict[str, int]:
+def runtime_coordinates(world_rank: int, world: int, resharder: reshard.Resharder) -> dict[str, int]:
     """This rank's (tp, pp, ep, etp) ranks: from Megatron's parallel state when it is up, else Megatron's rank
     layout computed from the sizes."""
     try:
@@ -127,7 +116,7 @@ def live_groups(optimizer: Any) -> list[list[tuple[tuple, int]]] | None:
         groups = getattr(getattr(part, "optimizer", None), "param_groups", None)
         if groups is None:
             return None
-        out.append([(tuple(g.get(k) for k in GROUP_KEY), len(g["params"])) for g in groups])
+        out.append([(tuple(g.get(k) for k in reshard.GROUP_KEY), len(g["params"])) for g in groups])
     return out
 
 
@@ -142,13 +131,15 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
     if rank0:
         # The format pre-read / args read: Megatron needs args, iteration and the version, not the weights.
         return r.header(), name, release
+    started = time.perf_counter()
     coords = runtime_coordinates(consensus.rank(), consensus.world_size(), r)
     plan = r.plan_for_coords(coords, naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"],
                                                            pp_size=r.tgt.pp, ep_size=r.tgt.ep))
     state = r.build(plan)
+    STATE.seconds["build"] = STATE.seconds.get("build", 0.0) + time.perf_counter() - started
     groups = None if r.target_distributed else live_groups(optimizer)  # the distributed one maps groups by key
     if "optimizer" in state and groups is not None:
-        state["optimizer"] = align_groups(state["optimizer"], groups)
+        state["optimizer"] = reshard.align_groups(state["optimizer"], groups)
     log.info("built rank state dict from %s (%d tensors, %.1f MiB)", ", ".join(plan.sources), len(plan.tensors),
              plan.nbytes / 2**20)
     return state, name, release
@@ -193,7 +184,7 @@ def serve_parameter_state(optimizer: Any, args: Any, model: Any = None) -> Any:
     return restore
 
 
-def this_rank_parameter_state(r: Resharder, parts: list[Any] | None = None, model: Any = None) -> Any:
+def this_rank_parameter_state(r: reshard.Resharder, parts: list[Any] | None = None, model: Any = None) -> Any:
     """This rank's distrib_optim.pt content at the run's layout, built in memory (world tensors of its dir). With the
     running optimizer's ``parts`` and ``model`` chunks, each parameter is placed where the running optimizer keeps it
     (its own buffer layout: nothing modelled on the target side)."""
@@ -210,14 +201,14 @@ def this_rank_parameter_state(r: Resharder, parts: list[Any] | None = None, mode
                     continue
                 (_, world), = state[gbuf].items()
                 for key in ("param", "exp_avg", "exp_avg_sq"):
-                    moved = relocate(world[key], offsets)
+                    moved = reshard.relocate(world[key], offsets)
                 if moved:
                     log.warning("gradient buffer %d: %d parameters placed where the running optimizer keeps them, "
                                 "not where the checkpoint's rules put them", gbuf, moved)
-    files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
+    files = reshard.SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
         r.check_masters(files, shards=set(plan.sources))  # the masters of the dirs this rank reads
-        return build_tree(plan.dist_optimizer, files)
+        return reshard.build_tree(plan.dist_optimizer, files)
     finally:
         files.close()
 

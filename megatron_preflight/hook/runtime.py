@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.plan import make_plan
 from megatron_preflight.check.report import render_plan
 from megatron_preflight.check.runtime_args import from_namespace
@@ -22,7 +23,6 @@ from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError, environment_error
 from megatron_preflight.hook import consensus
 from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
-from megatron_preflight.reshard import TargetLayout
 
 log = logging.getLogger("megatron_preflight")
 
@@ -79,7 +79,7 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
                    "`megatron-preflight reshard`.")
     if verdict == Verdict.FAIL and plan.layout.format is None and not allow_missing:
         report += ("\nIf starting from scratch is intended, add --preflight-allow-missing-checkpoint.")
-    target = TargetLayout.from_args(args) if plan.loader == Loader.RESHARD else None
+    target = reshard.TargetLayout.from_args(args) if plan.loader == Loader.RESHARD else None
     return Decision(mode, verdict, plan.loader, plan.load_optimizer, plan.load_rng, load_dir, target, report,
                     plan.to_json())
 
@@ -153,7 +153,8 @@ def apply_decision(args: Any, d: Decision) -> None:
     if d.verdict == Verdict.SKIP:
         _say(d.report)
         return
-    _say(f"checkpoint {d.checkpoint}: verdict {d.verdict.value}, loader {d.loader.value if d.loader else '-'}")
+    took = f" (check {d.plan['seconds']:.2f} s on rank 0)" if d.plan.get("seconds") is not None else ""
+    _say(f"checkpoint {d.checkpoint}: verdict {d.verdict.value}, loader {d.loader.value if d.loader else '-'}{took}")
     if d.mode == "auto" and d.loader == Loader.DIST and not getattr(args, "auto_detect_ckpt_format", False) and \
             getattr(args, "ckpt_format", "torch_dist") == "torch":
         args.auto_detect_ckpt_format = True

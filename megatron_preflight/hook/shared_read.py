@@ -16,6 +16,7 @@ import pickle
 import zlib
 from typing import Any
 
+from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus
 from megatron_preflight.hook.state import STATE
@@ -23,13 +24,12 @@ from megatron_preflight.layout import naming
 from megatron_preflight.layout.discover import discover, read_shard, read_shards
 from megatron_preflight.layout.model import Format, Shard
 from megatron_preflight.layout.transport import NOT_SENT, ArgsDelta, _Pickler, apply_delta, delta
-from megatron_preflight.reshard import OptimizerNotReshardable, read_dist_meta
 
 COOPERATIVE_ABOVE = int(os.environ.get("MEGATRON_PREFLIGHT_COOPERATIVE_ABOVE", "32") or 32)
 
 
 def _error(exc: BaseException) -> tuple[str, str, str | None, str | None, str]:
-    kind = "optimizer" if isinstance(exc, OptimizerNotReshardable) else "error"
+    kind = "optimizer" if isinstance(exc, reshard.OptimizerNotReshardable) else "error"
     if isinstance(exc, PreflightError):
         return kind, exc.message, exc.path, exc.fix, exc.code
     return kind, f"{type(exc).__name__}: {exc}", None, None, "corrupt_file"
@@ -37,7 +37,7 @@ def _error(exc: BaseException) -> tuple[str, str, str | None, str | None, str]:
 
 def rebuild_error(e: tuple) -> PreflightError:
     kind, message, path, fix, code = e
-    cls = OptimizerNotReshardable if kind == "optimizer" else PreflightError
+    cls = reshard.OptimizerNotReshardable if kind == "optimizer" else PreflightError
     return cls(message, path=path, fix=fix, code=code)
 
 
@@ -56,7 +56,7 @@ def parse_share(items: list[tuple[str, str]], trust: bool, with_dist: bool) -> b
         dist, dist_err = None, None
         if with_dist and err is None:
             try:
-                dist = read_dist_meta(shard, trust)
+                dist = reshard.read_dist_meta(shard, trust)
             except Exception as exc:  # noqa: BLE001 - sent to rank 0, which decides as if it had read it
                 dist_err = _error(exc)
         out.append((name, meta, None if err is None else _error(err), dist, dist_err))

@@ -18,7 +18,7 @@ from megatron_preflight.errors import PreflightError, require_regular_file
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.placeholders import Placeholder
 from megatron_preflight.safe_pickle import safe_loads
-from megatron_preflight.torch_file import read_torch_bytes, read_torch_file
+from megatron_preflight.torch_file import TensorRef, TorchFile, read_torch_file
 
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
@@ -74,19 +74,33 @@ def object_index(md: Any) -> dict[str, Any]:
     return {index.fqn: info for index, info in md.storage_data.items() if getattr(index, "offset", None) is None}
 
 
-def read_object(iter_dir: str, fqn: str, info: Any, *, trust: bool = False) -> Any:
-    """A sharded object's value: its ``torch.save`` blob read through the allow-list, unwrapped from the one-element
-    list Megatron saves it in."""
+def read_object(iter_dir: str, fqn: str, info: Any, *, trust: bool = False, tensors: bool = False) -> Any:
+    """A sharded object's value: its ``torch.save`` blob read in place (a window of its ``.distcp`` file, no temp
+    copy) through the allow-list, unwrapped from the one-element list Megatron saves it in. Tensors inside stay
+    references into the blob (metadata only), or, with ``tensors``, are read into torch tensors (a Transformer Engine
+    module's ``_extra_state`` is one: a small uint8 tensor the resharder carries)."""
     path = os.path.join(iter_dir, info.relative_path)
     require_regular_file(path)
-    with open(path, "rb") as fh:
-        fh.seek(int(info.offset))
-        blob = fh.read(int(info.length))
-    if len(blob) != int(info.length):
-        raise PreflightError(f"the item {fqn} runs past the end of the file (truncated)", path=path,
-                             fix="restore the file from a complete copy", code="corrupt_file")
-    value = read_torch_bytes(blob, source=f"{path}[{fqn}]", trust=trust)
+    with TorchFile(path, trust=trust, window=(int(info.offset), int(info.length))) as f:
+        try:
+            value = f.load_metadata()
+            if tensors:
+                value = _loaded(value, f)
+        except PreflightError as exc:
+            exc.path = f"{path}[{fqn}]"
+            raise
     return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def _loaded(value: Any, f: TorchFile) -> Any:
+    """``value`` with every TensorRef read from ``f`` (copied: the blob is closed after)."""
+    if isinstance(value, TensorRef):
+        return f.tensor(value).clone()
+    if isinstance(value, dict):
+        return type(value)((k, _loaded(v, f)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_loaded(v, f) for v in value)
+    return value
 
 
 def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError, PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.dist import object_index, read_dcp_metadata, read_object
@@ -433,7 +434,10 @@ class _Builder:
 
     def _bytes_item(self, fqn: str) -> Any:
         info = self.objects.get(fqn)
-        return None if info is None else read_object(self.iter_dir, fqn, info, trust=self.trust)
+        # a TE module's extra state is a small uint8 tensor: read into a tensor where one will be written (torch is
+        # loaded); a verdict (no torch) only needs to know it is there
+        return None if info is None else read_object(self.iter_dir, fqn, info, trust=self.trust,
+                                                     tensors=dtypes.torch_loaded())
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
