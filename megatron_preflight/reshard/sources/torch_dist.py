@@ -245,7 +245,7 @@ def object_fqn(base: str, index: tuple[int, ...], count: tuple[int, ...]) -> str
 
 # Megatron-Core's module registration order inside a transformer layer (the order of a legacy state dict; the DDP
 # buffer model reads parameter order from it). Keys of other modules follow, in .metadata order.
-MODULE_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+MODULE_ORDER = ("input_layernorm.", "self_attention.core_attention.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
                 "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_cross_attn_layernorm.",
                 "cross_attention.", "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.",
                 "mlp.experts.", "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2.",
@@ -378,7 +378,12 @@ class _Builder:
         """A module's extra state (None without Transformer Engine FP8), read from its bytes item:
         ``…_extra_state/shard_<index>_<count>``, the index giving the layer when stacked, then the expert."""
         base, _, shard = fqn.partition("/shard_")
-        if not base.startswith(LAYERS):
+        if not base.startswith(LAYERS):  # outside the layers (a TE final norm): in the last stage's legacy files
+            if base.startswith("decoder."):
+                pos = self.position[fqn]
+                for name, _c in self._shards(self.par.pp - 1):
+                    self._add(name, self.par.chunks - 1, (2, 0, _rank(base, NON_LAYER_ORDER, pos), _param_rank(base),
+                                                          pos), base, self._bytes_item(fqn))
             return
         index = [int(i) for i in shard.split("_")[0].split(".")]
         layers, rest = self._layers_of(base, None)
@@ -432,12 +437,66 @@ class _Builder:
                 self._add(name, chunk, (2, 0, _rank("output_layer.", NON_LAYER_ORDER, 0), 9, 0),
                           "output_layer._extra_state", None)
 
+    def attention_extra_state(self) -> None:
+        """Transformer Engine's attention module (``self_attention.core_attention``) has an ``_extra_state`` that a
+        legacy save holds and torch_dist does not. Without FP8 it is TE's empty value, the same as the layer's
+        ``linear_proj._extra_state`` (one serialization for TE's Linear and DotProductAttention per TE version): made
+        from it, as Megatron's own conversion saves a freshly built module's. With FP8 (a non-empty value) it is left
+        out: TE's load hook fills a missing one."""
+        if self.local_spec:
+            return
+        for (name, chunk), entries in self.entries.items():
+            keys = {e.key for e in entries}
+            for e in list(entries):
+                if not e.key.endswith(".self_attention.linear_proj._extra_state"):
+                    continue
+                key = e.key.replace(".linear_proj._extra_state", ".core_attention._extra_state")
+                value = _no_fp8_copy(e.value)
+                if key not in keys and value is not None:
+                    g = e.sort[1]
+                    self._add(name, chunk, self._layer_sort(g, "self_attention.core_attention._extra_state", 0,
+                                                            e.sort[-1]), key, value)
+
     def _bytes_item(self, fqn: str) -> Any:
         info = self.objects.get(fqn)
         # a TE module's extra state is a small uint8 tensor: read into a tensor where one will be written (torch is
-        # loaded); a verdict (no torch) only needs to know it is there
-        return None if info is None else read_object(self.iter_dir, fqn, info, trust=self.trust,
-                                                     tensors=dtypes.torch_loaded())
+        # loaded); a verdict (no torch) only needs to know what it is. Either way a value, never a piece to plan.
+        if info is None:
+            return None
+        if dtypes.torch_loaded():
+            return read_object(self.iter_dir, fqn, info, trust=self.trust, tensors=True)
+        return _described(read_object(self.iter_dir, fqn, info, trust=self.trust))
+
+
+_PICKLED_NONE = b"\x80\x04N."  # pickle.dumps(None): TE 2.0-2.3's extra state of a module without FP8
+
+
+def _no_fp8_copy(value: Any) -> Any:
+    """A copy of a TE extra state that holds no FP8 metadata (empty, or a pickled None), else None."""
+    if isinstance(value, TensorValue):
+        return value if value.shape in ((0,), (len(_PICKLED_NONE),)) else None
+    if getattr(value, "dtype", None) is not None and hasattr(value, "numel") and value.dim() == 1:
+        if value.numel() == 0 or bytes(value.tolist()) == _PICKLED_NONE:
+            return value.clone()
+    return None
+
+
+@dataclass(frozen=True)
+class TensorValue:
+    """A tensor inside a sharded object (a TE extra state), described without torch: its dtype and shape."""
+
+    dtype: Any
+    shape: tuple[int, ...]
+
+
+def _described(value: Any) -> Any:
+    if isinstance(value, TensorRef):
+        return TensorValue(value.dtype, tuple(value.shape))
+    if isinstance(value, dict):
+        return type(value)((k, _described(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_described(v) for v in value)
+    return value
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -478,6 +537,7 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
         b.tensor(fqn, tm)
     b.tied_output(not bool(getattr(layout.saved_args, "untie_embeddings_and_output_weights", False)))
     b.output_extra_state()
+    b.attention_extra_state()
     common = layout.common_state or {}
     head = {k: common[k] for k in REWRITTEN + FROM_TORCH_DIST if k in common}  # what a legacy file holds at top level
     shards: list[Shard] = []

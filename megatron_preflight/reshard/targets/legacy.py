@@ -8,7 +8,6 @@ import io
 import logging
 import os
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,19 +22,10 @@ from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets import durable
 from megatron_preflight.reshard.targets.stream_save import save_streaming, save_tree
+from megatron_preflight.reshard.targets.unit import ShardResult
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ShardResult:
-    """What writing one target shard did."""
-
-    bytes_read: int
-    bytes_written: int
-    verified: int
-    replicas: int
 
 
 def write_shard(r: Resharder, name: str, iter_out: str, verify: bool) -> ShardResult:
@@ -112,16 +102,20 @@ def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
     return checked
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Equality of carried non-tensor values (TE's BytesIO extra state compares by content)."""
-    if isinstance(a, io.BytesIO) and isinstance(b, io.BytesIO):
-        return a.getvalue() == b.getvalue()
-    return bool(a == b)
+def _same_value(written: Any, want: Any, out: TorchFile) -> bool:
+    """Equality of a carried value as written and as read from the source (TE's extra state: a BytesIO compares by
+    content, a uint8 tensor by dtype, shape and bytes)."""
+    if isinstance(written, io.BytesIO) and isinstance(want, io.BytesIO):
+        return written.getvalue() == want.getvalue()
+    if isinstance(written, TensorRef) and isinstance(want, torch.Tensor):
+        got = out.tensor(written)
+        return got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape) and torch.equal(got, want)
+    return bool(written == want)
 
 
 def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFiles, path: str) -> None:
     if tp.shape is None:
-        if not _same_value(written, tp.value):
+        if not _same_value(written, tp.value, out):
             raise PreflightError(f"verify: {tp.key} differs from its source value", path=path, code="verify")
         return
     if not isinstance(written, TensorRef) or tuple(written.shape) != tuple(tp.shape):
@@ -139,3 +133,16 @@ def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFi
         if bool(dst.narrow(dim, start, length).any()):
             raise PreflightError(f"verify: padding rows {start}:{start + length} of {tp.key} are not zero", path=path,
                                  code="verify")
+
+
+class LegacyTarget:
+    """``--ckpt-format torch``: one unit per shard dir of the target layout, written in parallel (workers, ranks)."""
+
+    def units(self, r: Resharder) -> list[str]:
+        return list(naming.shard_writers(r.tgt))
+
+    def weights(self, r: Resharder) -> dict[str, int]:
+        return {name: plan.nbytes for name, plan in r.shard_plans().items()}
+
+    def write(self, r: Resharder, unit: str, iter_out: str, verify: bool) -> ShardResult:
+        return write_shard(r, unit, iter_out, verify)

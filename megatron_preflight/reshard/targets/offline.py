@@ -27,8 +27,9 @@ from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets import destination, durable, lifeline, share
-from megatron_preflight.reshard.targets.legacy import ShardResult, write_shard
-from megatron_preflight.reshard.targets.torch_dist import write_torch_dist
+from megatron_preflight.reshard.targets.legacy import LegacyTarget
+from megatron_preflight.reshard.targets.torch_dist import TorchDistTarget
+from megatron_preflight.reshard.targets.unit import ShardResult, Target
 
 
 @dataclass
@@ -101,11 +102,19 @@ def _init_worker(layout: bytes, target: TargetLayout, trust: bool, keep_optimize
                              keep_optimizer=keep_optimizer)
 
 
+# The output formats: ``--ckpt-format`` -> its target (see targets/unit.py).
+TARGETS: dict[str, Target] = {"torch": LegacyTarget(), "torch_dist": TorchDistTarget()}
+
+
+def target_of(target: TargetLayout) -> Target:
+    return TARGETS[target.ckpt_format or "torch"]
+
+
 def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | None = None) -> ShardResult:
-    """One shard, in a worker (its resharder) or in the main process (``resharder``)."""
+    """One unit, in a worker (its resharder) or in the main process (``resharder``)."""
     r = resharder or _WORKER
     assert r is not None
-    return write_shard(r, name, iter_out, verify)
+    return target_of(r.target).write(r, name, iter_out, verify)
 
 
 def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 1, verify: bool = False,
@@ -220,8 +229,8 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
 def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *, workers: int, verify: bool,
                    iteration: Any, trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
                    grp: share.Share | None, root: bool, keep_stale: bool, claimed: Callable) -> Summary:
-    dist_out = target.ckpt_format == "torch_dist"
-    names = ["torch_dist"] if dist_out else list(naming.shard_writers(r.tgt))
+    out = target_of(target)
+    names = out.units(r)
     parent = os.path.dirname(dst_abs) or "."
     iteration_value = r.layout.iteration if r.layout.iteration is not None else 0
     tmp = ""
@@ -241,13 +250,9 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
             error = e
     _agree(grp, error)
     mine = names
-    if grp is not None and dist_out:
-        tmp = grp.broadcast(tmp)
-        mine = names if root else []
-    elif grp is not None:
+    if grp is not None:
         tmp = grp.broadcast(tmp)  # after rank 0 made it
-        plans = r.shard_plans()
-        owner = share.deal({n: p.nbytes for n, p in plans.items()}, grp.world)
+        owner = share.deal(out.weights(r), grp.world)
         mine = [n for n in names if owner[n] == grp.rank]
     iter_out = os.path.join(tmp, naming.iteration_dir_name(iteration_value))
     summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs, converted=r.converted)
@@ -259,17 +264,9 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
     results: list[ShardResult] = []
     error = None
     try:
-        if dist_out:
-            if mine:
-                read, written, checked = write_torch_dist(r.checkpoint, iter_out, target,
-                                                          keep_optimizer=not drop_optimizer, verify=verify)
-                results = [ShardResult(read, written, checked, 0)]
-                if progress and root:
-                    progress(1, 1, "torch_dist")
-        else:
-            results = _write_shards(r, mine, iter_out, src, target, workers=workers, verify=verify,
-                                    iteration=iteration, trust=trust_checkpoint, progress=progress if root else None,
-                                    keep_optimizer=not drop_optimizer)
+        results = _write_shards(r, mine, iter_out, src, target, workers=workers, verify=verify,
+                                iteration=iteration, trust=trust_checkpoint, progress=progress if root else None,
+                                keep_optimizer=not drop_optimizer)
     except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
         error = e
     try:

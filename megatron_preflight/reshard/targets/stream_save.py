@@ -82,8 +82,8 @@ def _records(tree: Any) -> tuple[bytes, list[tuple[_StorageStub, Any]]]:
 
     def stub(value: Any, _path: tuple = ()) -> Any:
         if isinstance(value, (TensorPlan, FlatPlan)):
-            if value.shape is None:
-                return value.value
+            if value.shape is None:  # a carried value (extra state): a tensor inside it is a storage record too
+                return map_leaves(value.value, stub)
             n = 1
             for s in value.shape:
                 n *= s

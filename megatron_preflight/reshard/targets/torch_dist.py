@@ -37,6 +37,7 @@ from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.sources.torch_dist import dist_reader, dist_suffix, is_local_spec, object_fqn
 from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.unit import ShardResult
 
 log = logging.getLogger(__name__)
 
@@ -324,3 +325,18 @@ def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLa
             os.fsync(fh.fileno())
     return read, out.bytes_written + sum(os.path.getsize(os.path.join(iter_out, n))
                                          for n in (".metadata", "common.pt", "metadata.json")), checked
+
+
+class TorchDistTarget:
+    """``--ckpt-format torch_dist``: one unit, the checkpoint's global state (every tensor chunk by chunk)."""
+
+    def units(self, r: Resharder) -> list[str]:
+        return ["torch_dist"]
+
+    def weights(self, r: Resharder) -> dict[str, int]:
+        return {"torch_dist": 1}
+
+    def write(self, r: Resharder, unit: str, iter_out: str, verify: bool) -> ShardResult:
+        read, written, checked = write_torch_dist(r.checkpoint, iter_out, r.target, keep_optimizer=r.keep_optimizer,
+                                                  verify=verify)
+        return ShardResult(read, written, checked, 0)
