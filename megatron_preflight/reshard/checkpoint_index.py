@@ -185,8 +185,10 @@ class CheckpointIndex:
             return 0.0
         key = id(plain)
         if key not in self._steps:
+            per_group = [g["step"] for g in plain.settings.values() if "step" in g]  # a fused Adam's
             self._steps[key] = next((self._number(p) for fields in plain.fields.values()
-                                     if isinstance(p := fields.get("step"), SourcePiece)), 0.0)
+                                     if isinstance(p := fields.get("step"), SourcePiece)),
+                                    float(per_group[0]) if per_group else 0.0)
         return self._steps[key]
 
     def _number(self, piece: SourcePiece) -> float:

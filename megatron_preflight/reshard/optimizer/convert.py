@@ -74,14 +74,21 @@ def plain_to_distributed(plain: OptimizerIndex, model: dict[GlobalKey, GlobalEnt
     return out
 
 
+def is_fused_adam(settings: dict[str, Any]) -> bool:
+    """A param group of TE's or apex's FusedAdam (``bias_correction`` in it, one ``step`` per group), not torch's."""
+    return "bias_correction" in settings
+
+
 def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: ParallelLayout) -> OptimizerIndex:
     """The distributed optimizer's state in the plain form: each parameter placed in its param group by Megatron's
     group rules (expert-parallel or not, no weight decay for biases and 1-D tensors, decoupled LR for the embedding
     and head; exactly one group must fit), with ``step`` per parameter and fp32 master copies for a half run."""
-    # the group settings without step (per parameter in the plain form) and without the part flag (set per part by
-    # the target layout): the dense and expert parts' groups with the same settings are one group here
-    groups = [{k: v for k, v in dist.settings[s].items() if k not in ("step", "is_expert_parallel")}
-              for s in dist.order]
+    # the group settings without the part flag (set per part by the target layout): the dense and expert parts'
+    # groups with the same settings are one group here; without step (per parameter in torch's Adam), unless the
+    # optimizer is a fused Adam (TE's or apex's: bias_correction in its groups), which keeps one step per group
+    fused = any(is_fused_adam(dist.settings[s]) for s in dist.order)
+    drop = ("is_expert_parallel",) if fused else ("step", "is_expert_parallel")
+    groups = [{k: v for k, v in dist.settings[s].items() if k not in drop} for s in dist.order]
     steps = {dist.settings[s].get("step") for s in dist.order} - {None}
     if len(steps) > 1:
         raise OptimizerNotReshardable(f"the param groups record different steps {sorted(steps)}", fix=FIX,
@@ -121,10 +128,10 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
         fields = dist.fields.get(sk.gkey)
         if fields is None:
             raise OptimizerNotReshardable(f"no distributed optimizer state for {sk.key}", fix=FIX, code="optimizer")
-        # a tensor of its own per parameter: torch's Adam increments each parameter's step in place
-        out: OrderedDict[str, Any] = OrderedDict([("step", SourcePiece(sk.shard, _step_value(step), 0, 1)),
-                                                  ("exp_avg", fields["exp_avg"]),
-                                                  ("exp_avg_sq", fields["exp_avg_sq"])])
+        # torch's Adam: a step tensor of its own per parameter (incremented in place); a fused Adam: none
+        out: OrderedDict[str, Any] = OrderedDict() if fused else OrderedDict(
+            [("step", SourcePiece(sk.shard, _step_value(step), 0, 1))])
+        out["exp_avg"], out["exp_avg_sq"] = fields["exp_avg"], fields["exp_avg_sq"]
         if dtypes.name_of(p.dtype) in _HALF:
             out[MASTER] = fields["param"]
         plain.fields[sk.gkey] = out

@@ -137,9 +137,10 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
     if sharding is None:
         found = _find(full.get("optimizer") if isinstance(full, dict) else None, "common_step")
         step = float(found) if isinstance(found, (int, float)) or hasattr(found, "item") else None
-        if step is None:
-            raise OptimizerNotReshardable("the plain optimizer's common_step is missing from the common state",
-                                          path=iter_dir, fix=FIX, code="optimizer")
+        if step is None and not all("step" in g for g in _groups(common)):  # a fused Adam keeps it per group
+            raise OptimizerNotReshardable("the plain optimizer's step is in neither the common state (common_step, "
+                                          "torch's Adam) nor its param groups (a fused Adam)", path=iter_dir, fix=FIX,
+                                          code="optimizer")
     for settings in _groups(common):
         settings = {k: v for k, v in settings.items() if k != "params"}
         if step is not None:

@@ -12,7 +12,7 @@ import torch
 from megatron_preflight.reshard import TargetLayout, write_resharded
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
-from tests.reshard.test_roundtrip_real import model_tensors
+from tests.reshard.test_roundtrip_real import model_tensors, optimizer_entries
 
 
 def test_te_torch_dist_to_legacy_equals_the_legacy_twins_reshard(tmp_path):
@@ -48,3 +48,23 @@ def test_the_production_default_reshards_with_its_optimizer_state(tmp_path):
         world = meta[0]
         (_, tensors), = world.items()
         assert all(isinstance(tensors[k], TensorRef) for k in ("param", "exp_avg", "exp_avg_sq"))
+
+
+def test_fused_adam_state_in_model_space_equals_the_legacy_twins_reshard(tmp_path):
+    """TE's FusedAdam keeps one step per param group (no common_step, no per-parameter step): the torch_dist twin's
+    model-space state, resharded to TP1, equals the legacy twin's resharded state entry for entry (resumed by real
+    Megatron-LM with the stand-in, both give the losses of Megatron's own load of the torch_dist twin)."""
+    ours, twin = tmp_path / "from_dist", tmp_path / "from_legacy"
+    s = write_resharded(fixture_path("te_tp2_torch_dist"), str(ours), TargetLayout(tp=1), verify=True)
+    assert "optimizer" not in s.dropped
+    write_resharded(fixture_path("te_tp2_torch"), str(twin), TargetLayout(tp=1))
+    a, b = optimizer_entries(str(ours)), optimizer_entries(str(twin))
+    assert a.keys() == b.keys() and a
+    steps = [path for path in a if path[-1] == "step"]
+    assert steps and all("param_groups" in path for path in steps)  # one step per group, none per parameter
+    for key, (value, _) in a.items():
+        other = b[key][0]
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == other.dtype and value.shape == other.shape and torch.equal(value, other), key
+        else:
+            assert value == other, key
