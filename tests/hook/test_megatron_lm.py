@@ -39,10 +39,16 @@ MOE_SHARED = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expe
               "--disable-bias-linear", "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
 
 
-def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700):
+# The CPU stand-in for Transformer Engine 2.17.1 (../shared/tools/megatron-lm-cpu/te_cpu; NOT Transformer Engine:
+# checkpoint-visible facts, plain torch math, no FP8). The TE-spec tests below run only when it is given.
+TE_CPU = os.environ.get("MEGATRON_LM_TE_CPU")
+TE_SPEC = ["--transformer-impl", "transformer_engine"]
+
+
+def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False):
     python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
-    extra_path = [os.environ.get("MEGATRON_LM_PYTHONPATH", ""), ROOT]
+    extra_path = [os.environ.get("MEGATRON_LM_PYTHONPATH", ""), ROOT] + ([TE_CPU] if te else [])
     env["PYTHONPATH"] = os.pathsep.join(p for p in extra_path + [env.get("PYTHONPATH", "")] if p)
     env["PATH"] = os.path.dirname(python) + os.pathsep + env.get("PATH", "")  # Megatron builds helpers with python3
     dst = tmp_path / os.path.basename(ckpt)
@@ -50,7 +56,8 @@ def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700):
         shutil.copytree(ckpt, dst)
     launch = ["-m", "megatron_preflight.run", "pretrain_gpt.py"] if plugin else ["pretrain_gpt.py"]
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-           *launch, *TINY, *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), "--load", str(dst), *flags]
+           *launch, *TINY, *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), *(TE_SPEC if te else []),
+           "--load", str(dst), *flags]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     return r.returncode, r.stdout + r.stderr
 
@@ -425,3 +432,40 @@ def test_legacy_to_torch_dist_loads_in_plain_megatron_at_another_layout(tmp_path
     assert rc2 == 0, log2[-3000:]
     assert loss(log, 4, 4) is not None
     assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+te_only = pytest.mark.skipif(not TE_CPU, reason="MEGATRON_LM_TE_CPU (the CPU stand-in for Transformer Engine) is not set")
+
+
+@te_only
+def test_te_torch_dist_with_fused_adam_offline_trains_like_megatrons_own_load(tmp_path):
+    """TE spec (the stand-in), TE's FusedAdam, torch_dist TP2 -> legacy TP1 offline, weights and the per-group-step
+    Adam state: iterations 3 and 4 equal Megatron's own load of the torch_dist twin at TP1."""
+    out = tmp_path / "te_tp1"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path("te_tp2_torch_dist"),
+                        str(out), "--tp", "1", "--verify", "--no-progress"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    rc, log = run(tmp_path, str(out), 1, "--ckpt-format", "torch", "--no-load-rng", "--train-iters", "4",
+                  plugin=False, port=29760, te=True)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = run(tmp_path, fixture_path("te_tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
+                    "--train-iters", "4", plugin=False, port=29761, te=True)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+@te_only
+def test_te_production_default_at_another_tp_loads_in_memory(tmp_path):
+    """The production default (TE spec, FusedAdam, --use-distributed-optimizer, torch_dist dp_reshardable) at TP1
+    through --preflight auto (Megatron refuses dp_reshardable across a TP change): iterations 3 and 4 equal Megatron's
+    own load of the plain twin at TP1 (the same model, data and Adam math)."""
+    rc, log = run(tmp_path, fixture_path("te_distopt_tp2dp2_torch_dist"), 2, "--ckpt-format", "torch_dist",
+                  "--use-distributed-optimizer", "--tensor-model-parallel-size", "1", "--no-load-rng",
+                  "--train-iters", "4", "--preflight", "auto", port=29762, te=True)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log
+    rc2, log2 = run(tmp_path, fixture_path("te_tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
+                    "--train-iters", "4", plugin=False, port=29763, te=True)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))

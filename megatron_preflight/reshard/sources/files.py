@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_preflight.reshard.sources.legacy import LegacyReader
-from megatron_preflight.reshard.sources.torch_dist import RegionRef, dist_reader
+from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, dist_reader
 from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.torch_file import TensorRef
 

@@ -6,8 +6,7 @@ leading layer dim (and expert weights along an expert dim after it), and the chu
 and the byte range of the chunk's ``torch.save`` blob inside a ``__*_*.distcp`` file). :func:`virtual_layout` turns
 that into the shards a legacy save at the same layout would have written — same keys, same local shapes — whose
 tensors are :class:`RegionRef` pieces of the global tensors. Every later stage (index, planner, executor, writer,
-verification) then works unchanged; only :class:`DistReader` knows how to read a region (it copies the intersecting
-parts of the chunks that cover it, mapping only those byte ranges).
+verification) then works unchanged; only :class:`~.torch_dist_reader.DistReader` knows how to read a region.
 
 Where a legacy tensor sits in the global one comes from the split-rule table (:func:`rules.segments`): SwiGLU's
 ``[gate; up]`` halves, vocab padding and ETP for experts included. Key names follow the model's spec: with
@@ -25,193 +24,29 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
-from megatron_preflight.errors import CorruptFileError, PreflightError
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.dist import object_index, read_dcp_metadata, read_object
 from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
 from megatron_preflight.reshard.plan.rules import parse_key, rule_for, segments
-from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
+from megatron_preflight.reshard.sources.te_extra_state import described, no_fp8_copy
+from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab, contiguous
+from megatron_preflight.torch_file import StorageRef
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
     import torch
 
 LAYERS = "decoder.layers."
+
+
 EXPERTS = "mlp.experts.experts."
+
+
 # --transformer-impl local: module names -> the names the torch_dist save uses (megatron-core's local layer spec)
 LOCAL_SPEC_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One saved chunk of a global tensor: where it sits and where its ``torch.save`` blob lies."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str  # relative path of the .distcp file
-    start: int
-    length: int
-
-
-@dataclass(frozen=True)
-class Slab:
-    """A box of global tensor ``fqn`` that lands at ``local_start`` along ``dim`` of the local piece."""
-
-    fqn: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    dim: int
-    local_start: int
-
-
-@dataclass(frozen=True, repr=False)
-class RegionRef(TensorRef):
-    """A legacy-shaped tensor made of boxes of torch_dist global tensors (read by :class:`DistReader`)."""
-
-    slabs: tuple[Slab, ...] = ()
-
-    def __repr__(self) -> str:
-        return f"RegionRef({tuple(self.shape)}, {self.dtype}, {[s.fqn for s in self.slabs][:1]})"
-
-    def window(self, start: int, shape: tuple[int, ...]) -> RegionRef:
-        """Elements ``start .. start + prod(shape)`` of this 1-D region (a flat optimizer buffer), as a tensor of
-        ``shape``: the slabs cut to that range."""
-        n = math.prod(shape)
-        end = start + n
-        slabs = []
-        for s in self.slabs:
-            lo, hi = max(start, s.local_start), min(end, s.local_start + s.sizes[-1])
-            if lo < hi:
-                slabs.append(Slab(s.fqn, (s.offsets[-1] + lo - s.local_start,), (hi - lo,), 0, lo - start))
-        return RegionRef(self.file, StorageRef(self.storage.key, self.dtype, n), 0, tuple(shape),
-                         _contiguous(tuple(shape)), slabs=tuple(slabs))
-
-
-class DistReader:
-    """Reads :class:`RegionRef` tensors of one torch_dist iteration dir (chunk blobs opened once, mapped lazily)."""
-
-    def __init__(self, iter_dir: str, chunks: dict[str, list[Chunk]], trust: bool = False) -> None:
-        self.iter_dir = iter_dir
-        self.chunks = chunks
-        self.trust = trust
-        self._files: dict[tuple[str, int], tuple[TorchFile, TensorRef]] = {}
-        self._last: tuple[RegionRef, torch.Tensor] | None = None
-        self.bytes_read = 0
-
-    def _chunk(self, chunk: Chunk) -> torch.Tensor:
-        key = (chunk.file, chunk.start)
-        if key not in self._files:
-            f = TorchFile(os.path.join(self.iter_dir, chunk.file), trust=self.trust, window=(chunk.start, chunk.length))
-            ref = f.load_metadata()
-            if not isinstance(ref, TensorRef) or tuple(ref.shape) != chunk.sizes:
-                f.close()
-                raise CorruptFileError(f"the chunk at byte {chunk.start} holds {ref!r}, but .metadata says a tensor "
-                                       f"of shape {chunk.sizes}", path=f.path, code="corrupt_file",
-                                       fix="restore the iteration dir from a complete copy")
-            self._files[key] = (f, ref)
-        f, ref = self._files[key]
-        return f.tensor(ref)
-
-    def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The box of global tensor ``fqn`` at ``offsets`` / ``sizes``, assembled from the chunks that cover it."""
-        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
-
-        out = torch.empty(sizes, dtype=dtype)
-        covered = 0
-        for c in self.chunks.get(fqn, ()):
-            lo = [max(o, co) for o, co in zip(offsets, c.offsets, strict=True)]
-            hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes, strict=True)]
-            if any(h <= low for low, h in zip(lo, hi, strict=True)):
-                continue
-            src = self._chunk(c)[tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c.offsets, strict=True))]
-            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))].copy_(src)
-            n = math.prod(b - a for a, b in zip(lo, hi, strict=True))
-            covered += n
-            self.bytes_read += n * out.element_size()
-        if covered != math.prod(sizes):
-            raise CorruptFileError(f"tensor {fqn}: its chunks cover {covered:,} of the {math.prod(sizes):,} elements "
-                                   f"at {offsets} (size {sizes})", path=os.path.join(self.iter_dir, ".metadata"),
-                                   fix="restore the iteration dir from a complete copy", code="corrupt_file")
-        return out
-
-    def _inside_one_chunk(self, s: Slab, dtype: torch.dtype) -> torch.Tensor | None:
-        """The box as a view of the one chunk that holds it whole (the usual case: a legacy piece is a saved chunk):
-        mapped, not copied, so a big tensor streams through the writer as a legacy one does."""
-        for c in self.chunks.get(s.fqn, ()):
-            if all(co <= o and o + n <= co + cs for o, n, co, cs in zip(s.offsets, s.sizes, c.offsets, c.sizes,
-                                                                        strict=True)):
-                t = self._chunk(c)
-                if t.dtype != dtype:
-                    return None
-                self.bytes_read += math.prod(s.sizes) * t.element_size()
-                return t[tuple(slice(o - co, o - co + n) for o, n, co in zip(s.offsets, s.sizes, c.offsets,
-                                                                             strict=True))]
-        return None
-
-    def tensor(self, shard: str, ref: RegionRef) -> torch.Tensor:
-        """The piece ``ref`` (its shard is in the slabs), assembled once: row-chunked writers ask again and again."""
-        if self._last is not None and self._last[0] is ref:
-            return self._last[1]
-        t = self._assemble(ref)
-        self._last = (ref, t)
-        return t
-
-    def item(self, shard: str, ref: RegionRef) -> Any:
-        return self.tensor(shard, ref).item()
-
-    def release(self, shard: str, ref: RegionRef) -> None:
-        self._last = None
-        self.release_pages()
-
-    def _assemble(self, ref: RegionRef) -> torch.Tensor:
-        import torch  # reading tensors (the layout itself is metadata: this module loads without torch)
-
-        if len(ref.slabs) == 1 and ref.shape and math.prod(ref.slabs[0].sizes) == math.prod(ref.shape):
-            view = self._inside_one_chunk(ref.slabs[0], ref.dtype)
-            if view is not None:
-                return view.reshape(ref.shape)
-        if ref.slabs and all(len(s.sizes) == 1 for s in ref.slabs) and len(ref.shape) != 1:
-            flat = torch.empty(math.prod(ref.shape), dtype=ref.dtype)  # a window of a flat buffer, reshaped
-            for s in ref.slabs:
-                flat.narrow(0, s.local_start, s.sizes[0]).copy_(self.region(s.fqn, s.offsets, s.sizes, ref.dtype))
-            return flat.view(ref.shape)
-        out = torch.empty(ref.shape, dtype=ref.dtype)
-        for s in ref.slabs:
-            box = self.region(s.fqn, s.offsets, s.sizes, ref.dtype)
-            if not ref.shape:
-                out.copy_(box.reshape(()))
-                continue
-            lead = len(s.sizes) - len(ref.shape)
-            part = out.narrow(s.dim, s.local_start, s.sizes[lead + s.dim])
-            part.copy_(box.reshape(part.shape))
-        return out
-
-    def release_pages(self) -> None:
-        self._last = None
-        for f, _ in self._files.values():
-            f.release_pages()
-
-    def close(self) -> None:
-        self._last = None
-        for f, _ in self._files.values():
-            f.close()
-        self._files.clear()
-
-
-def chunk_index(md: Any) -> dict[str, list[Chunk]]:
-    """fqn -> its chunks with their blobs' byte ranges (from ``.metadata``)."""
-    where = {(i.fqn, tuple(i.offset)): info for i, info in md.storage_data.items() if getattr(i, "offset", None)
-             is not None}
-    out: dict[str, list[Chunk]] = {}
-    for fqn, tm in md.state_dict_metadata.items():
-        for c in getattr(tm, "chunks", None) or ():
-            info = where.get((fqn, tuple(c.offsets)))
-            if info is not None:
-                out.setdefault(fqn, []).append(Chunk(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes),
-                                                     info.relative_path, int(info.offset), int(info.length)))
-    return out
 
 
 def is_local_spec(args: Any) -> bool:
@@ -250,7 +85,11 @@ MODULE_ORDER = ("input_layernorm.", "self_attention.core_attention.", "self_atte
                 "cross_attention.", "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.",
                 "mlp.experts.", "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2.",
                 "mlp.shared_experts.")
+
+
 PARAM_ORDER = {"layer_norm_weight": 0, "layer_norm_bias": 1, "weight": 2, "bias": 3, "_extra_state": 9}
+
+
 NON_LAYER_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "embedding.",
                    "decoder.final_layernorm.", "decoder.final_norm.", "output_layer.")
 
@@ -316,7 +155,7 @@ class _Builder:
                 slabs.append(Slab(fqn, lead + tuple(offsets), tuple(1 for _ in lead) + tuple(sizes), dim, lstart))
                 local[dim] += length
         return RegionRef(self.iter_dir, StorageRef(fqn, dtype, math.prod(local)), 0, tuple(local),
-                         _contiguous(tuple(local)), slabs=tuple(slabs))
+                         contiguous(tuple(local)), slabs=tuple(slabs))
 
     def _add(self, shard: str, chunk: int, sort: tuple, key: str, value: Any) -> None:
         self.entries[(shard, chunk)].append(_Entry(sort, key, value))
@@ -451,7 +290,7 @@ class _Builder:
                 if not e.key.endswith(".self_attention.linear_proj._extra_state"):
                     continue
                 key = e.key.replace(".linear_proj._extra_state", ".core_attention._extra_state")
-                value = _no_fp8_copy(e.value)
+                value = no_fp8_copy(e.value)
                 if key not in keys and value is not None:
                     g = e.sort[1]
                     self._add(name, chunk, self._layer_sort(g, "self_attention.core_attention._extra_state", 0,
@@ -465,51 +304,7 @@ class _Builder:
             return None
         if dtypes.torch_loaded():
             return read_object(self.iter_dir, fqn, info, trust=self.trust, tensors=True)
-        return _described(read_object(self.iter_dir, fqn, info, trust=self.trust))
-
-
-_PICKLED_NONE = b"\x80\x04N."  # pickle.dumps(None): TE 2.0-2.3's extra state of a module without FP8
-
-
-def _no_fp8_copy(value: Any) -> Any:
-    """A copy of a TE extra state that holds no FP8 metadata (empty, or a pickled None), else None."""
-    if isinstance(value, TensorValue):
-        return value if value.shape in ((0,), (len(_PICKLED_NONE),)) else None
-    if getattr(value, "dtype", None) is not None and hasattr(value, "numel") and value.dim() == 1:
-        if value.numel() == 0 or bytes(value.tolist()) == _PICKLED_NONE:
-            return value.clone()
-    return None
-
-
-@dataclass(frozen=True)
-class TensorValue:
-    """A tensor inside a sharded object (a TE extra state), described without torch: its dtype and shape."""
-
-    dtype: Any
-    shape: tuple[int, ...]
-
-
-def _described(value: Any) -> Any:
-    if isinstance(value, TensorRef):
-        return TensorValue(value.dtype, tuple(value.shape))
-    if isinstance(value, dict):
-        return type(value)((k, _described(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_described(v) for v in value)
-    return value
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
-
-
-def dist_reader(iter_dir: str, *, trust: bool = False) -> DistReader:
-    """A reader for the :class:`RegionRef` tensors of the torch_dist iteration dir ``iter_dir``."""
-    return DistReader(iter_dir, chunk_index(read_dcp_metadata(iter_dir, trust=trust)), trust=trust)
+        return described(read_object(self.iter_dir, fqn, info, trust=self.trust))
 
 
 def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool]:

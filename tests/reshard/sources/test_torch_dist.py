@@ -14,7 +14,8 @@ import torch
 
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.reshard import open_resharder, write_resharded
-from megatron_preflight.reshard.sources.torch_dist import RegionRef, dist_reader, virtual_layout
+from megatron_preflight.reshard.sources.torch_dist import virtual_layout
+from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, dist_reader
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import FIXTURES, fixture_path

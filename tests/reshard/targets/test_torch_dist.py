@@ -16,7 +16,8 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard import write_resharded
-from megatron_preflight.reshard.sources.torch_dist import dist_reader, virtual_layout
+from megatron_preflight.reshard.sources.torch_dist import virtual_layout
+from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path

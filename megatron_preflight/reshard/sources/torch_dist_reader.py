@@ -1,0 +1,201 @@
+"""Reading a torch_dist checkpoint's tensors: :class:`RegionRef` (a legacy-shaped piece made of boxes of global
+tensors) and :class:`DistReader`, which copies the intersecting parts of the chunks that cover a box, mapping only
+those byte ranges of the ``__*_*.distcp`` files (a piece that is one saved chunk is a view, not a copy).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from megatron_preflight.errors import CorruptFileError
+from megatron_preflight.layout.dist import read_dcp_metadata
+from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
+
+if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
+    import torch
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved chunk of a global tensor: where it sits and where its ``torch.save`` blob lies."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # relative path of the .distcp file
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Slab:
+    """A box of global tensor ``fqn`` that lands at ``local_start`` along ``dim`` of the local piece."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dim: int
+    local_start: int
+
+
+@dataclass(frozen=True, repr=False)
+class RegionRef(TensorRef):
+    """A legacy-shaped tensor made of boxes of torch_dist global tensors (read by :class:`DistReader`)."""
+
+    slabs: tuple[Slab, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"RegionRef({tuple(self.shape)}, {self.dtype}, {[s.fqn for s in self.slabs][:1]})"
+
+    def window(self, start: int, shape: tuple[int, ...]) -> RegionRef:
+        """Elements ``start .. start + prod(shape)`` of this 1-D region (a flat optimizer buffer), as a tensor of
+        ``shape``: the slabs cut to that range."""
+        n = math.prod(shape)
+        end = start + n
+        slabs = []
+        for s in self.slabs:
+            lo, hi = max(start, s.local_start), min(end, s.local_start + s.sizes[-1])
+            if lo < hi:
+                slabs.append(Slab(s.fqn, (s.offsets[-1] + lo - s.local_start,), (hi - lo,), 0, lo - start))
+        return RegionRef(self.file, StorageRef(self.storage.key, self.dtype, n), 0, tuple(shape),
+                         contiguous(tuple(shape)), slabs=tuple(slabs))
+
+
+class DistReader:
+    """Reads :class:`RegionRef` tensors of one torch_dist iteration dir (chunk blobs opened once, mapped lazily)."""
+
+    def __init__(self, iter_dir: str, chunks: dict[str, list[Chunk]], trust: bool = False) -> None:
+        self.iter_dir = iter_dir
+        self.chunks = chunks
+        self.trust = trust
+        self._files: dict[tuple[str, int], tuple[TorchFile, TensorRef]] = {}
+        self._last: tuple[RegionRef, torch.Tensor] | None = None
+        self.bytes_read = 0
+
+    def _chunk(self, chunk: Chunk) -> torch.Tensor:
+        key = (chunk.file, chunk.start)
+        if key not in self._files:
+            f = TorchFile(os.path.join(self.iter_dir, chunk.file), trust=self.trust, window=(chunk.start, chunk.length))
+            ref = f.load_metadata()
+            if not isinstance(ref, TensorRef) or tuple(ref.shape) != chunk.sizes:
+                f.close()
+                raise CorruptFileError(f"the chunk at byte {chunk.start} holds {ref!r}, but .metadata says a tensor "
+                                       f"of shape {chunk.sizes}", path=f.path, code="corrupt_file",
+                                       fix="restore the iteration dir from a complete copy")
+            self._files[key] = (f, ref)
+        f, ref = self._files[key]
+        return f.tensor(ref)
+
+    def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The box of global tensor ``fqn`` at ``offsets`` / ``sizes``, assembled from the chunks that cover it."""
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+        out = torch.empty(sizes, dtype=dtype)
+        covered = 0
+        for c in self.chunks.get(fqn, ()):
+            lo = [max(o, co) for o, co in zip(offsets, c.offsets, strict=True)]
+            hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes, strict=True)]
+            if any(h <= low for low, h in zip(lo, hi, strict=True)):
+                continue
+            src = self._chunk(c)[tuple(slice(a - co, b - co) for a, b, co in zip(lo, hi, c.offsets, strict=True))]
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))].copy_(src)
+            n = math.prod(b - a for a, b in zip(lo, hi, strict=True))
+            covered += n
+            self.bytes_read += n * out.element_size()
+        if covered != math.prod(sizes):
+            raise CorruptFileError(f"tensor {fqn}: its chunks cover {covered:,} of the {math.prod(sizes):,} elements "
+                                   f"at {offsets} (size {sizes})", path=os.path.join(self.iter_dir, ".metadata"),
+                                   fix="restore the iteration dir from a complete copy", code="corrupt_file")
+        return out
+
+    def _inside_one_chunk(self, s: Slab, dtype: torch.dtype) -> torch.Tensor | None:
+        """The box as a view of the one chunk that holds it whole (the usual case: a legacy piece is a saved chunk):
+        mapped, not copied, so a big tensor streams through the writer as a legacy one does."""
+        for c in self.chunks.get(s.fqn, ()):
+            if all(co <= o and o + n <= co + cs for o, n, co, cs in zip(s.offsets, s.sizes, c.offsets, c.sizes,
+                                                                        strict=True)):
+                t = self._chunk(c)
+                if t.dtype != dtype:
+                    return None
+                self.bytes_read += math.prod(s.sizes) * t.element_size()
+                return t[tuple(slice(o - co, o - co + n) for o, n, co in zip(s.offsets, s.sizes, c.offsets,
+                                                                             strict=True))]
+        return None
+
+    def tensor(self, shard: str, ref: RegionRef) -> torch.Tensor:
+        """The piece ``ref`` (its shard is in the slabs), assembled once: row-chunked writers ask again and again."""
+        if self._last is not None and self._last[0] is ref:
+            return self._last[1]
+        t = self._assemble(ref)
+        self._last = (ref, t)
+        return t
+
+    def item(self, shard: str, ref: RegionRef) -> Any:
+        return self.tensor(shard, ref).item()
+
+    def release(self, shard: str, ref: RegionRef) -> None:
+        self._last = None
+        self.release_pages()
+
+    def _assemble(self, ref: RegionRef) -> torch.Tensor:
+        import torch  # reading tensors (the layout itself is metadata: this module loads without torch)
+
+        if len(ref.slabs) == 1 and ref.shape and math.prod(ref.slabs[0].sizes) == math.prod(ref.shape):
+            view = self._inside_one_chunk(ref.slabs[0], ref.dtype)
+            if view is not None:
+                return view.reshape(ref.shape)
+        if ref.slabs and all(len(s.sizes) == 1 for s in ref.slabs) and len(ref.shape) != 1:
+            flat = torch.empty(math.prod(ref.shape), dtype=ref.dtype)  # a window of a flat buffer, reshaped
+            for s in ref.slabs:
+                flat.narrow(0, s.local_start, s.sizes[0]).copy_(self.region(s.fqn, s.offsets, s.sizes, ref.dtype))
+            return flat.view(ref.shape)
+        out = torch.empty(ref.shape, dtype=ref.dtype)
+        for s in ref.slabs:
+            box = self.region(s.fqn, s.offsets, s.sizes, ref.dtype)
+            if not ref.shape:
+                out.copy_(box.reshape(()))
+                continue
+            lead = len(s.sizes) - len(ref.shape)
+            part = out.narrow(s.dim, s.local_start, s.sizes[lead + s.dim])
+            part.copy_(box.reshape(part.shape))
+        return out
+
+    def release_pages(self) -> None:
+        self._last = None
+        for f, _ in self._files.values():
+            f.release_pages()
+
+    def close(self) -> None:
+        self._last = None
+        for f, _ in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def chunk_index(md: Any) -> dict[str, list[Chunk]]:
+    """fqn -> its chunks with their blobs' byte ranges (from ``.metadata``)."""
+    where = {(i.fqn, tuple(i.offset)): info for i, info in md.storage_data.items() if getattr(i, "offset", None)
+             is not None}
+    out: dict[str, list[Chunk]] = {}
+    for fqn, tm in md.state_dict_metadata.items():
+        for c in getattr(tm, "chunks", None) or ():
+            info = where.get((fqn, tuple(c.offsets)))
+            if info is not None:
+                out.setdefault(fqn, []).append(Chunk(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes),
+                                                     info.relative_path, int(info.offset), int(info.length)))
+    return out
+
+
+def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def dist_reader(iter_dir: str, *, trust: bool = False) -> DistReader:
+    """A reader for the :class:`RegionRef` tensors of the torch_dist iteration dir ``iter_dir``."""
+    return DistReader(iter_dir, chunk_index(read_dcp_metadata(iter_dir, trust=trust)), trust=trust)
