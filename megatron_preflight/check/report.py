@@ -104,11 +104,13 @@ def _optimizer_line(index: reshard.CheckpointIndex) -> str | None:
 def render_plan(plan: Plan) -> str:
     lines = [render_layout(plan.index, max_shards=8, problems=False), ""]
     if plan.findings:
-        lines.append(f"{'severity':<8} {'field':<38} {'checkpoint':>14} {'run':>14}")
+        width = max([14, *(len(str(v)) for f in plan.findings for v in (f.checkpoint, f.runtime) if v is not None)])
+        width = min(width, 24)  # values are shown whole up to 24 characters (transformer_engine, dp_reshardable)
+        lines.append(f"{'severity':<8} {'field':<38} {'checkpoint':>{width}} {'run':>{width}}")
         for f in plan.findings:
             ck = "-" if f.checkpoint is None else str(f.checkpoint)
             run = "-" if f.runtime is None else str(f.runtime)
-            lines.append(f"{f.severity.value:<8} {f.field:<38} {ck[:14]:>14} {run[:14]:>14}")
+            lines.append(f"{f.severity.value:<8} {f.field:<38} {ck[:width]:>{width}} {run[:width]:>{width}}")
             lines.append(f"         {f.message}")
             if f.fix:
                 lines.append(f"         fix: {f.fix}")
