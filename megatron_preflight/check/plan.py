@@ -15,6 +15,7 @@ from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, fro
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
+from megatron_preflight.parallel import LayoutError
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,9 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
                        "loader cannot load it (it fails with an assert, a size mismatch, or exits 0 with "
                        "'could not load the checkpoint')")
                 fix = ("megatron-preflight reshards it in memory at load (--preflight auto), or offline: "
-                       f"megatron-preflight reshard {layout.root or layout.path} NEW_DIR "
-                       f"--tensor-model-parallel-size {rt.tp} --pipeline-model-parallel-size {rt.pp} "
-                       f"--expert-model-parallel-size {rt.ep}")
+                       f"megatron-preflight reshard {layout.root or layout.path} NEW_DIR -- <the run's "
+                       "pretrain_gpt.py flags> (the same flags give the same layout, spec and optimizer form: "
+                       f"{_layout_flags(rt)}), then --load NEW_DIR")
             else:
                 msg = (f"the parallel layout differs ({name}: checkpoint {ck}, run {run}); "
                        f"{layout.format.value if layout.format else 'the'} format reshards model weights at load")
@@ -209,6 +210,21 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
         out.append(Finding("optimizer", "saved", "not loaded", INFO,
                            "--no-load-optim/--finetune: the optimizer state is not loaded", ""))
     return out, load_optim, load_rng
+
+
+def _layout_flags(rt: RuntimeArgs) -> str:
+    """The run's parallel layout as the flags that set it (what the printed fixes name)."""
+    try:
+        sizes = rt.layout().to_args() if rt.num_layers else {}
+    except LayoutError:  # an impossible split is a finding of its own
+        sizes = {}
+    flags = [f"--tensor-model-parallel-size {rt.tp}", f"--pipeline-model-parallel-size {rt.pp}"]
+    if rt.ep > 1 or rt.num_experts:
+        flags += [f"--expert-model-parallel-size {rt.ep}", f"--expert-tensor-parallel-size {rt.etp}"]
+    per_chunk = sizes.get("num_layers_per_virtual_pipeline_stage")
+    if per_chunk:
+        flags.append(f"--num-layers-per-virtual-pipeline-stage {per_chunk}")
+    return " ".join(flags)
 
 
 def _convertible(index: reshard.CheckpointIndex) -> bool:

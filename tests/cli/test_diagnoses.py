@@ -189,3 +189,18 @@ def test_a_non_positive_size_is_a_usage_error_in_every_entry_point(flag, value, 
         assert err.count("\n") == 0 and flag in err and "positive integer" in err, (argv, err)
         assert "internal error" not in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_following_the_checks_offline_fix_gives_a_checkpoint_that_loads(tmp_path, capsys):
+    """The fix printed for a layout change: reshard with the run's own flags after --, then load the output."""
+    from tests.helpers.tiny import FLAGS
+
+    run = [*FLAGS, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch"]
+    assert main(["check", fixture_path("tp2_torch"), "--", *run]) == 0
+    out = capsys.readouterr().out
+    assert "NEW_DIR -- <the run's pretrain_gpt.py flags>" in out and "--pipeline-model-parallel-size 2" in out
+    new = str(tmp_path / "new")
+    assert main(["reshard", fixture_path("tp2_torch"), new, "--no-progress", "--", *run]) == 0
+    capsys.readouterr()
+    assert main(["check", new, "--", *run]) == 0
+    assert "LOAD: the job may start; the checkpoint loads as is" in capsys.readouterr().out
