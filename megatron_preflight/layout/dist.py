@@ -19,6 +19,7 @@ from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.placeholders import Placeholder
 from megatron_preflight.safe_pickle import safe_loads
 from megatron_preflight.torch_file import TensorRef, TorchFile, read_torch_file
+from megatron_preflight.tree import map_leaves
 
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
@@ -85,22 +86,11 @@ def read_object(iter_dir: str, fqn: str, info: Any, *, trust: bool = False, tens
         try:
             value = f.load_metadata()
             if tensors:
-                value = _loaded(value, f)
+                value = map_leaves(value, lambda v, _p: f.tensor(v).clone() if isinstance(v, TensorRef) else v)
         except PreflightError as exc:
             exc.path = f"{path}[{fqn}]"
             raise
     return value[0] if isinstance(value, list) and len(value) == 1 else value
-
-
-def _loaded(value: Any, f: TorchFile) -> Any:
-    """``value`` with every TensorRef read from ``f`` (copied: the blob is closed after)."""
-    if isinstance(value, TensorRef):
-        return f.tensor(value).clone()
-    if isinstance(value, dict):
-        return type(value)((k, _loaded(v, f)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_loaded(v, f) for v in value)
-    return value
 
 
 def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:

@@ -23,8 +23,8 @@ import torch
 from megatron_preflight import pickling
 from megatron_preflight.layout import naming
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.torch_file import TensorRef, read_torch_file
+from megatron_preflight.tree import map_leaves
 
 TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron-lm",
                         "moe_shared_tp2pp2ep2_torch", "iter_0000002", "mp_rank_00_000_000", "model_optim_rng.pt")

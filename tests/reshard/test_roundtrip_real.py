@@ -14,8 +14,8 @@ from megatron_preflight.layout.discover import discover
 from megatron_preflight.reshard import write_resharded
 from megatron_preflight.reshard.resharder import open_resharder
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.tree import iter_leaves
 from megatron_preflight.torch_file import TensorRef, TorchFile
+from megatron_preflight.tree import iter_leaves
 from tests.conftest import fixture_path
 
 VOCAB = 100  # the true vocab of the fixtures and of the test models (--vocab-size 100)

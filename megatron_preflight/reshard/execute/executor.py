@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_preflight import dtypes
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.tree import map_leaves
+from megatron_preflight.tree import map_leaves
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
     import torch

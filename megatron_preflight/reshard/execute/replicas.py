@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.tree import iter_leaves
 from megatron_preflight.torch_file import TensorRef
+from megatron_preflight.tree import iter_leaves
 
 if TYPE_CHECKING:
     import torch

@@ -43,8 +43,8 @@ from megatron_preflight.reshard.plan.types import (
     TensorPlan,
     VocabPlan,
 )
-from megatron_preflight.reshard.tree import iter_leaves, map_leaves
 from megatron_preflight.torch_file import TensorRef
+from megatron_preflight.tree import iter_leaves, map_leaves
 
 MASTER = "@master"  # field name of a Float16 optimizer's fp32 master copy
 

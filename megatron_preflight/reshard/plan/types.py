@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.reshard.plan.rules import KeyInfo, Rule
-from megatron_preflight.reshard.tree import iter_leaves
 from megatron_preflight.torch_file import TensorRef
+from megatron_preflight.tree import iter_leaves
 
 
 class GlobalKey(NamedTuple):

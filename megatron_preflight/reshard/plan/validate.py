@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.reshard.plan.types import FlatPlan, PlanError, RankPlan, TensorPlan, flat_parts
-from megatron_preflight.reshard.tree import iter_leaves
+from megatron_preflight.tree import iter_leaves
 
 
 def validate_plan(plan: RankPlan) -> None:

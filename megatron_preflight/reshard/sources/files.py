@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_preflight.reshard.sources.legacy import LegacyReader
 from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, dist_reader
-from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.torch_file import TensorRef
+from megatron_preflight.tree import map_leaves
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
     import torch

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight.torch_file import TensorRef
+from megatron_preflight.tree import map_leaves
 
 PICKLED_NONE = b"\x80\x04N."  # pickle.dumps(None): TE 2.0-2.3's extra state of a module without FP8
 
@@ -31,10 +32,5 @@ class TensorValue:
 
 
 def described(value: Any) -> Any:
-    if isinstance(value, TensorRef):
-        return TensorValue(value.dtype, tuple(value.shape))
-    if isinstance(value, dict):
-        return type(value)((k, described(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(described(v) for v in value)
-    return value
+    """``value`` with each tensor reference replaced by its :class:`TensorValue` (no torch)."""
+    return map_leaves(value, lambda v, _p: TensorValue(v.dtype, tuple(v.shape)) if isinstance(v, TensorRef) else v)

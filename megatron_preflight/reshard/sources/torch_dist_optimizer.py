@@ -32,8 +32,8 @@ from megatron_preflight.reshard.plan.index import iter_source_keys
 from megatron_preflight.reshard.plan.topology import is_tied
 from megatron_preflight.reshard.plan.types import GlobalEntry, SourcePiece
 from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab
-from megatron_preflight.reshard.tree import map_leaves
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
+from megatron_preflight.tree import map_leaves
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ from megatron_preflight.reshard.execute.executor import build_rows
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets.zip_writer import TorchZipWriter, zip_size
-from megatron_preflight.reshard.tree import map_leaves
+from megatron_preflight.tree import map_leaves
 
 CHUNK_BYTES = 16 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
 
