@@ -115,26 +115,49 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                                f"set --max-position-embeddings {ck}"))
     out.extend(_compare_vocab(layout, rt))
     out.extend(_compare_dtype(saved, rt))
-    ck_gg, run_gg = bool(_get(saved, "moe_grouped_gemm", False)), rt.moe_grouped_gemm
-    if _get(saved, "num_experts") and ck_gg != run_gg:
-        if layout.format == Format.TORCH:
-            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, FATAL,
-                               "grouped-GEMM experts store weights under other keys (experts.weight1/2) than "
-                               "SequentialMLP (local_experts.N) in a legacy checkpoint", _bool_fix("moe_grouped_gemm", ck_gg)))
-        else:
-            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, INFO,
-                               "torch_dist stores grouped and sequential experts alike: loads either way", ""))
-    ck_impl, run_impl = _get(saved, "transformer_impl"), rt.transformer_impl
+    out.extend(_compare_spec(layout, rt))
+    return out
+
+
+def _reshard_fix(layout: Layout, flag: str) -> str:
+    return ("megatron-preflight renames them in memory at load (--preflight auto), or offline: megatron-preflight "
+            f"reshard {layout.root or layout.path} NEW_DIR -- <the run's pretrain_gpt.py flags, {flag} included>, "
+            "then --load NEW_DIR")
+
+
+def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    """The layer spec (--transformer-impl) and the expert form (--moe-grouped-gemm): other tensor names in a legacy
+    file, the same tensors (reshard/plan/spec.py bridges them); torch_dist maps the names itself."""
+    saved = layout.saved_args
+    out: list[Finding] = []
+    ck_impl = _get(saved, "transformer_impl")
+    run_impl = rt.transformer_impl
+    legacy = layout.format == Format.TORCH
     if ck_impl and run_impl and ck_impl != run_impl:
-        if layout.format == Format.TORCH:
-            out.append(Finding("transformer_impl", ck_impl, run_impl, FATAL,
-                               "legacy checkpoints store layernorms under spec-specific keys (local "
-                               "`input_layernorm` vs Transformer Engine `linear_qkv.layer_norm_weight`)",
-                               f"set --transformer-impl {ck_impl}, or convert to torch_dist with Megatron's "
-                               "--ckpt-convert-format torch_dist (it maps the names)"))
+        if legacy:
+            out.append(Finding("transformer_impl", ck_impl, run_impl, RESHARD,
+                               "a legacy file names layer norms and extra state by its layer spec (local "
+                               "`input_layernorm.weight` vs Transformer Engine `linear_qkv.layer_norm_weight`); the "
+                               "tensors are the same", _reshard_fix(layout, f"--transformer-impl {run_impl}")))
         else:
             out.append(Finding("transformer_impl", ck_impl, run_impl, INFO,
                                "torch_dist maps local and Transformer Engine names to the same keys (dense models)", ""))
+    ck_gg, run_gg = bool(_get(saved, "moe_grouped_gemm", False)), rt.moe_grouped_gemm
+    if _get(saved, "num_experts") and ck_gg != run_gg:
+        if not legacy:
+            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, INFO,
+                               "torch_dist stores grouped and sequential experts alike: loads either way", ""))
+        elif (ck_gg and ck_impl == "local") or (run_gg and run_impl == "local"):
+            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, FATAL,
+                               "grouped experts of the local spec are the legacy GroupedMLP (experts.weight1/2: all "
+                               "experts in one transposed tensor), which megatron-preflight does not map",
+                               _bool_fix("moe_grouped_gemm", ck_gg)))
+        else:
+            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, RESHARD,
+                               "grouped experts (Transformer Engine: experts.linear_fc1.weight{j}) and sequential ones "
+                               "(local_experts.{j}.linear_fc1.weight) hold the same tensors under other names in a "
+                               "legacy file", _reshard_fix(layout, "--moe-grouped-gemm" if run_gg else
+                                                           "no --moe-grouped-gemm")))
     return out
 
 

@@ -12,6 +12,8 @@ from megatron_preflight import reshard  # its modules load on first use (a lazy 
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, from_namespace
+from megatron_preflight.check.save import save_findings
+from megatron_preflight.check.schedule import horizon_findings, schedule_findings
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
@@ -212,6 +214,35 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
     return out, load_optim, load_rng
 
 
+_FAMILIES = {"torch": "torch's Adam/AdamW (a step per parameter)",
+             "fused": "a fused Adam (TE's or apex's FusedAdam: one step per param group, bias_correction)"}
+
+
+def _family_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[Finding]:
+    """The run builds another Adam than the one that saved the state (TE or apex installed on one side only):
+    Megatron's loader takes the saved param groups as they are, and the first step fails (KeyError:
+    'bias_correction') or Adam's step restarts; the resharder converts the state, step kept."""
+    if rt.no_load_optim or rt.finetune or rt.optimizer_family is None:
+        return []
+    ck = index.adam_family
+    if ck is None or ck == rt.optimizer_family:
+        return []
+    layout = index.layout
+    why = (f"the optimizer state was saved by {_FAMILIES[ck]}; the run builds {_FAMILIES[rt.optimizer_family]}. "
+           "Megatron's loader takes the saved param groups as they are: the first step fails (KeyError: "
+           "'bias_correction') or Adam's step count is lost")
+    problem = index.optimizer.problem
+    if problem is not None:
+        return [Finding("optimizer_family", ck, rt.optimizer_family, FATAL,
+                        f"{why}; the resharder cannot convert it ({problem.message})",
+                        "add --no-load-optim (and keep the weights)")]
+    return [Finding("optimizer_family", ck, rt.optimizer_family, RESHARD,
+                    f"{why}; the resharder converts it (exp_avg, exp_avg_sq and masters as they are, the step kept)",
+                    "run with --preflight auto (converted in memory); or offline: megatron-preflight reshard "
+                    f"{layout.root or layout.path} NEW_DIR --optimizer-family {rt.optimizer_family} -- <the run's "
+                    "flags>, then --load NEW_DIR")]
+
+
 def _layout_flags(rt: RuntimeArgs) -> str:
     """The run's parallel layout as the flags that set it (what the printed fixes name)."""
     try:
@@ -294,16 +325,20 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
         findings += _format_findings(layout, rt)
         findings += compare_architecture(layout, rt)
         lay, changed = _layout_findings(layout, rt)
-        changed = changed or (optimizer_toggled(layout, rt) and _convertible(index))
-        findings += lay
+        family = _family_findings(index, rt)
+        renamed = any(f.severity == RESHARD for f in findings if f.field in ("transformer_impl", "moe_grouped_gemm"))
+        changed = changed or renamed or any(f.severity == RESHARD for f in family) or \
+            (optimizer_toggled(layout, rt) and _convertible(index))
+        findings += lay + family
+        findings += schedule_findings(layout, rt) + horizon_findings(layout, rt) + save_findings(layout, rt)
         state, load_optim, load_rng = _state_findings(index, rt, changed)
         findings += state
     else:
         changed, load_optim, load_rng = False, False, False
     if layout.format == Format.TORCH:
         loader = Loader.RESHARD if changed else (Loader.EP_3D if (layout.ep or 1) > 1 else Loader.NON_EP)
-    elif layout.format == Format.TORCH_DIST and any(f.field == "optimizer" and f.severity == RESHARD
-                                                    for f in findings):
+    elif layout.format == Format.TORCH_DIST and any(f.field in ("optimizer", "optimizer_family") and
+                                                    f.severity == RESHARD for f in findings):
         loader = Loader.RESHARD  # Megatron's dist loader would refuse it (see _megatron_refuses)
     elif layout.format is not None:
         loader = Loader.DIST

@@ -62,6 +62,9 @@ class RuntimeArgs:
     qk_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = False
     transformer_impl: str = "transformer_engine"
+    # The run's Adam: "torch" (AdamW) or "fused" (TE's or apex's FusedAdam). Not a Megatron flag: Megatron takes the
+    # one installed; the hook reads it from the run, the CLI from --optimizer-family (None: unknown, not compared).
+    optimizer_family: str | None = None
     use_distributed_optimizer: bool = False
     ckpt_format: str = "torch_dist"
     auto_detect_ckpt_format: bool = False
@@ -78,6 +81,26 @@ class RuntimeArgs:
     exit_on_missing_checkpoint: bool = False
     world_size: int | None = None
     use_tp_pp_dp_mapping: bool = False
+    # the LR schedule and the horizon (check/schedule.py); Megatron's defaults, None = not set / not known
+    lr: float | None = None
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_fraction: float | None = None
+    lr_decay_iters: int | None = None
+    lr_decay_samples: int | None = None
+    train_iters: int | None = None
+    train_samples: int | None = None
+    global_batch_size: int | None = None
+    weight_decay: float = 0.01
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+    skip_train: bool = False
+    save: str | None = None
     given: set[str] = field(default_factory=set)  # fields the user set explicitly
 
     # -- derived values ------------------------------------------------------------------------------------------
@@ -178,6 +201,12 @@ def _coerce(key: str, value: Any) -> Any:
         if isinstance(value, str):
             return value.lower() in ("1", "true", "yes", "on")
         return bool(value)
+    if "float" in str(typ) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise PreflightError(f"argument {key} must be a number, got {value!r}", fix=f"pass a number for {key}",
+                                 code="usage") from None
     if "int" in str(typ) and not isinstance(value, bool):
         try:
             return int(value)
@@ -206,6 +235,9 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(flag, dest=name, default=None)
     p.add_argument("--disable-bias-linear", dest="disable_bias_linear", action="store_true", default=None)
+    for old in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):  # Megatron's old spelling
+        p.add_argument("--" + old.replace("_", "-").replace("opt-param", "opt_param"), dest=old, action="store_true",
+                       default=None)
     for alias, dest in _ALIASES.items():
         p.add_argument(alias, dest=f"alias_{dest}_{alias}", default=None)
     p.add_argument("--nnodes", dest="nnodes", default=None)

@@ -66,6 +66,10 @@ def _run(ns: argparse.Namespace) -> int:
         target = dataclasses.replace(target, distributed_optimizer=ns.optimizer == "distributed")
     if ns.ckpt_format:
         target = dataclasses.replace(target, ckpt_format=ns.ckpt_format)
+    if ns.optimizer_family:
+        target = dataclasses.replace(target, optimizer_family=ns.optimizer_family)
+    if ns.transformer_impl:
+        target = dataclasses.replace(target, transformer_impl=ns.transformer_impl)
     if ns.dry_run:
         return _dry_run(ns, target)
     summary = write_resharded(ns.src, ns.dst, target, workers=ns.workers, verify=ns.verify,
@@ -131,6 +135,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", choices=("plain", "distributed"),
                    help="write the optimizer state for this optimizer (the new run with or without "
                         "--use-distributed-optimizer); default: the source's, or what the flags after -- say")
+    p.add_argument("--optimizer-family", choices=("torch", "fused"),
+                   help="write the Adam state for this Adam: torch (AdamW, where neither Transformer Engine nor apex "
+                        "is installed) or fused (TE's or apex's FusedAdam); default: the source's, or fused when "
+                        "the flags after -- ask for the Transformer Engine spec of a local-spec checkpoint")
+    p.add_argument("--transformer-impl", choices=("local", "transformer_engine"),
+                   help="write the tensors under this layer spec's names; default: the source's, or what the flags "
+                        "after -- say")
     p.add_argument("--keep-stale-temp", action="store_true",
                    help="leave the partial output of earlier runs that died (.DST.tmp-PID) in place; by default it is "
                         "removed, and the summary names it")

@@ -141,7 +141,7 @@ def install() -> None:
                 from megatron.training.checkpointing import CheckpointType
 
                 state, name, release = legacy_load.resharded_state_dict(load_dir, args, rank0=rank0,
-                                                                        optimizer=optimizer)
+                                                                        optimizer=optimizer, model=ddp_model)
                 return state, name, release, CheckpointType.LEGACY
 
             ckpt_mod._load_base_checkpoint = reshard_base

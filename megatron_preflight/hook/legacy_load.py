@@ -120,11 +120,43 @@ def live_groups(optimizer: Any) -> list[list[tuple[tuple, int]]] | None:
     return out
 
 
-def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
-                         optimizer: Any = None) -> tuple[dict[str, Any], str, bool]:
+def unwrapped(chunk: Any) -> Any:
+    """The model inside Megatron's wrappers (DDP, Float16Module: each keeps it as ``.module``)."""
+    while hasattr(chunk, "module") and hasattr(chunk.module, "state_dict"):
+        chunk = chunk.module
+    return chunk
+
+
+def match_extra_state(state: dict[str, Any], model: Any) -> int:
+    """Give each model chunk's state exactly the ``_extra_state`` entries the running modules have (Megatron loads
+    strictly): which modules keep one depends on the installed Transformer Engine and its version (a TE final norm
+    even under the local spec), not only on the spec. Missing ones are made ``None`` (every module's
+    ``set_extra_state`` accepts it: nothing to restore), ones the run's modules lack are dropped. Returns how many
+    entries changed."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    changed = 0
+    for i, chunk in enumerate(chunks):
+        sd = state.get("model" if len(chunks) == 1 else f"model{i}")
+        if not isinstance(sd, dict):
+            continue
+        live = [k for k in unwrapped(chunk).state_dict(keep_vars=True) if k.endswith("_extra_state")]
+        live_set = set(live)
+        for key in [k for k in sd if k.endswith("_extra_state") and k not in live_set]:
+            del sd[key]
+            changed += 1
+        for key in live:
+            if key not in sd:
+                sd[key] = None
+                changed += 1
+    return changed
+
+
+def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False, optimizer: Any = None,
+                         model: Any = None) -> tuple[dict[str, Any], str, bool]:
     """(state_dict, a checkpoint name for Megatron's messages, release) for this rank. With the run's ``optimizer``,
     the resharded optimizer state's param groups are put in that optimizer's order (which older Megatron-LM
-    versions choose per rank)."""
+    versions choose per rank); with its ``model``, the extra-state entries are the running modules'
+    (:func:`match_extra_state`)."""
     r = resharder_for(load_dir, args)
     release = r.layout.iteration == naming.RELEASE
     name = os.path.join(r.layout.iter_dir or load_dir, f"<resharded to TP{r.tgt.tp} PP{r.tgt.pp} EP{r.tgt.ep}>")
@@ -140,6 +172,11 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False,
     groups = None if r.target_distributed else live_groups(optimizer)  # the distributed one maps groups by key
     if "optimizer" in state and groups is not None:
         state["optimizer"] = reshard.align_groups(state["optimizer"], groups)
+    if model is not None:
+        moved = match_extra_state(state, model)
+        if moved:
+            log.info("%d _extra_state entries matched to the running modules (%s)", moved,
+                     r.spec.describe() if r.spec is not None and r.spec.changes else "same layer spec")
     log.info("built rank state dict from %s (%d tensors, %.1f MiB)", ", ".join(plan.sources), len(plan.tensors),
              plan.nbytes / 2**20)
     return state, name, release

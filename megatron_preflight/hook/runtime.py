@@ -8,6 +8,7 @@ every rank with status 1 (rank 0 prints the one-screen report first). The decisi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -56,8 +57,23 @@ def _say(msg: str) -> None:
         print(f"[megatron-preflight] {msg}", flush=True)
 
 
+def run_adam_family(args: Any) -> str | None:
+    """The Adam this Megatron process builds: TE's or apex's FusedAdam when either is installed, torch's otherwise
+    (Megatron decides it once, at import, in ``megatron.core.optimizer``); None for another optimizer or when this
+    Megatron does not say."""
+    if getattr(args, "optimizer", "adam") != "adam" or getattr(args, "optimizer_cpu_offload", False):
+        return None
+    try:
+        from megatron.core import optimizer as mcore_optimizer  # Megatron is present: this runs inside its job
+    except Exception:  # noqa: BLE001 - no megatron.core (a library user): unknown
+        return None
+    using_torch = getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", None)
+    return None if using_torch is None else ("torch" if using_torch else "fused")
+
+
 def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     rt = from_namespace(args)
+    rt.optimizer_family = run_adam_family(args)
     if mode == "auto":
         rt.auto_detect_ckpt_format = True  # auto mode turns it on for a dist checkpoint (apply_decision)
     if not rt.world_size:
@@ -79,7 +95,8 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
                    "`megatron-preflight reshard`.")
     if verdict == Verdict.FAIL and plan.layout.format is None and not allow_missing:
         report += ("\nIf starting from scratch is intended, add --preflight-allow-missing-checkpoint.")
-    target = reshard.TargetLayout.from_args(args) if plan.loader == Loader.RESHARD else None
+    target = dataclasses.replace(reshard.TargetLayout.from_args(args), optimizer_family=rt.optimizer_family) \
+        if plan.loader == Loader.RESHARD else None
     return Decision(mode, verdict, plan.loader, plan.load_optimizer, plan.load_rng, load_dir, target, report,
                     plan.to_json())
 

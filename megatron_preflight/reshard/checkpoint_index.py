@@ -22,6 +22,7 @@ from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.optimizer.convert import distributed_to_plain
 from megatron_preflight.reshard.optimizer.distributed import DistOptimizerIndex, index_dist_optimizer
+from megatron_preflight.reshard.optimizer.family import family_of, saved_family
 from megatron_preflight.reshard.optimizer.plain import OptimizerIndex, OptimizerNotReshardable, index_optimizer
 from megatron_preflight.reshard.optimizer.status import OptimizerStatus, optimizer_status
 from megatron_preflight.reshard.plan.consistency import checkpoint_problems, complete_problems
@@ -172,6 +173,21 @@ class CheckpointIndex:
             return SourceOptimizer(plain=index_optimizer(view, self.topology), saved_distributed=saved)
         except PreflightError as e:
             return SourceOptimizer(problem=e, saved_distributed=saved)
+
+    @cached_property
+    def adam_family(self) -> str | None:
+        """The Adam implementation that saved the optimizer state ("torch" or "fused"; see
+        :mod:`.optimizer.family`): from the param groups in the first file's header or the common state, else from
+        the indexed state; None without a readable state."""
+        lay = self.layout
+        head = lay.common_state if lay.format == Format.TORCH_DIST else (
+            lay.shards[0].meta if lay.shards else None)
+        found = saved_family(head.get("optimizer")) if isinstance(head, dict) else None
+        if found is not None:
+            return found
+        source = self.optimizer
+        state = source.plain or source.distributed
+        return family_of([state.settings[s] for s in state.order]) if state is not None else None
 
     @cached_property
     def optimizer_status(self) -> OptimizerStatus | None:

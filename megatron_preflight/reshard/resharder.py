@@ -30,6 +30,7 @@ from megatron_preflight.reshard.optimizer.distributed import (
     check_masters,
     plan_dist_optimizer,
 )
+from megatron_preflight.reshard.optimizer.family import FUSED, family_of, renamed, to_family
 from megatron_preflight.reshard.optimizer.plain import (
     PROVENANCE_KEY,
     OptimizerIndex,
@@ -39,6 +40,8 @@ from megatron_preflight.reshard.optimizer.plain import (
 from megatron_preflight.reshard.plan.consistency import args_problems, complete_problems, raise_first
 from megatron_preflight.reshard.plan.index import VOCAB_KEYS, GlobalIndex
 from megatron_preflight.reshard.plan.planner import plan_rank, rewrite_args, target_vocab
+from megatron_preflight.reshard.plan.spec import TE, SpecChange, bridge, spec_change
+from megatron_preflight.reshard.plan.topology import saved_arg
 from megatron_preflight.reshard.plan.types import RankPlan, VocabPlan
 from megatron_preflight.reshard.plan.validate import validate_plan
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -124,6 +127,8 @@ class Resharder:
     choice: OptimizerChoice
     bucket_size: int | None  # the target's DDP bucket size (the source's settings; see optimizer.distributed)
     dropped: Mapping[str, str]
+    tensors: GlobalIndex | None = None  # the global index in the target's spec (None: the checkpoint's own)
+    spec: SpecChange | None = None  # the layer spec / expert form change the target asks for
     _plans: dict[tuple, RankPlan] = field(default_factory=dict, repr=False, compare=False)  # the latest plans
 
     # -- the source (the checkpoint index holds it) ----------------------------------------------------------------
@@ -138,7 +143,8 @@ class Resharder:
 
     @property
     def index(self) -> GlobalIndex:
-        return self.checkpoint.tensors
+        """Every global tensor, named as the target's spec names it."""
+        return self.tensors if self.tensors is not None else self.checkpoint.tensors
 
     @property
     def tied(self) -> bool:
@@ -239,6 +245,10 @@ class Resharder:
                     state["args"].ckpt_format = "torch"  # what this file is now
                 if not self.writes_optimizer:
                     state["args"].no_save_optim = True  # saved without optimizer state, as Megatron would say
+                if self.spec is not None and self.spec.changes:
+                    state["args"].transformer_impl = self.spec.target
+                    if hasattr(state["args"], "moe_grouped_gemm"):
+                        state["args"].moe_grouped_gemm = self.spec.target_grouped
             for key in CARRIED:
                 if key in meta:
                     state[key] = files.materialize(first.name, meta[key])
@@ -293,10 +303,40 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
         else target.distributed_optimizer
     choice = choose_optimizer(index, distributed=distributed, keep=keep_optimizer,
                               group_order=target.optimizer_group_order)
+    moe = any(k.expert is not None for k in index.tensors)
+    change = spec_change(view.saved_args, target.transformer_impl, target.moe_grouped_gemm, moe)
+    tensors, renamed_keys = None, {}
+    if change.changes:
+        tensors, renamed_keys = bridge(index.tensors, change, swiglu=bool(saved_arg(view.saved_args, "swiglu", False)))
+        log.info("tensors renamed for the target: %s", change.describe())
+    family = target.optimizer_family or (FUSED if change.target == TE != change.source else None)
+    choice = _adapted(choice, index, renamed_keys, family,
+                      decoupled=bool(saved_arg(view.saved_args, "decoupled_weight_decay", True)))
     if choice.dropped:
         dropped["optimizer"] = choice.dropped
     return Resharder(index, target, tgt, vocab, keep_optimizer, distributed, choice, bucket_size(view.saved_args),
-                     MappingProxyType(dropped))
+                     MappingProxyType(dropped), tensors, change)
+
+
+def _adapted(choice: OptimizerChoice, index: CheckpointIndex, renamed_keys: dict, family: str | None, *,
+             decoupled: bool) -> OptimizerChoice:
+    """The chosen optimizer state under the target's parameter names and in the target's Adam family."""
+    if not choice.written:
+        return choice
+    plain, dist = choice.plain, choice.distributed
+    converted = [choice.converted] if choice.converted else []
+    if family is not None:
+        step = index.step_of(plain) if plain is not None else 0.0
+        before = family_of([s for s in (plain or dist).settings.values()])  # type: ignore[union-attr]
+        plain = to_family(plain, family, step, decoupled=decoupled) if plain is not None else None
+        dist = to_family(dist, family, step, decoupled=decoupled) if dist is not None else None
+        if before != family:
+            converted.append(f"the Adam state was converted from {before} to {family} Adam (step {step:g} kept)"
+                             if plain is not None else f"the Adam param groups were converted from {before} to "
+                             f"{family} Adam")
+    plain = renamed(plain, renamed_keys) if plain is not None else None
+    dist = renamed(dist, renamed_keys) if dist is not None else None
+    return dataclasses.replace(choice, plain=plain, distributed=dist, converted="; ".join(converted))
 
 
 def build_rank_state_dict(checkpoint: str | Layout | Resharder, target_layout: TargetLayout, rank: int,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight import parallel
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.parallel import ParallelLayout
 
 
@@ -38,9 +39,22 @@ class TargetLayout:
     distributed_optimizer: bool | None = None
     # The format to write: "torch" (legacy, the default) or "torch_dist" (see reshard/targets/torch_dist.py).
     ckpt_format: str | None = None
+    # The target run's layer spec (--transformer-impl: "local" or "transformer_engine") and expert form
+    # (--moe-grouped-gemm); None: the checkpoint's. A change renames tensors (see reshard/plan/spec.py).
+    transformer_impl: str | None = None
+    moe_grouped_gemm: bool | None = None
+    # The target run's Adam: "torch" (AdamW) or "fused" (TE's or apex's FusedAdam); None: the checkpoint's, or fused
+    # for a Transformer Engine spec that the checkpoint did not have (Megatron builds TE's FusedAdam where TE is).
+    optimizer_family: str | None = None
 
     def __post_init__(self) -> None:
         parallel.validate_sizes(self.megatron_sizes())  # a size that enters here is checked here, once
+        for name, allowed in (("transformer_impl", ("local", "transformer_engine")),
+                              ("optimizer_family", ("torch", "fused"))):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise PreflightError(f"--{name.replace('_', '-')} {value!r} is not one of {', '.join(allowed)}",
+                                     fix=f"pass one of: {', '.join(allowed)}", code="usage")
 
     def megatron_sizes(self) -> dict[str, int | None]:
         """The sizes given, by their Megatron arg names (None: keep the source's)."""
@@ -77,6 +91,9 @@ class TargetLayout:
             make_vocab_size_divisible_by=get("make_vocab_size_divisible_by"),
             # the output's format only when the run's flags name it (Megatron's default is torch_dist)
             ckpt_format=get("ckpt_format") if given is not None else None,
+            transformer_impl=get("transformer_impl"),
+            moe_grouped_gemm=None if get("moe_grouped_gemm") is None else bool(get("moe_grouped_gemm")),
+            optimizer_family=get("optimizer_family"),
         )
 
     def resolve(self, src: ParallelLayout) -> ParallelLayout:

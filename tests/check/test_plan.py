@@ -159,7 +159,6 @@ ARCH_CHANGES = [
     ("qk_layernorm", ["--qk-layernorm"]),
     ("untie_embeddings_and_output_weights", ["--untie-embeddings-and-output-weights"]),
     ("vocab_size", ["--vocab-size", "200"]),
-    ("transformer_impl", ["--transformer-impl", "transformer_engine"]),
 ]
 
 
@@ -170,6 +169,39 @@ def test_each_architecture_field_is_fatal(field, flags):
     f = [f for f in p.fatal if f.field == field]
     assert len(f) == 1, [x.to_json() for x in p.findings]
     assert f[0].fix and f[0].message
+
+
+@pytest.mark.parametrize("name, flags", [
+    ("tp1_torch", ["--transformer-impl", "transformer_engine"]),  # local -> TE: the same tensors, other names
+    ("te_tp2_torch", ["--tensor-model-parallel-size", "2", "--transformer-impl", "local"]),  # TE -> local
+])
+def test_a_layer_spec_change_is_a_reshard(name, flags):
+    p = plan(name, *flags)
+    assert p.verdict == Verdict.RESHARD and p.loader == Loader.RESHARD, [f.to_json() for f in p.fatal]
+    f, = [f for f in p.findings if f.field == "transformer_impl"]
+    assert f.severity.value == "reshard" and "--preflight auto" in f.fix and "--transformer-impl" in f.fix
+
+
+@pytest.mark.parametrize("name, flags, run, ckpt", [
+    ("tp2_torch", ["--tensor-model-parallel-size", "2"], "fused", "torch"),
+    ("te_tp2_torch", ["--tensor-model-parallel-size", "2", "--transformer-impl", "transformer_engine"], "torch",
+     "fused"),
+    ("te_tp2_torch_dist", ["--tensor-model-parallel-size", "2", "--transformer-impl", "transformer_engine"], "torch",
+     "fused"),
+])
+def test_another_adam_is_converted_by_the_resharder(name, flags, run, ckpt):
+    """The run builds another Adam (TE / apex installed on one side only): Megatron would fail at the first step
+    (KeyError: 'bias_correction') or lose the step; the resharder's loader converts it, legacy and torch_dist."""
+    rt = from_cli(TINY + flags + ["--optimizer-family", run])
+    p = make_plan(fixture_path(name), rt)
+    f, = [f for f in p.findings if f.field == "optimizer_family"]
+    assert (f.checkpoint, f.runtime, f.severity.value) == (ckpt, run, "reshard")
+    assert p.verdict == Verdict.RESHARD and p.loader == Loader.RESHARD
+    assert "--optimizer-family" in f.fix
+    same = make_plan(fixture_path(name), from_cli(TINY + flags + ["--optimizer-family", ckpt]))
+    assert "optimizer_family" not in fields(same)
+    dropped = make_plan(fixture_path(name), from_cli(TINY + flags + ["--optimizer-family", run, "--no-load-optim"]))
+    assert "optimizer_family" not in fields(dropped)
 
 
 def test_every_changed_field_reported_at_once():

@@ -469,3 +469,44 @@ def test_te_production_default_at_another_tp_loads_in_memory(tmp_path):
                     "--train-iters", "4", plugin=False, port=29763, te=True)
     assert rc2 == 0, log2[-3000:]
     assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+@te_only
+def test_local_spec_legacy_resumes_on_a_te_cluster_with_its_optimizer(tmp_path):
+    """A checkpoint trained without TE (local spec, torch AdamW), resumed with the TE spec (the stand-in) and TE's
+    FusedAdam at another TP through --preflight auto: the tensors are renamed, TE's extra state made, the Adam state
+    converted (step kept). Megatron alone fails (legacy: other keys; with the optimizer: KeyError 'bias_correction').
+    Iteration 3 (weights only) equals Megatron's own load of the torch_dist twin in the same TE run; iteration 4
+    (Adam's update) equals the same-spec resume of the twin up to the two Adams' rounding."""
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 1, "--ckpt-format", "torch", "--no-load-rng",
+                  "--train-iters", "4", "--preflight", "auto", port=29764, te=True)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log and "transformer_impl" in log
+    rc2, log2 = run(tmp_path, fixture_path("tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
+                    "--no-load-optim", "--train-iters", "4", plugin=False, port=29765, te=True)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 3, 4) is not None and loss(log, 3, 4) == loss(log2, 3, 4)
+    rc3, log3 = run(tmp_path, fixture_path("tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
+                    "--train-iters", "4", plugin=False, port=29766)
+    assert rc3 == 0, log3[-3000:]
+    assert abs(float(loss(log, 4, 4)) - float(loss(log3, 4, 4))) < 1e-5, (loss(log, 4, 4), loss(log3, 4, 4))
+
+
+@te_only
+def test_te_spec_legacy_resumes_without_te_with_its_optimizer(tmp_path):
+    """The other way: a TE-spec checkpoint (the stand-in's FusedAdam) resumed where TE is not installed (local spec,
+    torch AdamW) at TP1 through --preflight auto: iteration 3 equals Megatron's own load of the TE torch_dist twin
+    in the local run (weights only), iteration 4 the same-spec resume of the twin with the stand-in's FusedAdam up to
+    the two Adams' rounding."""
+    rc, log = run(tmp_path, fixture_path("te_tp2_torch"), 1, "--ckpt-format", "torch", "--no-load-rng",
+                  "--train-iters", "4", "--preflight", "auto", "--transformer-impl", "local", port=29767)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log
+    rc2, log2 = run(tmp_path, fixture_path("te_tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
+                    "--no-load-optim", "--train-iters", "4", "--transformer-impl", "local", plugin=False, port=29768)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 3, 4) is not None and loss(log, 3, 4) == loss(log2, 3, 4)
+    rc3, log3 = run(tmp_path, fixture_path("te_tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
+                    "--train-iters", "4", plugin=False, port=29769, te=True)
+    assert rc3 == 0, log3[-3000:]
+    assert abs(float(loss(log, 4, 4)) - float(loss(log3, 4, 4))) < 1e-5, (loss(log, 4, 4), loss(log3, 4, 4))

@@ -31,6 +31,7 @@ from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
 from megatron_preflight.reshard.plan.rules import parse_key, rule_for, segments
+from megatron_preflight.reshard.plan.spec import MODULE_ORDER, is_local_spec, legacy_suffix, param_rank, rank_in
 from megatron_preflight.reshard.sources.te_extra_state import described, no_fp8_copy
 from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab, contiguous
 from megatron_preflight.torch_file import StorageRef
@@ -44,63 +45,14 @@ LAYERS = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
 
 
-# --transformer-impl local: module names -> the names the torch_dist save uses (megatron-core's local layer spec)
-LOCAL_SPEC_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                   "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-
-
-def is_local_spec(args: Any) -> bool:
-    """``--transformer-impl local``: its layer norms are modules of their own in a legacy state dict."""
-    return getattr(args, "transformer_impl", "transformer_engine") == "local"
-
-
-def _legacy_suffix(rest: str, local_spec: bool) -> str:
-    """A layer key's name in a legacy state dict, from its torch_dist name."""
-    if local_spec:
-        for module, saved in LOCAL_SPEC_KEYS.items():
-            if rest.startswith(saved):
-                return module + rest[len(saved):]
-    return rest
-
-
-def dist_suffix(suffix: str, local_spec: bool) -> str:
-    """A layer key's torch_dist name, from its legacy name (the inverse of :func:`_legacy_suffix`)."""
-    if local_spec:
-        for module, saved in LOCAL_SPEC_KEYS.items():
-            if suffix.startswith(module):
-                return saved + suffix[len(module):]
-    return suffix
-
-
 def object_fqn(base: str, index: tuple[int, ...], count: tuple[int, ...]) -> str:
     """A sharded object's key: ``<base>/shard_<index>_<count>`` (dims joined by dots; ``0_1`` when not stacked).
     :meth:`_Builder.extra_state` parses it."""
     return f"{base}/shard_{'.'.join(map(str, index)) or '0'}_{'.'.join(map(str, count)) or '1'}"
 
 
-# Megatron-Core's module registration order inside a transformer layer (the order of a legacy state dict; the DDP
-# buffer model reads parameter order from it). Keys of other modules follow, in .metadata order.
-MODULE_ORDER = ("input_layernorm.", "self_attention.core_attention.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
-                "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_cross_attn_layernorm.",
-                "cross_attention.", "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.",
-                "mlp.experts.", "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2.",
-                "mlp.shared_experts.")
-
-
-PARAM_ORDER = {"layer_norm_weight": 0, "layer_norm_bias": 1, "weight": 2, "bias": 3, "_extra_state": 9}
-
-
 NON_LAYER_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "embedding.",
                    "decoder.final_layernorm.", "decoder.final_norm.", "output_layer.")
-
-
-def _rank(name: str, table: tuple[str, ...], fallback: int) -> int:
-    hits = [i for i, prefix in enumerate(table) if name.startswith(prefix)]
-    return hits[0] if hits else len(table) + fallback
-
-
-def _param_rank(name: str) -> int:
-    return PARAM_ORDER.get(name.rsplit(".", 1)[-1], 5)
 
 
 @dataclass
@@ -162,9 +114,9 @@ class _Builder:
 
     def _layer_sort(self, g: int, suffix: str, expert: int, pos: int) -> tuple:
         if suffix.startswith(EXPERTS):  # experts: one block, expert-major, then fc1 before fc2
-            inner = _rank(suffix[len(EXPERTS):], ("linear_fc1.", "linear_fc2."), pos)
-            return (1, g, _rank("mlp.experts.", MODULE_ORDER, pos), expert, inner, _param_rank(suffix), pos)
-        return (1, g, _rank(suffix, MODULE_ORDER, pos), 0, 0, _param_rank(suffix), pos)
+            inner = rank_in(suffix[len(EXPERTS):], ("linear_fc1.", "linear_fc2."), pos)
+            return (1, g, rank_in("mlp.experts.", MODULE_ORDER, pos), expert, inner, param_rank(suffix), pos)
+        return (1, g, rank_in(suffix, MODULE_ORDER, pos), 0, 0, param_rank(suffix), pos)
 
     @staticmethod
     def _layers_of(fqn: str, count: int | None) -> tuple[list[tuple[int, tuple[int, ...]]], str]:
@@ -186,7 +138,7 @@ class _Builder:
             stage, chunk = (0, 0) if first else (self.par.pp - 1, self.par.chunks - 1)
             for name, c in self._shards(stage):
                 ref = self._ref(fqn, dtype, (), shape, fqn, c["tp"], self.par.tp)
-                self._add(name, chunk, (0 if first else 2, 0, _rank(fqn, NON_LAYER_ORDER, pos), _param_rank(fqn),
+                self._add(name, chunk, (0 if first else 2, 0, rank_in(fqn, NON_LAYER_ORDER, pos), param_rank(fqn),
                                         pos), fqn, ref)
             return
         layers, rest = self._layers_of(fqn, shape[0])
@@ -202,7 +154,7 @@ class _Builder:
                         ref = self._ref(fqn, dtype, lead + (ge,), inner[1:], key, c["etp"], self.par.etp_eff)
                         self._add(name, chunk, self._layer_sort(g, EXPERTS + suffix, ge, pos), key, ref)
             else:
-                suffix = _legacy_suffix(rest, self.local_spec)
+                suffix = legacy_suffix(rest, self.local_spec)
                 key = f"{LAYERS}{local}.{suffix}"
                 for name, c in self._shards(stage):
                     ref = self._ref(fqn, dtype, lead, inner, key, c["tp"], self.par.tp)
@@ -221,7 +173,7 @@ class _Builder:
             if base.startswith("decoder."):
                 pos = self.position[fqn]
                 for name, _c in self._shards(self.par.pp - 1):
-                    self._add(name, self.par.chunks - 1, (2, 0, _rank(base, NON_LAYER_ORDER, pos), _param_rank(base),
+                    self._add(name, self.par.chunks - 1, (2, 0, rank_in(base, NON_LAYER_ORDER, pos), param_rank(base),
                                                           pos), base, self._bytes_item(fqn))
             return
         index = [int(i) for i in shard.split("_")[0].split(".")]
@@ -247,7 +199,7 @@ class _Builder:
             for name, _c in self._shards(stage, ep_rank):
                 self._add(name, chunk, self._layer_sort(g, EXPERTS + suffix, index[0], pos), key, value)
             return
-        suffix = _legacy_suffix(rest, self.local_spec)
+        suffix = legacy_suffix(rest, self.local_spec)
         key = f"{LAYERS}{local}.{suffix}"
         for name, _c in self._shards(stage):
             self._add(name, chunk, self._layer_sort(g, suffix, 0, pos), key, value)
@@ -265,7 +217,7 @@ class _Builder:
         for name, c in self._shards(self.par.pp - 1):
             ref = self._ref("embedding.word_embeddings.weight", tm.properties.dtype, (), shape, "output_layer.weight",
                             c["tp"], self.par.tp)
-            self._add(name, chunk, (2, 0, _rank("output_layer.", NON_LAYER_ORDER, 0), _param_rank("weight"), 0),
+            self._add(name, chunk, (2, 0, rank_in("output_layer.", NON_LAYER_ORDER, 0), param_rank("weight"), 0),
                       "output_layer.weight", ref)
 
     def output_extra_state(self) -> None:
@@ -273,7 +225,7 @@ class _Builder:
         chunk = self.par.chunks - 1
         for name, _c in self._shards(self.par.pp - 1):
             if not any(e.key == "output_layer._extra_state" for e in self.entries[(name, chunk)]):
-                self._add(name, chunk, (2, 0, _rank("output_layer.", NON_LAYER_ORDER, 0), 9, 0),
+                self._add(name, chunk, (2, 0, rank_in("output_layer.", NON_LAYER_ORDER, 0), 9, 0),
                           "output_layer._extra_state", None)
 
     def attention_extra_state(self) -> None:

@@ -32,10 +32,11 @@ from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_in
 from megatron_preflight.reshard.execute.executor import build_tensor
 from megatron_preflight.reshard.optimizer.plain import MASTER
 from megatron_preflight.reshard.plan.planner import plan_tensor
+from megatron_preflight.reshard.plan.spec import dist_suffix, is_local_spec
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.sources.torch_dist import dist_suffix, is_local_spec, object_fqn
+from megatron_preflight.reshard.sources.torch_dist import object_fqn
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets.unit import ShardResult

@@ -1,0 +1,261 @@
+"""The one place that knows how a layer spec names its tensors, and the bridge between specs.
+
+Megatron-Core builds a GPT layer from a *spec*: ``--transformer-impl local`` (megatron-core's own modules) or
+``transformer_engine`` (TE's fused modules). The tensors are the same; a legacy state dict names some differently:
+
+* the attention and dense-MLP layer norms are modules of their own in the local spec (``input_layernorm.weight``,
+  ``pre_mlp_layernorm.weight``) and fused into the next linear in TE's (``self_attention.linear_qkv.layer_norm_weight``,
+  ``mlp.linear_fc1.layer_norm_weight``); a MoE layer keeps ``pre_mlp_layernorm`` in both (TE: a ``TENorm``);
+* TE modules carry an ``_extra_state`` (FP8 metadata; empty without FP8): TE's attention
+  (``self_attention.core_attention._extra_state``) and TE norms (``pre_mlp_layernorm`` of MoE layers, q/k layer
+  norms, the final norm) have one where the local modules have none;
+* experts: sequential (``local_experts.{j}.linear_fc1.weight``, an ``_extra_state`` per expert linear) or, with TE and
+  ``--moe-grouped-gemm``, grouped (``experts.linear_fc1.weight{j}``, one ``_extra_state`` per grouped linear). Each
+  expert's weight is the same tensor either way, split the same way.
+
+torch_dist saves the local spec's layer norms under the fused names (megatron-core's ``sharded_state_dict_keys_map``):
+:func:`legacy_suffix` / :func:`dist_suffix` translate. :func:`bridge` renames a global index from one spec to
+another: renamed parameters keep their data (and, through the returned mapping, their optimizer state), extra state
+TE has and the local modules do not is made empty (``None``: every TE version's ``set_extra_state`` accepts it, and a
+fresh TE module holds no more than that without FP8), extra state the target modules do not have is dropped, and a
+local target's linears get ``None`` as megatron-core's own modules save (FP8 scales have no meaning without TE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.reshard.plan.rules import KeyInfo, rule_for
+from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourcePiece
+
+LOCAL, TE = "local", "transformer_engine"
+
+# --transformer-impl local: module names -> the names the torch_dist save uses (megatron-core's local layer spec)
+LOCAL_SPEC_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                   "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+# Megatron-Core's module registration order inside a transformer layer (the order of a legacy state dict; the
+# optimizer's parameter order follows it). Keys of other modules follow.
+MODULE_ORDER = ("input_layernorm.", "self_attention.core_attention.", "self_attention.linear_proj.",
+                "self_attention.linear_qkv.", "self_attention.q_layernorm.", "self_attention.k_layernorm.",
+                "pre_cross_attn_layernorm.", "cross_attention.", "pre_mlp_layernorm.", "mlp.linear_fc1.",
+                "mlp.linear_fc2.", "mlp.router.", "mlp.experts.", "mlp.shared_experts.linear_fc1.",
+                "mlp.shared_experts.linear_fc2.", "mlp.shared_experts.")
+
+PARAM_ORDER = {"layer_norm_weight": 0, "layer_norm_bias": 1, "weight": 2, "bias": 3, "_extra_state": 9}
+
+# Norms built as TE's TENorm by the TE spec (an _extra_state of their own); local ones have none.
+_TE_NORMS = ("self_attention.q_layernorm.", "self_attention.k_layernorm.")
+_MOE_NORM = "pre_mlp_layernorm."
+_FINAL_NORM = "decoder.final_layernorm."
+_ATTENTION_EXTRA = "self_attention.core_attention._extra_state"
+_EXPERTS = "mlp.experts."
+
+
+def spec_of(args: Any) -> str:
+    """The layer spec a run (or the run that saved a checkpoint) builds: ``transformer_impl``, Megatron's default
+    being Transformer Engine."""
+    value = args.get("transformer_impl") if isinstance(args, dict) else getattr(args, "transformer_impl", None)
+    return value or TE
+
+
+def is_local_spec(args: Any) -> bool:
+    """``--transformer-impl local``: its layer norms are modules of their own in a legacy state dict."""
+    return spec_of(args) == LOCAL
+
+
+def legacy_suffix(rest: str, local_spec: bool) -> str:
+    """A layer key's name in a legacy state dict, from its torch_dist name."""
+    if local_spec:
+        for module, saved in LOCAL_SPEC_KEYS.items():
+            if rest.startswith(saved):
+                return module + rest[len(saved):]
+    return rest
+
+
+def dist_suffix(suffix: str, local_spec: bool) -> str:
+    """A layer key's torch_dist name, from its legacy name (the inverse of :func:`legacy_suffix`)."""
+    if local_spec:
+        for module, saved in LOCAL_SPEC_KEYS.items():
+            if suffix.startswith(module):
+                return saved + suffix[len(module):]
+    return suffix
+
+
+def rank_in(name: str, table: tuple[str, ...], fallback: int) -> int:
+    """The place of ``name`` in a prefix ``table`` (``len(table) + fallback`` when no prefix matches)."""
+    hits = [i for i, prefix in enumerate(table) if name.startswith(prefix)]
+    return hits[0] if hits else len(table) + fallback
+
+
+def param_rank(name: str) -> int:
+    return PARAM_ORDER.get(name.rsplit(".", 1)[-1], 5)
+
+
+def _expert_inner(rest: str) -> int:
+    """Inside the experts module: fc1 before fc2, then the parameter's place."""
+    return (0 if rest.startswith("linear_fc1.") else 16) + param_rank(rest)
+
+
+def layer_order(style: str, suffix: str) -> tuple[int, int]:
+    """A key's place inside its layer, as :func:`~megatron_preflight.reshard.plan.index.iter_source_keys` records it
+    (planned keys sort by (first, local expert, second)): Megatron's module order, for keys of a bridged spec."""
+    experts = rank_in(_EXPERTS, MODULE_ORDER, 0) * 64
+    if style == "seq_expert":
+        return experts, _expert_inner(suffix)
+    if style == "te_grouped":
+        return experts + 1 + _expert_inner(suffix), 0
+    if suffix.startswith(_EXPERTS):  # a grouped linear's one _extra_state
+        return experts + 1 + _expert_inner(suffix[len(_EXPERTS):]), 0
+    return rank_in(suffix, MODULE_ORDER, 0) * 64 + param_rank(suffix), 0
+
+
+@dataclass(frozen=True)
+class SpecChange:
+    """From the checkpoint's spec (and expert form) to the run's."""
+
+    source: str
+    target: str
+    source_grouped: bool  # TE grouped experts (weight{j}) in the checkpoint
+    target_grouped: bool
+
+    @property
+    def changes(self) -> bool:
+        return self.source != self.target or self.source_grouped != self.target_grouped
+
+    def describe(self) -> str:
+        parts = []
+        if self.source != self.target:
+            parts.append(f"layer spec {self.source} -> {self.target}")
+        if self.source_grouped != self.target_grouped:
+            parts.append("experts " + ("grouped -> sequential" if self.source_grouped else "sequential -> grouped"))
+        return ", ".join(parts)
+
+
+def spec_change(saved_args: Any, target_impl: str | None, target_grouped: bool | None,
+                moe: bool) -> SpecChange:
+    """The change a target asks for (None: keep the checkpoint's). Grouped experts exist only with TE (the local
+    spec's grouped form, the legacy GroupedMLP, is not read); a MoE checkpoint read without them is sequential."""
+    source = spec_of(saved_args)
+    grouped = bool(getattr(saved_args, "moe_grouped_gemm", False)) and moe
+    target = target_impl or source
+    want_grouped = grouped if target_grouped is None else bool(target_grouped) and moe
+    for name in (source, target):
+        if name not in (LOCAL, TE):
+            raise PreflightError(f"the layer spec {name!r} is not one the resharder maps (local, transformer_engine)",
+                                 fix="reshard at the checkpoint's own --transformer-impl", code="usage")
+    if want_grouped and target == LOCAL:
+        raise PreflightError(
+            "grouped experts with --transformer-impl local are the legacy GroupedMLP (experts.weight1/weight2), "
+            "which the resharder does not write", fix="drop --moe-grouped-gemm for a local-spec target (sequential "
+            "experts), or use --transformer-impl transformer_engine", code="usage")
+    if grouped and source == LOCAL:
+        grouped = False  # a local checkpoint with grouped GEMM is refused by the key parser (legacy GroupedMLP)
+    return SpecChange(source, target, grouped, want_grouped)
+
+
+def _new_entry(key: GlobalKey, swiglu: bool, value: Any = None, like: GlobalEntry | None = None) -> GlobalEntry:
+    # the layer number of the info only says "a layer key": the planner places the global layer
+    info = KeyInfo(None if key.layer is None else 0, key.expert, key.suffix, key.style)
+    entry = GlobalEntry(key, info, rule_for(info, swiglu=swiglu))
+    if like is not None:
+        entry.pieces = like.pieces
+    else:
+        entry.add(SourcePiece("", value, 0, 1))
+    return entry
+
+
+def _rename(key: GlobalKey, change: SpecChange, dense_layers: set[int]) -> GlobalKey | None:
+    """The key's name in the target spec; None when the target modules have no such entry (extra state only)."""
+    layer, expert, style, suffix = key
+    to_te, to_local = change.source == LOCAL and change.target == TE, change.source == TE and change.target == LOCAL
+    if layer is None:
+        if to_local and suffix == _FINAL_NORM + "_extra_state":
+            return None
+        return key
+    if style == "plain":
+        if to_te:
+            for module, fused in LOCAL_SPEC_KEYS.items():
+                if suffix.startswith(module) and (module != _MOE_NORM or layer in dense_layers):
+                    return GlobalKey(layer, None, style, fused + suffix[len(module):])
+        if to_local:
+            for module, fused in LOCAL_SPEC_KEYS.items():
+                if suffix.startswith(fused):
+                    return GlobalKey(layer, None, style, module + suffix[len(fused):])
+            if suffix == _ATTENTION_EXTRA or (suffix.endswith("._extra_state") and
+                                              suffix.startswith((_MOE_NORM, *_TE_NORMS))):
+                return None
+        if suffix.startswith(_EXPERTS) and suffix.endswith("._extra_state") and not change.target_grouped:
+            return None  # a grouped linear's extra state: the sequential experts get one each
+        return key
+    if style == "te_grouped" and not change.target_grouped:
+        return GlobalKey(layer, expert, "seq_expert", suffix)
+    if style == "seq_expert" and change.target_grouped:
+        return None if suffix.endswith("_extra_state") else GlobalKey(layer, expert, "te_grouped", suffix)
+    return key
+
+
+def bridge(index: OrderedDict[GlobalKey, GlobalEntry], change: SpecChange, *,
+           swiglu: bool) -> tuple[OrderedDict[GlobalKey, GlobalEntry], dict[GlobalKey, GlobalKey]]:
+    """The global index in the target spec, and old -> new keys of every renamed parameter (what the optimizer state
+    follows). Keys keep Megatron's module order of the target spec."""
+    dense_layers = {k.layer for k in index if k.layer is not None and k.style == "plain"
+                    and k.suffix.startswith("mlp.linear_fc1.")}
+    moe_layers = {k.layer for k in index if k.layer is not None and k.expert is not None}
+    experts: dict[int, set[int]] = {}
+    for k in index:
+        if k.layer is not None and k.expert is not None:
+            experts.setdefault(k.layer, set()).add(k.expert)
+    out: OrderedDict[GlobalKey, GlobalEntry] = OrderedDict()
+    renamed: dict[GlobalKey, GlobalKey] = {}
+    for key, entry in index.items():
+        new = _rename(key, change, dense_layers)
+        if new is None:
+            continue
+        if new != key:
+            renamed[key] = new
+            entry = _new_entry(new, swiglu, like=entry)
+        if change.target == LOCAL and change.source == TE and new.suffix.endswith("_extra_state"):
+            entry = _new_entry(new, swiglu)  # local modules keep None (TE's FP8 metadata has no meaning there)
+        out[new] = entry
+    made: list[GlobalKey] = []
+    if change.target == TE:
+        layers = sorted({k.layer for k in out if k.layer is not None})
+        for layer in layers:
+            made.append(GlobalKey(layer, None, "plain", _ATTENTION_EXTRA))
+            for norm in _TE_NORMS:
+                if GlobalKey(layer, None, "plain", norm + "weight") in out:
+                    made.append(GlobalKey(layer, None, "plain", norm + "_extra_state"))
+            if layer in moe_layers and GlobalKey(layer, None, "plain", _MOE_NORM + "weight") in out:
+                made.append(GlobalKey(layer, None, "plain", _MOE_NORM + "_extra_state"))
+        if GlobalKey(None, None, "plain", _FINAL_NORM + "weight") in out:
+            made.append(GlobalKey(None, None, "plain", _FINAL_NORM + "_extra_state"))
+    for layer, ids in experts.items():
+        for linear in ("linear_fc1", "linear_fc2"):
+            if change.target_grouped:
+                made.append(GlobalKey(layer, None, "plain", f"{_EXPERTS}{linear}._extra_state"))
+            else:
+                made += [GlobalKey(layer, e, "seq_expert", f"{linear}._extra_state") for e in sorted(ids)]
+    for key in made:
+        if key not in out:
+            out[key] = _new_entry(key, swiglu)
+    return _reordered(out), renamed
+
+
+def _reordered(index: OrderedDict[GlobalKey, GlobalEntry]) -> OrderedDict[GlobalKey, GlobalEntry]:
+    """Every layer key at its place in the target spec's module order; the others (embedding, final norm, head) in
+    their order, the final norm's extra state after its parameters."""
+    out: OrderedDict[GlobalKey, GlobalEntry] = OrderedDict()
+    top = [k for k in index if k.layer is None]
+    top.sort(key=lambda k: (rank_in(k.suffix, ("embedding.", _FINAL_NORM, "decoder.", "output_layer."), 0),
+                            param_rank(k.suffix) if k.suffix.startswith(_FINAL_NORM) else 0))
+    for n, key in enumerate(top):  # copies: the checkpoint's own index is shared and stays as read
+        out[key] = dataclasses.replace(index[key], order=(n, 0))
+    for key, entry in index.items():
+        if key.layer is not None:
+            out[key] = dataclasses.replace(entry, order=layer_order(key.style, key.suffix))
+    return out
