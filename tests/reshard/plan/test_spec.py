@@ -19,8 +19,12 @@ from megatron_preflight.reshard.plan.spec import SpecChange, bridge, layer_order
 from megatron_preflight.reshard.resharder import open_resharder
 from megatron_preflight.torch_file import TensorRef, TorchFile
 from tests.conftest import fixture_path
-from tests.reshard.test_roundtrip_real import assert_same_optimizer, assert_same_weights, model_tensors, \
-    optimizer_entries
+from tests.reshard.test_roundtrip_real import (
+    assert_same_optimizer,
+    assert_same_weights,
+    model_tensors,
+    optimizer_entries,
+)
 
 
 def _rank0(name, target):
