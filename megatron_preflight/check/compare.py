@@ -139,9 +139,18 @@ def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                                "a legacy file names layer norms and extra state by its layer spec (local "
                                "`input_layernorm.weight` vs Transformer Engine `linear_qkv.layer_norm_weight`); the "
                                "tensors are the same", _reshard_fix(layout, f"--transformer-impl {run_impl}")))
+        elif ck_impl == "local" and run_impl == "transformer_engine":
+            out.append(Finding("transformer_impl", ck_impl, run_impl, RESHARD,
+                               "torch_dist maps the layer norms' names, but the Transformer Engine modules' extra "
+                               "state is not in a local-spec checkpoint: Megatron's dist loader fails ('Missing key "
+                               "in checkpoint state_dict: decoder.final_layernorm._extra_state/shard_0_1'); the "
+                               "in-memory resharder loads it (extra state made empty, as a fresh TE module's)",
+                               "run with --preflight auto; or " + _reshard_fix(layout, "--transformer-impl "
+                                                                               "transformer_engine").split(", or ", 1)[1]))
         else:
             out.append(Finding("transformer_impl", ck_impl, run_impl, INFO,
-                               "torch_dist maps local and Transformer Engine names to the same keys (dense models)", ""))
+                               "torch_dist maps Transformer Engine names to the local spec's (dense models): "
+                               "Megatron's dist loader loads it", ""))
     ck_gg, run_gg = bool(_get(saved, "moe_grouped_gemm", False)), rt.moe_grouped_gemm
     if _get(saved, "num_experts") and ck_gg != run_gg:
         if not legacy:

@@ -10,6 +10,7 @@ from typing import Any
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
+from megatron_preflight.check.data import data_findings
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, from_namespace
 from megatron_preflight.check.save import save_findings
@@ -331,14 +332,15 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
             (optimizer_toggled(layout, rt) and _convertible(index))
         findings += lay + family
         findings += schedule_findings(layout, rt) + horizon_findings(layout, rt) + save_findings(layout, rt)
+        findings += data_findings(rt)
         state, load_optim, load_rng = _state_findings(index, rt, changed)
         findings += state
     else:
         changed, load_optim, load_rng = False, False, False
     if layout.format == Format.TORCH:
         loader = Loader.RESHARD if changed else (Loader.EP_3D if (layout.ep or 1) > 1 else Loader.NON_EP)
-    elif layout.format == Format.TORCH_DIST and any(f.field in ("optimizer", "optimizer_family") and
-                                                    f.severity == RESHARD for f in findings):
+    elif layout.format == Format.TORCH_DIST and any(f.field in ("optimizer", "optimizer_family", "transformer_impl")
+                                                    and f.severity == RESHARD for f in findings):
         loader = Loader.RESHARD  # Megatron's dist loader would refuse it (see _megatron_refuses)
     elif layout.format is not None:
         loader = Loader.DIST

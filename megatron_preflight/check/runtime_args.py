@@ -101,6 +101,13 @@ class RuntimeArgs:
     use_checkpoint_opt_param_scheduler: bool = False
     skip_train: bool = False
     save: str | None = None
+    # the data (check/data.py): Megatron's --data-path forms (None: not given)
+    data_path: list[str] | None = None
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
+    data_args_path: str | None = None
+    mock_data: bool = False
     given: set[str] = field(default_factory=set)  # fields the user set explicitly
 
     # -- derived values ------------------------------------------------------------------------------------------
@@ -232,6 +239,8 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         if isinstance(f.default, bool):
             p.add_argument(flag, dest=name, action="store_true", default=None)
+        elif "list" in str(f.type):
+            p.add_argument(flag, dest=name, nargs="+", default=None)
         else:
             p.add_argument(flag, dest=name, default=None)
     p.add_argument("--disable-bias-linear", dest="disable_bias_linear", action="store_true", default=None)

@@ -45,7 +45,7 @@ TE_CPU = os.environ.get("MEGATRON_LM_TE_CPU")
 TE_SPEC = ["--transformer-impl", "transformer_engine"]
 
 
-def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False):
+def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=()):
     python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
     extra_path = [os.environ.get("MEGATRON_LM_PYTHONPATH", ""), ROOT] + ([TE_CPU] if te else [])
@@ -56,7 +56,7 @@ def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False):
         shutil.copytree(ckpt, dst)
     launch = ["-m", "megatron_preflight.run", "pretrain_gpt.py"] if plugin else ["pretrain_gpt.py"]
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-           *launch, *TINY, *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), *(TE_SPEC if te else []),
+           *launch, *[f for f in TINY if f not in drop], *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), *(TE_SPEC if te else []),
            "--load", str(dst), *flags]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     return r.returncode, r.stdout + r.stderr
@@ -472,41 +472,69 @@ def test_te_production_default_at_another_tp_loads_in_memory(tmp_path):
 
 
 @te_only
-def test_local_spec_legacy_resumes_on_a_te_cluster_with_its_optimizer(tmp_path):
+@pytest.mark.parametrize("source", ["tp2_torch", "tp2_torch_dist"])
+def test_local_spec_checkpoint_resumes_on_a_te_cluster_with_its_optimizer(tmp_path, source):
     """A checkpoint trained without TE (local spec, torch AdamW), resumed with the TE spec (the stand-in) and TE's
-    FusedAdam at another TP through --preflight auto: the tensors are renamed, TE's extra state made, the Adam state
-    converted (step kept). Megatron alone fails (legacy: other keys; with the optimizer: KeyError 'bias_correction').
-    Iteration 3 (weights only) equals Megatron's own load of the torch_dist twin in the same TE run; iteration 4
-    (Adam's update) equals the same-spec resume of the twin up to the two Adams' rounding."""
-    rc, log = run(tmp_path, fixture_path("tp2_torch"), 1, "--ckpt-format", "torch", "--no-load-rng",
-                  "--train-iters", "4", "--preflight", "auto", port=29764, te=True)
+    FusedAdam at TP1 through --preflight auto: tensors renamed, TE's extra state made, the Adam state converted with
+    its step. Megatron alone cannot: a legacy file has the other spec's keys, its own torch_dist load misses the TE
+    final norm's extra state, and torch AdamW's param groups lack 'bias_correction'. Iterations 3 and 4 equal
+    Megatron's own same-spec resume of the torch_dist twin (local spec, torch AdamW) exactly."""
+    fmt = "torch_dist" if source.endswith("_dist") else "torch"
+    rc, log = run(tmp_path, fixture_path(source), 1, "--ckpt-format", fmt, "--no-load-rng", "--train-iters", "4",
+                  "--preflight", "auto", port=29764, te=True)
     assert rc == 0, log[-3000:]
-    assert "loaded through the in-memory resharder" in log and "transformer_impl" in log
+    assert "loaded through the in-memory resharder" in log and "local -> transformer_engine" in log
     rc2, log2 = run(tmp_path, fixture_path("tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
                     "--no-load-optim", "--train-iters", "4", plugin=False, port=29765, te=True)
-    assert rc2 == 0, log2[-3000:]
-    assert loss(log, 3, 4) is not None and loss(log, 3, 4) == loss(log2, 3, 4)
+    assert rc2 != 0 and "Missing key in checkpoint state_dict: decoder.final_layernorm._extra_state" in log2
     rc3, log3 = run(tmp_path, fixture_path("tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
                     "--train-iters", "4", plugin=False, port=29766)
     assert rc3 == 0, log3[-3000:]
-    assert abs(float(loss(log, 4, 4)) - float(loss(log3, 4, 4))) < 1e-5, (loss(log, 4, 4), loss(log3, 4, 4))
+    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log3, 3, 4), loss(log3, 4, 4))
 
 
 @te_only
 def test_te_spec_legacy_resumes_without_te_with_its_optimizer(tmp_path):
     """The other way: a TE-spec checkpoint (the stand-in's FusedAdam) resumed where TE is not installed (local spec,
-    torch AdamW) at TP1 through --preflight auto: iteration 3 equals Megatron's own load of the TE torch_dist twin
-    in the local run (weights only), iteration 4 the same-spec resume of the twin with the stand-in's FusedAdam up to
-    the two Adams' rounding."""
+    torch AdamW) at TP1 through --preflight auto: iterations 3 and 4 equal Megatron's own same-spec resume of the TE
+    torch_dist twin (TE spec, FusedAdam) exactly."""
     rc, log = run(tmp_path, fixture_path("te_tp2_torch"), 1, "--ckpt-format", "torch", "--no-load-rng",
                   "--train-iters", "4", "--preflight", "auto", "--transformer-impl", "local", port=29767)
     assert rc == 0, log[-3000:]
-    assert "loaded through the in-memory resharder" in log
+    assert "loaded through the in-memory resharder" in log and "transformer_engine -> local" in log
     rc2, log2 = run(tmp_path, fixture_path("te_tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
-                    "--no-load-optim", "--train-iters", "4", "--transformer-impl", "local", plugin=False, port=29768)
-    assert rc2 == 0, log2[-3000:]
-    assert loss(log, 3, 4) is not None and loss(log, 3, 4) == loss(log2, 3, 4)
-    rc3, log3 = run(tmp_path, fixture_path("te_tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", "--no-load-rng",
                     "--train-iters", "4", plugin=False, port=29769, te=True)
-    assert rc3 == 0, log3[-3000:]
-    assert abs(float(loss(log, 4, 4)) - float(loss(log3, 4, 4))) < 1e-5, (loss(log, 4, 4), loss(log3, 4, 4))
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+@pytest.mark.parametrize("flags, field, megatron", [
+    (["--train-iters", "4"], "lr_decay_steps", "do not match"),  # a longer horizon: the decay steps move
+    (["--train-iters", "3", "--global-batch-size", "4", "--lr-decay-iters", "2"], "lr_decay_steps", "do not match"),
+    (["--train-iters", "4", "--global-batch-size", "1", "--lr", "2e-4"], "max_lr", "do not match"),
+])
+def test_a_schedule_megatron_asserts_on_late_fails_at_start(tmp_path, flags, field, megatron):
+    """Without the scheduler flags, Megatron builds the model and optimizer, loads the checkpoint and then asserts
+    (AssertionError in OptimizerParamScheduler); with --preflight check every rank exits 1 before the model is built,
+    naming the field, and either flag makes the run train."""
+    drop = ("--use-checkpoint-opt-param-scheduler",)
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
+                  "torch", *flags, plugin=False, port=29770, drop=drop)
+    assert rc != 0 and megatron in log and "OptimizerParamScheduler" in log, log[-2000:]
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
+                  "torch", *flags, "--preflight", "check", port=29771, drop=drop)
+    assert rc == 1 and field in log and "--override-opt-param-scheduler" in log, log[-2000:]
+    assert "OptimizerParamScheduler: class input value" not in log.split("[megatron-preflight]")[-1]
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
+                  "torch", *flags, "--preflight", "check", port=29772)  # with --use-checkpoint-opt-param-scheduler
+    assert rc == 0 and loss(log, 3, int(flags[1])) is not None, log[-2000:]
+
+
+def test_a_checkpoint_at_the_horizon_fails_at_start(tmp_path):
+    """Megatron loads everything and exits 0 without training a step; --preflight check exits 1 at start."""
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
+                  "torch", "--train-iters", "2", plugin=False, port=29773)
+    assert rc == 0 and "lm loss" not in log, log[-2000:]
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
+                  "torch", "--train-iters", "2", "--preflight", "check", port=29774)
+    assert rc == 1 and "train_iters" in log and "raise --train-iters above 2" in log, log[-2000:]
