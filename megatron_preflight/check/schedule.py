@@ -149,6 +149,10 @@ def schedule_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         if ck is None or _same(ck, sched[name]):
             continue
         why = _why(name, ck, sched[name], rt, layout.saved_args, sched)
+        if name in ("max_lr", "min_lr"):
+            why = ("Megatron-LM main also matches the optimizer's param groups by their max_lr / min_lr and fails "
+                   "before the scheduler ('Could not find parameter group with key ...'), whatever the scheduler "
+                   "flags say: there only --no-load-optim avoids it")
         out.append(Finding(name, ck, sched[name], FATAL,
                            f"the LR schedule differs: Megatron asserts after the load that the {megatron_name} "
                            f"({flag}) equals the checkpoint's ('OptimizerParamScheduler: class input value "

@@ -511,7 +511,11 @@ def test_te_spec_legacy_resumes_without_te_with_its_optimizer(tmp_path):
 @pytest.mark.parametrize("flags, field, megatron", [
     (["--train-iters", "4"], "lr_decay_steps", "do not match"),  # a longer horizon: the decay steps move
     (["--train-iters", "3", "--global-batch-size", "4", "--lr-decay-iters", "2"], "lr_decay_steps", "do not match"),
-    (["--train-iters", "4", "--global-batch-size", "1", "--lr", "2e-4"], "max_lr", "do not match"),
+    (["--train-iters", "4", "--global-batch-size", "1", "--lr-decay-style", "linear"], "lr_decay_style",
+     "do not match"),
+    # a changed --lr: this Megatron-LM also matches the optimizer's param groups by max_lr / min_lr, and fails
+    # there first, before the scheduler ('Could not find parameter group with key'): named as the same finding
+    (["--train-iters", "4", "--global-batch-size", "1", "--lr", "2e-4"], "max_lr", "Could not find parameter group"),
 ])
 def test_a_schedule_megatron_asserts_on_late_fails_at_start(tmp_path, flags, field, megatron):
     """Without the scheduler flags, Megatron builds the model and optimizer, loads the checkpoint and then asserts
@@ -520,11 +524,13 @@ def test_a_schedule_megatron_asserts_on_late_fails_at_start(tmp_path, flags, fie
     drop = ("--use-checkpoint-opt-param-scheduler",)
     rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
                   "torch", *flags, plugin=False, port=29770, drop=drop)
-    assert rc != 0 and megatron in log and "OptimizerParamScheduler" in log, log[-2000:]
+    assert rc != 0 and megatron in log, log[-2000:]
     rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
                   "torch", *flags, "--preflight", "check", port=29771, drop=drop)
     assert rc == 1 and field in log and "--override-opt-param-scheduler" in log, log[-2000:]
     assert "OptimizerParamScheduler: class input value" not in log.split("[megatron-preflight]")[-1]
+    if field == "max_lr":
+        return  # Megatron's group match fails whatever the scheduler flags say (only --no-load-optim avoids it)
     rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
                   "torch", *flags, "--preflight", "check", port=29772)  # with --use-checkpoint-opt-param-scheduler
     assert rc == 0 and loss(log, 3, int(flags[1])) is not None, log[-2000:]
