@@ -1,0 +1,1 @@
+"""Proving a checkpoint's content: ``diff`` (two checkpoints by global tensor content)."""

@@ -1,0 +1,305 @@
+"""Two checkpoints compared by global tensor content, whatever their layouts, formats and optimizer forms.
+
+Each side is read as the resharder reads it and planned as the one rank of TP1·PP1·EP1 (the global tensors, the
+optimizer state in model space: per parameter its fp32 master, ``exp_avg``, ``exp_avg_sq`` — the distributed
+optimizer's buffers included — and the step), so a TP2 legacy checkpoint and a TP4·PP2 torch_dist one of the same
+model compare tensor for tensor. The second side is named and laid out as the first (its layer spec bridged, its Adam
+state put in the first's family) so a local-spec checkpoint and a TE-spec one compare too. One tensor pair is in
+memory at a time (each read slice by slice from the planned sources). Vocab padding rows are not compared (Megatron
+pads to a multiple of the TP size: the rows hold nothing); every real row is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import naming
+from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_index
+from megatron_preflight.reshard.execute.executor import build_tensor
+from megatron_preflight.reshard.optimizer.plain import iter_plans
+from megatron_preflight.reshard.plan.spec import spec_of
+from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
+from megatron_preflight.reshard.resharder import Resharder, open_resharder
+from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.target import TargetLayout
+
+log = logging.getLogger(__name__)
+
+# saved args that describe where and how a run ran, not the model or its training: not reported as differences
+RUN_FIELDS = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank", "context_parallel_size", "world_size", "data_parallel_size", "rank",
+    "local_rank", "save", "load", "ckpt_format", "use_distributed_optimizer", "padded_vocab_size",
+    "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards", "no_save_optim",
+    "pipeline_model_parallel_layout", "wandb_exp_name", "tensorboard_dir", "distributed_backend", "use_dist_ckpt",
+    "auto_detect_ckpt_format", "inprocess_active_world_size", "dist_ckpt_optim_fully_reshardable",
+})
+
+
+@dataclass
+class TensorDiff:
+    """One global tensor of either checkpoint, compared."""
+
+    name: str  # the parameter's key (optimizer state: ``key#exp_avg``, ``key#@master``)
+    status: str  # equal | differs | missing_in_a | missing_in_b | shape | dtype
+    shape: tuple[int, ...] | None = None
+    other_shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    other_dtype: str | None = None
+    differing: int = 0  # elements that differ (beyond the tolerances)
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    first: tuple[int, ...] | None = None  # the index of the first differing element
+    rows: int | None = None  # vocab rows compared (padding excluded), for the vocab tensors
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass
+class DiffReport:
+    a: str
+    b: str
+    tensors: list[TensorDiff] = field(default_factory=list)
+    args: list[tuple[str, Any, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    steps: tuple[float | None, float | None] = (None, None)
+
+    @property
+    def equal(self) -> bool:
+        return all(t.status == "equal" for t in self.tensors) and self.steps[0] == self.steps[1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "equal": self.equal, "tensors": [t.to_json() for t in self.tensors],
+                "optimizer_step": list(self.steps), "args": [{"field": f, "a": repr(x), "b": repr(y)}
+                                                             for f, x, y in self.args], "notes": self.notes}
+
+    def render(self) -> str:
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            counts[t.status] = counts.get(t.status, 0) + 1
+        lines = [f"a: {self.a}", f"b: {self.b}",
+                 "tensors: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))]
+        if self.steps != (None, None):
+            lines.append(f"optimizer step: a {self.steps[0]:g}, b {self.steps[1]:g}" if None not in self.steps
+                         else f"optimizer step: a {self.steps[0]}, b {self.steps[1]}")
+        bad = [t for t in self.tensors if t.status != "equal"]
+        if bad:
+            lines.append(f"{'tensor':<60} {'status':<12} {'differing':>10} {'max abs':>10} {'max rel':>10}  first")
+            for t in bad:
+                if t.status == "differs":
+                    lines.append(f"{t.name:<60} {t.status:<12} {t.differing:>10} {t.max_abs:>10.3g} "
+                                 f"{t.max_rel:>10.3g}  {list(t.first) if t.first is not None else ''}")
+                else:
+                    detail = {"shape": f"{t.shape} vs {t.other_shape}", "dtype": f"{t.dtype} vs {t.other_dtype}"}
+                    lines.append(f"{t.name:<60} {t.status:<12} {detail.get(t.status, '')}")
+        if self.args:
+            lines.append(f"saved args that differ ({len(self.args)}; layout and run-environment fields left out):")
+            lines += [f"  {f}: a {x!r}, b {y!r}" for f, x, y in self.args[:40]]
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append("EQUAL" if self.equal else "DIFFERENT")
+        return "\n".join(lines)
+
+
+def _global(index: CheckpointIndex, keep: bool, like: CheckpointIndex | None) -> Resharder:
+    """The resharder that plans ``index``'s global tensors (named, laid out and in the Adam family of ``like``)."""
+    extra: dict[str, Any] = {}
+    if like is not None:
+        saved = like.view.saved_args
+        extra = {"transformer_impl": spec_of(saved) if saved is not None else None,
+                 "moe_grouped_gemm": bool(getattr(saved, "moe_grouped_gemm", False)) if saved is not None else None,
+                 "optimizer_family": like.adam_family}
+    return open_resharder(index, TargetLayout(tp=1, pp=1, ep=1, etp=1, distributed_optimizer=False, **extra),
+                          keep_optimizer=keep)
+
+
+def _plan(r: Resharder) -> RankPlan:
+    (name, coords), = list(naming.shard_writers(r.tgt).items())[:1]
+    return r.plan_for_coords(coords, name)
+
+
+def _named(plan: RankPlan, optimizer: bool) -> dict[str, TensorPlan | Any]:
+    out: dict[str, Any] = {t.key: t for t in plan.tensors}
+    if optimizer and plan.optimizer is not None:
+        # per-parameter steps are one number per run: compared once (DiffReport.steps), in either Adam family
+        # (the wrapper's own entries, e.g. fp16's grad scaler, are not parameter state: not compared)
+        out.update({tp.key: tp for _, tp in iter_plans(plan.optimizer) if "#" in tp.key
+                    and not tp.key.endswith("#step")})
+    return out
+
+
+def compare_tensors(name: str, x: Any, y: Any, atol: float, rtol: float, rows: int | None = None) -> TensorDiff:
+    """One pair of values (tensors, or extra state), compared; ``rows``: only the first rows (vocab padding out)."""
+    import torch  # deferred: diff reads tensors (its module is imported by the CLI only when it runs)
+
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return TensorDiff(name, "equal" if _same_value(x, y) else "differs")
+    if rows is not None:
+        x, y = x[:rows], y[:rows]
+    d = TensorDiff(name, "equal", tuple(x.shape), tuple(y.shape), str(x.dtype).removeprefix("torch."),
+                   str(y.dtype).removeprefix("torch."), rows=rows)
+    if x.shape != y.shape:
+        d.status = "shape"
+        return d
+    if x.dtype != y.dtype:
+        d.status = "dtype"
+        return d
+    if x.numel() == 0:
+        return d
+    if not (atol or rtol) and torch.equal(_as_ints(x), _as_ints(y)):
+        return d  # bit for bit: the common case, one pass over the bytes and no arithmetic
+    if x.is_floating_point():
+        xd, yd = x.double(), y.double()
+        delta = (xd - yd).abs()
+        both_nan = torch.isnan(xd) & torch.isnan(yd)
+        delta = torch.where(both_nan, torch.zeros_like(delta), delta)
+        delta = torch.where(torch.isnan(delta), torch.full_like(delta, float("inf")), delta)
+        bad = delta > (atol + rtol * yd.abs()) if (atol or rtol) else ~_bitwise_equal(x, y)
+        d.max_abs = float(delta.max())
+        scale = yd.abs().max()
+        d.max_rel = float(d.max_abs / scale) if float(scale) > 0 else (0.0 if d.max_abs == 0 else float("inf"))
+    else:
+        bad = x != y
+        d.max_abs = float((x.long() - y.long()).abs().max()) if x.dtype != torch.bool else float(bad.any())
+    d.differing = int(bad.sum())
+    if d.differing:
+        d.status = "differs"
+        flat = int(torch.nonzero(bad.reshape(-1))[0])
+        d.first = tuple(int(i) for i in _unravel(flat, tuple(x.shape)))
+    return d
+
+
+def _as_ints(x: Any) -> Any:
+    """The tensor's bits as integers of its width (bool as uint8)."""
+    import torch  # deferred: see compare_tensors
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return x.contiguous().view(ints)
+
+
+def _bitwise_equal(x: Any, y: Any) -> Any:
+    """Element-wise equality of the bits (NaN payloads and -0.0 included): bit for bit, not numerically."""
+    return _as_ints(x) == _as_ints(y)
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for size in reversed(shape):
+        out.append(flat % size)
+        flat //= size
+    return list(reversed(out))
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    import torch  # deferred: see compare_tensors
+
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and \
+            x.shape == y.shape and bool(torch.equal(x, y))
+    return x == y
+
+
+def _value(tp: Any, files: SourceFiles) -> Any:
+    if isinstance(tp, TensorPlan) and tp.shape is not None:
+        return build_tensor(tp, files, release=True)
+    return tp.value if isinstance(tp, TensorPlan) else tp
+
+
+def _args_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    if a is None or b is None:
+        return []
+    va, vb = vars(a), vars(b)
+    out = []
+    for name in sorted(set(va) | set(vb)):
+        if name in RUN_FIELDS:
+            continue
+        x, y = va.get(name, "<absent>"), vb.get(name, "<absent>")
+        if repr(x) != repr(y):
+            out.append((name, x, y))
+    return out
+
+
+def _absent_extra(name: str, na: dict[str, Any], nb: dict[str, Any]) -> bool:
+    """An ``_extra_state`` that one side lacks and the other holds as None: nothing to compare (a legacy file keeps
+    the output layer's None, torch_dist does not)."""
+    if not name.endswith("_extra_state") or (name in na) == (name in nb):
+        return False
+    tp = na.get(name, nb.get(name))
+    return isinstance(tp, TensorPlan) and tp.shape is None and tp.value is None
+
+
+def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float = 0.0, rtol: float = 0.0,
+                     iteration_a: Any = None, iteration_b: Any = None, trust: bool = False,
+                     workers: int = 2) -> DiffReport:
+    """Compare checkpoints ``a`` and ``b`` (any layouts and formats the resharder reads) by global tensor content,
+    ``workers`` tensor pairs at a time (threads: torch reads and compares without the GIL)."""
+    import torch  # noqa: F401 - deferred: loaded before indexing, so the sources make tensors (TE extra state, dtypes)
+
+    if atol < 0 or rtol < 0:
+        raise PreflightError("--atol and --rtol must not be negative", fix="pass 0 or a positive tolerance",
+                             code="usage")
+    ia = open_index(a, iteration=iteration_a, trust_checkpoint=trust)
+    ib = open_index(b, iteration=iteration_b, trust_checkpoint=trust)
+    for index in (ia, ib):
+        index.require_readable()
+    report = DiffReport(ia.layout.iter_dir or a, ib.layout.iter_dir or b)
+    keep = not weights_only
+    ga, gb = _global(ia, keep, None), _global(ib, keep, ia)
+    for side, r in (("a", ga), ("b", gb)):
+        if keep and r.optimizer_problem is not None:
+            report.notes.append(f"{side}: optimizer state not compared ({r.optimizer_problem.message})")
+    with_optimizer = keep and ga.writes_optimizer and gb.writes_optimizer
+    if keep and not with_optimizer and not report.notes:
+        report.notes.append("optimizer state not compared: "
+                            + ("neither has one" if not (ga.writes_optimizer or gb.writes_optimizer)
+                               else f"only {'a' if ga.writes_optimizer else 'b'} has one"))
+    pa, pb = _plan(ga), _plan(gb)
+    rows = None
+    if ga.vocab is not None and gb.vocab is not None:
+        rows = min(ga.vocab.real, gb.vocab.real)
+        if ga.vocab.real != gb.vocab.real:
+            report.notes.append(f"the vocab sizes differ ({ga.vocab.real} vs {gb.vocab.real} real rows): the first "
+                                f"{rows} rows compared")
+        if max(ga.vocab.source_padded, gb.vocab.source_padded) > rows:
+            report.notes.append(f"vocab padding rows (beyond the {rows} real rows) are not compared")
+    na, nb = _named(pa, with_optimizer), _named(pb, with_optimizer)
+    names = [n for n in list(na) + [n for n in nb if n not in na] if not _absent_extra(n, na, nb)]
+    local = threading.local()
+    opened: list[SourceFiles] = []
+    lock = threading.Lock()
+
+    def files() -> tuple[SourceFiles, SourceFiles]:
+        if not hasattr(local, "files"):  # one pair of readers per thread (their mapped files are not shared)
+            local.files = (SourceFiles(ga.layout.iter_dir or "", trust=trust),
+                           SourceFiles(gb.layout.iter_dir or "", trust=trust))
+            with lock:
+                opened.extend(local.files)
+        return local.files
+
+    def one(name: str) -> TensorDiff:
+        if name not in nb or name not in na:
+            tp = na.get(name) or nb.get(name)
+            return TensorDiff(name, "missing_in_b" if name in na else "missing_in_a", shape=getattr(tp, "shape", None))
+        fa, fb = files()
+        is_vocab = any(getattr(t, "pad_from", None) is not None for t in (na[name], nb[name]))
+        return compare_tensors(name, _value(na[name], fa), _value(nb[name], fb), atol, rtol,
+                               rows if is_vocab else None)
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # torch reads and compares without the GIL
+            report.tensors = list(pool.map(one, names))
+    finally:
+        for f in opened:
+            f.close()
+    if with_optimizer:
+        report.steps = (ga.plain_step(), gb.plain_step())
+    report.args = _args_differences(ia.view.saved_args, ib.view.saved_args)
+    return report
+

@@ -1,0 +1,82 @@
+"""``diff``: two checkpoints compared by global tensor content, whatever their layouts, formats and optimizer forms
+(real Megatron-LM checkpoints and their torch_dist twins, saved by the same run with the same flags)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_preflight import pickling
+from megatron_preflight.cli.main import main
+from megatron_preflight.layout import naming
+from megatron_preflight.prove.diff import diff_checkpoints
+from megatron_preflight.reshard import TargetLayout, write_resharded
+from megatron_preflight.reshard.resharder import open_resharder
+from tests.conftest import fixture_path
+
+
+@pytest.mark.parametrize("legacy, twin", [
+    ("tp2_torch", "tp2_torch_dist"),  # plain Adam in both formats
+    ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist"),  # TP2 PP2 EP2, shared experts
+    ("vpp_qkln_pp2_torch", "vpp_qkln_pp2_torch_dist"),  # virtual pipeline
+    ("bf16_gqa_tp2_torch", "bf16_gqa_tp2_torch_dist"),  # bf16 weights, fp32 masters
+    ("distopt_tp2dp2_torch", "distopt_tp2dp2_torch_dist"),  # distrib_optim.pt buffers vs fully_reshardable
+    ("te_tp2_torch", "te_tp2_torch_dist"),  # TE spec (the CPU stand-in), fused Adam, TE extra state
+])
+def test_a_legacy_checkpoint_equals_its_torch_dist_twin(legacy, twin):
+    r = diff_checkpoints(fixture_path(legacy), fixture_path(twin))
+    assert r.equal, r.render()
+    assert any("#exp_avg" in t.name for t in r.tensors) and r.steps == (2.0, 2.0)  # the optimizer was compared
+    assert any("padding" in n for n in r.notes)
+
+
+def test_two_runs_differ_within_a_tolerance():
+    """The dp_reshardable twin was saved by another run (CPU reductions differ by <= 4.2e-8): different bit for bit,
+    equal within 1e-6, with per-tensor figures."""
+    a, b = fixture_path("distopt_tp2dp2_torch"), fixture_path("distopt_dpr_tp2dp2_torch_dist")
+    r = diff_checkpoints(a, b)
+    bad = [t for t in r.tensors if t.status == "differs"]
+    assert not r.equal and bad and all(0 < t.max_abs < 1e-6 and t.differing > 0 for t in bad)
+    assert diff_checkpoints(a, b, atol=1e-6).equal
+
+
+def test_a_reshard_equals_its_source_at_any_layout(tmp_path):
+    out = str(tmp_path / "tp1pp2")
+    write_resharded(fixture_path("tp2_torch"), out, TargetLayout(tp=1, pp=2))
+    r = diff_checkpoints(fixture_path("tp2_torch"), out)
+    assert r.equal, r.render()
+    converted = str(tmp_path / "te")  # and across specs and Adams: named and laid out as the first
+    write_resharded(fixture_path("tp2_torch"), converted, TargetLayout(transformer_impl="transformer_engine"))
+    assert diff_checkpoints(fixture_path("tp2_torch"), converted).equal
+
+
+def test_a_single_changed_element_is_found_and_located(tmp_path, capsys):
+    """A copy of tp2_torch (its state dicts as the resharder builds them, saved with torch) with one element of one
+    shard changed by 1e-3."""
+    out = str(tmp_path / "copy")
+    r = open_resharder(fixture_path("tp2_torch"), TargetLayout())
+    for name, coords in naming.shard_writers(r.tgt).items():
+        sd = r.build(r.plan_for_coords(coords, name))
+        if name == "mp_rank_01":
+            sd["model"]["decoder.layers.2.mlp.linear_fc2.weight"][5, 7] += 1e-3
+        os.makedirs(os.path.join(out, "iter_0000002", name))
+        torch.save(sd, os.path.join(out, "iter_0000002", name, "model_optim_rng.pt"), pickle_module=pickling)
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("2")
+    r = diff_checkpoints(fixture_path("tp2_torch"), out)
+    bad = [t for t in r.tensors if t.status != "equal"]
+    assert [t.name for t in bad] == ["decoder.layers.2.mlp.linear_fc2.weight"]
+    assert bad[0].differing == 1 and bad[0].first == (5, 32 + 7)  # row-parallel: TP rank 1 holds columns 32..63
+    assert abs(bad[0].max_abs - 1e-3) < 1e-6
+    assert main(["diff", fixture_path("tp2_torch"), out, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["equal"] is False and doc["tensors"]
+    assert main(["diff", fixture_path("tp2_torch"), out, "--weights-only", "--atol", "1e-2"]) == 0
+
+
+def test_two_different_models_report_what_is_missing_and_what_differs():
+    r = diff_checkpoints(fixture_path("tp2_torch"), fixture_path("moe_ep2_torch"), weights_only=True)
+    statuses = {t.status for t in r.tensors}
+    assert not r.equal and "missing_in_a" in statuses and "missing_in_b" in statuses
+    assert any(f == "num_experts" for f, _, _ in r.args)
