@@ -18,15 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout import naming
-from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_index
-from megatron_preflight.reshard.execute.executor import build_tensor
-from megatron_preflight.reshard.optimizer.plain import iter_plans
-from megatron_preflight.reshard.plan.spec import spec_of
-from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
-from megatron_preflight.reshard.resharder import Resharder, open_resharder
+from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
+from megatron_preflight.reshard.checkpoint_index import open_index
+from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.target import TargetLayout
 
 log = logging.getLogger(__name__)
 
@@ -108,39 +103,12 @@ class DiffReport:
         return "\n".join(lines)
 
 
-def _global(index: CheckpointIndex, keep: bool, like: CheckpointIndex | None) -> Resharder:
-    """The resharder that plans ``index``'s global tensors (named, laid out and in the Adam family of ``like``)."""
-    extra: dict[str, Any] = {}
-    if like is not None:
-        saved = like.view.saved_args
-        extra = {"transformer_impl": spec_of(saved) if saved is not None else None,
-                 "moe_grouped_gemm": bool(getattr(saved, "moe_grouped_gemm", False)) if saved is not None else None,
-                 "optimizer_family": like.adam_family}
-    return open_resharder(index, TargetLayout(tp=1, pp=1, ep=1, etp=1, distributed_optimizer=False, **extra),
-                          keep_optimizer=keep)
-
-
-def _plan(r: Resharder) -> RankPlan:
-    (name, coords), = list(naming.shard_writers(r.tgt).items())[:1]
-    return r.plan_for_coords(coords, name)
-
-
-def _named(plan: RankPlan, optimizer: bool) -> dict[str, TensorPlan | Any]:
-    out: dict[str, Any] = {t.key: t for t in plan.tensors}
-    if optimizer and plan.optimizer is not None:
-        # per-parameter steps are one number per run: compared once (DiffReport.steps), in either Adam family
-        # (the wrapper's own entries, e.g. fp16's grad scaler, are not parameter state: not compared)
-        out.update({tp.key: tp for _, tp in iter_plans(plan.optimizer) if "#" in tp.key
-                    and not tp.key.endswith("#step")})
-    return out
-
-
 def compare_tensors(name: str, x: Any, y: Any, atol: float, rtol: float, rows: int | None = None) -> TensorDiff:
     """One pair of values (tensors, or extra state), compared; ``rows``: only the first rows (vocab padding out)."""
     import torch  # deferred: diff reads tensors (its module is imported by the CLI only when it runs)
 
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-        return TensorDiff(name, "equal" if _same_value(x, y) else "differs")
+        return TensorDiff(name, "equal" if _samevalue_of(x, y) else "differs")
     if rows is not None:
         x, y = x[:rows], y[:rows]
     d = TensorDiff(name, "equal", tuple(x.shape), tuple(y.shape), str(x.dtype).removeprefix("torch."),
@@ -197,19 +165,13 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
     return list(reversed(out))
 
 
-def _same_value(x: Any, y: Any) -> bool:
+def _samevalue_of(x: Any, y: Any) -> bool:
     import torch  # deferred: see compare_tensors
 
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and \
             x.shape == y.shape and bool(torch.equal(x, y))
     return x == y
-
-
-def _value(tp: Any, files: SourceFiles) -> Any:
-    if isinstance(tp, TensorPlan) and tp.shape is not None:
-        return build_tensor(tp, files, release=True)
-    return tp.value if isinstance(tp, TensorPlan) else tp
 
 
 def _args_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
@@ -251,7 +213,7 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
         index.require_readable()
     report = DiffReport(ia.layout.iter_dir or a, ib.layout.iter_dir or b)
     keep = not weights_only
-    ga, gb = _global(ia, keep, None), _global(ib, keep, ia)
+    ga, gb = global_resharder(ia, keep, None), global_resharder(ib, keep, ia)
     for side, r in (("a", ga), ("b", gb)):
         if keep and r.optimizer_problem is not None:
             report.notes.append(f"{side}: optimizer state not compared ({r.optimizer_problem.message})")
@@ -260,7 +222,7 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
         report.notes.append("optimizer state not compared: "
                             + ("neither has one" if not (ga.writes_optimizer or gb.writes_optimizer)
                                else f"only {'a' if ga.writes_optimizer else 'b'} has one"))
-    pa, pb = _plan(ga), _plan(gb)
+    pa, pb = global_plan(ga), global_plan(gb)
     rows = None
     if ga.vocab is not None and gb.vocab is not None:
         rows = min(ga.vocab.real, gb.vocab.real)
@@ -269,7 +231,7 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
                                 f"{rows} rows compared")
         if max(ga.vocab.source_padded, gb.vocab.source_padded) > rows:
             report.notes.append(f"vocab padding rows (beyond the {rows} real rows) are not compared")
-    na, nb = _named(pa, with_optimizer), _named(pb, with_optimizer)
+    na, nb = named_tensors(pa, with_optimizer), named_tensors(pb, with_optimizer)
     names = [n for n in list(na) + [n for n in nb if n not in na] if not _absent_extra(n, na, nb)]
     local = threading.local()
     opened: list[SourceFiles] = []
@@ -289,7 +251,7 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
             return TensorDiff(name, "missing_in_b" if name in na else "missing_in_a", shape=getattr(tp, "shape", None))
         fa, fb = files()
         is_vocab = any(getattr(t, "pad_from", None) is not None for t in (na[name], nb[name]))
-        return compare_tensors(name, _value(na[name], fa), _value(nb[name], fb), atol, rtol,
+        return compare_tensors(name, value_of(na[name], fa), value_of(nb[name], fb), atol, rtol,
                                rows if is_vocab else None)
 
     try:
