@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-MODES = ("off", "check", "auto")
+MODES = ("off", "check", "auto", "verify")
 
 
 def add_preflight_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -13,7 +13,8 @@ def add_preflight_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     group.add_argument("--preflight", choices=MODES, default=os.environ.get("MEGATRON_PREFLIGHT", "off"),
                        help="off: Megatron as usual. check: compare the run with the checkpoint before the model is "
                             "built; any fatal finding stops every rank with one report. auto: also pick the loader "
-                            "and reshard legacy checkpoints in memory.")
+                            "and reshard legacy checkpoints in memory. verify: auto, then prove after the load that every "
+                            "rank holds the checkpoint's model (its stored fingerprints) before iteration 1.")
     group.add_argument("--preflight-report", default=os.environ.get("MEGATRON_PREFLIGHT_REPORT"),
                        help="write the plan (JSON) here, from rank 0")
     group.add_argument("--preflight-allow-missing-checkpoint", action="store_true",

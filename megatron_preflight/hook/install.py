@@ -25,7 +25,7 @@ from typing import Any
 
 from megatron_preflight.check.verdict import Loader
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.hook import legacy_load, runtime
+from megatron_preflight.hook import legacy_load, runtime, verify
 from megatron_preflight.hook import state as state_mod
 from megatron_preflight.hook.flags import add_preflight_arguments
 
@@ -134,7 +134,10 @@ def install() -> None:
         def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", *a, **k):
             decision = runtime.current()
             if decision is None or decision.loader != Loader.RESHARD or load_arg != "load":
-                return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
+                result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
+                if decision is not None and decision.mode == "verify" and load_arg == "load":
+                    verify.verify_after_load(ddp_model, get_args())
+                return result
 
             def reshard_base(load_dir, args, rank0=False, sharded_state_dict=None, *ba, **bk):
                 # Megatron-LM is optional: present only inside a Megatron job
@@ -156,6 +159,8 @@ def install() -> None:
             finally:
                 ckpt_mod._load_base_checkpoint = base_loader
                 restore()
+            if decision.mode == "verify":
+                verify.verify_after_load(ddp_model, get_args())
             spent = state_mod.STATE.seconds
             runtime._say(f"loaded through the in-memory resharder (iteration {result[0] if result else '?'}; "
                          f"load_checkpoint {time.perf_counter() - started:.2f} s on rank 0, of which the shared "

@@ -74,7 +74,7 @@ def run_adam_family(args: Any) -> str | None:
 def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     rt = from_namespace(args)
     rt.optimizer_family = run_adam_family(args)
-    if mode == "auto":
+    if mode in ("auto", "verify"):
         rt.auto_detect_ckpt_format = True  # auto mode turns it on for a dist checkpoint (apply_decision)
     if not rt.world_size:
         rt.world_size = consensus.world_size()
@@ -137,7 +137,7 @@ def preflight(args: Any) -> Decision | None:
             print(decision.report, file=sys.stderr, flush=True)
             print(f"[megatron-preflight] the job must not start: stopping every rank (exit {decision.exit_code})",
                   file=sys.stderr, flush=True)
-        _release_process_groups()
+        release_process_groups()
         raise SystemExit(decision.exit_code)
     apply_decision(args, decision)
     return decision
@@ -149,11 +149,11 @@ def fail_load(exc: BaseException) -> None:
     what = exc.render() if isinstance(exc, PreflightError) else f"{type(exc).__name__}: {exc}"
     print(f"[megatron-preflight] rank {consensus.rank()}: loading through the resharder failed: {what}",
           file=sys.stderr, flush=True)
-    _release_process_groups()
+    release_process_groups()
     raise SystemExit(EXIT_FAIL)
 
 
-def _release_process_groups() -> None:
+def release_process_groups() -> None:
     """Tear down torch.distributed locally before exiting, so no rank aborts in a communicator destructor while
     its peers are already gone (every rank got the same decision; no collective follows)."""
     try:
@@ -172,7 +172,7 @@ def apply_decision(args: Any, d: Decision) -> None:
         return
     took = f" (check {d.plan['seconds']:.2f} s on rank 0)" if d.plan.get("seconds") is not None else ""
     _say(f"checkpoint {d.checkpoint}: verdict {d.verdict.value}, loader {d.loader.value if d.loader else '-'}{took}")
-    if d.mode == "auto" and d.loader == Loader.DIST and not getattr(args, "auto_detect_ckpt_format", False) and \
+    if d.mode in ("auto", "verify") and d.loader == Loader.DIST and not getattr(args, "auto_detect_ckpt_format", False) and \
             getattr(args, "ckpt_format", "torch_dist") == "torch":
         args.auto_detect_ckpt_format = True
         d.applied.append("auto_detect_ckpt_format=True")

@@ -544,3 +544,58 @@ def test_a_checkpoint_at_the_horizon_fails_at_start(tmp_path):
     rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
                   "torch", "--train-iters", "2", "--preflight", "check", port=29774)
     assert rc == 1 and "train_iters" in log and "raise --train-iters above 2" in log, log[-2000:]
+
+
+def fingerprinted(tmp_path, name):
+    """A copy of a fixture with its fingerprints stored beside it (megatron-preflight fingerprint)."""
+    dst = tmp_path / f"fp_{name}"
+    shutil.copytree(fixture_path(name), dst)
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "fingerprint", str(dst)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return str(dst)
+
+
+@pytest.mark.parametrize("name, nproc, flags", [
+    ("tp2_torch", 2, ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch"]),  # Megatron's own loader
+    ("tp2_torch", 1, ["--ckpt-format", "torch"]),  # our in-memory reshard TP2 -> TP1
+    ("moe_ep2_torch", 2, ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                          "--ckpt-format", "torch"]),
+    ("tp2_torch_dist", 1, ["--ckpt-format", "torch_dist"]),  # Megatron's dist loader, resharding TP2 -> TP1
+])
+def test_verify_passes_a_correct_load(tmp_path, name, nproc, flags):
+    """No false alarm: the loaded model equals the checkpoint's fingerprints, whoever loaded it."""
+    ckpt = fingerprinted(tmp_path, name)
+    rc, log = run(tmp_path, ckpt, nproc, *flags, "--no-load-rng", "--preflight", "verify", port=29775)
+    assert rc == 0, log[-3000:]
+    assert "verify: the loaded model equals the checkpoint's fingerprints" in log, log[-3000:]
+
+
+def test_verify_names_two_swapped_experts(tmp_path):
+    """A fingerprinted legacy MoE checkpoint in which expert 1's weights were later swapped with expert 2's (same
+    shapes, on different EP ranks: a bad copy): Megatron loads it and trains silently; verify stops every rank
+    before iteration 1 and names both experts."""
+    import torch
+
+    from megatron_preflight import pickling
+    from megatron_preflight.layout import naming
+    from megatron_preflight.reshard import TargetLayout
+    from megatron_preflight.reshard.resharder import open_resharder
+
+    ckpt = fingerprinted(tmp_path, "moe_ep2_torch")
+    r = open_resharder(ckpt, TargetLayout())
+    states = {n: r.build(r.plan_for_coords(c, n)) for n, c in naming.shard_writers(r.tgt).items()}
+    key1 = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"  # global expert 1 (EP rank 0)
+    key2 = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"  # global expert 2 (EP rank 1)
+    a, b = states["mp_rank_00_000"]["model"], states["mp_rank_00_001"]["model"]
+    a[key1], b[key2] = b[key2].clone(), a[key1].clone()
+    for n, sd in states.items():
+        torch.save(sd, os.path.join(ckpt, "iter_0000002", n, "model_optim_rng.pt"), pickle_module=pickling)
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--ckpt-format",
+           "torch", "--no-load-rng"]
+    rc, log = run(tmp_path, ckpt, 2, *moe, plugin=False, port=29776)
+    assert rc == 0 and loss(log) is not None  # Megatron: not a word
+    rc, log = run(tmp_path, ckpt, 2, *moe, "--preflight", "verify", port=29777)
+    assert rc == 1, log[-3000:]
+    assert "experts.local_experts.1.linear_fc1.weight" in log and "experts.local_experts.2.linear_fc1.weight" in log
+    assert "no longer matches its fingerprints" in log and "lm loss" not in log

@@ -1,0 +1,183 @@
+"""``--preflight verify``: after the load (Megatron's own loader or ours, legacy or torch_dist), prove that the model
+every rank now holds is the checkpoint's, against the fingerprints stored beside it (``megatron-preflight
+fingerprint``; see prove/fingerprint.py), before iteration 1.
+
+Every rank hashes the parameters it holds, each as boxes of its global tensor (where its slice sits: the split rule,
+the run's layout, its TP/EP/ETP/PP coordinates; vocab padding rows left out). Rank 0 gathers the partial digests,
+counts each box once (a replica is the same box; replicas that disagree are named), sums them per tensor and compares
+with the stored digest. For a tensor that differs, every rank holding part of it rebuilds that part from the
+checkpoint (only those tensors are read) and says whether its own slice is the one that differs, so the message names
+the parameter, the rank(s) and the likely cause. Parameters the checkpoint has no data for (left at their
+initialisation) and checkpoint tensors no rank holds are named too. Any finding stops every rank with exit 1.
+The optimizer state is not verified here (the model only).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from megatron_preflight import reshard  # its modules load on first use (a lazy package)
+from megatron_preflight.hook import consensus, legacy_load, runtime
+from megatron_preflight.layout import naming
+from megatron_preflight.prove import fingerprint, placement
+
+log = logging.getLogger("megatron_preflight")
+
+
+def _live(model: Any) -> list[dict[str, Any]]:
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    return [legacy_load.unwrapped(c).state_dict(keep_vars=True) for c in chunks]
+
+
+def _chunk_index(name: str) -> int:
+    return 0 if name == "model" else int(name[len("model"):])
+
+
+def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], name: str) -> dict[str, Any]:
+    """This rank's partial digests: {global name: [(offsets, digest, numel)]}, and the live parameters the checkpoint
+    has no data for."""
+    plan = r.plan_for_coords(coords, name)
+    live = _live(model)
+    parts: dict[str, list[tuple[tuple, str, int]]] = {}
+    planned: set[tuple[int, str]] = set()
+    for tp in plan.tensors:
+        if tp.gkey is None or tp.shape is None or tp.key.endswith("_extra_state"):
+            continue
+        chunk = _chunk_index(tp.chunk)
+        planned.add((chunk, tp.key))
+        value = live[chunk].get(tp.key) if chunk < len(live) else None
+        if value is None:
+            continue
+        t = value.detach().cpu()
+        for local, gshape, offsets in placement.boxes(r, tp, coords):
+            box = t[local]
+            parts.setdefault(placement.global_name(r, tp), []).append(
+                (offsets, f"{fingerprint.digest_box(box, gshape, offsets):016x}", box.numel()))
+    unplanned = [f"{'model' if len(live) == 1 else f'model{c}'}:{k}" for c, sd in enumerate(live) for k, v in sd.items()
+                 if not k.endswith("_extra_state") and getattr(v, "requires_grad", False) and (c, k) not in planned]
+    return {"parts": parts, "unplanned": unplanned}
+
+
+def _differs_here(r: reshard.Resharder, coords: dict[str, int], name: str, model: Any, wanted: set[str]) -> list[str]:
+    """Of the tensors in ``wanted``, those whose slice on this rank differs from the checkpoint's (rebuilt here)."""
+    plan = r.plan_for_coords(coords, name)
+    live = _live(model)
+    out = []
+    files = reshard.SourceFiles(r.layout.iter_dir or "", trust=r.trust)
+    try:
+        for tp in plan.tensors:
+            if tp.gkey is None or tp.shape is None or placement.global_name(r, tp) not in wanted:
+                continue
+            value = live[_chunk_index(tp.chunk)].get(tp.key)
+            expected = placement.expected(tp, files)
+            for local, gshape, offsets in placement.boxes(r, tp, coords):
+                if value is None or fingerprint.digest_box(value.detach().cpu()[local], gshape, offsets) != \
+                        fingerprint.digest_box(expected[local], gshape, offsets):
+                    out.append(placement.global_name(r, tp))
+                    break
+    finally:
+        files.close()
+    return out
+
+
+def judge(stored: dict[str, Any], gathered: list[dict[str, Any]]) -> tuple[list[str], set[str]]:
+    """Rank 0's verdict from every rank's partials: the problems found and the tensors whose digest differs."""
+    problems: list[str] = []
+    boxes: dict[str, dict[tuple, tuple[str, int, list[int]]]] = {}
+    for rank, doc in enumerate(gathered):
+        for name, parts in doc["parts"].items():
+            for offsets, dig, numel in parts:
+                seen = boxes.setdefault(name, {}).get(tuple(offsets))
+                if seen is None:
+                    boxes[name][tuple(offsets)] = (dig, numel, [rank])
+                elif seen[0] != dig:
+                    problems.append(f"{name}: ranks {seen[2]} and {rank} hold different values for the same slice "
+                                    f"(offsets {list(offsets)}): replicas diverged or one rank loaded another slice")
+                else:
+                    seen[2].append(rank)
+        for item in doc["unplanned"]:
+            problems.append(f"{item} (rank {rank}): the checkpoint has no data for this parameter: it keeps its "
+                            "random initialisation (a non-strict load, or a checkpoint missing it)")
+    differ: set[str] = set()
+    for name, want in stored["tensors"].items():
+        if "#" in name:
+            continue  # optimizer state: not verified here
+        held = boxes.get(name)
+        if not held:
+            problems.append(f"{name}: in the checkpoint, but no rank holds it (not loaded)")
+            continue
+        numel = sum(n for _, n, _ in held.values())
+        total = 1
+        for s in want["shape"]:
+            total *= s
+        got = f"{fingerprint.combine([int(d, 16) for d, _, _ in held.values()]):016x}"
+        if numel != total or got != want["digest"]:
+            differ.add(name)
+    for name in boxes:
+        if name not in stored["tensors"]:
+            problems.append(f"{name}: held by the run but not in the checkpoint's fingerprints (fingerprints of "
+                            "another checkpoint?)")
+    return problems, differ
+
+
+def verify_after_load(model: Any, args: Any) -> None:
+    """Run by every rank right after the load. Returns when the run holds the checkpoint; otherwise stops every rank."""
+    started = time.perf_counter()
+    load_dir = getattr(args, "load", None)
+    if not load_dir:
+        return
+    trust = bool(getattr(args, "preflight_trust_checkpoint", False))
+    index = legacy_load.shared_index(load_dir, getattr(args, "ckpt_step", None), trust, False)
+    root = index.layout.root or load_dir
+    stored = consensus.decide_on_rank0(lambda: fingerprint.load(root, index.layout.iteration),
+                                       lambda exc: {"error": str(exc)})
+    if stored is None:
+        _say(f"verify: no fingerprints stored for {root} (iteration {index.layout.iteration}): nothing to compare "
+             "the loaded model with; run `megatron-preflight fingerprint` on the checkpoint to enable it")
+        return
+    if "error" in stored:
+        _stop(f"verify: {stored['error']}")
+    target = reshard.TargetLayout.from_args(args)
+    r = reshard.open_resharder(index, target, keep_optimizer=False)
+    coords = legacy_load.runtime_coordinates(consensus.rank(), consensus.world_size(), r)
+    name = naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"], pp_size=r.tgt.pp, ep_size=r.tgt.ep)
+    mine = local_partials(r, model, coords, name)
+    gathered = consensus.gather_to_rank0(mine)
+    verdict = consensus.decide_on_rank0(lambda: judge(stored, gathered or []), lambda exc: ([f"internal: {exc}"], set()))
+    problems, differ = verdict
+    if differ:  # which ranks hold the differing slices: each rebuilds its part of those tensors from the checkpoint
+        here = _differs_here(r, coords, name, model, set(differ))
+        where = consensus.gather_to_rank0(here)
+        if where is not None:
+            for tensor in sorted(differ):
+                ranks = [i for i, names in enumerate(where) if tensor in names]
+                cause = ("its slice on these ranks is not the checkpoint's (a wrong slice loaded, or the values "
+                         "changed after the load)" if ranks else
+                         "every rank's slice equals a fresh read of the checkpoint: the checkpoint no longer matches "
+                         "its fingerprints (changed after they were taken: a bad copy, bit rot, or a converter)")
+                problems.append(f"{tensor}: the loaded values differ from the checkpoint's fingerprint; "
+                                f"ranks {ranks}: {cause}" if ranks else f"{tensor}: {cause}")
+    problems = consensus.decide_on_rank0(lambda: problems, lambda exc: [f"internal: {exc}"])
+    if problems:
+        _stop("verify: the loaded model is not the checkpoint's:\n  " + "\n  ".join(problems[:50])
+              + (f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""))
+    _say(f"verify: the loaded model equals the checkpoint's fingerprints "
+         f"({len(stored['tensors'])} tensors; {time.perf_counter() - started:.2f} s on rank 0)")
+
+
+def _say(msg: str) -> None:
+    if consensus.rank() == 0:
+        print(f"[megatron-preflight] {msg}", flush=True)
+
+
+def _stop(message: str) -> None:
+    """Every rank reaches here with the same problems: rank 0 prints them, every rank exits 1 before iteration 1."""
+    if consensus.rank() == 0:
+        print(f"[megatron-preflight] {message}", file=sys.stderr, flush=True)
+        print("[megatron-preflight] the job must not train: stopping every rank (exit 1)", file=sys.stderr,
+              flush=True)
+    runtime.release_process_groups()
+    raise SystemExit(runtime.EXIT_FAIL)
