@@ -5,7 +5,9 @@ Three ways to start the same job (the same checkpoint, the same world size), and
   (a2) control: Megatron's own load of a legacy checkpoint of the same model saved at the run's layout (TP1; no
        plugin): the same model build as (b) and (c), so (b) - (a2) is what the plugin costs,
   (b) ``--preflight auto`` loading the legacy checkpoint at another layout (the in-memory resharder),
-  (c) Megatron's own load-time reshard of the checkpoint's torch_dist twin to that layout (no plugin).
+  (c) Megatron's own load-time reshard of the checkpoint's torch_dist twin to that layout (no plugin),
+  (d) as (b) with ``--preflight verify`` (the loaded model proved against the fingerprints stored beside the
+      checkpoint): (d) - (b) is what verify adds.
 
 "End of the load" is the moment rank 0 prints "after model, optimizer, and learning rate scheduler are built" (the
 load happens inside that step); the job is stopped there. Where (b)'s time goes comes from the plugin's own lines on
@@ -76,9 +78,11 @@ def start(ns: argparse.Namespace, ckpt: str, flags: list[str], plugin: bool, por
     load = re.search(r"load_checkpoint ([0-9.]+) s on rank 0, of which the shared index ([0-9.]+) s, reading and "
                      r"building its state ([0-9.]+) s", log)
     init = re.search(r"time to initialize megatron \(seconds\): ([0-9.]+)", log)
+    verified = re.search(r"verify: the loaded model equals .*; ([0-9.]+) s on rank 0\)", log)
     return {"wall": loaded, "check": float(check.group(1)) if check else None,
             "load": float(load.group(1)) if load else None, "index": float(load.group(2)) if load else None,
-            "build": float(load.group(3)) if load else None, "init": float(init.group(1)) if init else None}
+            "build": float(load.group(3)) if load else None, "init": float(init.group(1)) if init else None,
+            "verify": float(verified.group(1)) if verified else None}
 
 
 def main() -> int:
@@ -100,6 +104,9 @@ def main() -> int:
         shutil.copytree(os.path.join(FIXTURES, ns.legacy), legacy)
         shutil.copytree(os.path.join(FIXTURES, ns.dist), dist)
         shutil.copytree(os.path.join(FIXTURES, ns.control), control)
+        fingerprinted = os.path.join(work, "fingerprinted")
+        shutil.copytree(os.path.join(FIXTURES, ns.legacy), fingerprinted)
+        subprocess.run([sys.executable, "-m", "megatron_preflight", "fingerprint", fingerprinted], check=True)
         saved = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--no-load-rng"]
         other = ["--tensor-model-parallel-size", "1", "--no-load-rng"]
         runs = {
@@ -110,6 +117,8 @@ def main() -> int:
                 dist, other + ["--ckpt-format", "torch_dist"], False),
             "(a2) control: Megatron, legacy saved at TP1, loaded at TP1 DP2": (
                 control, other + ["--ckpt-format", "torch"], False),
+            "(d) --preflight verify: (b), then the load proved": (
+                fingerprinted, other + ["--ckpt-format", "torch", "--preflight", "verify"], True),
         }
         results: dict[str, list[dict]] = {k: [] for k in runs}
         port = 29800
@@ -120,7 +129,7 @@ def main() -> int:
         print(f"Job start, real Megatron-LM pretrain_gpt.py on CPU, world {ns.world}, median of {ns.repeats} "
               f"(checkpoint {ns.legacy} / {ns.dist}, optimizer state loaded)")
         print(f"{'start':<62} {'to end of load s':>16} {'megatron init s':>15} {'check s':>8} "
-              f"{'load_checkpoint s':>17} {'index s':>8} {'build s':>8}")
+              f"{'load_checkpoint s':>17} {'index s':>8} {'build s':>8} {'verify s':>8}")
         med = {}
         for name, rs in results.items():
             med[name] = statistics.median(r["wall"] for r in rs)
@@ -130,10 +139,11 @@ def main() -> int:
                 return f"{statistics.median(vals):.2f}" if vals else "-"
 
             print(f"{name:<62} {med[name]:>16.2f} {m('init'):>15} {m('check'):>8} {m('load'):>17} {m('index'):>8} "
-                  f"{m('build'):>8}")
-        a, b, c, a2 = med.values()
+                  f"{m('build'):>8} {m('verify'):>8}")
+        a, b, c, a2, d = med.values()
         print(f"(b)/(a) = {b / a:.3f}   (b)/(c) = {b / c:.3f}   (b)/(a2) = {b / a2:.3f}   goal: (b) <= 1.1 x (a) "
               "and (b) <= (c)")
+        print(f"verify adds (d) - (b) = {d - b:.2f} s to the job start; goal: at most 10 % of the load")
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.verdict import Verdict
 from megatron_preflight.layout.model import Layout
+from megatron_preflight.prove.stored import stored
 
 if TYPE_CHECKING:
     from megatron_preflight.check.plan import Plan
@@ -79,6 +80,9 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
             lines.append(f"missing     {', '.join(layout.missing_shards)}")
     for note in layout.notes:
         lines.append(f"note        {note}")
+    fingerprints = stored(layout.root, layout.iteration)
+    if fingerprints:
+        lines.append(f"fingerprints {fingerprints} (--preflight verify compares the loaded model with them)")
     if layout.problems and not problems:
         lines.append(f"problems    {len(layout.problems)} (below)")
     elif layout.problems:

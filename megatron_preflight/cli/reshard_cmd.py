@@ -78,6 +78,11 @@ def _run(ns: argparse.Namespace) -> int:
                               distributed=True, keep_stale=ns.keep_stale_temp)
     if int(os.environ.get("RANK", "0") or 0) == 0:
         print(summary.render())
+        if ns.fingerprint:
+            from megatron_preflight.prove import fingerprint  # reads tensors with torch: only when asked
+
+            doc = fingerprint.fingerprint_checkpoint(ns.dst, iteration=ns.iteration, trust=True)
+            print(f"fingerprints of the output: {fingerprint.store(ns.dst, doc['iteration'], doc)}")
     return 0
 
 
@@ -142,6 +147,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transformer-impl", choices=("local", "transformer_engine"),
                    help="write the tensors under this layer spec's names; default: the source's, or what the flags "
                         "after -- say")
+    p.add_argument("--fingerprint", action="store_true",
+                   help="store the output's fingerprints beside it (what --preflight verify compares a loaded run "
+                        "with; read back from the output once)")
     p.add_argument("--keep-stale-temp", action="store_true",
                    help="leave the partial output of earlier runs that died (.DST.tmp-PID) in place; by default it is "
                         "removed, and the summary names it")

@@ -159,13 +159,13 @@ def install() -> None:
             finally:
                 ckpt_mod._load_base_checkpoint = base_loader
                 restore()
-            if decision.mode == "verify":
-                verify.verify_after_load(ddp_model, get_args())
             spent = state_mod.STATE.seconds
             runtime._say(f"loaded through the in-memory resharder (iteration {result[0] if result else '?'}; "
                          f"load_checkpoint {time.perf_counter() - started:.2f} s on rank 0, of which the shared "
                          f"index {spent.get('index', 0.0):.2f} s, reading and building its state "
                          f"{spent.get('build', 0.0):.2f} s)")
+            if decision.mode == "verify":
+                verify.verify_after_load(ddp_model, get_args())
             return result
 
         return _mark(load_checkpoint)

@@ -30,11 +30,11 @@ from typing import Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
+from megatron_preflight.prove.stored import DIR, path_for  # noqa: F401 - DIR: part of this module's API
 from megatron_preflight.reshard.checkpoint_index import open_index
 from megatron_preflight.reshard.sources.files import SourceFiles
 
 FORMAT = 1
-DIR = "megatron_preflight_fingerprints"
 _MASK = (1 << 64) - 1
 _CHUNK = 1 << 22  # elements hashed at a time (bounded temporaries)
 
@@ -114,12 +114,6 @@ def digest(t: Any) -> int:
 def combine(partials: list[int]) -> int:
     """The digest of a tensor from the partial digests of disjoint boxes that cover it."""
     return sum(partials) & _MASK
-
-
-def path_for(root: str, iteration: int | str) -> str:
-    """Where the fingerprints of ``root``'s iteration are stored (beside the iteration dirs, never inside one)."""
-    name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-    return os.path.join(root, DIR, name + ".json")
 
 
 def load(root: str, iteration: int | str) -> dict[str, Any] | None:

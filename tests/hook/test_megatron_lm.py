@@ -599,3 +599,98 @@ def test_verify_names_two_swapped_experts(tmp_path):
     assert rc == 1, log[-3000:]
     assert "experts.local_experts.1.linear_fc1.weight" in log and "experts.local_experts.2.linear_fc1.weight" in log
     assert "no longer matches its fingerprints" in log and "lm loss" not in log
+
+
+def test_verify_names_a_parameter_a_non_strict_load_left_at_init(tmp_path):
+    """A fingerprinted torch_dist checkpoint whose .metadata later lost one parameter's entries (every layer's
+    linear_proj.weight, with its Adam state), loaded with --dist-ckpt-strictness log_all: Megatron logs and trains
+    with those weights at their random initialisation; verify stops every rank before iteration 1 and names them."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ckpt = fingerprinted(tmp_path, "tp2_torch_dist")
+    iter_dir = os.path.join(ckpt, "iter_0000002")
+    md = FileSystemReader(iter_dir).read_metadata()
+    gone = [k for k in md.state_dict_metadata if k.endswith("decoder.layers.self_attention.linear_proj.weight")]
+    for k in gone:
+        del md.state_dict_metadata[k]
+    md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn not in gone}
+    with open(os.path.join(iter_dir, ".metadata"), "wb") as fh:
+        pickle.dump(md, fh)
+    flags = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist", "--dist-ckpt-strictness", "log_all",
+             "--no-load-rng"]
+    rc, log = run(tmp_path, ckpt, 2, *flags, plugin=False, port=29778)
+    assert rc == 0 and loss(log) is not None, log[-3000:]  # Megatron trains on
+    rc, log = run(tmp_path, ckpt, 2, *flags, "--preflight", "verify", port=29779)
+    assert rc == 1 and "lm loss" not in log, log[-3000:]
+    assert "decoder.layers.0.self_attention.linear_proj.weight" in log and "random initialisation" in log
+
+
+# -- the oracle: Megatron's own reshard, saved (issue 22) --------------------------------------------------------------
+# Megatron loads the torch_dist twin at the target layout (its load-time reshard, optimizer included) and writes it back
+# as a legacy checkpoint (--ckpt-convert-format torch --ckpt-convert-save DIR). Our reshard of the legacy twin to the
+# same layout must equal it: the same files, the same keys in the same order, every tensor bit for bit (vocab padding
+# rows excepted: `diff`), the same optimizer state (in model space, and the same param groups), the args a resume
+# reads equal. Deliberate differences (README): our provenance entry, no rng_state (Megatron's is the fresh RNG of the
+# converting run), args we rewrite that Megatron leaves as the converting run set them.
+RESUME_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "kv_channels", "max_position_embeddings", "padded_vocab_size", "make_vocab_size_divisible_by",
+               "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+               "expert_tensor_parallel_size", "num_experts", "swiglu", "normalization", "transformer_impl",
+               "use_distributed_optimizer", "consumed_train_samples", "iteration", "train_iters", "params_dtype")
+
+
+def megatron_convert(tmp_path, twin, nproc, flags, port, te=False):
+    out = tmp_path / "megatron_converted"
+    rc, log = run(tmp_path, fixture_path(twin), nproc, "--ckpt-format", "torch_dist", "--ckpt-convert-format",
+                  "torch", "--ckpt-convert-save", str(out), *flags, plugin=False, port=port, te=te)
+    assert rc == 0 and "converted checkpoint" in log, log[-3000:]
+    return str(out / "torch")
+
+
+def assert_same_files(ours, theirs):
+    from megatron_preflight.layout.discover import discover
+    from megatron_preflight.torch_file import TensorRef
+    from megatron_preflight.tree import iter_leaves
+
+    a, b = discover(ours), discover(theirs)
+    assert a.iteration == b.iteration and [s.name for s in a.shards] == [s.name for s in b.shards]
+    for sa, sb in zip(a.shards, b.shards, strict=True):
+        assert sorted(sa.files) == sorted(sb.files), sa.name
+        ma, mb = sa.meta, sb.meta
+        assert set(ma) - {"megatron_preflight", "rng_state"} == set(mb) - {"rng_state"}, sa.name
+        for chunk in (k for k in ma if k.startswith("model")):
+            assert list(ma[chunk]) == list(mb[chunk]), (sa.name, chunk)  # keys, in Megatron's order
+        if "optimizer" in ma:
+            pa = [(p, type(v).__name__) for p, v in iter_leaves(ma["optimizer"]) if p[-1] != "step"]
+            pb = [(p, type(v).__name__) for p, v in iter_leaves(mb["optimizer"]) if p[-1] != "step"]
+            assert pa == pb, (sa.name, sorted(set(pa) ^ set(pb))[:5])
+            for (path, va), (_, vb) in zip(iter_leaves(ma["optimizer"]), iter_leaves(mb["optimizer"]), strict=True):
+                if not isinstance(va, TensorRef) and "param_groups" in path:
+                    assert va == vb, (sa.name, path, va, vb)
+        for name in RESUME_ARGS:
+            assert getattr(ma["args"], name, None) == getattr(mb["args"], name, None), (sa.name, name)
+
+
+@pytest.mark.parametrize("legacy, twin, nproc, target, flags", [
+    ("tp2_torch", "tp2_torch_dist", 1, {"tp": 1}, []),
+    ("tp2_torch", "tp2_torch_dist", 2, {"tp": 1, "pp": 2}, ["--pipeline-model-parallel-size", "2"]),
+    ("vpp_qkln_pp2_torch", "vpp_qkln_pp2_torch_dist", 2, {"tp": 2, "pp": 1}, VPP_QKLN +
+     ["--tensor-model-parallel-size", "2"]),
+    ("bf16_gqa_tp2_torch", "bf16_gqa_tp2_torch_dist", 1, {"tp": 1}, BF16_GQA),
+    ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist", 4, {"tp": 1, "pp": 2, "ep": 2},
+     MOE_SHARED + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    ("distopt_tp2dp2_torch", "distopt_tp2dp2_torch_dist", 2, {"tp": 1}, ["--use-distributed-optimizer"]),
+])
+def test_our_reshard_equals_megatrons_own_saved_reshard(tmp_path, legacy, twin, nproc, target, flags):
+    from megatron_preflight.prove.diff import diff_checkpoints
+    from megatron_preflight.reshard import TargetLayout, write_resharded
+
+    theirs = megatron_convert(tmp_path, twin, nproc, ["--tensor-model-parallel-size", str(target["tp"]), *flags],
+                              port=29790)
+    ours = str(tmp_path / "ours")
+    write_resharded(fixture_path(legacy), ours, TargetLayout(**target), verify=True)
+    report = diff_checkpoints(ours, theirs)
+    assert report.equal, report.render()
+    assert_same_files(ours, theirs)

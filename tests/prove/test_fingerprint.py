@@ -91,3 +91,9 @@ def test_the_command_stores_them_beside_the_checkpoint(tmp_path):
     doc = fp.load(str(root), 2)
     assert doc is not None and doc["tensors"]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
     assert not (root / "iter_0000002" / fp.DIR).exists()  # never inside the iteration dir Megatron reads
+
+
+def test_reshard_can_store_the_outputs_fingerprints(tmp_path):
+    out = str(tmp_path / "tp1")
+    assert main(["reshard", fixture_path("tp2_torch"), out, "--tp", "1", "--fingerprint", "--no-progress"]) == 0
+    assert fp.load(out, 2)["tensors"] == fp.fingerprint_checkpoint(fixture_path("tp2_torch"))["tensors"]
