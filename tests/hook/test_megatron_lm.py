@@ -638,7 +638,7 @@ RESUME_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "kv_channels", "max_position_embeddings", "padded_vocab_size", "make_vocab_size_divisible_by",
                "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                "expert_tensor_parallel_size", "num_experts", "swiglu", "normalization", "transformer_impl",
-               "use_distributed_optimizer", "consumed_train_samples", "iteration", "train_iters", "params_dtype")
+               "use_distributed_optimizer", "consumed_train_samples", "params_dtype")
 
 
 def megatron_convert(tmp_path, twin, nproc, flags, port, te=False):
@@ -669,8 +669,12 @@ def assert_same_files(ours, theirs):
             for (path, va), (_, vb) in zip(iter_leaves(ma["optimizer"]), iter_leaves(mb["optimizer"]), strict=True):
                 if not isinstance(va, TensorRef) and "param_groups" in path:
                     assert va == vb, (sa.name, path, va, vb)
-        for name in RESUME_ARGS:
-            assert getattr(ma["args"], name, None) == getattr(mb["args"], name, None), (sa.name, name)
+        assert ma["iteration"] == mb["iteration"], sa.name  # what a resume reads (args.iteration is the run's)
+        fields = [n for n in RESUME_ARGS if n != "num_query_groups" or getattr(ma["args"], "group_query_attention",
+                                                                               False)]
+        differ = [(n, getattr(ma["args"], n, None), getattr(mb["args"], n, None)) for n in fields
+                  if getattr(ma["args"], n, None) != getattr(mb["args"], n, None)]
+        assert not differ, (sa.name, differ)
 
 
 @pytest.mark.parametrize("legacy, twin, nproc, target, flags", [
@@ -682,15 +686,18 @@ def assert_same_files(ours, theirs):
     ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist", 4, {"tp": 1, "pp": 2, "ep": 2},
      MOE_SHARED + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
     ("distopt_tp2dp2_torch", "distopt_tp2dp2_torch_dist", 2, {"tp": 1}, ["--use-distributed-optimizer"]),
+    pytest.param("te_tp2_torch", "te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC, marks=te_only, id="te-fused-adam"),
 ])
 def test_our_reshard_equals_megatrons_own_saved_reshard(tmp_path, legacy, twin, nproc, target, flags):
+    """Both sources: our reshard of the legacy twin, and of the torch_dist twin itself."""
     from megatron_preflight.prove.diff import diff_checkpoints
     from megatron_preflight.reshard import TargetLayout, write_resharded
 
     theirs = megatron_convert(tmp_path, twin, nproc, ["--tensor-model-parallel-size", str(target["tp"]), *flags],
-                              port=29790)
-    ours = str(tmp_path / "ours")
-    write_resharded(fixture_path(legacy), ours, TargetLayout(**target), verify=True)
-    report = diff_checkpoints(ours, theirs)
-    assert report.equal, report.render()
-    assert_same_files(ours, theirs)
+                              port=29790, te=flags is TE_SPEC)
+    for source in (legacy, twin):
+        ours = str(tmp_path / f"ours_{source}")
+        write_resharded(fixture_path(source), ours, TargetLayout(**target), verify=True)
+        report = diff_checkpoints(ours, theirs)
+        assert report.equal, (source, report.render())
+        assert_same_files(ours, theirs)

@@ -104,11 +104,14 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
     template = SubOptimizer(half, outer, OrderedDict(), groups, [[] for _ in groups], {}, None)
     plain = OptimizerIndex(template, dist.template_shard)
     expert_parallel = src.experts_are_expert_parallel()
+    key_order = {k: i for i, k in enumerate(dist.settings[dist.order[0]])} if dist.order else {}
     for g in groups:
         sig = _signature(g)
         if sig not in plain.settings:
             plain.order.append(sig)
-            plain.settings[sig] = {**g, "is_expert_parallel": False}
+            # the keys in the order Megatron's groups have them (is_expert_parallel first), as its own files do
+            settings = {**g, "is_expert_parallel": False}
+            plain.settings[sig] = dict(sorted(settings.items(), key=lambda kv: key_order.get(kv[0], len(key_order))))
     tied = any(p.key == "output_layer.weight" and p.shared_embedding for p in params)
     for p in params:
         sk = p.source
