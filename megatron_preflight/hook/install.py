@@ -136,7 +136,7 @@ def install() -> None:
             if decision is None or decision.loader != Loader.RESHARD or load_arg != "load":
                 result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
                 if decision is not None and decision.mode == "verify" and load_arg == "load":
-                    verify.verify_after_load(ddp_model, get_args())
+                    verify.verify_after_load(ddp_model, get_args(), optimizer)
                 return result
 
             def reshard_base(load_dir, args, rank0=False, sharded_state_dict=None, *ba, **bk):
@@ -165,7 +165,7 @@ def install() -> None:
                          f"index {spent.get('index', 0.0):.2f} s, reading and building its state "
                          f"{spent.get('build', 0.0):.2f} s)")
             if decision.mode == "verify":
-                verify.verify_after_load(ddp_model, get_args())
+                verify.verify_after_load(ddp_model, get_args(), optimizer)
             return result
 
         return _mark(load_checkpoint)

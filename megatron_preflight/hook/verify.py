@@ -9,11 +9,15 @@ with the stored digest. For a tensor that differs, every rank holding part of it
 checkpoint (only those tensors are read) and says whether its own slice is the one that differs, so the message names
 the parameter, the rank(s) and the likely cause. Parameters the checkpoint has no data for (left at their
 initialisation) and checkpoint tensors no rank holds are named too. Any finding stops every rank with exit 1.
-The optimizer state is not verified here (the model only).
+With the optimizer state loaded, its fp32 masters and Adam moments are verified the same way: the distributed
+optimizer's shard of each parameter (a range of the flattened local parameter) hashed at its elements' global
+indices, the plain optimizer's whole local state; a differing one is re-read in the plain form on the ranks that
+hold it, to name them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -61,6 +65,75 @@ def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], nam
     return {"parts": parts, "unplanned": unplanned}
 
 
+_HALF = ("torch.float16", "torch.bfloat16")
+
+
+def live_optimizer_states(optimizer: Any, model: Any) -> list[tuple[str, str, Any, int, int, bool]]:
+    """(chunk:key, field, flat values, start, end, master) for each state tensor the running optimizer holds: the
+    distributed optimizer's shard of each parameter (the range ``start:end`` of the flattened local parameter) or the
+    plain optimizer's whole local state; ``master``: the field is the fp32 master of a half-precision parameter."""
+    if optimizer is None:
+        return []
+    names = legacy_load.param_names(model)
+    out = []
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if hasattr(part, "_get_main_param_and_optimizer_states") and hasattr(part, "_get_model_param_range_map"):
+            for param in list(getattr(part, "model_param_gbuf_map", {})):
+                name = names.get(id(param))
+                if name is None:
+                    continue
+                span = part._get_model_param_range_map(param)["param"]
+                half = str(param.dtype) in _HALF
+                for field, t in part._get_main_param_and_optimizer_states(param).items():
+                    if field == "param" and not half:
+                        continue  # an fp32 parameter is its own master: verified with the model
+                    out.append((name, "@master" if field == "param" else field, t.detach().reshape(-1),
+                                span.start, span.end, field == "param"))
+            continue
+        inner = getattr(part, "optimizer", None)
+        if inner is None:
+            continue
+        pairs = []
+        if hasattr(part, "float16_groups"):
+            for g16, g32 in zip(part.float16_groups, part.fp32_from_float16_groups, strict=False):
+                pairs += list(zip(g16, g32, strict=False))
+            for g in getattr(part, "fp32_from_fp32_groups", []):
+                pairs += [(p, p) for p in g]
+        else:
+            pairs = [(p, p) for g in inner.param_groups for p in g["params"]]
+        for param, main in pairs:
+            name = names.get(id(param))
+            if name is None:
+                continue
+            fields = [("@master", main)] if main is not param else []
+            fields += [(k, v) for k, v in inner.state.get(main, {}).items() if k != "step" and hasattr(v, "dim")
+                       and v.dim() > 0]
+            for field, t in fields:
+                flat = t.detach().reshape(-1)
+                out.append((name, field, flat, 0, flat.numel(), field == "@master"))
+    return out
+
+
+def optimizer_partials(r: reshard.Resharder, model: Any, optimizer: Any, coords: dict[str, int],
+                       name: str) -> dict[str, list[tuple[tuple, str, int]]]:
+    """This rank's partial digests of the optimizer state, {global name#field: [(box id, digest, numel)]}: each
+    state range hashed at the global indices of its parameter's elements."""
+    plan = r.plan_for_coords(coords, name)
+    by_key = {(_chunk_index(tp.chunk), tp.key): tp for tp in plan.tensors if tp.gkey is not None and tp.shape}
+    parts: dict[str, list[tuple[tuple, str, int]]] = {}
+    for param_name, field, values, start, end, _master in live_optimizer_states(optimizer, model):
+        chunk, _, key = param_name.partition(":")
+        tp = by_key.get((int(chunk), key))
+        if tp is None or values.numel() != end - start:
+            continue
+        index = placement.global_indices(tuple(tp.shape), placement.boxes(r, tp, coords), start, end)
+        digest, count = fingerprint.digest_indexed(values.cpu(), index)
+        kept = index[index >= 0]
+        box = (int(kept.min()), int(kept.max()), count) if count else (start, end, 0)
+        parts.setdefault(f"{placement.global_name(r, tp)}#{field}", []).append((box, f"{digest:016x}", count))
+    return parts
+
+
 def _differs_here(r: reshard.Resharder, coords: dict[str, int], name: str, model: Any, wanted: set[str]) -> list[str]:
     """Of the tensors in ``wanted``, those whose slice on this rank differs from the checkpoint's (rebuilt here)."""
     plan = r.plan_for_coords(coords, name)
@@ -83,7 +156,36 @@ def _differs_here(r: reshard.Resharder, coords: dict[str, int], name: str, model
     return out
 
 
-def judge(stored: dict[str, Any], gathered: list[dict[str, Any]]) -> tuple[list[str], set[str]]:
+def _optimizer_differs_here(index: Any, target: Any, coords: dict[str, int], name: str, model: Any, optimizer: Any,
+                            wanted: set[str]) -> list[str]:
+    """Of the optimizer tensors in ``wanted`` (``name#field``), those whose range on this rank differs from the
+    checkpoint's state for it, rebuilt here (in the plain form, the rank's local piece, then its range)."""
+    r = reshard.open_resharder(index, dataclasses.replace(target, distributed_optimizer=False), keep_optimizer=True)
+    plan = r.plan_for_coords(coords, name)
+    by_key = {(_chunk_index(tp.chunk), tp.key): tp for tp in plan.tensors if tp.gkey is not None and tp.shape}
+    state_plans = {leaf.key: leaf for _, leaf in reshard.iter_plans(plan.optimizer)} if plan.optimizer else {}
+    out = []
+    files = reshard.SourceFiles(r.layout.iter_dir or "", trust=r.trust)
+    try:
+        for param_name, field, values, start, end, _master in live_optimizer_states(optimizer, model):
+            chunk, _, key = param_name.partition(":")
+            tp = by_key.get((int(chunk), key))
+            if tp is None:
+                continue
+            full = f"{placement.global_name(r, tp)}#{field}"
+            source = state_plans.get(f"{key}#{field}")
+            if full not in wanted or source is None or full in out:
+                continue
+            expected = placement.expected(source, files).reshape(-1)[start:end]
+            if not bool((expected == values.cpu()).all()):
+                out.append(full)
+    finally:
+        files.close()
+    return out
+
+
+def judge(stored: dict[str, Any], gathered: list[dict[str, Any]],
+          with_optimizer: bool = False) -> tuple[list[str], set[str]]:
     """Rank 0's verdict from every rank's partials: the problems found and the tensors whose digest differs."""
     problems: list[str] = []
     boxes: dict[str, dict[tuple, tuple[str, int, list[int]]]] = {}
@@ -103,8 +205,8 @@ def judge(stored: dict[str, Any], gathered: list[dict[str, Any]]) -> tuple[list[
                             "random initialisation (a non-strict load, or a checkpoint missing it)")
     differ: set[str] = set()
     for name, want in stored["tensors"].items():
-        if "#" in name:
-            continue  # optimizer state: not verified here
+        if "#" in name and (not with_optimizer or name.endswith("#step")):
+            continue  # the optimizer state, when it was not loaded
         held = boxes.get(name)
         if not held:
             problems.append(f"{name}: in the checkpoint, but no rank holds it (not loaded)")
@@ -123,7 +225,7 @@ def judge(stored: dict[str, Any], gathered: list[dict[str, Any]]) -> tuple[list[
     return problems, differ
 
 
-def verify_after_load(model: Any, args: Any) -> None:
+def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
     """Run by every rank right after the load. Returns when the run holds the checkpoint; otherwise stops every rank."""
     started = time.perf_counter()
     load_dir = getattr(args, "load", None)
@@ -145,11 +247,19 @@ def verify_after_load(model: Any, args: Any) -> None:
     coords = legacy_load.runtime_coordinates(consensus.rank(), consensus.world_size(), r)
     name = naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"], pp_size=r.tgt.pp, ep_size=r.tgt.ep)
     mine = local_partials(r, model, coords, name)
+    with_optimizer = optimizer is not None and not getattr(args, "no_load_optim", False) and \
+        not getattr(args, "finetune", False) and any("#" in k for k in stored["tensors"])
+    if with_optimizer:
+        mine["parts"].update(optimizer_partials(r, model, optimizer, coords, name))
     gathered = consensus.gather_to_rank0(mine)
-    verdict = consensus.decide_on_rank0(lambda: judge(stored, gathered or []), lambda exc: ([f"internal: {exc}"], set()))
+    verdict = consensus.decide_on_rank0(lambda: judge(stored, gathered or [], with_optimizer),
+                                        lambda exc: ([f"internal: {exc}"], set()))
     problems, differ = verdict
     if differ:  # which ranks hold the differing slices: each rebuilds its part of those tensors from the checkpoint
-        here = _differs_here(r, coords, name, model, set(differ))
+        here = _differs_here(r, coords, name, model, {d for d in differ if "#" not in d})
+        if any("#" in d for d in differ):
+            here += _optimizer_differs_here(index, target, coords, name, model, optimizer,
+                                            {d for d in differ if "#" in d})
         where = consensus.gather_to_rank0(here)
         if where is not None:
             for tensor in sorted(differ):
@@ -164,8 +274,10 @@ def verify_after_load(model: Any, args: Any) -> None:
     if problems:
         _stop("verify: the loaded model is not the checkpoint's:\n  " + "\n  ".join(problems[:50])
               + (f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""))
-    _say(f"verify: the loaded model equals the checkpoint's fingerprints "
-         f"({len(stored['tensors'])} tensors; {time.perf_counter() - started:.2f} s on rank 0)")
+    what = "model and optimizer state equal" if with_optimizer else "model equals"
+    count = sum(1 for k in stored["tensors"] if with_optimizer or "#" not in k)
+    _say(f"verify: the loaded {what} the checkpoint's fingerprints ({count} tensors; "
+         f"{time.perf_counter() - started:.2f} s on rank 0)")
 
 
 def _say(msg: str) -> None:

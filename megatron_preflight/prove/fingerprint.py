@@ -106,6 +106,13 @@ def digest_box(t: Any, global_shape: tuple[int, ...], offsets: tuple[int, ...]) 
     return total
 
 
+def digest_indexed(values: Any, indices: Any) -> tuple[int, int]:
+    """(partial digest, elements hashed) of flat ``values`` at global flat ``indices`` (negative: not hashed)."""
+    keep = indices >= 0
+    v, i = _bits(values)[keep], indices[keep]
+    return int(_mix(v ^ (i * _K)).sum()) & _MASK, int(keep.sum())
+
+
 def digest(t: Any) -> int:
     """The digest of a whole global tensor."""
     return digest_box(t, tuple(t.shape), (0,) * t.dim())

@@ -55,3 +55,29 @@ def global_name(r: Resharder, tp: TensorPlan) -> str:
 def expected(tp: TensorPlan, files: SourceFiles) -> Any:
     """The planned tensor, rebuilt from the checkpoint."""
     return build_tensor(tp, files)
+
+
+def global_indices(local_shape: tuple[int, ...], where: list[Box], start: int, end: int) -> Any:
+    """The global flat index of each element ``start:end`` of the flattened local tensor (``-1`` outside every box:
+    vocab padding rows)."""
+    import torch  # deferred: indices are tensors
+
+    pos = torch.arange(start, end, dtype=torch.int64)
+    out = torch.full_like(pos, -1)
+    rest = pos.clone()
+    multi = []
+    for size in reversed(local_shape):
+        multi.append(rest % size)
+        rest = rest // size
+    multi.reverse()
+    for local, gshape, offsets in where:
+        inside = torch.ones_like(pos, dtype=torch.bool)
+        index = torch.zeros_like(pos)
+        stride = 1
+        for d in reversed(range(len(local_shape))):
+            lo, hi = local[d].start, local[d].stop
+            inside &= (multi[d] >= lo) & (multi[d] < hi)
+            index += (multi[d] - lo + offsets[d]) * stride
+            stride *= gshape[d]
+        out = torch.where(inside, index, out)
+    return out

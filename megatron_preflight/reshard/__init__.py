@@ -22,7 +22,7 @@ _EXPORTS = {
     "build_rank_state_dict": "resharder", "choose_optimizer": "resharder",
     # the optimizer state
     "OptimizerStatus": "optimizer.status", "OptimizerNotReshardable": "optimizer.plain", "GROUP_KEY": "optimizer.plain",
-    "align_groups": "optimizer.plain", "read_dist_meta": "optimizer.distributed", "relocate": "optimizer.distributed",
+    "align_groups": "optimizer.plain", "iter_plans": "optimizer.plain", "read_dist_meta": "optimizer.distributed", "relocate": "optimizer.distributed",
     # executing a plan (the hook builds its rank's state in memory)
     "SourceFiles": "sources.files", "build_tree": "execute.executor",
     # writing a new checkpoint
@@ -48,6 +48,7 @@ __all__ = [
     "choose_optimizer",
     "global_resharders",
     "index_builds",
+    "iter_plans",
     "open_checked",
     "open_index",
     "open_resharder",
@@ -76,7 +77,7 @@ if TYPE_CHECKING:  # for type checkers only: at run time the names above are imp
     from megatron_preflight.reshard.cost import predict_in_memory, predict_offline, predict_torch_dist, process_age
     from megatron_preflight.reshard.execute.executor import build_tree
     from megatron_preflight.reshard.optimizer.distributed import read_dist_meta, relocate
-    from megatron_preflight.reshard.optimizer.plain import GROUP_KEY, OptimizerNotReshardable, align_groups
+    from megatron_preflight.reshard.optimizer.plain import GROUP_KEY, OptimizerNotReshardable, align_groups, iter_plans
     from megatron_preflight.reshard.optimizer.status import OptimizerStatus
     from megatron_preflight.reshard.resharder import Resharder, build_rank_state_dict, choose_optimizer, open_resharder
     from megatron_preflight.reshard.sources.files import SourceFiles

@@ -45,7 +45,7 @@ TE_CPU = os.environ.get("MEGATRON_LM_TE_CPU")
 TE_SPEC = ["--transformer-impl", "transformer_engine"]
 
 
-def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=()):
+def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=(), launch=None):
     python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
     extra_path = [os.environ.get("MEGATRON_LM_PYTHONPATH", ""), ROOT] + ([TE_CPU] if te else [])
@@ -54,7 +54,7 @@ def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=(
     dst = tmp_path / os.path.basename(ckpt)
     if not dst.exists():
         shutil.copytree(ckpt, dst)
-    launch = ["-m", "megatron_preflight.run", "pretrain_gpt.py"] if plugin else ["pretrain_gpt.py"]
+    launch = launch or (["-m", "megatron_preflight.run", "pretrain_gpt.py"] if plugin else ["pretrain_gpt.py"])
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
            *launch, *[f for f in TINY if f not in drop], *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), *(TE_SPEC if te else []),
            "--load", str(dst), *flags]
@@ -562,13 +562,18 @@ def fingerprinted(tmp_path, name):
     ("moe_ep2_torch", 2, ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
                           "--ckpt-format", "torch"]),
     ("tp2_torch_dist", 1, ["--ckpt-format", "torch_dist"]),  # Megatron's dist loader, resharding TP2 -> TP1
+    ("distopt_tp2dp2_torch", 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                                 "--ckpt-format", "torch"]),  # Megatron's own, distrib_optim.pt scattered over DP2
+    ("distopt_tp2dp2_torch", 2, ["--use-distributed-optimizer", "--ckpt-format", "torch"]),  # ours, to TP1 DP2
+    ("bf16_gqa_tp2_torch", 2, BF16_GQA + ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch"]),  # masters
 ])
 def test_verify_passes_a_correct_load(tmp_path, name, nproc, flags):
-    """No false alarm: the loaded model equals the checkpoint's fingerprints, whoever loaded it."""
+    """No false alarm: the loaded model and optimizer state (fp32 masters, exp_avg, exp_avg_sq; plain or the
+    distributed optimizer's shards) equal the checkpoint's fingerprints, whoever loaded them."""
     ckpt = fingerprinted(tmp_path, name)
     rc, log = run(tmp_path, ckpt, nproc, *flags, "--no-load-rng", "--preflight", "verify", port=29775)
     assert rc == 0, log[-3000:]
-    assert "verify: the loaded model equals the checkpoint's fingerprints" in log, log[-3000:]
+    assert "verify: the loaded model and optimizer state equal the checkpoint's fingerprints" in log, log[-3000:]
 
 
 def test_verify_names_two_swapped_experts(tmp_path):
@@ -701,3 +706,42 @@ def test_our_reshard_equals_megatrons_own_saved_reshard(tmp_path, legacy, twin, 
         report = diff_checkpoints(ours, theirs)
         assert report.equal, (source, report.render())
         assert_same_files(ours, theirs)
+
+
+# A TEST DOUBLE standing in for a loader bug: after Megatron's own load_checkpoint, rank 1 adds 1e-3 to its shard of
+# one parameter's exp_avg in the distributed optimizer; then the hook is installed (so verify runs after it) and
+# pretrain_gpt.py runs unmodified.
+PERTURBING_LAUNCHER = """
+import runpy, sys
+import torch
+import megatron.training.checkpointing as ck, megatron.training.training as tr
+original = ck.load_checkpoint
+def load_then_perturb(ddp_model, optimizer, *a, **k):
+    result = original(ddp_model, optimizer, *a, **k)
+    if torch.distributed.get_rank() == 1:
+        part = (getattr(optimizer, "chained_optimizers", None) or [optimizer])[0]
+        for param in part.model_param_gbuf_map:
+            if param.shape == (32, 32):  # the first of layer 0's attention projections this rank shards
+                part._get_main_param_and_optimizer_states(param)["exp_avg"].add_(1e-3)
+                break
+    return result
+ck.load_checkpoint = tr.load_checkpoint = load_then_perturb
+import megatron_preflight
+megatron_preflight.install()
+sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+runpy.run_path("pretrain_gpt.py", run_name="__main__")
+"""
+
+
+def test_verify_names_the_parameter_and_the_rank_of_a_load_fault(tmp_path):
+    """The distributed optimizer's state of one parameter perturbed on rank 1 right after Megatron's own load (the
+    test double above): verify stops every rank before iteration 1 naming that parameter's exp_avg and rank 1."""
+    ckpt = fingerprinted(tmp_path, "distopt_tp2dp2_torch")
+    launcher = tmp_path / "perturbing_launcher.py"
+    launcher.write_text(PERTURBING_LAUNCHER)
+    rc, log = run(tmp_path, ckpt, 4, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                  "--ckpt-format", "torch", "--no-load-rng", "--preflight", "verify", port=29781,
+                  launch=[str(launcher)])
+    assert rc == 1 and "lm loss" not in log, log[-3000:]
+    line = next(x for x in log.splitlines() if "#exp_avg" in x and "differ" in x)
+    assert "ranks [1]" in line and "is not the checkpoint's" in line, line

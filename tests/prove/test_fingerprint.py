@@ -97,3 +97,20 @@ def test_reshard_can_store_the_outputs_fingerprints(tmp_path):
     out = str(tmp_path / "tp1")
     assert main(["reshard", fixture_path("tp2_torch"), out, "--tp", "1", "--fingerprint", "--no-progress"]) == 0
     assert fp.load(out, 2)["tensors"] == fp.fingerprint_checkpoint(fixture_path("tp2_torch"))["tensors"]
+
+
+def test_a_flat_shard_of_a_split_tensor_hashes_into_the_same_digest():
+    """A distributed optimizer keeps a flat range of each (TP-split) local tensor: hashed at its global indices, the
+    ranges of every rank and every TP piece combine to the global digest (row-parallel: non-contiguous globally)."""
+    from megatron_preflight.prove.placement import global_indices
+
+    t = torch.randn(6, 8, generator=torch.Generator().manual_seed(5))
+    whole = fp.digest(t)
+    partials = []
+    for tp_rank in range(2):  # row-parallel split: columns 4*r .. 4*r+3
+        local = t[:, 4 * tp_rank:4 * tp_rank + 4].contiguous()
+        box = [((slice(0, 6), slice(0, 4)), (6, 8), (0, 4 * tp_rank))]
+        for start, end in ((0, 7), (7, 19), (19, 24)):  # three DP ranks' ranges of the flattened local tensor
+            d, n = fp.digest_indexed(local.reshape(-1)[start:end], global_indices((6, 4), box, start, end))
+            partials.append(d)
+    assert fp.combine(partials) == whole
