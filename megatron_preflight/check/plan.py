@@ -12,6 +12,7 @@ from megatron_preflight import reshard  # its modules load on first use (a lazy 
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
 from megatron_preflight.check.data import data_findings
 from megatron_preflight.check.findings import Finding, Severity
+from megatron_preflight.check.memory import memory_findings
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, from_namespace
 from megatron_preflight.check.save import save_findings
 from megatron_preflight.check.schedule import horizon_findings, schedule_findings
@@ -42,6 +43,7 @@ class Plan:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     cost: Any = None  # reshard.cost.Prediction of the in-memory reshard, for a reshard verdict
+    memory: list[dict[str, Any]] = field(default_factory=list)  # per rank of the run's layout: predicted bytes
 
     @property
     def layout(self) -> Layout:
@@ -61,6 +63,7 @@ class Plan:
             "seconds": round(self.seconds, 4),
             "notes": self.notes,
             "cost": self.cost.to_json() if self.cost is not None else None,
+            "memory": self.memory,
             "layout": self.layout.to_json(),
         }
 
@@ -320,6 +323,7 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
     index = reshard.open_index(checkpoint)
     layout = index.layout
     findings: list[Finding] = []
+    memory: list[dict[str, Any]] = []  # the predicted bytes of each rank of the run's layout (check/memory.py)
     findings += _problem_findings(layout, rt)
     findings += check_runtime_layout(rt)
     if layout.format is not None:
@@ -333,6 +337,10 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
         findings += lay + family
         findings += schedule_findings(layout, rt) + horizon_findings(layout, rt) + save_findings(layout, rt)
         findings += data_findings(rt)
+        if not any(f.severity == FATAL for f in findings):  # a run that will not start needs no memory figure
+            mem, ranks = memory_findings(index, rt)
+            findings += mem
+            memory = [m.to_json() for m in ranks]
         state, load_optim, load_rng = _state_findings(index, rt, changed)
         findings += state
     else:
@@ -354,7 +362,7 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
         verdict = Verdict.LOAD
     order = {FATAL: 0, RESHARD: 1, INFO: 2}
     findings.sort(key=lambda f: order[f.severity])
-    plan = Plan(verdict, loader, findings, index, rt, load_optimizer=load_optim, load_rng=load_rng)
+    plan = Plan(verdict, loader, findings, index, rt, load_optimizer=load_optim, load_rng=load_rng, memory=memory)
     if verdict == Verdict.RESHARD:
         _predict_cost(plan)
     plan.seconds = time.perf_counter() - t0

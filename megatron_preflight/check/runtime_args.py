@@ -108,6 +108,11 @@ class RuntimeArgs:
     test_data_path: list[str] | None = None
     data_args_path: str | None = None
     mock_data: bool = False
+    # memory (check/memory.py)
+    micro_batch_size: int | None = None
+    recompute_granularity: str | None = None
+    accumulate_allreduce_grads_in_fp32: bool = False
+    preflight_device_memory: float | None = None  # GiB: the device to fit (the hook also asks the device)
     given: set[str] = field(default_factory=set)  # fields the user set explicitly
 
     # -- derived values ------------------------------------------------------------------------------------------

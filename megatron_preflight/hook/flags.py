@@ -19,6 +19,10 @@ def add_preflight_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                        help="write the plan (JSON) here, from rank 0")
     group.add_argument("--preflight-allow-missing-checkpoint", action="store_true",
                        help="--load points at no checkpoint and that is fine (start from scratch)")
+    group.add_argument("--preflight-device-memory", type=float, default=None, metavar="GIB",
+                       help="the device memory each rank may use, in GiB: a layout whose predicted parameters, "
+                            "gradients, optimizer state and activations exceed it fails at start (default: the "
+                            "device's own memory, when it is a CUDA device)")
     group.add_argument("--preflight-trust-checkpoint", action="store_true",
                        help="allow pickled types outside the allow-list when reading checkpoint metadata")
     return parser

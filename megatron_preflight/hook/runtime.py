@@ -71,9 +71,23 @@ def run_adam_family(args: Any) -> str | None:
     return None if using_torch is None else ("torch" if using_torch else "fused")
 
 
+def device_memory_gib() -> float | None:
+    """This rank's CUDA device memory in GiB (None without CUDA, e.g. on the CPU runner)."""
+    try:
+        import torch  # deferred: torch is loaded in a Megatron job; the check itself does not need it
+
+        if torch.cuda.is_available() and torch.version.cuda is not None:
+            return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / (1 << 30)
+    except Exception:  # noqa: BLE001 - no device information: not checked against one
+        return None
+    return None
+
+
 def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     rt = from_namespace(args)
     rt.optimizer_family = run_adam_family(args)
+    if rt.preflight_device_memory is None:
+        rt.preflight_device_memory = device_memory_gib()
     if mode in ("auto", "verify"):
         rt.auto_detect_ckpt_format = True  # auto mode turns it on for a dist checkpoint (apply_decision)
     if not rt.world_size:

@@ -745,3 +745,80 @@ def test_verify_names_the_parameter_and_the_rank_of_a_load_fault(tmp_path):
     assert rc == 1 and "lm loss" not in log, log[-3000:]
     line = next(x for x in log.splitlines() if "#exp_avg" in x and "differ" in x)
     assert "ranks [1]" in line and "is not the checkpoint's" in line, line
+
+
+# A MEASURING PROBE (not a fake): after Megatron's own load, each rank sums the bytes it really holds: its model's
+# parameters, their main_grad views of the DDP buffers (unpadded), and the optimizer's state (fp32 masters and Adam
+# moments; the distributed optimizer's shards), and prints them with its shard dir.
+MEMORY_PROBE = """
+import json, runpy, sys
+import torch
+import megatron.training.checkpointing as ck, megatron.training.training as tr
+from megatron.core import parallel_state as ps
+from megatron_preflight.layout import naming
+original = ck.load_checkpoint
+def load_then_measure(ddp_model, optimizer, *a, **k):
+    result = original(ddp_model, optimizer, *a, **k)
+    params = {id(p): p for m in ddp_model for p in m.parameters()}
+    grads = sum(p.main_grad.numel() * p.main_grad.element_size() for p in params.values())
+    state = 0
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if hasattr(part, "_get_main_param_and_optimizer_states"):
+            for param in part.model_param_gbuf_map:
+                for key, t in part._get_main_param_and_optimizer_states(param).items():
+                    if key == "param" and param.dtype == torch.float32:
+                        continue  # a view of the fp32 parameter itself
+                    if t.dim():
+                        state += t.numel() * t.element_size()
+            continue
+        inner = part.optimizer
+        for s in inner.state.values():
+            state += sum(t.numel() * t.element_size() for t in s.values() if torch.is_tensor(t) and t.dim())
+        for group in getattr(part, "fp32_from_float16_groups", []):
+            state += sum(t.numel() * t.element_size() for t in group)
+    name = naming.shard_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                 ps.get_expert_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+                                 ep_size=ps.get_expert_model_parallel_world_size())
+    print("MEMORY_PROBE " + json.dumps({"shard": name, "params": sum(p.numel() * p.element_size()
+          for p in params.values()), "grads": grads, "optimizer": state}), flush=True)
+    return result
+ck.load_checkpoint = tr.load_checkpoint = load_then_measure
+import megatron_preflight
+megatron_preflight.install()
+sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+runpy.run_path("pretrain_gpt.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("name, nproc, flags", [
+    ("tp2_torch", 2, ["--tensor-model-parallel-size", "2"]),  # fp32, plain Adam
+    ("bf16_gqa_tp2_torch", 2, BF16_GQA + ["--tensor-model-parallel-size", "2"]),  # bf16: fp32 grads and masters
+    ("distopt_tp2dp2_torch", 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),  # over DP2
+    ("moe_ep2_torch", 2, ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]),
+    ("acct_emb_pp2_torch", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "5",
+                               "--account-for-embedding-in-pipeline-split"]),  # uneven stages: 2 and 3 layers
+])
+def test_predicted_memory_equals_what_the_run_allocates(tmp_path, name, nproc, flags):
+    """The check's per-rank parameter, gradient and optimizer bytes (exact, from the plans) equal the bytes each rank
+    of the real run holds after the load."""
+    import json
+
+    probe = tmp_path / "memory_probe.py"
+    probe.write_text(MEMORY_PROBE)
+    report = tmp_path / "plan.json"
+    rc, log = run(tmp_path, fixture_path(name), nproc, *flags, "--ckpt-format", "torch", "--no-load-rng",
+                  "--preflight", "check", "--preflight-report", str(report), port=29782, launch=[str(probe)])
+    assert rc == 0, log[-3000:]
+    predicted = {m["shard"]: m for m in json.loads(report.read_text())["plan"]["memory"]}
+    measured = [json.loads(line.split("MEMORY_PROBE ", 1)[1]) for line in log.splitlines() if "MEMORY_PROBE " in line]
+    assert len(measured) == nproc
+    for m in measured:
+        p = predicted[m["shard"]]
+        assert (p["params"], p["grads"]) == (m["params"], m["grads"]), (m, p)
+        if not p["optimizer_group"]:
+            assert p["optimizer"] == m["optimizer"], (m, p)
+        else:  # the distributed optimizer: each rank holds its share of the group's state, up to bucket padding
+            assert abs(p["optimizer"] - m["optimizer"]) <= 0.02 * p["optimizer"], (m, p)
+    for shard, p in predicted.items():
+        if p["optimizer_group"]:  # the data-parallel group's total, exact (every DP rank holding this shard dir)
+            assert sum(m["optimizer"] for m in measured if m["shard"] == shard) == p["optimizer_group"], (shard, p)
