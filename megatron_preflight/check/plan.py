@@ -206,6 +206,13 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                     "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
                     "('Could not find parameter group with key ...')", readable=layout.format == Format.TORCH_DIST,
                     other="add --no-load-optim"))
+    if changed and layout.format == Format.TORCH and index.fp8_extra_states and \
+            ((layout.tp or 1) != rt.tp or (layout.etp or layout.tp or 1) != rt.etp):
+        out.append(Finding("fp8_extra_state", index.fp8_extra_states, "re-split", INFO,
+                           f"{index.fp8_extra_states} Transformer Engine modules hold FP8 scaling state (scales, amax "
+                           "history, per rank); the tensors are re-split, so every rank gets TP rank 0's, as "
+                           "Megatron's own torch_dist reshard gives it; TE's delayed scaling replaces it from the "
+                           "next steps' amax history", ""))
     if changed and load_rng:
         out.append(Finding("rng_state", f"TP{layout.tp} PP{layout.pp}", f"TP{rt.tp} PP{rt.pp}", INFO,
                            "RNG states are per (TP, PP) rank and cannot be mapped to another layout: they are not "

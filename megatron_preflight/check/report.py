@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.verdict import Verdict
-from megatron_preflight.layout.model import Layout
+from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.prove.stored import stored
 
 if TYPE_CHECKING:
@@ -80,6 +80,13 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
             lines.append(f"missing     {', '.join(layout.missing_shards)}")
     for note in layout.notes:
         lines.append(f"note        {note}")
+    # legacy files' extra states are in the headers already read; a torch_dist index is not built just for this
+    known = layout.format == Format.TORCH or "tensors" in vars(index)
+    fp8 = index.fp8_extra_states if known and not layout.problems and not layout.sampled else 0
+    if fp8:
+        lines.append(f"fp8         {fp8} module extra states hold Transformer Engine FP8 metadata (scales, amax "
+                     "history): kept per rank where a reshard keeps a tensor's slice, TP rank 0's where it re-splits "
+                     "one (as Megatron's own torch_dist reshard)")
     fingerprints = stored(layout.root, layout.iteration)
     if fingerprints:
         lines.append(f"fingerprints {fingerprints} (--preflight verify compares the loaded model with them)")

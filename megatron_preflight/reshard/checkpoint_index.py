@@ -36,7 +36,9 @@ from megatron_preflight.torch_file import TensorRef
 
 _built = [0]  # global tensor indexes built in this process
 
-_SOFT = ("no_tracker", "bad_tracker")  # problems a resharder (and Megatron with --ckpt-step) can live with
+_SOFT = ("no_tracker", "bad_tracker")
+
+FP8_MIN_BYTES = 16  # a TE extra state without FP8 is empty, pickle.dumps(None) (4 B) or pickle.dumps({}) (5 B)  # problems a resharder (and Megatron with --ckpt-step) can live with
 
 
 def index_builds() -> int:
@@ -173,6 +175,20 @@ class CheckpointIndex:
             return SourceOptimizer(plain=index_optimizer(view, self.topology), saved_distributed=saved)
         except PreflightError as e:
             return SourceOptimizer(problem=e, saved_distributed=saved)
+
+    @cached_property
+    def fp8_extra_states(self) -> int:
+        """How many module extra states hold Transformer Engine FP8 metadata (recipe, scales, amax history: more than
+        the few bytes of an empty or pickled-None state), counted once per global module (metadata only)."""
+        count = 0
+        for entry in self.tensors.values():
+            if entry.rule.kind != "extra":
+                continue
+            ref = entry.first().ref
+            shape = getattr(ref, "shape", None)
+            if shape is not None and len(shape) == 1 and int(shape[0]) > FP8_MIN_BYTES:
+                count += 1
+        return count
 
     @cached_property
     def adam_family(self) -> str | None:

@@ -822,3 +822,58 @@ def test_predicted_memory_equals_what_the_run_allocates(tmp_path, name, nproc, f
     for shard, p in predicted.items():
         if p["optimizer_group"]:  # the data-parallel group's total, exact (every DP rank holding this shard dir)
             assert sum(m["optimizer"] for m in measured if m["shard"] == shard) == p["optimizer_group"], (shard, p)
+
+
+def _indexed_dataset(prefix, top=99, docs=30):
+    """A real Megatron indexed dataset, written by megatron-core's own IndexedDatasetBuilder."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=__import__("numpy").int32)
+    for d in range(docs):
+        builder.add_item(torch.tensor([(d * 7 + i) % top for i in range(60)] + [top]))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("missing_idx", "does not exist"),
+    ("truncated_bin", "truncated"),
+    ("ids_beyond_vocab", "beyond the run's vocab"),
+])
+def test_a_broken_dataset_fails_at_start_not_after_the_load(tmp_path, damage, words):
+    """Megatron builds the model, loads the checkpoint, then opens the data and fails; --preflight check exits 1 on
+    every rank at start, naming the file."""
+    prefix = _indexed_dataset(str(tmp_path / "corpus"), top=300 if damage == "ids_beyond_vocab" else 99)
+    if damage == "missing_idx":
+        os.remove(prefix + ".idx")
+    elif damage == "truncated_bin":
+        os.truncate(prefix + ".bin", os.path.getsize(prefix + ".bin") // 2)
+    flags = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--data-path", prefix,
+             "--split", "100,0,0", "--no-load-rng"]
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *flags, plugin=False, port=29783, drop=("--mock-data",))
+    assert rc != 0 and "[megatron-preflight]" not in log, log[-2000:]  # Megatron fails, after the load
+    assert "loading checkpoint" in log.lower() or "loaded checkpoint" in log.lower(), log[-2000:]
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *flags, "--preflight", "check", port=29784,
+                  drop=("--mock-data",))
+    assert rc == 1 and words in log and prefix in log, log[-2000:]
+    assert "loading checkpoint" not in log.lower()
+
+
+def test_a_save_dir_without_room_fails_at_start_not_at_the_first_save(tmp_path):
+    """--save on a 200 KiB tmpfs (the checkpoint needs ~0.8 MB): Megatron trains, then fails at the save; --preflight
+    check exits 1 at start."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("this machine does not allow mounting a small filesystem")
+    try:
+        flags = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--save", str(mnt / "ckpt"),
+                 "--no-load-rng"]
+        rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *flags, plugin=False, port=29785)
+        assert rc != 0 and loss(log) is not None, log[-2000:]  # trained, then failed saving
+        rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *flags, "--preflight", "check", port=29786)
+        assert rc == 1 and "free" in log and loss(log) is None, log[-2000:]
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

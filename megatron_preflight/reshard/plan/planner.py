@@ -7,10 +7,12 @@ here but metadata, so planning any layout is instant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections import OrderedDict
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout, pad_vocab
 from megatron_preflight.reshard.plan.index import EMBEDDING
@@ -75,6 +77,7 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, t
     stage, ep_rank = coords["pp"], coords["ep"]
     chunk_names = ["model"] if tgt.chunks == 1 else [f"model{v}" for v in range(tgt.chunks)]
     tensors: list[tuple[tuple, TensorPlan]] = []
+    own = _own_extra_state(src, tgt, coords)
     for gkey, entry in index.items():
         layer, expert, _style, suffix = gkey
         if layer is not None:
@@ -100,6 +103,8 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, t
             if e_rank != ep_rank:
                 continue
         key = entry.info.render(local, local_expert)
+        if entry.rule.kind == "extra" and own is not None:
+            entry = own(entry)
         # Megatron's module order: chunk, then embedding / layers / head, then the key's place in its layer.
         order = (chunk, section, local or 0, entry.order[0], local_expert or 0, entry.order[1])
         tensors.append((order, plan_tensor(entry, chunk_names[chunk], key, coords, tgt, vocab)))
@@ -115,6 +120,31 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, t
     return RankPlan(coords, shard_name, chunk_names, out)
 
 
+def _own_extra_state(src: ParallelLayout, tgt: ParallelLayout, coords: dict[str, int]) -> Any:
+    """Extra state (TE's FP8 scales and amax history, per module and rank) follows its tensor's slice: when the
+    target rank holds the same TP (ETP for experts) slice as a source rank, it gets that rank's own extra state, as
+    Megatron's legacy save and load keep it; when the tensor is re-split, TP rank 0's (the main replica), which is
+    what Megatron's own torch_dist reshard gives every rank (it saves a TE extra state once, replica_id keyed by TP
+    rank and DP rank). None: no rank keeps its slice."""
+    dense, expert = src.tp == tgt.tp, src.etp_eff == tgt.etp_eff
+    if not (dense or expert):
+        return None
+    ranks = {name: c for name, c in naming.shard_writers(src).items()}
+
+    def pick(entry: GlobalEntry) -> GlobalEntry:
+        is_expert = entry.key.expert is not None or entry.key.suffix.startswith("mlp.experts.")
+        if not (expert if is_expert else dense):
+            return entry
+        axis = "etp" if is_expert else "tp"
+        pieces = [p for ps in entry.pieces.values() for p in ps]
+        mine = [p for p in pieces if ranks.get(p.shard, {}).get(axis) == coords[axis]]
+        if not mine or mine[0] is pieces[0]:
+            return entry
+        return dataclasses.replace(entry, pieces={0: mine + [p for p in pieces if p not in mine]})
+
+    return pick
+
+
 def _replicas(replicas: list[SourcePiece]) -> tuple[tuple[str, TensorRef], ...]:
     return tuple((p.shard, p.ref) for p in replicas[1:] if isinstance(p.ref, TensorRef))
 
@@ -128,7 +158,10 @@ def plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int]
     first = entry.main(main_rank)
     if rule.kind == "extra" or not isinstance(first.ref, TensorRef) or rule.dim is None:
         if isinstance(first.ref, TensorRef):  # replicated (or TE extra state held as a tensor): one whole copy
-            op = CopyOp(first.shard, first.ref, None, None, _replicas(entry.pieces[main_rank]))
+            # a TE extra state is per rank (FP8 scales from each rank's own amax): its copies are not replicas that
+            # must agree
+            replicas = () if rule.kind == "extra" else _replicas(entry.pieces[main_rank])
+            op = CopyOp(first.shard, first.ref, None, None, replicas)
             return TensorPlan(chunk, key, tuple(first.ref.shape), first.ref.dtype, [op], gkey=entry.key)
         return TensorPlan(chunk, key, None, None, [], value=first.ref, gkey=entry.key)
     ref: TensorRef = first.ref
