@@ -3,7 +3,9 @@
 Builds (once, in --work) a dense GPT checkpoint (16 layers, hidden 1024, ffn 4096, vocab 50304, fp32, TP2; model
 only, ~1.0 GB), an MoE one (6 layers, hidden 1024, 8 experts of ffn 2048, EP2), a dense one with the plain
 optimizer's Adam state (4 layers, ~1.3 GB: weights + exp_avg + exp_avg_sq) and the same with the distributed
-optimizer's distrib_optim.pt (fp32 masters + moments in flat buffers, ~1.7 GB), with Megatron-Core's local-spec key names. For each case it runs `megatron-preflight reshard` in a fresh process (--workers 1) and prints: wall
+optimizer's distrib_optim.pt (fp32 masters + moments in flat buffers, ~1.7 GB), with Megatron-Core's local-spec key names;
+and the Adam one in the production form (Transformer Engine spec, fused Adam, torch_dist), made from it by
+`megatron-preflight reshard --transformer-impl transformer_engine --optimizer-family fused --ckpt-format torch_dist`. For each case it runs `megatron-preflight reshard` in a fresh process (--workers 1) and prints: wall
 seconds, peak RSS of that process, bytes read and written, and the ratio of the I/O floor to our time, where the
 floor is reading every source byte plus writing as many bytes as we wrote, with plain file I/O in the same run.
 
@@ -182,6 +184,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--only", help="run only the cases whose label contains this text")
     ns = ap.parse_args()
     work = ns.work or tempfile.mkdtemp(prefix="bench_reshard_")
     dense, moe = os.path.join(work, "dense_tp2"), os.path.join(work, "moe_ep2")
@@ -198,6 +201,10 @@ def main() -> None:
     dense_dist = os.path.join(work, "dense_tp2_torch_dist")  # the same model in Megatron's default format
     if not os.path.exists(dense_dist):
         run_case(dense, dense_dist, ["--ckpt-format", "torch_dist"])
+    te_dist = os.path.join(work, "dense_adam_te_fused_torch_dist")  # the production form: TE spec, fused Adam, torch_dist
+    if not os.path.exists(te_dist) and (not ns.only or ns.only in "TE fused-Adam torch_dist -> TP1"):
+        run_case(adam, te_dist, ["--transformer-impl", "transformer_engine", "--optimizer-family", "fused",
+                                 "--ckpt-format", "torch_dist"])
     cases = [
         ("dense TP2 -> TP1", dense, ["--tp", "1"]),
         ("dense TP2 -> TP2 PP2", dense, ["--pp", "2"]),
@@ -211,7 +218,10 @@ def main() -> None:
         ("dense TP2 -> torch_dist", dense, ["--ckpt-format", "torch_dist"]),
         ("torch_dist -> dense TP1", dense_dist, ["--tp", "1"]),
         ("DistOpt TP2 -> torch_dist", distopt, ["--ckpt-format", "torch_dist"]),
+        ("TE fused-Adam torch_dist -> TP1", te_dist, ["--tp", "1"]),
     ]
+    if ns.only:
+        cases = [c for c in cases if ns.only in c[0]]
     rows = []
     for label, src, flags in cases:
         dst = os.path.join(work, "out")
