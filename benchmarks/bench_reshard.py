@@ -190,16 +190,17 @@ def main() -> None:
     dense, moe = os.path.join(work, "dense_tp2"), os.path.join(work, "moe_ep2")
     adam = os.path.join(work, "dense_adam_tp2")
     distopt = os.path.join(work, "dense_distopt_tp2")
-    if not os.path.exists(dense):
+    everything = not ns.only
+    if not os.path.exists(dense) and everything:
         make_checkpoint(dense, layers=16, tp=2, ep=1, moe=None)
-    if not os.path.exists(moe):
+    if not os.path.exists(moe) and everything:
         make_checkpoint(moe, layers=6, tp=1, ep=2, moe=8)
     if not os.path.exists(adam):
         make_checkpoint(adam, layers=4, tp=2, ep=1, moe=None, adam=True)
-    if not os.path.exists(distopt):
+    if not os.path.exists(distopt) and everything:
         make_checkpoint(distopt, layers=4, tp=2, ep=1, moe=None, distributed=True)
     dense_dist = os.path.join(work, "dense_tp2_torch_dist")  # the same model in Megatron's default format
-    if not os.path.exists(dense_dist):
+    if not os.path.exists(dense_dist) and everything:
         run_case(dense, dense_dist, ["--ckpt-format", "torch_dist"])
     te_dist = os.path.join(work, "dense_adam_te_fused_torch_dist")  # the production form: TE spec, fused Adam, torch_dist
     if not os.path.exists(te_dist) and (not ns.only or ns.only in "TE fused-Adam torch_dist -> TP1"):
