@@ -206,7 +206,7 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                     "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
                     "('Could not find parameter group with key ...')", readable=layout.format == Format.TORCH_DIST,
                     other="add --no-load-optim"))
-    if changed and layout.format == Format.TORCH and index.fp8_extra_states and \
+    if changed and layout.format == Format.TORCH and not layout.problems and index.fp8_extra_states and \
             ((layout.tp or 1) != rt.tp or (layout.etp or layout.tp or 1) != rt.etp):
         out.append(Finding("fp8_extra_state", index.fp8_extra_states, "re-split", INFO,
                            f"{index.fp8_extra_states} Transformer Engine modules hold FP8 scaling state (scales, amax "

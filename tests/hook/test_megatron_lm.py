@@ -691,6 +691,9 @@ def assert_same_files(ours, theirs):
     ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist", 4, {"tp": 1, "pp": 2, "ep": 2},
      MOE_SHARED + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
     ("distopt_tp2dp2_torch", "distopt_tp2dp2_torch_dist", 2, {"tp": 1}, ["--use-distributed-optimizer"]),
+    ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist", 8, {"tp": 2, "pp": 2, "ep": 2, "etp": 2},
+     MOE_SHARED + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                   "--expert-tensor-parallel-size", "2"]),  # ETP1 -> ETP2: the experts split by ETP, 8 ranks
     pytest.param("te_tp2_torch", "te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC, marks=te_only, id="te-fused-adam"),
 ])
 def test_our_reshard_equals_megatrons_own_saved_reshard(tmp_path, legacy, twin, nproc, target, flags):
