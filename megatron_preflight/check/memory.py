@@ -29,6 +29,7 @@ from megatron_preflight import reshard  # its modules load on first use (a lazy 
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout import naming
+from megatron_preflight.layout.model import Format
 
 FATAL, INFO = Severity.FATAL, Severity.INFO
 GIB = 1 << 30
@@ -142,6 +143,12 @@ def _size(n: float) -> str:
 def memory_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> tuple[list[Finding], list[RankMemory]]:
     """The largest rank's bytes against the device (``--preflight-device-memory`` GiB, or the hook's device): fatal
     above it, a warning above 90 %; the breakdown always."""
+    asked = "preflight_device_memory" in rt.given
+    if index.layout.format != Format.TORCH and "tensors" not in vars(index) and not asked:
+        # a torch_dist verdict needs no tensor index: building one only for this would add to every job start
+        return [Finding("memory", None, None, INFO, "memory not predicted for this torch_dist checkpoint",
+                        "pass --preflight-device-memory GIB to have it predicted and checked (it indexes the "
+                        "checkpoint's metadata)")], []
     if index.layout.sampled:
         return [Finding("memory", None, None, INFO, "memory not predicted: the shards were sampled (a large "
                         "checkpoint); --all-shards predicts it", "")], []
