@@ -30,6 +30,7 @@ from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Format
+from megatron_preflight.units import human_bytes
 
 FATAL, INFO = Severity.FATAL, Severity.INFO
 GIB = 1 << 30
@@ -132,14 +133,6 @@ def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]
     return out
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
 def memory_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> tuple[list[Finding], list[RankMemory]]:
     """The largest rank's bytes against the device (``--preflight-device-memory`` GiB, or the hook's device): fatal
     above it, a warning above 90 %; the breakdown always."""
@@ -160,20 +153,20 @@ def memory_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> tuple[li
         return [], []
     worst = max(ranks, key=lambda m: m.total)
     cap = rt.preflight_device_memory
-    text = (f"the largest rank ({worst.shard}): parameters {_size(worst.params)}, gradients {_size(worst.grads)}, "
-            f"optimizer state {_size(worst.optimizer)} (exact), activations {_size(worst.activations)} (an estimate: "
-            f"see check/memory.py), total {_size(worst.total)}")
+    text = (f"the largest rank ({worst.shard}): parameters {human_bytes(worst.params)}, gradients {human_bytes(worst.grads)}, "
+            f"optimizer state {human_bytes(worst.optimizer)} (exact), activations {human_bytes(worst.activations)} (an estimate: "
+            f"see check/memory.py), total {human_bytes(worst.total)}")
     if cap is None:
-        return [Finding("memory", None, _size(worst.total), INFO, text,
+        return [Finding("memory", None, human_bytes(worst.total), INFO, text,
                         "pass --preflight-device-memory GIB to have it checked against the device")], ranks
     capacity = cap * GIB
     if worst.total > capacity:
-        return [Finding("memory", f"{cap:g} GiB device", _size(worst.total), FATAL,
+        return [Finding("memory", f"{cap:g} GiB device", human_bytes(worst.total), FATAL,
                         f"the run's layout does not fit the device: {text}; Megatron would fail with an out-of-memory "
                         "error after the model, the optimizer and the checkpoint are loaded",
                         "more model parallelism (TP/PP/EP), --use-distributed-optimizer, --recompute-granularity "
                         "full or a smaller --micro-batch-size")], ranks
     if worst.total > 0.9 * capacity:
-        return [Finding("memory", f"{cap:g} GiB device", _size(worst.total), INFO,
+        return [Finding("memory", f"{cap:g} GiB device", human_bytes(worst.total), INFO,
                         f"warning: within 10 % of the device: {text}", "")], ranks
-    return [Finding("memory", f"{cap:g} GiB device", _size(worst.total), INFO, text, "")], ranks
+    return [Finding("memory", f"{cap:g} GiB device", human_bytes(worst.total), INFO, text, "")], ranks

@@ -9,6 +9,7 @@ from megatron_preflight import reshard  # its modules load on first use (a lazy 
 from megatron_preflight.check.verdict import Verdict
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.prove.stored import stored
+from megatron_preflight.units import human_bytes
 
 if TYPE_CHECKING:
     from megatron_preflight.check.plan import Plan
@@ -18,15 +19,6 @@ KEY_ARGS = (
     "num_experts", "moe_router_topk", "padded_vocab_size", "max_position_embeddings", "position_embedding_type",
     "normalization", "swiglu", "untie_embeddings_and_output_weights", "transformer_impl", "params_dtype",
 )
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1024 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def _size(v: Any) -> str:

@@ -14,6 +14,7 @@ import shutil
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout.model import Layout
+from megatron_preflight.units import human_bytes
 
 FATAL, INFO = Severity.FATAL, Severity.INFO
 
@@ -46,14 +47,6 @@ def _existing(path: str) -> str:
     return probe
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def save_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     """``--save`` is (or can be made) a writable directory with room for one more checkpoint."""
     if not rt.save:
@@ -80,12 +73,12 @@ def save_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         return []
     free = free_bytes(probe)
     if free < need:
-        return [Finding("save", _size(need), f"{_size(free)} free", FATAL,
-                        f"--save {path}: the next checkpoint needs about {_size(need)} (the size of the one loaded: "
-                        f"the same model and state), and its filesystem has {_size(free)} free: the first save "
+        return [Finding("save", human_bytes(need), f"{human_bytes(free)} free", FATAL,
+                        f"--save {path}: the next checkpoint needs about {human_bytes(need)} (the size of the one loaded: "
+                        f"the same model and state), and its filesystem has {human_bytes(free)} free: the first save "
                         "would fail, hours in", "free space there or point --save at a larger filesystem")]
     if free < 2 * need:
-        return [Finding("save", _size(need), f"{_size(free)} free", INFO,
-                        f"warning: --save {path} has room for one more checkpoint ({_size(need)} each, "
-                        f"{_size(free)} free) but not two", "free space before the second save")]
+        return [Finding("save", human_bytes(need), f"{human_bytes(free)} free", INFO,
+                        f"warning: --save {path} has room for one more checkpoint ({human_bytes(need)} each, "
+                        f"{human_bytes(free)} free) but not two", "free space before the second save")]
     return []

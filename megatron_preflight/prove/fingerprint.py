@@ -30,7 +30,7 @@ from typing import Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
-from megatron_preflight.prove.stored import DIR, path_for  # noqa: F401 - DIR: part of this module's API
+from megatron_preflight.prove.stored import path_for
 from megatron_preflight.reshard.checkpoint_index import open_index
 from megatron_preflight.reshard.sources.files import SourceFiles
 

@@ -8,6 +8,7 @@ import torch
 
 from megatron_preflight.cli.main import main
 from megatron_preflight.prove import fingerprint as fp
+from megatron_preflight.prove.stored import DIR
 from megatron_preflight.reshard import TargetLayout, write_resharded
 from tests.conftest import fixture_path
 
@@ -90,7 +91,7 @@ def test_the_command_stores_them_beside_the_checkpoint(tmp_path):
     assert main(["fingerprint", str(root)]) == 0
     doc = fp.load(str(root), 2)
     assert doc is not None and doc["tensors"]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
-    assert not (root / "iter_0000002" / fp.DIR).exists()  # never inside the iteration dir Megatron reads
+    assert not (root / "iter_0000002" / DIR).exists()  # never inside the iteration dir Megatron reads
 
 
 def test_reshard_can_store_the_outputs_fingerprints(tmp_path):
