@@ -6,6 +6,10 @@ the magic ``MMIDIDX\\x00\\x00``, a version (``<Q``, 1), a dtype code (``<B``), t
 (``<Q`` each), then int32 sequence lengths, int64 byte pointers and int64 document indices — and ``.bin``, the tokens.
 Only the header, the last sequence's length and pointer (two small reads), and a bounded sample of the first tokens
 are read.
+
+The index cache: rank 0 builds each dataset's shuffle/sample indices and writes them to ``--data-cache-path`` or, by
+default, ``<prefix>/cache/GPTDataset_indices`` (``gpt_dataset.py``); a directory it cannot write fails there ("Failed
+to write dataset materials to the data cache directory"), after the model and the checkpoint are loaded.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from __future__ import annotations
 import os
 import struct
 
+from megatron_preflight.check import save
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 
-FATAL = Severity.FATAL
+FATAL, INFO = Severity.FATAL, Severity.INFO
 
 MAGIC = b"MMIDIDX\x00\x00"
 DTYPES = {1: ("uint8", 1), 2: ("int8", 1), 3: ("int16", 2), 4: ("int32", 4), 5: ("int64", 8), 6: ("float64", 8),
@@ -102,11 +107,46 @@ def data_findings(rt: RuntimeArgs) -> list[Finding]:
         return []
     vocab = rt.padded_vocab_size or rt.vocab_size
     out = []
+    readable = []
     for flag, prefix in _all_prefixes(rt):
         problem = prefix[1:-1] if prefix.startswith("<unreadable") else check_prefix(prefix, vocab)
+        if not problem:
+            readable.append(prefix)
         if problem:
             out.append(Finding("data", None, prefix, FATAL,
                                f"{flag} {prefix}: {problem}; Megatron would find this only after building the model "
                                "and loading the checkpoint", "fix the path (the prefix without .bin/.idx), or "
                                "rebuild the dataset with Megatron's tools/preprocess_data.py"))
+    return out + cache_findings(rt, readable)
+
+
+def _cached(path: str) -> bool:
+    try:
+        return any(name.endswith("-document_index.npy") for name in os.listdir(path))
+    except OSError:
+        return False
+
+
+def cache_findings(rt: RuntimeArgs, prefixes_read: list[str]) -> list[Finding]:
+    """Every index cache dir the run's rank 0 writes: writable (or creatable), or already holding indices."""
+    dirs = [rt.data_cache_path] if rt.data_cache_path else [
+        os.path.join(p, "cache", "GPTDataset_indices") for p in prefixes_read]
+    out = []
+    for path in dict.fromkeys(dirs):
+        probe = save.nearest_existing(path)
+        if os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK):
+            continue
+        flag = "--data-cache-path" if rt.data_cache_path else "the default index cache"
+        fix = ("give --data-cache-path a writable directory (on a filesystem all nodes share, so the indices are "
+               "built once)")
+        if probe == os.path.abspath(path) and _cached(path):
+            out.append(Finding("data_cache_path", None, path, INFO,
+                               f"warning: {flag} {path} is not writable; the indices already there are used, but a "
+                               "run whose indices are not among them (another sequence length, sample count, split "
+                               "or seed) fails on rank 0 after the load", fix))
+        else:
+            out.append(Finding("data_cache_path", None, path, FATAL,
+                               f"{flag} {path} cannot be written ({probe} is not a writable directory): Megatron's "
+                               "rank 0 fails building the dataset indices ('Failed to write dataset materials to the "
+                               "data cache directory'), after the model and the checkpoint are loaded", fix))
     return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
+from megatron_preflight.check.batches import batch_findings
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
 from megatron_preflight.check.data import data_findings
 from megatron_preflight.check.findings import Finding, Severity
@@ -16,6 +17,7 @@ from megatron_preflight.check.memory import memory_findings
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, from_namespace
 from megatron_preflight.check.save import save_findings
 from megatron_preflight.check.schedule import horizon_findings, schedule_findings
+from megatron_preflight.check.tokenizer import tokenizer_findings
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
@@ -343,7 +345,7 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
             (optimizer_toggled(layout, rt) and _convertible(index))
         findings += lay + family
         findings += schedule_findings(layout, rt) + horizon_findings(layout, rt) + save_findings(layout, rt)
-        findings += data_findings(rt)
+        findings += batch_findings(layout, rt) + data_findings(rt) + tokenizer_findings(rt)
         if not any(f.severity == FATAL for f in findings):  # a run that will not start needs no memory figure
             mem, ranks = memory_findings(index, rt)
             findings += mem

@@ -100,7 +100,19 @@ class RuntimeArgs:
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
     skip_train: bool = False
+    # the batch size at the checkpoint's consumed samples (check/batches.py)
+    step_batch_size_schedule: str | None = None
+    rampup_batch_size: list[str] | None = None  # START INCR SAMPLES (older Megatron)
+    decrease_batch_size_if_needed: bool = False
+    # the first save (check/save.py)
     save: str | None = None
+    save_interval: int | None = None
+    async_save: bool = False
+    use_persistent_ckpt_worker: bool = False
+    non_persistent_save_interval: int | None = None
+    non_persistent_ckpt_type: str | None = None
+    non_persistent_global_ckpt_dir: str | None = None
+    non_persistent_local_ckpt_dir: str | None = None
     # the data (check/data.py): Megatron's --data-path forms (None: not given)
     data_path: list[str] | None = None
     train_data_path: list[str] | None = None
@@ -108,6 +120,12 @@ class RuntimeArgs:
     test_data_path: list[str] | None = None
     data_args_path: str | None = None
     mock_data: bool = False
+    data_cache_path: str | None = None
+    # the tokenizer's files (check/tokenizer.py)
+    tokenizer_type: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
     # memory (check/memory.py)
     micro_batch_size: int | None = None
     recompute_granularity: str | None = None

@@ -68,3 +68,15 @@ def test_mock_data_is_not_checked(tmp_path):
     rt = from_cli(FLAGS + ["--data-path", str(tmp_path / "missing"), "--mock-data"])
     assert data_findings(rt) == []
     assert data_findings(from_cli(FLAGS + ["--data-path", str(tmp_path / "missing")]))
+
+
+def test_the_index_cache_must_be_writable(tmp_path):
+    prefix = build(str(tmp_path / "d"))
+    base = FLAGS + ["--tensor-model-parallel-size", "2", "--data-path", prefix]
+    ok = make_plan(fixture_path("tp2_torch"), from_cli(base))  # default cache: <prefix>/cache/GPTDataset_indices
+    assert "data_cache_path" not in [f.field for f in ok.findings]
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    bad = make_plan(fixture_path("tp2_torch"), from_cli(base + ["--data-cache-path", str(blocker / "cache")]))
+    f, = [f for f in bad.fatal if f.field == "data_cache_path"]
+    assert "Failed to write dataset materials" in f.message and "--data-cache-path" in f.fix

@@ -50,3 +50,25 @@ def test_a_read_only_save_dir_is_fatal(tmp_path):
         assert "not writable" in f.message
     finally:
         os.chmod(ro, 0o755)
+
+
+def test_async_save_of_a_legacy_checkpoint_is_fatal(tmp_path):
+    f, = [f for f in plan("--save", str(tmp_path), "--async-save", "--ckpt-format", "torch").fatal
+          if f.field == "async_save"]
+    assert "legacy checkpoints" in f.message and "torch_dist" in f.fix
+    assert not [f for f in plan("--save", str(tmp_path), "--async-save", "--ckpt-format", "torch_dist",
+                                "--use-persistent-ckpt-worker").findings if f.field == "async_save"]
+
+
+def test_non_persistent_saves_need_a_type_and_a_writable_dir(tmp_path):
+    f, = [f for f in plan("--save", str(tmp_path), "--non-persistent-save-interval", "5").fatal
+          if f.field == "non_persistent_ckpt_type"]
+    assert "--non-persistent-ckpt-type" in f.fix
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    p = plan("--save", str(tmp_path), "--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", "global",
+             "--non-persistent-global-ckpt-dir", str(blocker / "np"))
+    f, = [f for f in p.fatal if f.field == "save"]
+    assert "--non-persistent-global-ckpt-dir" in f.message
+    ok = plan("--save", str(tmp_path), "--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", "global")
+    assert not ok.fatal

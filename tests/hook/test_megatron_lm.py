@@ -56,10 +56,24 @@ def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=(
         shutil.copytree(ckpt, dst)
     launch = launch or (["-m", "megatron_preflight.run", "pretrain_gpt.py"] if plugin else ["pretrain_gpt.py"])
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-           *launch, *[f for f in TINY if f not in drop], *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), *(TE_SPEC if te else []),
+           *launch, *_without(TINY, drop), *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), *(TE_SPEC if te else []),
            "--load", str(dst), *flags]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     return r.returncode, r.stdout + r.stderr
+
+
+def _without(flags, drop):
+    """``flags`` less the ``drop`` flags, each with its value (the next word when it is not a flag)."""
+    out, skip = [], False
+    for i, f in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if f in drop:
+            skip = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+            continue
+        out.append(f)
+    return out
 
 
 def loss(log, it=3, total=3):
@@ -544,6 +558,40 @@ def test_a_checkpoint_at_the_horizon_fails_at_start(tmp_path):
     rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
                   "torch", "--train-iters", "2", "--preflight", "check", port=29774)
     assert rc == 1 and "train_iters" in log and "raise --train-iters above 2" in log, log[-2000:]
+
+
+def test_a_batch_schedule_the_layout_does_not_divide_fails_at_start(tmp_path):
+    """A step batch-size schedule giving batch size 3 at the checkpoint's 4 consumed samples (threshold 64 tokens =
+    2 samples of 32), with micro batch 2 × DP 1: Megatron builds the model and asserts inside load_checkpoint;
+    --preflight check exits 1 at start; micro batch 1 trains."""
+    flags = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--no-load-rng",
+             "--step-batch-size-schedule", "0:2 64:3"]
+    drop = ("--global-batch-size", "--micro-batch-size")
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *flags, "--micro-batch-size", "2", plugin=False,
+                  port=29787, drop=drop)
+    assert rc != 0 and "is not divisible by" in log and "loading checkpoint" in log.lower(), log[-2000:]
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *flags, "--micro-batch-size", "2", "--preflight", "check",
+                  port=29788, drop=drop)
+    assert rc == 1 and "global_batch_size" in log and "batch size of 3" in log, log[-2000:]
+    assert "loading checkpoint" not in log.lower()
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *flags, "--micro-batch-size", "1", "--preflight", "check",
+                  port=29789, drop=drop)
+    assert rc == 0 and loss(log) is not None, log[-2000:]
+
+
+@pytest.mark.parametrize("flags, megatron, field", [
+    (["--async-save"], "Async checkpoint save not implemented for legacy checkpoints", "async_save"),
+    (["--non-persistent-save-interval", "3"], "Please use local or global non-persistent checkpoints",
+     "non_persistent_ckpt_type"),
+])
+def test_a_save_setting_megatron_rejects_at_the_first_save_fails_at_start(tmp_path, flags, megatron, field):
+    """Megatron trains, then raises NotImplementedError at the first save; --preflight check exits 1 at start."""
+    base = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--no-load-rng",
+            "--save", str(tmp_path / "out"), "--save-interval", "3" if "--async-save" in flags else "100", *flags]
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *base, plugin=False, port=29790)
+    assert rc != 0 and megatron in log and loss(log) is not None, log[-2000:]  # trained, then failed saving
+    rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *base, "--preflight", "check", port=29791)
+    assert rc == 1 and field in log and loss(log) is None, log[-2000:]
 
 
 def fingerprinted(tmp_path, name):
