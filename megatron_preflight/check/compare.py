@@ -152,15 +152,30 @@ def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                                "torch_dist maps Transformer Engine names to the local spec's (dense models): "
                                "Megatron's dist loader loads it", ""))
     ck_gg, run_gg = bool(_get(saved, "moe_grouped_gemm", False)), rt.moe_grouped_gemm
-    if _get(saved, "num_experts") and ck_gg != run_gg:
+    packed = legacy and ck_gg and ck_impl == "local"  # the legacy GroupedMLP: experts.weight1/weight2
+    if _get(saved, "num_experts") and packed and run_gg and run_impl == "local":
+        out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", run_gg, INFO,
+                           "the experts are the legacy GroupedMLP (experts.weight1/weight2: all local experts in one "
+                           "transposed tensor): a Megatron whose local spec still builds it loads them as is; "
+                           "Megatron-LM main builds sequential experts and cannot load them",
+                           "on Megatron-LM main, run without --moe-grouped-gemm: the resharder reads GroupedMLP's "
+                           "weights as sequential experts (weights only: --no-load-optim)"))
+    elif _get(saved, "num_experts") and ck_gg != run_gg:
         if not legacy:
             out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, INFO,
                                "torch_dist stores grouped and sequential experts alike: loads either way", ""))
-        elif (ck_gg and ck_impl == "local") or (run_gg and run_impl == "local"):
-            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, FATAL,
-                               "grouped experts of the local spec are the legacy GroupedMLP (experts.weight1/2: all "
-                               "experts in one transposed tensor), which megatron-preflight does not map",
-                               _bool_fix("moe_grouped_gemm", ck_gg)))
+        elif packed:
+            out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", run_gg, RESHARD,
+                               "the experts are the legacy GroupedMLP (experts.weight1/weight2: all local experts in "
+                               "one transposed tensor); the resharder reads them as each expert's weights (the "
+                               "optimizer state is not mapped: weights only)",
+                               _reshard_fix(layout, "--moe-grouped-gemm" if run_gg else "no --moe-grouped-gemm")
+                               + " (with --no-load-optim, or --drop-optimizer offline)"))
+        elif run_gg and run_impl == "local":
+            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, INFO,
+                               "Megatron-LM main's local spec builds sequential experts whatever --moe-grouped-gemm "
+                               "says (loads as is); an older one builds the legacy GroupedMLP, which megatron-preflight "
+                               "reads but does not write", "on an older Megatron, drop --moe-grouped-gemm"))
         else:
             out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, RESHARD,
                                "grouped experts (Transformer Engine: experts.linear_fc1.weight{j}) and sequential ones "

@@ -14,6 +14,7 @@ to write dataset materials to the data cache directory"), after the model and th
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 
@@ -48,6 +49,19 @@ def _all_prefixes(rt: RuntimeArgs) -> list[tuple[str, str]]:
     for flag, values in (("--train-data-path", rt.train_data_path), ("--valid-data-path", rt.valid_data_path),
                          ("--test-data-path", rt.test_data_path)):
         out += [(flag, p) for p in prefixes(values)]
+    if rt.per_split_data_args_path:
+        try:
+            with open(rt.per_split_data_args_path) as fh:
+                splits = json.load(fh)
+            for split in ("train", "valid", "test"):
+                words = splits.get(split) or []
+                out += [("--per-split-data-args-path", p) for p in prefixes(
+                    words.split() if isinstance(words, str) else [str(w) for w in words])]
+        except OSError as exc:
+            out.append(("--per-split-data-args-path", f"<unreadable {rt.per_split_data_args_path}: {exc.strerror}>"))
+        except (ValueError, AttributeError):
+            out.append(("--per-split-data-args-path",
+                        f"<unreadable {rt.per_split_data_args_path}: not a JSON object of train/valid/test lists>"))
     if rt.data_args_path:
         try:
             with open(rt.data_args_path) as fh:

@@ -119,6 +119,7 @@ class RuntimeArgs:
     valid_data_path: list[str] | None = None
     test_data_path: list[str] | None = None
     data_args_path: str | None = None
+    per_split_data_args_path: str | None = None  # JSON: {"train": [...], "valid": [...], "test": [...]}
     mock_data: bool = False
     data_cache_path: str | None = None
     # the tokenizer's files (check/tokenizer.py)

@@ -127,6 +127,18 @@ def unwrapped(chunk: Any) -> Any:
     return chunk
 
 
+def refuse_grouped_mlp(model: Any, load_dir: str) -> None:
+    """An older Megatron's local spec with --moe-grouped-gemm builds the legacy GroupedMLP, which the resharder does
+    not write (it writes sequential experts): say so before Megatron's strict load fails on the keys."""
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        if any(n.endswith("mlp.experts.weight1") for n, _ in unwrapped(chunk).named_parameters()):
+            raise PreflightError(
+                "this run builds the legacy GroupedMLP (--moe-grouped-gemm with --transformer-impl local on an older "
+                "Megatron), whose packed experts.weight1/weight2 the resharder does not write", path=load_dir,
+                fix="run without --moe-grouped-gemm (sequential experts: the same weights), or with "
+                    "--transformer-impl transformer_engine --moe-grouped-gemm", code="usage")
+
+
 def match_extra_state(state: dict[str, Any], model: Any) -> int:
     """Give each model chunk's state exactly the ``_extra_state`` entries the running modules have (Megatron loads
     strictly): which modules keep one depends on the installed Transformer Engine and its version (a TE final norm
@@ -160,6 +172,8 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False, optim
     r = resharder_for(load_dir, args)
     release = r.layout.iteration == naming.RELEASE
     name = os.path.join(r.layout.iter_dir or load_dir, f"<resharded to TP{r.tgt.tp} PP{r.tgt.pp} EP{r.tgt.ep}>")
+    if model is not None:
+        refuse_grouped_mlp(model, load_dir)
     if rank0:
         # The format pre-read / args read: Megatron needs args, iteration and the version, not the weights.
         return r.header(), name, release

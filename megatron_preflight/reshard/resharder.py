@@ -38,7 +38,7 @@ from megatron_preflight.reshard.optimizer.plain import (
     plan_optimizer,
 )
 from megatron_preflight.reshard.plan.consistency import args_problems, complete_problems, raise_first
-from megatron_preflight.reshard.plan.index import VOCAB_KEYS, GlobalIndex
+from megatron_preflight.reshard.plan.index import VOCAB_KEYS, GlobalIndex, has_legacy_grouped
 from megatron_preflight.reshard.plan.planner import plan_rank, rewrite_args, target_vocab
 from megatron_preflight.reshard.plan.spec import TE, SpecChange, bridge, spec_change
 from megatron_preflight.reshard.plan.topology import saved_arg
@@ -304,7 +304,8 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
     choice = choose_optimizer(index, distributed=distributed, keep=keep_optimizer,
                               group_order=target.optimizer_group_order)
     moe = any(k.expert is not None for k in index.tensors)
-    change = spec_change(view.saved_args, target.transformer_impl, target.moe_grouped_gemm, moe)
+    change = spec_change(view.saved_args, target.transformer_impl, target.moe_grouped_gemm, moe,
+                         packed=index.layout.format == Format.TORCH and has_legacy_grouped(index.layout))
     tensors, renamed_keys = None, {}
     if change.changes:
         tensors, renamed_keys = bridge(index.tensors, change, swiglu=bool(saved_arg(view.saved_args, "swiglu", False)))

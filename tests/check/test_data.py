@@ -80,3 +80,15 @@ def test_the_index_cache_must_be_writable(tmp_path):
     bad = make_plan(fixture_path("tp2_torch"), from_cli(base + ["--data-cache-path", str(blocker / "cache")]))
     f, = [f for f in bad.fatal if f.field == "data_cache_path"]
     assert "Failed to write dataset materials" in f.message and "--data-cache-path" in f.fix
+
+
+def test_a_per_split_args_file_is_read(tmp_path):
+    import json
+
+    a = build(str(tmp_path / "a"))
+    spec = tmp_path / "splits.json"
+    spec.write_text(json.dumps({"train": f"0.5 {a} 0.5 {tmp_path / 'gone'}", "valid": [a], "test": []}))
+    p = make_plan(fixture_path("tp2_torch"), from_cli(FLAGS + ["--tensor-model-parallel-size", "2",
+                                                               "--per-split-data-args-path", str(spec)]))
+    f, = [f for f in p.fatal if f.field == "data"]
+    assert "gone" in f.message and "--per-split-data-args-path" in f.message

@@ -32,6 +32,7 @@ class ModelSpec:
     bias: bool = True
     qk_layernorm: bool = False
     dtype: str = "float32"
+    grouped_gemm: bool = False  # the local spec's legacy GroupedMLP (experts.weight1/weight2; needs bias=False)
 
     def padded_vocab(self, tp: int) -> int:
         m = self.divisible_by * tp
@@ -111,7 +112,10 @@ def build(spec: ModelSpec, layout: Layout, seed: int = 1234) -> list[torch.nn.Mo
     _init_parallel(layout)
     cpu_compat.seed(seed)
     cfg = _config(spec, layout)
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_layernorm)
+    if spec.grouped_gemm:
+        cpu_compat.grouped_gemm_stand_in()
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_layernorm,
+                                          moe_grouped_gemm=spec.grouped_gemm)
     chunks = []
     for vp in range(layout.vpp or 1):
         vp_stage = vp if layout.vpp else None
@@ -138,7 +142,7 @@ def megatron_args(spec: ModelSpec, layout: Layout, *, ckpt_format: str = "torch"
         num_attention_heads=spec.heads, group_query_attention=bool(spec.query_groups),
         num_query_groups=spec.query_groups or spec.heads, kv_channels=spec.hidden // spec.heads,
         num_experts=spec.num_experts, moe_router_topk=spec.topk, moe_ffn_hidden_size=spec.ffn if spec.num_experts else None,
-        moe_grouped_gemm=False, padded_vocab_size=spec.padded_vocab(layout.tp), vocab_size=spec.vocab,
+        moe_grouped_gemm=spec.grouped_gemm, padded_vocab_size=spec.padded_vocab(layout.tp), vocab_size=spec.vocab,
         make_vocab_size_divisible_by=spec.divisible_by, max_position_embeddings=spec.seq, seq_length=spec.seq,
         position_embedding_type=spec.position, normalization="LayerNorm", swiglu=spec.swiglu,
         add_bias_linear=spec.bias, add_qkv_bias=spec.bias, qk_layernorm=spec.qk_layernorm,

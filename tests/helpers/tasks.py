@@ -27,13 +27,15 @@ def write_both(spec: dict, layout: dict, legacy_root: str, dist_root: str, itera
     chunks = build(s, lay, seed=seed)
     save_legacy(chunks, s, lay, legacy_root, iteration)
     save_dist(chunks, s, lay, dist_root, iteration)
-    return forward(chunks, s, lay) if lay.pp == 1 and not lay.vpp else None
+    # GroupedMLP's forward needs bf16 and the grouped_gemm stand-in: its checkpoints are compared by tensors
+    return forward(chunks, s, lay) if lay.pp == 1 and not lay.vpp and not s.grouped_gemm else None
 
 
 def reshard_and_compare(spec: dict, layout: dict, legacy_root: str, dist_root: str, iteration: int = 10,
                         reference: bool = True) -> Any:
     """At ``layout``: load our in-memory reshard of the legacy checkpoint into a model (strict), and compare every
-    tensor with what megatron-core's own torch_dist resharding loads. Returns (max abs diff of tensors, logits)."""
+    tensor with what megatron-core's own torch_dist resharding loads. Returns (max abs diff of tensors, logits).
+    ``spec`` is the target model's (it may differ from the source's expert module: GroupedMLP -> sequential)."""
     from megatron.core import parallel_state as ps
 
     from megatron_preflight.reshard.resharder import build_rank_state_dict

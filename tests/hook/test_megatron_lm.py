@@ -5,6 +5,7 @@ dependencies and megatron-preflight installed; default: this one), MEGATRON_LM_P
 CPU shim of shared/tools/megatron-lm-cpu), MEGATRON_LM_EXTRA_ARGS (extra flags, e.g. the CPU flags).
 """
 
+import json
 import os
 import re
 import shutil
@@ -926,12 +927,13 @@ def test_a_broken_dataset_fails_at_start_not_after_the_load(tmp_path, damage, wo
     assert "loading checkpoint" not in log.lower()
 
 
-def test_a_save_dir_without_room_fails_at_start_not_at_the_first_save(tmp_path):
-    """--save on a 200 KiB tmpfs (the checkpoint needs ~0.8 MB): Megatron trains, then fails at the save; --preflight
-    check exits 1 at start."""
+@pytest.mark.parametrize("options, words", [("size=200k", "free"), ("size=10m,ro", "read-only")])
+def test_a_save_dir_without_room_fails_at_start_not_at_the_first_save(tmp_path, options, words):
+    """--save on a 200 KiB tmpfs (the checkpoint needs ~0.8 MB), or on a read-only one (root writes anywhere else):
+    Megatron trains, then fails at the save; --preflight check exits 1 at start."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("this machine does not allow mounting a small filesystem")
     try:
         flags = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--save", str(mnt / "ckpt"),
@@ -939,7 +941,7 @@ def test_a_save_dir_without_room_fails_at_start_not_at_the_first_save(tmp_path):
         rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *flags, plugin=False, port=29785)
         assert rc != 0 and loss(log) is not None, log[-2000:]  # trained, then failed saving
         rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, *flags, "--preflight", "check", port=29786)
-        assert rc == 1 and "free" in log and loss(log) is None, log[-2000:]
+        assert rc == 1 and words in log and loss(log) is None, log[-2000:]
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
 
@@ -969,3 +971,49 @@ def test_expert_reshards_equal_megatrons_own_saved_reshard_weights(tmp_path, npr
         assert [s.name for s in a.shards] == [s.name for s in b.shards]
         for sa, sb in zip(a.shards, b.shards, strict=True):
             assert list(sa.meta["model"]) == list(sb.meta["model"]), sa.name
+
+
+MEGATRON_ACTIVATION = """
+import argparse, json, sys
+from megatron.training.theoretical_memory_usage import compute_activation_memory
+cases = json.loads(sys.argv[1])
+print(json.dumps([compute_activation_memory(argparse.Namespace(**c["args"]), c["nmb"]) for c in cases]))
+"""
+
+
+def test_activation_estimate_equals_megatrons_theoretical_memory_report():
+    """Our activation estimate against Megatron-LM's own compute_activation_memory (its --log-memory report):
+    equal for dense models with the TE spec (no unfused-attention term) at TP, PP (fewer microbatches than stages
+    included); for MoE Megatron counts every layer's MLP with --ffn-hidden-size, ours with topk × moe_ffn (tokens go
+    to topk experts): the difference is exactly that term."""
+    from megatron_preflight.check.memory import activation_estimate
+    from megatron_preflight.check.runtime_args import from_mapping
+
+    base = dict(num_layers=8, hidden_size=64, ffn_hidden_size=256, num_attention_heads=8, seq_length=128,
+                micro_batch_size=2, vocab_size=1000, transformer_impl="transformer_engine")
+    grid = [dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, nmb=4),
+            dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2, nmb=4),
+            dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=4, nmb=2),
+            dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2, nmb=4, num_experts=4,
+                 moe_ffn_hidden_size=128, moe_router_topk=2)]
+    cases, ours = [], []
+    for g in grid:
+        nmb = g.pop("nmb")
+        rt = from_mapping({**base, **g})
+        args = {**base, **g, "padded_vocab_size": rt.padded_vocab_size, "virtual_pipeline_model_parallel_size": None}
+        cases.append({"args": args, "nmb": nmb})
+        layers = rt.num_layers // rt.pp
+        ours.append(activation_estimate(rt, layers, layers if rt.num_experts else 0, nmb))
+    python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("MEGATRON_LM_PYTHONPATH", ""))
+                                                          if p))
+    r = subprocess.run([python, "-c", MEGATRON_ACTIVATION, json.dumps(cases)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    for got, want in zip(ours[:3], theirs[:3], strict=True):
+        assert abs(got - want) <= 1, (got, want)
+    moe = cases[3]["args"]
+    s, b, h = moe["seq_length"], moe["micro_batch_size"], moe["hidden_size"]
+    mlp_term = moe["num_layers"] * s * b * h * 4 * (2 * moe["moe_ffn_hidden_size"] - moe["ffn_hidden_size"]) / h
+    assert abs(ours[3] - (theirs[3] + mlp_term)) <= 1, (ours[3], theirs[3], mlp_term)

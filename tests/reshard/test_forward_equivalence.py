@@ -35,6 +35,48 @@ CASES = [
     ("vpp2 -> none", DENSE, Layout(pp=2, vpp=2), Layout(pp=1)),
     ("untied pp2->tp2", UNTIED, Layout(pp=2), Layout(tp=2)),
 ]
+# The legacy GroupedMLP (experts.weight1/weight2; megatron-core 0.16.1 with a STAND-IN for the CUDA-only
+# grouped_gemm package, see tests/helpers/cpu_compat.py) read into sequential experts at another layout: the
+# reference is megatron-core's own load of the GroupedMLP model's torch_dist twin into the sequential model.
+GROUPED_CASES = [
+    ("grouped ep2->sequential ep1", ModelSpec(num_experts=4, bias=False, grouped_gemm=True), Layout(ep=2),
+     Layout(ep=1)),
+    ("grouped swiglu tp2etp2->sequential tp1 ep2", ModelSpec(num_experts=4, swiglu=True, bias=False,
+                                                             grouped_gemm=True), Layout(tp=2, etp=2), Layout(ep=2)),
+]
+
+
+@pytest.mark.parametrize("name, spec, src, dst", GROUPED_CASES, ids=[c[0] for c in GROUPED_CASES])
+def test_legacy_grouped_mlp_reads_as_sequential_experts(mcore_pool2, tmp_path, name, spec, src, dst):
+    legacy, dist = str(tmp_path / "legacy"), str(tmp_path / "dist")
+    mcore_pool2.run("tests.helpers.tasks:write_both", spec=asdict(spec), layout=asdict(src), legacy_root=legacy,
+                    dist_root=dist)
+    from megatron_preflight.layout.discover import discover
+    from megatron_preflight.reshard.plan.index import has_legacy_grouped
+
+    layout = discover(legacy)
+    assert has_legacy_grouped(layout) and "decoder.layers.0.mlp.experts.weight1" in layout.shards[0].meta["model"]
+    sequential = asdict(spec) | {"grouped_gemm": False}
+    out = mcore_pool2.run("tests.helpers.tasks:reshard_and_compare", spec=sequential, layout=asdict(dst),
+                          legacy_root=legacy, dist_root=dist)
+    assert all(r["param_order_ok"] for r in out)
+    assert all(r["max_tensor_diff"] == 0.0 for r in out), [r["max_tensor_diff"] for r in out]
+    assert (out[0]["logits"] - out[0]["ref_logits"]).abs().max().item() == 0.0
+    # the check calls it a reshard (was: not mapped), and names the optimizer state as not carried
+    from megatron_preflight.check.plan import Verdict, make_plan
+    from megatron_preflight.check.runtime_args import from_cli
+
+    flags = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "100",
+             "--make-vocab-size-divisible-by", "16", "--num-experts", "4", "--disable-bias-linear",
+             "--transformer-impl", "local", "--expert-model-parallel-size", str(dst.ep), "--world-size", "2",
+             *(["--swiglu"] if spec.swiglu else [])]
+    plan = make_plan(legacy, from_cli(flags))
+    f, = [f for f in plan.findings if f.field == "moe_grouped_gemm"]
+    assert plan.verdict == Verdict.RESHARD and f.severity.value == "reshard" and "--no-load-optim" in f.fix, \
+        [x.to_json() for x in plan.findings if x.severity.value != "info"]
+
+
 # Cases where megatron-core's torch_dist load (the tensor reference) is very slow or stalls under gloo with 4
 # processes on 2 cores; there the logits against the source model are the check (the target is PP = 1).
 NO_DIST_REFERENCE: set[str] = set()

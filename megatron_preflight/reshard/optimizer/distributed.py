@@ -31,7 +31,12 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.optimizer.plain import OptimizerNotReshardable, _signature, is_param
+from megatron_preflight.reshard.optimizer.plain import (
+    OptimizerNotReshardable,
+    _signature,
+    is_param,
+    refuse_legacy_grouped,
+)
 from megatron_preflight.reshard.plan.index import iter_source_keys
 from megatron_preflight.reshard.plan.planner import plan_tensor
 from megatron_preflight.reshard.plan.topology import is_tied
@@ -194,6 +199,7 @@ def index_dist_optimizer(layout: Layout, src: ParallelLayout, *, trust: bool = F
     """Read every shard's ``distrib_optim.pt`` metadata (no tensor bytes) and place each parameter's fp32 master,
     ``exp_avg`` and ``exp_avg_sq`` in its global tensor. Raises :class:`OptimizerNotReshardable` when the files do not
     match the modelled buffer layout exactly."""
+    refuse_legacy_grouped(layout)
     index = DistOptimizerIndex()
     args = layout.saved_args
     size = bucket_size(args)

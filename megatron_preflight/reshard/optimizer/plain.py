@@ -30,7 +30,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import PROVENANCE_KEY
-from megatron_preflight.reshard.plan.index import iter_source_keys
+from megatron_preflight.reshard.plan.index import has_legacy_grouped, iter_source_keys
 from megatron_preflight.reshard.plan.planner import plan_tensor
 from megatron_preflight.reshard.plan.topology import is_tied
 from megatron_preflight.reshard.plan.types import (
@@ -196,12 +196,24 @@ def _assign(subs: list[SubOptimizer], params: list[SourceKey], where: str,
     return out
 
 
+def refuse_legacy_grouped(layout: Layout) -> None:
+    """The legacy GroupedMLP's optimizer state is not mapped (Megatron's own dist checkpoint does not carry it to
+    other expert modules either: its sharded state dict says so): weights only."""
+    if has_legacy_grouped(layout):
+        raise OptimizerNotReshardable(
+            "the checkpoint's experts are the legacy GroupedMLP (experts.weight1/weight2): its weights are read, its "
+            "optimizer state is not mapped to other expert modules (neither does Megatron's own dist checkpoint)",
+            path=layout.iter_dir, fix="start the run with --no-load-optim (weights only), or reshard offline with "
+            "--drop-optimizer", code="optimizer")
+
+
 def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | None:
     """Index the optimizer state of every source shard; None when the checkpoint has none. Raises
     :class:`OptimizerNotReshardable` when it cannot be mapped safely."""
     shards = [s for s in layout.shards if s.meta is not None and "optimizer" in s.meta]
     if not shards:
         return None
+    refuse_legacy_grouped(layout)
     tied = is_tied(layout)
     parsed = {s.name: parse_optimizer(s.meta["optimizer"], s.path) for s in shards}
     by_shard: dict[str, list[SourceKey]] = {}

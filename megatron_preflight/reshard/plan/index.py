@@ -9,7 +9,8 @@ from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.plan.consistency import complete_problems, raise_first
-from megatron_preflight.reshard.plan.rules import parse_key, rule_for
+from megatron_preflight.reshard.plan.rules import KeyInfo, parse_key, rule_for
+from megatron_preflight.reshard.plan.spec import unpack_legacy_grouped
 from megatron_preflight.reshard.plan.topology import is_tied, model_chunks, saved_arg
 from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourceKey, SourcePiece
 from megatron_preflight.torch_file import TensorRef
@@ -28,7 +29,7 @@ def _layer_orders(keys: list[str]) -> dict[str, tuple[int, int]]:
         layer = info.layer
         p = pos[layer] = pos.get(layer, -1) + 1
         slot = first.setdefault((layer, info.style, info.suffix), p)
-        if info.style == "seq_expert":
+        if info.style in ("seq_expert", "legacy_grouped"):  # GroupedMLP's weight1, weight2: one expert block
             start = block.setdefault(layer, p)
             out[key] = (start, slot - start)
         else:
@@ -37,8 +38,10 @@ def _layer_orders(keys: list[str]) -> dict[str, tuple[int, int]]:
 
 
 def iter_source_keys(layout: Layout, src: ParallelLayout) -> Any:
-    """Every model-chunk entry of every source shard, with its global key and split group coordinates."""
+    """Every model-chunk entry of every source shard, with its global key and split group coordinates. The legacy
+    GroupedMLP's packed expert weights are unpacked into each expert's linear."""
     swiglu = bool(saved_arg(layout.saved_args, "swiglu", False))
+    num_local = (saved_arg(layout.saved_args, "num_experts", 0) or 0) // max(src.ep, 1)
     dirs = naming.shard_writers(src)
     shards = sorted(layout.shards, key=lambda s: (s.pp_rank or 0, s.tp_rank or 0, s.ep_rank or 0))
     for shard in shards:
@@ -49,6 +52,16 @@ def iter_source_keys(layout: Layout, src: ParallelLayout) -> Any:
             orders = _layer_orders(list(shard.meta[ck]))
             for key, value in shard.meta[ck].items():
                 info = parse_key(key)
+                if info.style == "legacy_grouped":
+                    for j, (suffix, view) in enumerate(unpack_legacy_grouped(info.suffix, value, num_local,
+                                                                             f"{shard.name}: {key}")):
+                        expert_info = KeyInfo(info.layer, j, suffix, "seq_expert")
+                        rule = rule_for(expert_info, swiglu=swiglu)
+                        layer = src.global_layer(coords["pp"], chunk_idx, info.layer)
+                        gkey = GlobalKey(layer, src.global_expert(coords["ep"], j), "seq_expert", suffix)
+                        yield SourceKey(shard.name, chunk_idx, key, view, expert_info, rule, gkey, coords["etp"],
+                                        src.etp_eff, orders[key])
+                    continue
                 rule = rule_for(info, swiglu=swiglu)
                 layer = src.global_layer(coords["pp"], chunk_idx, info.layer) if info.layer is not None else None
                 expert = src.global_expert(coords["ep"], info.expert) if info.expert is not None else None
@@ -93,3 +106,12 @@ def index_sources(layout: Layout, src: ParallelLayout, *, check: bool = True
     if check:
         raise_first(complete_problems(index, layout))
     return index
+
+
+def has_legacy_grouped(layout: Layout) -> bool:
+    """Whether the checkpoint holds the legacy GroupedMLP's packed expert weights (``experts.weight1``)."""
+    for shard in layout.shards:
+        for _chunk, ck in model_chunks(shard.meta or {}):
+            if any(parse_key(k).style == "legacy_grouped" for k in shard.meta[ck]):
+                return True
+    return False

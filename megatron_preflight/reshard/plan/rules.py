@@ -100,7 +100,7 @@ class KeyInfo:
     layer: int | None
     expert: int | None
     suffix: str  # for layers: the part after `decoder.layers.N.` (experts: after the expert prefix)
-    style: str = "plain"  # plain | seq_expert | te_grouped
+    style: str = "plain"  # plain | seq_expert | te_grouped | legacy_grouped (GroupedMLP's weight1/weight2)
 
     def render(self, layer: int | None, expert: int | None) -> str:
         if self.layer is None:
@@ -125,12 +125,8 @@ def parse_key(key: str) -> KeyInfo:
     g = _TE_GROUPED_RE.match(rest)
     if g:
         return KeyInfo(layer, int(g.group(3)), f"{g.group(1)}.{g.group(2)}", "te_grouped")
-    if _LEGACY_GROUPED_RE.match(rest):
-        raise UnknownKeyError(
-            f"key {key}: legacy GroupedMLP expert weights (--moe-grouped-gemm --moe-use-legacy-grouped-gemm) are not "
-            "supported by the resharder",
-            fix="convert the checkpoint to torch_dist with Megatron (--ckpt-convert-format torch_dist), which "
-                "stores experts per expert, and let Megatron's dist loader reshard it", code="unknown_key")
+    if _LEGACY_GROUPED_RE.match(rest):  # every local expert in one tensor: unpacked by reshard/plan/spec.py
+        return KeyInfo(layer, None, rest, "legacy_grouped")
     return KeyInfo(layer, None, rest)
 
 

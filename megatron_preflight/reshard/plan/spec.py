@@ -11,7 +11,12 @@ Megatron-Core builds a GPT layer from a *spec*: ``--transformer-impl local`` (me
   norms, the final norm) have one where the local modules have none;
 * experts: sequential (``local_experts.{j}.linear_fc1.weight``, an ``_extra_state`` per expert linear) or, with TE and
   ``--moe-grouped-gemm``, grouped (``experts.linear_fc1.weight{j}``, one ``_extra_state`` per grouped linear). Each
-  expert's weight is the same tensor either way, split the same way.
+  expert's weight is the same tensor either way, split the same way. Older Megatron's local spec with
+  ``--moe-grouped-gemm`` built the legacy ``GroupedMLP``: ``experts.weight1`` ``[h, E_loc·f]`` and ``experts.weight2``
+  ``[E_loc·f, h]`` (f: the ETP rank's fc1 rows, GLU halves included, or fc2 columns), whose memory its forward views
+  as ``(E_loc, h, f)`` / ``(E_loc, f, h)``: expert j's block is contiguous and holds the *transpose* of its sequential
+  linear's ETP shard. :func:`unpack_legacy_grouped` reads it as that (strided views, no copy); it is read, never
+  written (Megatron-LM main has no GroupedMLP: its local spec builds sequential experts).
 
 torch_dist saves the local spec's layer norms under the fused names (megatron-core's ``sharded_state_dict_keys_map``):
 :func:`legacy_suffix` / :func:`dist_suffix` translate. :func:`bridge` renames a global index from one spec to
@@ -31,6 +36,7 @@ from typing import Any
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.reshard.plan.rules import KeyInfo, rule_for
 from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourcePiece
+from megatron_preflight.torch_file import TensorRef
 
 LOCAL, TE = "local", "transformer_engine"
 
@@ -122,24 +128,28 @@ class SpecChange:
     target: str
     source_grouped: bool  # TE grouped experts (weight{j}) in the checkpoint
     target_grouped: bool
+    source_packed: bool = False  # the legacy GroupedMLP (experts.weight1/weight2), read as sequential experts
 
     @property
     def changes(self) -> bool:
-        return self.source != self.target or self.source_grouped != self.target_grouped
+        return self.source != self.target or self.source_grouped != self.target_grouped or self.source_packed
 
     def describe(self) -> str:
         parts = []
         if self.source != self.target:
             parts.append(f"layer spec {self.source} -> {self.target}")
-        if self.source_grouped != self.target_grouped:
+        if self.source_packed:
+            parts.append("experts legacy GroupedMLP -> " + ("grouped" if self.target_grouped else "sequential"))
+        elif self.source_grouped != self.target_grouped:
             parts.append("experts " + ("grouped -> sequential" if self.source_grouped else "sequential -> grouped"))
         return ", ".join(parts)
 
 
 def spec_change(saved_args: Any, target_impl: str | None, target_grouped: bool | None,
-                moe: bool) -> SpecChange:
-    """The change a target asks for (None: keep the checkpoint's). Grouped experts exist only with TE (the local
-    spec's grouped form, the legacy GroupedMLP, is not read); a MoE checkpoint read without them is sequential."""
+                moe: bool, packed: bool = False) -> SpecChange:
+    """The change a target asks for (None: keep the checkpoint's). Grouped experts are written only in TE's form;
+    a local-spec target gets sequential experts whatever ``--moe-grouped-gemm`` says (what Megatron-LM main's local
+    spec builds; older ones built the legacy GroupedMLP, which is read — as sequential experts — never written)."""
     source = spec_of(saved_args)
     grouped = bool(getattr(saved_args, "moe_grouped_gemm", False)) and moe
     target = target_impl or source
@@ -148,14 +158,37 @@ def spec_change(saved_args: Any, target_impl: str | None, target_grouped: bool |
         if name not in (LOCAL, TE):
             raise PreflightError(f"the layer spec {name!r} is not one the resharder maps (local, transformer_engine)",
                                  fix="reshard at the checkpoint's own --transformer-impl", code="usage")
-    if want_grouped and target == LOCAL:
-        raise PreflightError(
-            "grouped experts with --transformer-impl local are the legacy GroupedMLP (experts.weight1/weight2), "
-            "which the resharder does not write", fix="drop --moe-grouped-gemm for a local-spec target (sequential "
-            "experts), or use --transformer-impl transformer_engine", code="usage")
+    if target == LOCAL:
+        want_grouped = False
     if grouped and source == LOCAL:
-        grouped = False  # a local checkpoint with grouped GEMM is refused by the key parser (legacy GroupedMLP)
-    return SpecChange(source, target, grouped, want_grouped)
+        grouped = False  # the legacy GroupedMLP: its packed weights are indexed as sequential experts
+    return SpecChange(source, target, grouped, want_grouped, packed)
+
+
+LEGACY_GROUPED = {"mlp.experts.weight1": "linear_fc1.weight", "mlp.experts.weight2": "linear_fc2.weight"}
+
+
+def unpack_legacy_grouped(suffix: str, ref: TensorRef, num_local: int, where: str) -> list[tuple[str, TensorRef]]:
+    """GroupedMLP's ``weight1`` / ``weight2`` as each local expert's sequential linear shard: (the expert's suffix,
+    a strided view of the same bytes), expert by expert."""
+    fc1 = suffix.endswith("weight1")
+    if len(ref.shape) != 2 or num_local < 1:
+        raise PreflightError(f"{where}: {suffix} has shape {tuple(ref.shape)}, not a 2-D GroupedMLP weight",
+                             fix="inspect the checkpoint; it is not one megatron-core's GroupedMLP wrote", code="plan")
+    rows, cols = ref.shape
+    packed = cols if fc1 else rows  # E_loc · f
+    if packed % num_local or tuple(ref.stride) != (cols, 1):
+        raise PreflightError(f"{where}: {suffix} of shape {tuple(ref.shape)} does not hold {num_local} local experts "
+                             "as GroupedMLP packs them", fix="check --num-experts and the expert-parallel size of "
+                             "the checkpoint's args", code="plan")
+    f = packed // num_local
+    h = rows if fc1 else cols
+    out = []
+    for j in range(num_local):
+        # weight1: expert j is (h, f) at j·h·f, its linear (f, h) is the transpose; weight2: (f, h) -> (h, f)
+        shape, stride = ((f, h), (1, f)) if fc1 else ((h, f), (1, h))
+        out.append((LEGACY_GROUPED[suffix], TensorRef(ref.file, ref.storage, ref.offset + j * h * f, shape, stride)))
+    return out
 
 
 def _new_entry(key: GlobalKey, swiglu: bool, value: Any = None, like: GlobalEntry | None = None) -> GlobalEntry:

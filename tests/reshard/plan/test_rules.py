@@ -81,9 +81,9 @@ def test_two_matching_rows_are_an_error_not_first_match(monkeypatch):
         rules._rule_of_suffix.cache_clear()
 
 
-def test_legacy_grouped_gemm_refused():
-    with pytest.raises(UnknownKeyError, match="GroupedMLP"):
-        parse_key("decoder.layers.0.mlp.experts.weight1")
+def test_legacy_grouped_gemm_is_parsed_as_packed_experts():
+    info = parse_key("decoder.layers.3.mlp.experts.weight2")
+    assert (info.layer, info.expert, info.style, info.suffix) == (3, None, "legacy_grouped", "mlp.experts.weight2")
 
 
 @pytest.mark.parametrize("kind,n,size,rank,expected", [

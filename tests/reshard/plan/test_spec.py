@@ -134,11 +134,34 @@ def test_grouped_and_sequential_experts_are_the_same_tensors():
     assert {k for k in back if k.layer is not None} == {k for k in plain.index if k.layer is not None}
 
 
-def test_a_local_spec_target_cannot_have_grouped_experts():
-    from megatron_preflight.errors import PreflightError
+def test_a_local_spec_target_gets_sequential_experts():
+    """--moe-grouped-gemm with the local spec: Megatron-LM main builds sequential experts (the legacy GroupedMLP is
+    read, never written)."""
+    r = open_resharder(fixture_path("moe_ep2_torch"), TargetLayout(moe_grouped_gemm=True))
+    assert not r.spec.changes
+    sd = r.build(r.plan_for_rank(0, 2))["model"]
+    assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight" in sd
 
-    with pytest.raises(PreflightError, match="legacy GroupedMLP"):
-        open_resharder(fixture_path("moe_ep2_torch"), TargetLayout(moe_grouped_gemm=True))
+
+def test_grouped_mlp_weights_unpack_as_transposed_expert_blocks():
+    """weight1 [h, E·f] is viewed by GroupedMLP as (E, h, f): expert j's linear_fc1 is block j transposed."""
+    import torch
+
+    from megatron_preflight.reshard.plan.spec import unpack_legacy_grouped
+    from megatron_preflight.torch_file import StorageRef, TensorRef
+
+    h, f, e = 3, 4, 2
+    w1 = torch.arange(h * e * f, dtype=torch.float32).reshape(h, e * f)
+    ref = TensorRef("x", StorageRef("0", "float32", w1.numel()), 0, (h, e * f), (e * f, 1))
+    views = unpack_legacy_grouped("mlp.experts.weight1", ref, e, "test")
+    for j, (suffix, v) in enumerate(views):
+        got = w1.reshape(-1).as_strided(v.shape, v.stride, v.offset)
+        assert suffix == "linear_fc1.weight" and torch.equal(got, w1.view(e, h, f)[j].t())
+    w2 = torch.arange(e * f * h, dtype=torch.float32).reshape(e * f, h)
+    ref2 = TensorRef("x", StorageRef("0", "float32", w2.numel()), 0, (e * f, h), (h, 1))
+    for j, (suffix, v) in enumerate(unpack_legacy_grouped("mlp.experts.weight2", ref2, e, "test")):
+        got = w2.reshape(-1).as_strided(v.shape, v.stride, v.offset)
+        assert suffix == "linear_fc2.weight" and torch.equal(got, w2.view(e, f, h)[j].t())
 
 
 def test_module_order_of_a_te_layer():
