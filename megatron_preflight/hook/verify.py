@@ -24,7 +24,8 @@ import time
 from typing import Any
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
-from megatron_preflight.hook import consensus, legacy_load, runtime
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.hook import consensus, legacy_load, runtime, verify_rng
 from megatron_preflight.layout import naming
 from megatron_preflight.prove import fingerprint, placement
 
@@ -200,6 +201,8 @@ def judge(stored: dict[str, Any], gathered: list[dict[str, Any]],
                                     f"(offsets {list(offsets)}): replicas diverged or one rank loaded another slice")
                 else:
                     seen[2].append(rank)
+        for item in doc.get("rng", []):
+            problems.append(f"rank {rank}: {item}")
         for item in doc["unplanned"]:
             problems.append(f"{item} (rank {rank}): the checkpoint has no data for this parameter: it keeps its "
                             "random initialisation (a non-strict load, or a checkpoint missing it)")
@@ -234,19 +237,31 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
     trust = bool(getattr(args, "preflight_trust_checkpoint", False))
     index = legacy_load.shared_index(load_dir, getattr(args, "ckpt_step", None), trust, False)
     root = index.layout.root or load_dir
-    stored = consensus.decide_on_rank0(lambda: fingerprint.load(root, index.layout.iteration),
-                                       lambda exc: {"error": str(exc)})
-    if stored is None:
-        _say(f"verify: no fingerprints stored for {root} (iteration {index.layout.iteration}): nothing to compare "
-             "the loaded model with; run `megatron-preflight fingerprint` on the checkpoint to enable it")
-        return
-    if "error" in stored:
-        _stop(f"verify: {stored['error']}")
     target = reshard.TargetLayout.from_args(args)
     r = reshard.open_resharder(index, target, keep_optimizer=False)
     coords = legacy_load.runtime_coordinates(consensus.rank(), consensus.world_size(), r)
     name = naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"], pp_size=r.tgt.pp, ep_size=r.tgt.ep)
+    try:
+        rng = verify_rng.rng_problems(index, args, coords, name, _dp_rank())
+    except PreflightError as exc:
+        rng = [f"the RNG state of this rank's checkpoint entry cannot be read: {exc.message}"]
+    stored = consensus.decide_on_rank0(lambda: fingerprint.load(root, index.layout.iteration),
+                                       lambda exc: {"error": str(exc)})
+    if stored is None:
+        rng_all = consensus.gather_to_rank0(rng)
+        problems = consensus.decide_on_rank0(lambda: [f"rank {i}: {p}" for i, ps in enumerate(rng_all or [])
+                                                      for p in ps], lambda exc: [f"internal: {exc}"])
+        if problems:
+            _stop("verify: the loaded run is not the checkpoint's:\n  " + "\n  ".join(problems[:50]))
+        _say(f"verify: no fingerprints stored for {root} (iteration {index.layout.iteration}): nothing to compare "
+             "the loaded model with; run `megatron-preflight fingerprint` on the checkpoint to enable it"
+             + ("; the restored RNG states are each rank's checkpoint entry" if verify_rng.restores_rng(args, index)
+                else ""))
+        return
+    if "error" in stored:
+        _stop(f"verify: {stored['error']}")
     mine = local_partials(r, model, coords, name)
+    mine["rng"] = rng
     with_optimizer = optimizer is not None and not getattr(args, "no_load_optim", False) and \
         not getattr(args, "finetune", False) and any("#" in k for k in stored["tensors"])
     if with_optimizer:
@@ -276,8 +291,18 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
               + (f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""))
     what = "model and optimizer state equal" if with_optimizer else "model equals"
     count = sum(1 for k in stored["tensors"] if with_optimizer or "#" not in k)
-    _say(f"verify: the loaded {what} the checkpoint's fingerprints ({count} tensors; "
+    rng_said = "; the restored RNG states are each rank's entry" if verify_rng.restores_rng(args, index) else ""
+    _say(f"verify: the loaded {what} the checkpoint's fingerprints ({count} tensors{rng_said}; "
          f"{time.perf_counter() - started:.2f} s on rank 0)")
+
+
+def _dp_rank() -> int:
+    try:
+        from megatron.core import parallel_state as ps  # inside a Megatron job
+
+        return ps.get_data_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    except ImportError:
+        return 0
 
 
 def _say(msg: str) -> None:

@@ -625,6 +625,48 @@ def test_verify_passes_a_correct_load(tmp_path, name, nproc, flags):
     assert "verify: the loaded model and optimizer state equal the checkpoint's fingerprints" in log, log[-3000:]
 
 
+@pytest.mark.parametrize("name, flags", [
+    ("tp2_torch", ["--ckpt-format", "torch"]),  # Megatron's own legacy loader: each rank's file
+    ("tp2_torch_dist", ["--ckpt-format", "torch_dist"]),  # its dist loader: the sharded object at (PP, TP)
+])
+def test_verify_checks_the_restored_rng_states(tmp_path, name, flags):
+    """With the RNG loaded (no --no-load-rng), every rank's restored RNG states (Python, torch, the model-parallel
+    tracker) equal its own checkpoint entry: no false alarm; and when rank 1's torch generator is moved after the load
+    (a TEST DOUBLE standing in for a loader that restores another rank's state, or none), verify stops every rank
+    naming rank 1 and the state."""
+    ckpt = fingerprinted(tmp_path, name)
+    rc, log = run(tmp_path, ckpt, 2, "--tensor-model-parallel-size", "2", *flags, "--preflight", "verify",
+                  port=29840)
+    assert rc == 0 and "the restored RNG states are each rank's entry" in log, log[-3000:]
+    launcher = tmp_path / "rng_launcher.py"
+    launcher.write_text(RNG_LAUNCHER)
+    rc, log = run(tmp_path, ckpt, 2, "--tensor-model-parallel-size", "2", *flags, "--preflight", "verify",
+                  port=29841, launch=[str(launcher)])
+    assert rc == 1 and "lm loss" not in log, log[-3000:]
+    line = next(x for x in log.splitlines() if "rank 1: the RNG state" in x)
+    assert "torch_rng_state" in line and "rank 0:" not in log, line
+
+
+# A TEST DOUBLE standing in for a load path that restores the wrong RNG state: after Megatron's own load_checkpoint,
+# rank 1 reseeds its torch generator; then the hook is installed and pretrain_gpt.py runs unmodified.
+RNG_LAUNCHER = """
+import runpy, sys
+import torch
+import megatron.training.checkpointing as ck, megatron.training.training as tr
+original = ck.load_checkpoint
+def load_then_reseed(*a, **k):
+    result = original(*a, **k)
+    if torch.distributed.get_rank() == 1:
+        torch.manual_seed(12345)
+    return result
+ck.load_checkpoint = tr.load_checkpoint = load_then_reseed
+import megatron_preflight
+megatron_preflight.install()
+sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+runpy.run_path("pretrain_gpt.py", run_name="__main__")
+"""
+
+
 def test_verify_names_two_swapped_experts(tmp_path):
     """A fingerprinted legacy MoE checkpoint in which expert 1's weights were later swapped with expert 2's (same
     shapes, on different EP ranks: a bad copy): Megatron loads it and trains silently; verify stops every rank
@@ -1017,3 +1059,43 @@ def test_activation_estimate_equals_megatrons_theoretical_memory_report():
     s, b, h = moe["seq_length"], moe["micro_batch_size"], moe["hidden_size"]
     mlp_term = moe["num_layers"] * s * b * h * 4 * (2 * moe["moe_ffn_hidden_size"] - moe["ffn_hidden_size"]) / h
     assert abs(ours[3] - (theirs[3] + mlp_term)) <= 1, (ours[3], theirs[3], mlp_term)
+
+
+TE_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm", "--disable-bias-linear"]
+
+
+@te_only
+def test_te_moe_torch_dist_sources_every_optimizer_form_offline_and_in_memory(tmp_path):
+    """TE spec (the stand-in) MoE with TE-grouped experts and TE's FusedAdam, saved by Megatron as torch_dist at
+    TP2·SP in each optimizer form it writes (plain; distributed dp_reshardable, fully_reshardable), resumed at TP1:
+    offline (legacy TP1, then Megatron's own loader) and in memory (--preflight auto). Iterations 3 and 4 equal
+    Megatron's own load of the plain form at TP1 (the forms are the same training: the same weights and Adam math)."""
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    save_flags = ["--ckpt-format", "torch_dist", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                  "--train-iters", "2", "--save-interval", "2", *TE_MOE]
+    forms = {"plain": [], "dp_reshardable": ["--use-distributed-optimizer"],
+             "fully_reshardable": ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]}
+    sources = {}
+    for n, (form, extra) in enumerate(forms.items()):
+        src = tmp_path / f"te_moe_{form}"
+        rc, log = run(tmp_path, str(empty), 2, *save_flags, *extra, "--save", str(src), plugin=False,
+                      port=29800 + n, te=True)
+        assert rc == 0 and (src / "iter_0000002").is_dir(), log[-3000:]
+        sources[form] = src
+    resume = ["--no-load-rng", "--train-iters", "4", *TE_MOE]
+    rc, ref = run(tmp_path, str(sources["plain"]), 1, "--ckpt-format", "torch_dist", *resume, plugin=False,
+                  port=29810, te=True)
+    assert rc == 0 and loss(ref, 4, 4) is not None, ref[-3000:]
+    want = (loss(ref, 3, 4), loss(ref, 4, 4))
+    for n, (form, extra) in enumerate(forms.items()):
+        out = tmp_path / f"legacy_{form}"
+        r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", str(sources[form]), str(out),
+                            "--tp", "1", "--verify", "--no-progress"], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rc, log = run(tmp_path, str(out), 1, "--ckpt-format", "torch", *extra[:1], *resume, plugin=False,
+                      port=29820 + n, te=True)
+        assert rc == 0 and (loss(log, 3, 4), loss(log, 4, 4)) == want, (form, log[-3000:])
+        rc, log = run(tmp_path, str(sources[form]), 1, "--ckpt-format", "torch_dist", *extra[:1], *resume,
+                      "--preflight", "auto", port=29830 + n, te=True)
+        assert rc == 0 and (loss(log, 3, 4), loss(log, 4, 4)) == want, (form, log[-3000:])

@@ -80,3 +80,20 @@ def test_two_different_models_report_what_is_missing_and_what_differs():
     statuses = {t.status for t in r.tensors}
     assert not r.equal and "missing_in_a" in statuses and "missing_in_b" in statuses
     assert any(f == "num_experts" for f, _, _ in r.args)
+
+
+def test_equal_tensors_are_compared_in_place_without_assembling(monkeypatch):
+    """Equal tensors are shown equal slice against slice from the mapped sources (the speed path): the assembling
+    comparison runs only for values that are not tensors; a sign-of-zero change (numerically equal, other bits) is
+    not equal in place."""
+    from megatron_preflight.prove import diff
+
+    calls = []
+    real = diff.compare_tensors
+    monkeypatch.setattr(diff, "compare_tensors", lambda name, x, y, *a: calls.append((name, x)) or real(name, x, y, *a))
+    r = diff.diff_checkpoints(fixture_path("tp2_torch"), fixture_path("tp2_torch_dist"))
+    assert r.equal and all(not isinstance(x, torch.Tensor) for _, x in calls), [n for n, _ in calls][:5]
+    assert diff._compare_spans([(0, 2, torch.tensor([0.0, 1.0]))], [(0, 2, torch.tensor([-0.0, 1.0]))], 0, 2, None) \
+        is False
+    assert diff._compare_spans([(0, 1, torch.tensor([1.0])), (1, 2, torch.tensor([2.0]))],
+                               [(0, 2, torch.tensor([1.0, 2.0]))], 0, 2, None) is True

@@ -113,9 +113,15 @@ class _Builder:
         self.entries[(shard, chunk)].append(_Entry(sort, key, value))
 
     def _layer_sort(self, g: int, suffix: str, expert: int, pos: int) -> tuple:
-        if suffix.startswith(EXPERTS):  # experts: one block, expert-major, then fc1 before fc2
+        if suffix.startswith(EXPERTS):
             inner = rank_in(suffix[len(EXPERTS):], ("linear_fc1.", "linear_fc2."), pos)
-            return (1, g, rank_in("mlp.experts.", MODULE_ORDER, pos), expert, inner, param_rank(suffix), pos)
+            slot = rank_in("mlp.experts.", MODULE_ORDER, pos)
+            if self.te_grouped:  # one module per linear: every expert's fc1 (weight{j}, bias{j}), its extra state,
+                # then fc2 — the order TE registers them (the distributed optimizer's buffers follow it)
+                last = suffix.endswith("_extra_state")
+                return (1, g, slot, inner, 1 << 30 if last else expert, param_rank(suffix), pos)
+            # sequential experts: one block, expert-major, then fc1 before fc2
+            return (1, g, slot, expert, inner, param_rank(suffix), pos)
         return (1, g, rank_in(suffix, MODULE_ORDER, pos), 0, 0, param_rank(suffix), pos)
 
     @staticmethod

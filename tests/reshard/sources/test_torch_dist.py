@@ -207,3 +207,23 @@ def test_inspect_says_what_a_torch_dist_optimizer_state_allows():
     assert flat.reshardable and "only at the same TP/PP" in flat.describe() and "dp_reshardable" in flat.describe()
     layout.dist_optimizer_sharding = "fully_sharded_bucket_space"
     assert not optimizer_status(layout).reshardable
+
+
+def test_te_grouped_experts_are_placed_in_tes_registration_order():
+    """TE's grouped linears register every expert's fc1 weight (then its one extra state), then fc2's: the virtual
+    legacy shard of a torch_dist checkpoint lists them so (the distributed optimizer's flat buffers follow that
+    order; expert-major order read a TE MoE dp_reshardable checkpoint's fp32 masters from the wrong places)."""
+    from types import SimpleNamespace
+
+    from megatron_preflight.reshard.sources.torch_dist import EXPERTS, _Builder
+
+    keys = [(f"linear_fc{f}.{p}", e) for f in (1, 2) for e in range(3) for p in ("weight",)]
+    keys += [("linear_fc1._extra_state", 0), ("linear_fc2._extra_state", 0)]
+    te = SimpleNamespace(te_grouped=True)
+    order = sorted(keys, key=lambda k: _Builder._layer_sort(te, 0, EXPERTS + k[0], k[1], 0))
+    assert order == [("linear_fc1.weight", 0), ("linear_fc1.weight", 1), ("linear_fc1.weight", 2),
+                     ("linear_fc1._extra_state", 0), ("linear_fc2.weight", 0), ("linear_fc2.weight", 1),
+                     ("linear_fc2.weight", 2), ("linear_fc2._extra_state", 0)]
+    seq = sorted(keys[:6], key=lambda k: _Builder._layer_sort(SimpleNamespace(te_grouped=False), 0, EXPERTS + k[0],
+                                                             k[1], 0))
+    assert seq[:2] == [("linear_fc1.weight", 0), ("linear_fc2.weight", 0)]  # sequential: expert-major
