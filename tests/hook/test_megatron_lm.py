@@ -1061,32 +1061,14 @@ def test_activation_estimate_equals_megatrons_theoretical_memory_report():
     assert abs(ours[3] - (theirs[3] + mlp_term)) <= 1, (ours[3], theirs[3], mlp_term)
 
 
-# Megatron's own save in the distributed-optimizer form older Megatron wrote with --ckpt-fully-parallel-save
-# (fully_sharded_model_space; this Megatron-LM still writes and reads it, its arguments no longer choose it): the
-# launcher sets the sharding type in the metadata Megatron builds, then runs pretrain_gpt.py unmodified.
-OLDER_SHARDING_LAUNCHER = """
-import runpy, sys
-import megatron.training.checkpointing as ck
-original = ck._build_sharded_state_dict_metadata
-def older_default(*a, **k):
-    metadata = original(*a, **k)
-    if "distrib_optim_sharding_type" in metadata:
-        metadata["distrib_optim_sharding_type"] = "fully_sharded_model_space"
-    return metadata
-ck._build_sharded_state_dict_metadata = older_default
-sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
-runpy.run_path("pretrain_gpt.py", run_name="__main__")
-"""
-
-
 TE_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm", "--disable-bias-linear"]
 
 
 @te_only
 def test_te_moe_torch_dist_sources_every_optimizer_form_offline_and_in_memory(tmp_path):
     """TE spec (the stand-in) MoE with TE-grouped experts and TE's FusedAdam, saved by Megatron as torch_dist at
-    TP2·SP in each optimizer form it writes (plain; distributed dp_reshardable, fully_reshardable, and the
-    fully_sharded_model_space older Megatron wrote, see OLDER_SHARDING_LAUNCHER), resumed at TP1:
+    TP2·SP in each optimizer form it writes (plain; distributed dp_reshardable, fully_reshardable; it can no longer
+    write the older fully_sharded_model_space: "ShardedTensor.flattened_range is not supported"), resumed at TP1:
     offline (legacy TP1, then Megatron's own loader) and in memory (--preflight auto). Iterations 3 and 4 equal
     Megatron's own load of the plain form at TP1 (the forms are the same training: the same weights and Adam math)."""
     empty = tmp_path / "nothing"
@@ -1094,15 +1076,12 @@ def test_te_moe_torch_dist_sources_every_optimizer_form_offline_and_in_memory(tm
     save_flags = ["--ckpt-format", "torch_dist", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                   "--train-iters", "2", "--save-interval", "2", *TE_MOE]
     forms = {"plain": [], "dp_reshardable": ["--use-distributed-optimizer"],
-             "fully_reshardable": ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"],
-             "fully_sharded_model_space": ["--use-distributed-optimizer"]}
-    older = tmp_path / "older_default.py"
-    older.write_text(OLDER_SHARDING_LAUNCHER)
+             "fully_reshardable": ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]}
     sources = {}
     for n, (form, extra) in enumerate(forms.items()):
         src = tmp_path / f"te_moe_{form}"
         rc, log = run(tmp_path, str(empty), 2, *save_flags, *extra, "--save", str(src), plugin=False,
-                      port=29800 + n, te=True, launch=[str(older)] if form == "fully_sharded_model_space" else None)
+                      port=29800 + n, te=True)
         assert rc == 0 and (src / "iter_0000002").is_dir(), log[-3000:]
         if form != "plain":
             assert f"distributed optimizer sharded state of type {form}" in log, log[-3000:]
