@@ -58,7 +58,7 @@ def saved_entry(index: Any, coords: dict[str, int], shard_name: str, dp_rank: in
 
 
 def _digest(value: Any) -> int | None:
-    import torch
+    import torch  # deferred: the verify path runs inside the job, where torch is loaded
 
     if isinstance(value, torch.Generator):
         value = value.get_state()
@@ -69,7 +69,7 @@ def _digest(value: Any) -> int | None:
 
 def live_states() -> dict[str, Any]:
     """The RNG states this process holds now (the keys of Megatron's saved entry)."""
-    import torch
+    import torch  # deferred: as above
     from megatron.core import tensor_parallel  # Megatron is there: this runs inside the job
 
     out: dict[str, Any] = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}
