@@ -51,6 +51,9 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
         optim = _optimizer_line(index)
         if optim:
             lines.append(f"optimizer   {optim}")
+        experts = _experts_line(layout)
+        if experts:
+            lines.append(f"experts     {experts}")
         lines.append(f"size        {human_bytes(layout.total_bytes)}")
         args = layout.saved_args
         if args is not None:
@@ -94,6 +97,19 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
     elif layout.format is not None:
         lines.append("status      OK: complete and consistent")
     return "\n".join(lines)
+
+
+def _experts_line(layout: Layout) -> str | None:
+    """The expert module a MoE checkpoint's keys come from."""
+    args = layout.saved_args
+    if args is None or not getattr(args, "num_experts", None):
+        return None
+    if layout.format == Format.TORCH and reshard.has_legacy_grouped(layout):
+        return ("legacy GroupedMLP (experts.weight1/weight2, all local experts packed): read as sequential experts, "
+                "weights only; Megatron-LM main cannot load it as is")
+    if getattr(args, "moe_grouped_gemm", False) and getattr(args, "transformer_impl", None) != "local":
+        return "Transformer Engine grouped (experts.linear_fc1.weight{j})"
+    return "sequential (experts.local_experts.{j})"
 
 
 def _optimizer_line(index: reshard.CheckpointIndex) -> str | None:

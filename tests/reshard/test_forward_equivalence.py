@@ -56,6 +56,9 @@ def test_legacy_grouped_mlp_reads_as_sequential_experts(mcore_pool2, tmp_path, n
 
     layout = discover(legacy)
     assert has_legacy_grouped(layout) and "decoder.layers.0.mlp.experts.weight1" in layout.shards[0].meta["model"]
+    from megatron_preflight.check.report import render_layout
+
+    assert "experts     legacy GroupedMLP" in render_layout(legacy)  # inspect says what it is
     sequential = asdict(spec) | {"grouped_gemm": False}
     out = mcore_pool2.run("tests.helpers.tasks:reshard_and_compare", spec=sequential, layout=asdict(dst),
                           legacy_root=legacy, dist_root=dist)
