@@ -153,7 +153,15 @@ def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                                "Megatron's dist loader loads it", ""))
     ck_gg, run_gg = bool(_get(saved, "moe_grouped_gemm", False)), rt.moe_grouped_gemm
     packed = legacy and ck_gg and ck_impl == "local"  # the legacy GroupedMLP: experts.weight1/weight2
-    if _get(saved, "num_experts") and packed and run_gg and run_impl == "local":
+    if _get(saved, "num_experts") and packed and run_gg and run_impl == "local" and rt.builds_grouped_mlp is False:
+        out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", "sequential experts", RESHARD,
+                           "the experts are the legacy GroupedMLP (experts.weight1/weight2: all local experts in one "
+                           "transposed tensor) and this Megatron's local spec builds sequential experts (it has no "
+                           "GroupedMLP): the resharder reads them as each expert's weights (the optimizer state is "
+                           "not mapped: weights only)",
+                           _reshard_fix(layout, "--moe-grouped-gemm") + " (with --no-load-optim, or --drop-optimizer "
+                           "offline)"))
+    elif _get(saved, "num_experts") and packed and run_gg and run_impl == "local" and rt.builds_grouped_mlp is None:
         out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", run_gg, INFO,
                            "the experts are the legacy GroupedMLP (experts.weight1/weight2: all local experts in one "
                            "transposed tensor): a Megatron whose local spec still builds it loads them as is; "

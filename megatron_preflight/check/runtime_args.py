@@ -65,6 +65,9 @@ class RuntimeArgs:
     # The run's Adam: "torch" (AdamW) or "fused" (TE's or apex's FusedAdam). Not a Megatron flag: Megatron takes the
     # one installed; the hook reads it from the run, the CLI from --optimizer-family (None: unknown, not compared).
     optimizer_family: str | None = None
+    # Whether the run builds the legacy GroupedMLP (local spec + --moe-grouped-gemm on a megatron-core that has it);
+    # not a flag: the hook asks megatron.core, the CLI does not know (None)
+    builds_grouped_mlp: bool | None = None
     use_distributed_optimizer: bool = False
     ckpt_format: str = "torch_dist"
     auto_detect_ckpt_format: bool = False

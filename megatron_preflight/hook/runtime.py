@@ -71,6 +71,18 @@ def run_adam_family(args: Any) -> str | None:
     return None if using_torch is None else ("torch" if using_torch else "fused")
 
 
+def builds_grouped_mlp(args: Any) -> bool | None:
+    """Whether this Megatron builds the legacy GroupedMLP for the run (the local spec with --moe-grouped-gemm, in a
+    megatron-core that still has the class; Megatron-LM main's local spec builds sequential experts); None: unknown."""
+    if not (getattr(args, "moe_grouped_gemm", False) and getattr(args, "transformer_impl", None) == "local"):
+        return False
+    try:
+        from megatron.core.transformer.moe import experts  # Megatron is present: this runs inside its job
+    except Exception:  # noqa: BLE001 - no megatron.core: unknown
+        return None
+    return hasattr(experts, "GroupedMLP")
+
+
 def device_memory_gib() -> float | None:
     """This rank's CUDA device memory in GiB (None without CUDA, e.g. on the CPU runner)."""
     try:
@@ -86,6 +98,7 @@ def device_memory_gib() -> float | None:
 def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     rt = from_namespace(args)
     rt.optimizer_family = run_adam_family(args)
+    rt.builds_grouped_mlp = builds_grouped_mlp(args)
     if rt.preflight_device_memory is None:
         rt.preflight_device_memory = device_memory_gib()
     if mode in ("auto", "verify"):
