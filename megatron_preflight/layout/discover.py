@@ -10,7 +10,7 @@ from typing import Any
 
 from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError, require_regular_file
-from megatron_preflight.layout import naming
+from megatron_preflight.layout import completeness, naming
 from megatron_preflight.layout.dist import DCP_METADATA, METADATA_JSON, inspect_dist
 from megatron_preflight.layout.foreign import looks_like
 from megatron_preflight.layout.model import Format, Layout, Shard
@@ -398,6 +398,13 @@ def _inspect_legacy(layout: Layout, iter_dir: str, shard_names: list[str], trust
             layout.add("iteration_mismatch", os.path.join(s.path, naming.MODEL_FILENAME),
                        f"the file says iteration {it} but sits in the dir for iteration {layout.iteration}",
                        "this shard was copied from another iteration: restore the right one")
+    for s in good:
+        broken = completeness.unpaired(_model_keys(s.meta))
+        if broken:
+            layout.add("missing_tensor", os.path.join(s.path, naming.MODEL_FILENAME),
+                       f"a tensor is missing from the file: {completeness.describe(broken)}; Megatron's load fails "
+                       "on the missing key after building the model", "restore the file from a complete copy, or "
+                       "load an earlier iteration with --ckpt-step")
     _check_shard_set(layout)
     _check_distrib_optim(layout)
 

@@ -15,6 +15,7 @@ import types
 from typing import Any
 
 from megatron_preflight.errors import PreflightError, require_regular_file
+from megatron_preflight.layout import completeness
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.placeholders import Placeholder
 from megatron_preflight.safe_pickle import safe_loads
@@ -151,6 +152,13 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
                 layout.dist_tensors[key] = (tuple(size), str(value.properties.dtype))
         if any(k.startswith("model.") for k in layout.dist_tensors) and layout.format == Format.TORCH_DCP:
             layout.format = Format.FSDP_DTENSOR
+        broken = completeness.unpaired(layout.dist_tensors)
+        if broken:
+            layout.add("missing_tensor", os.path.join(iter_dir, DCP_METADATA),
+                       f"a tensor is missing from the checkpoint: {completeness.describe(broken)}; Megatron's load "
+                       "fails on the missing key after building the model (with --dist-ckpt-strictness log_all it "
+                       "trains on with that tensor at its random initialisation)",
+                       "restore the iteration dir from a complete copy, or load an earlier one with --ckpt-step")
     if COMMON_PT in entries:
         try:
             common = read_torch_file(os.path.join(iter_dir, COMMON_PT), trust=trust)

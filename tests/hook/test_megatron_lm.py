@@ -697,10 +697,19 @@ def test_verify_names_two_swapped_experts(tmp_path):
     assert "no longer matches its fingerprints" in log and "lm loss" not in log
 
 
-def test_verify_names_a_parameter_a_non_strict_load_left_at_init(tmp_path):
-    """A fingerprinted torch_dist checkpoint whose .metadata later lost one parameter's entries (every layer's
-    linear_proj.weight, with its Adam state), loaded with --dist-ckpt-strictness log_all: Megatron logs and trains
-    with those weights at their random initialisation; verify stops every rank before iteration 1 and names them."""
+@pytest.mark.parametrize("lost, stopped_by", [
+    # the attention's output projection without its QKV partner: the check sees the broken pair in .metadata and
+    # stops every rank before the model is built
+    ("self_attention.linear_proj.weight", "check"),
+    # a layer norm (no partner to miss; the local spec's input_layernorm under its torch_dist name): verify, after
+    # the load, names the parameter (and its Adam state) the run does not hold from the checkpoint
+    ("self_attention.linear_qkv.layer_norm_weight", "verify"),
+])
+def test_verify_names_a_parameter_a_non_strict_load_left_at_init(tmp_path, lost, stopped_by):
+    """A fingerprinted torch_dist checkpoint whose .metadata later lost one parameter's entries (every layer's, with
+    its Adam state), loaded with --dist-ckpt-strictness log_all: Megatron logs and trains with those weights at their
+    random initialisation; --preflight verify stops every rank before iteration 1 and names them (the check already
+    at start when the loss breaks a pair the model always has, verify after the load otherwise)."""
     import pickle
 
     from torch.distributed.checkpoint import FileSystemReader
@@ -708,7 +717,8 @@ def test_verify_names_a_parameter_a_non_strict_load_left_at_init(tmp_path):
     ckpt = fingerprinted(tmp_path, "tp2_torch_dist")
     iter_dir = os.path.join(ckpt, "iter_0000002")
     md = FileSystemReader(iter_dir).read_metadata()
-    gone = [k for k in md.state_dict_metadata if k.endswith("decoder.layers.self_attention.linear_proj.weight")]
+    gone = [k for k in md.state_dict_metadata if k.endswith(f"decoder.layers.{lost}")]
+    assert gone
     for k in gone:
         del md.state_dict_metadata[k]
     md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn not in gone}
@@ -720,7 +730,12 @@ def test_verify_names_a_parameter_a_non_strict_load_left_at_init(tmp_path):
     assert rc == 0 and loss(log) is not None, log[-3000:]  # Megatron trains on
     rc, log = run(tmp_path, ckpt, 2, *flags, "--preflight", "verify", port=29779)
     assert rc == 1 and "lm loss" not in log, log[-3000:]
-    assert "decoder.layers.0.self_attention.linear_proj.weight" in log and "random initialisation" in log
+    if stopped_by == "check":
+        assert f"without {lost} (every layer)" in log and "random initialisation" in log, log[-3000:]
+        assert "loading checkpoint" not in log.lower()
+    else:
+        assert "decoder.layers.0.input_layernorm.weight" in log and "stopping every rank" in log, log[-3000:]
+        assert "verify: the loaded model is not the checkpoint's" in log
 
 
 # -- the oracle: Megatron's own reshard, saved (issue 22) --------------------------------------------------------------
