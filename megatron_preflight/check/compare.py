@@ -152,33 +152,30 @@ def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                                "torch_dist maps Transformer Engine names to the local spec's (dense models): "
                                "Megatron's dist loader loads it", ""))
     ck_gg, run_gg = bool(_get(saved, "moe_grouped_gemm", False)), rt.moe_grouped_gemm
-    packed = legacy and ck_gg and ck_impl == "local"  # the legacy GroupedMLP: experts.weight1/weight2
-    if _get(saved, "num_experts") and packed and run_gg and run_impl == "local" and rt.builds_grouped_mlp is False:
-        out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", "sequential experts", RESHARD,
-                           "the experts are the legacy GroupedMLP (experts.weight1/weight2: all local experts in one "
-                           "transposed tensor) and this Megatron's local spec builds sequential experts (it has no "
-                           "GroupedMLP): the resharder reads them as each expert's weights (the optimizer state is "
-                           "not mapped: weights only)",
-                           _reshard_fix(layout, "--moe-grouped-gemm") + " (with --no-load-optim, or --drop-optimizer "
-                           "offline)"))
-    elif _get(saved, "num_experts") and packed and run_gg and run_impl == "local" and rt.builds_grouped_mlp is None:
-        out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", run_gg, INFO,
-                           "the experts are the legacy GroupedMLP (experts.weight1/weight2: all local experts in one "
-                           "transposed tensor): a Megatron whose local spec still builds it loads them as is; "
-                           "Megatron-LM main builds sequential experts and cannot load them",
-                           "on Megatron-LM main, run without --moe-grouped-gemm: the resharder reads GroupedMLP's "
-                           "weights as sequential experts (weights only: --no-load-optim)"))
-    elif _get(saved, "num_experts") and ck_gg != run_gg:
-        if not legacy:
-            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, INFO,
-                               "torch_dist stores grouped and sequential experts alike: loads either way", ""))
-        elif packed:
-            out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", run_gg, RESHARD,
-                               "the experts are the legacy GroupedMLP (experts.weight1/weight2: all local experts in "
-                               "one transposed tensor); the resharder reads them as each expert's weights (the "
+    if not _get(saved, "num_experts"):
+        return out
+    if legacy and ck_gg and ck_impl == "local":  # the legacy GroupedMLP: experts.weight1/weight2
+        packed = ("the experts are the legacy GroupedMLP (experts.weight1/weight2: all local experts in one transposed "
+                  "tensor)")
+        same = run_gg and run_impl == "local"  # the flags that built it
+        if same and rt.builds_grouped_mlp is None:  # offline: which Megatron runs is not known
+            out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", run_gg, INFO,
+                               f"{packed}: a Megatron whose local spec still builds it loads them as is; Megatron-LM "
+                               "main builds sequential experts and cannot load them",
+                               "on Megatron-LM main, run without --moe-grouped-gemm: the resharder reads GroupedMLP's "
+                               "weights as sequential experts (weights only: --no-load-optim)"))
+        elif not (same and rt.builds_grouped_mlp):
+            why = " and this Megatron's local spec builds sequential experts (it has no GroupedMLP)" if same else ""
+            out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", "sequential experts" if same else run_gg,
+                               RESHARD, f"{packed}{why}: the resharder reads them as each expert's weights (the "
                                "optimizer state is not mapped: weights only)",
                                _reshard_fix(layout, "--moe-grouped-gemm" if run_gg else "no --moe-grouped-gemm")
                                + " (with --no-load-optim, or --drop-optimizer offline)"))
+        return out
+    if ck_gg != run_gg:
+        if not legacy:
+            out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, INFO,
+                               "torch_dist stores grouped and sequential experts alike: loads either way", ""))
         elif run_gg and run_impl == "local":
             out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, INFO,
                                "Megatron-LM main's local spec builds sequential experts whatever --moe-grouped-gemm "

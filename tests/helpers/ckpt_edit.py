@@ -6,6 +6,7 @@ classes as inert placeholders and are saved back under their original names (:mo
 
 from __future__ import annotations
 
+import os
 import pickle
 import types
 from typing import Any
@@ -35,3 +36,18 @@ def load(path: str) -> dict:
 
 def save(state: dict, path: str) -> None:
     torch.save(state, path, pickle_module=pickling)
+
+
+def drop_from_dcp_metadata(iter_dir: str, suffix: str) -> list[str]:
+    """Remove every tensor whose key ends with ``suffix`` from a torch_dist ``.metadata`` (its entries and their
+    storage index), as a checkpoint that lost them would look; returns the keys removed."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(iter_dir).read_metadata()
+    gone = [k for k in md.state_dict_metadata if k.endswith(suffix)]
+    for k in gone:
+        del md.state_dict_metadata[k]
+    md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn not in gone}
+    with open(os.path.join(iter_dir, ".metadata"), "wb") as fh:
+        pickle.dump(md, fh)
+    return gone

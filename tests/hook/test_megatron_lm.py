@@ -639,32 +639,12 @@ def test_verify_checks_the_restored_rng_states(tmp_path, name, flags):
                   port=29840)
     assert rc == 0 and "the restored RNG states are each rank's entry" in log, log[-3000:]
     launcher = tmp_path / "rng_launcher.py"
-    launcher.write_text(RNG_LAUNCHER)
+    launcher.write_text(fault_launcher("torch.manual_seed(12345)"))
     rc, log = run(tmp_path, ckpt, 2, "--tensor-model-parallel-size", "2", *flags, "--preflight", "verify",
                   port=29841, launch=[str(launcher)])
     assert rc == 1 and "lm loss" not in log, log[-3000:]
     line = next(x for x in log.splitlines() if "rank 1: the RNG state" in x)
     assert "torch_rng_state" in line and "rank 0:" not in log, line
-
-
-# A TEST DOUBLE standing in for a load path that restores the wrong RNG state: after Megatron's own load_checkpoint,
-# rank 1 reseeds its torch generator; then the hook is installed and pretrain_gpt.py runs unmodified.
-RNG_LAUNCHER = """
-import runpy, sys
-import torch
-import megatron.training.checkpointing as ck, megatron.training.training as tr
-original = ck.load_checkpoint
-def load_then_reseed(*a, **k):
-    result = original(*a, **k)
-    if torch.distributed.get_rank() == 1:
-        torch.manual_seed(12345)
-    return result
-ck.load_checkpoint = tr.load_checkpoint = load_then_reseed
-import megatron_preflight
-megatron_preflight.install()
-sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
-runpy.run_path("pretrain_gpt.py", run_name="__main__")
-"""
 
 
 def test_verify_names_two_swapped_experts(tmp_path):
@@ -710,20 +690,10 @@ def test_verify_names_a_parameter_a_non_strict_load_left_at_init(tmp_path, lost,
     its Adam state), loaded with --dist-ckpt-strictness log_all: Megatron logs and trains with those weights at their
     random initialisation; --preflight verify stops every rank before iteration 1 and names them (the check already
     at start when the loss breaks a pair the model always has, verify after the load otherwise)."""
-    import pickle
-
-    from torch.distributed.checkpoint import FileSystemReader
+    from tests.helpers.ckpt_edit import drop_from_dcp_metadata
 
     ckpt = fingerprinted(tmp_path, "tp2_torch_dist")
-    iter_dir = os.path.join(ckpt, "iter_0000002")
-    md = FileSystemReader(iter_dir).read_metadata()
-    gone = [k for k in md.state_dict_metadata if k.endswith(f"decoder.layers.{lost}")]
-    assert gone
-    for k in gone:
-        del md.state_dict_metadata[k]
-    md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn not in gone}
-    with open(os.path.join(iter_dir, ".metadata"), "wb") as fh:
-        pickle.dump(md, fh)
+    assert drop_from_dcp_metadata(os.path.join(ckpt, "iter_0000002"), f"decoder.layers.{lost}")
     flags = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist", "--dist-ckpt-strictness", "log_all",
              "--no-load-rng"]
     rc, log = run(tmp_path, ckpt, 2, *flags, plugin=False, port=29778)
@@ -817,24 +787,20 @@ def test_our_reshard_equals_megatrons_own_saved_reshard(tmp_path, legacy, twin, 
         assert_same_files(ours, theirs)
 
 
-# A TEST DOUBLE standing in for a loader bug: after Megatron's own load_checkpoint, rank 1 adds 1e-3 to its shard of
-# one parameter's exp_avg in the distributed optimizer; then the hook is installed (so verify runs after it) and
-# pretrain_gpt.py runs unmodified.
-PERTURBING_LAUNCHER = """
+# TEST DOUBLES standing in for a loader bug: after Megatron's own load_checkpoint, rank 1 runs a fault (with the
+# run's ddp_model and optimizer in scope); then the hook is installed (so verify runs after it) and pretrain_gpt.py
+# runs unmodified.
+FAULT_LAUNCHER = """
 import runpy, sys
 import torch
 import megatron.training.checkpointing as ck, megatron.training.training as tr
 original = ck.load_checkpoint
-def load_then_perturb(ddp_model, optimizer, *a, **k):
+def load_then_fault(ddp_model, optimizer, *a, **k):
     result = original(ddp_model, optimizer, *a, **k)
     if torch.distributed.get_rank() == 1:
-        part = (getattr(optimizer, "chained_optimizers", None) or [optimizer])[0]
-        for param in part.model_param_gbuf_map:
-            if param.shape == (32, 32):  # the first of layer 0's attention projections this rank shards
-                part._get_main_param_and_optimizer_states(param)["exp_avg"].add_(1e-3)
-                break
+{fault}
     return result
-ck.load_checkpoint = tr.load_checkpoint = load_then_perturb
+ck.load_checkpoint = tr.load_checkpoint = load_then_fault
 import megatron_preflight
 megatron_preflight.install()
 sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
@@ -842,12 +808,25 @@ runpy.run_path("pretrain_gpt.py", run_name="__main__")
 """
 
 
+def fault_launcher(fault: str) -> str:
+    """The launcher's source with ``fault`` (Python lines) run on rank 1 right after Megatron's load."""
+    return FAULT_LAUNCHER.replace("{fault}", "\n".join("        " + line for line in fault.splitlines()))
+
+
+# one parameter's exp_avg shard in the distributed optimizer moved by 1e-3 on rank 1
+PERTURB_EXP_AVG = """part = (getattr(optimizer, "chained_optimizers", None) or [optimizer])[0]
+for param in part.model_param_gbuf_map:
+    if param.shape == (32, 32):  # the first of layer 0's attention projections this rank shards
+        part._get_main_param_and_optimizer_states(param)["exp_avg"].add_(1e-3)
+        break"""
+
+
 def test_verify_names_the_parameter_and_the_rank_of_a_load_fault(tmp_path):
     """The distributed optimizer's state of one parameter perturbed on rank 1 right after Megatron's own load (the
     test double above): verify stops every rank before iteration 1 naming that parameter's exp_avg and rank 1."""
     ckpt = fingerprinted(tmp_path, "distopt_tp2dp2_torch")
     launcher = tmp_path / "perturbing_launcher.py"
-    launcher.write_text(PERTURBING_LAUNCHER)
+    launcher.write_text(fault_launcher(PERTURB_EXP_AVG))
     rc, log = run(tmp_path, ckpt, 4, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
                   "--ckpt-format", "torch", "--no-load-rng", "--preflight", "verify", port=29781,
                   launch=[str(launcher)])
