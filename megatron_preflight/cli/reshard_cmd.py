@@ -72,17 +72,20 @@ def _run(ns: argparse.Namespace) -> int:
         target = dataclasses.replace(target, transformer_impl=ns.transformer_impl)
     if ns.dry_run:
         return _dry_run(ns, target)
+    tapping = None
+    if ns.fingerprint:
+        from megatron_preflight.prove import fingerprint  # hashes with numpy and torch: only when asked
+
+        tapping = fingerprint.Fingerprinting()
     summary = write_resharded(ns.src, ns.dst, target, workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                               progress=None if ns.no_progress else progress_bar, drop_optimizer=ns.drop_optimizer,
-                              distributed=True, keep_stale=ns.keep_stale_temp)
+                              distributed=True, keep_stale=ns.keep_stale_temp, tapping=tapping)
     if int(os.environ.get("RANK", "0") or 0) == 0:
         print(summary.render())
-        if ns.fingerprint:
-            from megatron_preflight.prove import fingerprint  # reads tensors with torch: only when asked
-
-            doc = fingerprint.fingerprint_checkpoint(ns.dst, iteration=ns.iteration, trust=True)
-            print(f"fingerprints of the output: {fingerprint.store(ns.dst, doc['iteration'], doc)}")
+        if tapping is not None and tapping.stats:
+            print(f"fingerprints: {tapping.stats['streamed']} tensor(s) hashed as written, "
+                  f"{tapping.stats['read']} read back")
     return 0
 
 

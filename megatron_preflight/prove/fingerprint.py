@@ -24,48 +24,72 @@ golden-ratio constant. Why it is sound:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from typing import Any
 
+from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.prove import placement
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
 from megatron_preflight.prove.stored import path_for
 from megatron_preflight.reshard.checkpoint_index import open_index
+from megatron_preflight.reshard.optimizer.plain import MASTER
+from megatron_preflight.reshard.plan.types import TensorPlan
+from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
+
+log = logging.getLogger(__name__)
 
 FORMAT = 1
 _MASK = (1 << 64) - 1
-_CHUNK = 1 << 22  # elements hashed at a time (bounded temporaries)
+_CHUNK = 1 << 16  # elements hashed at a time: the temporaries (3 x 512 KiB) stay in the CPU's cache
+
+_M1, _M2, _K = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
 
 
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
+class _Hasher:
+    """Sums ``mix(bits XOR index·K)`` over chunks of elements, in place in preallocated uint64 buffers (numpy: its
+    uint64 arithmetic wraps mod 2^64 and its shifts are logical; one chunk stays in cache through the ~12 passes, so
+    a 4-byte element costs a few ns — a torch version allocating a temporary per pass was ~16x slower)."""
+
+    def __init__(self) -> None:
+        import numpy as np  # deferred: hashing reads tensors
+
+        self.np = np
+        self.z = np.empty(_CHUNK, dtype=np.uint64)
+        self.tmp = np.empty(_CHUNK, dtype=np.uint64)
+        self.m1, self.m2, self.k = np.uint64(_M1), np.uint64(_M2), np.uint64(_K)
+        self.total = 0
+
+    def add(self, bits: Any, index: Any) -> None:
+        """``bits``: the elements' raw bits (a 1-D integer array of their width, sign-extended to 64 bits as
+        :func:`_words` says); ``index``: their global flat indices (1-D, the same length, at most _CHUNK)."""
+        np = self.np
+        n = bits.shape[0]
+        z, tmp = self.z[:n], self.tmp[:n]
+        with np.errstate(over="ignore"):
+            np.multiply(index.astype(np.uint64, copy=False), self.k, out=z)
+            np.bitwise_xor(z, bits.astype(np.int64, copy=False).view(np.uint64), out=z)
+            for shift, mult in ((30, self.m1), (27, self.m2), (31, None)):
+                np.right_shift(z, np.uint64(shift), out=tmp)
+                np.bitwise_xor(z, tmp, out=z)
+                if mult is not None:
+                    np.multiply(z, mult, out=z)
+        self.total = (self.total + int(z.sum(dtype=np.uint64))) & _MASK
 
 
-_M1, _M2, _K = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB), _signed(0x9E3779B97F4A7C15)
-
-
-def _shr(z: Any, k: int) -> Any:
-    """Logical right shift of int64 words (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(z: Any) -> Any:
-    z = (z ^ _shr(z, 30)) * _M1
-    z = (z ^ _shr(z, 27)) * _M2
-    return z ^ _shr(z, 31)
-
-
-def _bits(t: Any) -> Any:
-    """The elements' raw bits as int64 words (sign extension of the narrower integer view is injective)."""
+def _words(t: Any) -> Any:
+    """The elements' raw bits, flattened, as a numpy array of integers of their width (1-byte elements as uint8,
+    wider ones as signed ints: the sign extension to 64 bits is injective)."""
     import torch  # deferred: hashing reads tensors
 
     t = t.contiguous().reshape(-1)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.view(width).to(torch.int64)
+    return t.view(width).numpy()
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
@@ -78,39 +102,51 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
 
 def digest_box(t: Any, global_shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
     """The partial digest of ``t``, a box of a global tensor of ``global_shape`` at ``offsets``."""
-    import torch  # deferred: hashing reads tensors
+    import numpy as np  # deferred: hashing reads tensors
 
     shape = tuple(t.shape)
     if len(shape) != len(global_shape) or len(offsets) != len(shape):
         raise ValueError(f"a box of shape {shape} at {offsets} does not fit a global tensor of {global_shape}")
+    h = _Hasher()
+    words = _words(t)
     if not shape:
-        return int(_mix(_bits(t.reshape(1)) ^ 0).sum()) & _MASK
+        h.add(words, np.zeros(1, dtype=np.int64))
+        return h.total
+    if words.size == 0:
+        return 0
     strides = _strides(tuple(global_shape))
-    inner = 1
-    for size in shape[1:]:
-        inner *= size
     # the global flat index of each element of one row of the box (all dims but the first), computed once
-    row = torch.zeros((), dtype=torch.int64)
+    row = np.zeros((), dtype=np.int64)
     for d in range(1, len(shape)):
-        axis = (torch.arange(shape[d], dtype=torch.int64) + offsets[d]) * strides[d]
-        row = row.unsqueeze(-1) + axis
+        axis = (np.arange(shape[d], dtype=np.int64) + offsets[d]) * strides[d]
+        row = row[..., None] + axis
     row = row.reshape(-1)
-    total = 0
-    rows_per = max(1, _CHUNK // max(inner, 1))
+    inner = row.shape[0]
+    first = (np.arange(shape[0], dtype=np.int64) + offsets[0]) * strides[0]
+    if inner >= _CHUNK:  # long rows: each row in pieces
+        for r in range(shape[0]):
+            base = r * inner
+            for c0 in range(0, inner, _CHUNK):
+                c1 = min(inner, c0 + _CHUNK)
+                h.add(words[base + c0:base + c1], row[c0:c1] + first[r])
+        return h.total
+    rows_per = _CHUNK // inner
     for r0 in range(0, shape[0], rows_per):
         r1 = min(shape[0], r0 + rows_per)
-        first = (torch.arange(r0, r1, dtype=torch.int64) + offsets[0]) * strides[0]
-        index = (first.unsqueeze(-1) + row).reshape(-1)
-        z = _mix(_bits(t[r0:r1]) ^ (index * _K))
-        total = (total + int(z.sum())) & _MASK
-    return total
+        h.add(words[r0 * inner:r1 * inner], (first[r0:r1, None] + row[None, :]).reshape(-1))
+    return h.total
 
 
 def digest_indexed(values: Any, indices: Any) -> tuple[int, int]:
     """(partial digest, elements hashed) of flat ``values`` at global flat ``indices`` (negative: not hashed)."""
-    keep = indices >= 0
-    v, i = _bits(values)[keep], indices[keep]
-    return int(_mix(v ^ (i * _K)).sum()) & _MASK, int(keep.sum())
+    words, index = _words(values), indices.numpy()
+    keep = index >= 0
+    if not keep.all():
+        words, index = words[keep], index[keep]
+    h = _Hasher()
+    for s in range(0, words.shape[0], _CHUNK):
+        h.add(words[s:s + _CHUNK], index[s:s + _CHUNK])
+    return h.total, int(words.shape[0])
 
 
 def digest(t: Any) -> int:
@@ -158,10 +194,15 @@ def store(root: str, iteration: int | str, doc: dict[str, Any]) -> str:
     return path
 
 
-def fingerprint_checkpoint(root: str, *, iteration: Any = None, trust: bool = False,
-                           weights_only: bool = False) -> dict[str, Any]:
+Partials = dict[str, dict[tuple, tuple[int, int]]]  # global name -> box (offsets, sizes) -> (partial digest, numel)
+
+
+def fingerprint_checkpoint(root: str, *, iteration: Any = None, trust: bool = False, weights_only: bool = False,
+                           streamed: Partials | None = None, stats: dict[str, int] | None = None) -> dict[str, Any]:
     """The fingerprints of every global tensor of a checkpoint (weights, and the optimizer state in model space),
-    read once, one tensor at a time."""
+    read once, one tensor at a time — except the tensors ``streamed`` covers whole (the partial digests a writer's
+    taps took as it wrote them: see :class:`Fingerprinting`), which are not read at all. ``stats`` gets how many
+    tensors were taken from ``streamed`` and how many read."""
     import torch  # noqa: F401 - deferred: loaded before indexing, so the sources make tensors (TE extra state, dtypes)
 
     index = open_index(root, iteration=iteration, trust_checkpoint=trust)
@@ -169,9 +210,22 @@ def fingerprint_checkpoint(root: str, *, iteration: Any = None, trust: bool = Fa
     g = global_resharder(index, not weights_only, None)
     real = g.vocab.real if g.vocab is not None else None
     tensors: dict[str, Any] = {}
+    counts = {"streamed": 0, "read": 0}
     files = SourceFiles(g.layout.iter_dir or "", trust=trust)
     try:
         for name, tp in named_tensors(global_plan(g), g.writes_optimizer).items():
+            if name.endswith("_extra_state"):
+                continue  # a TE module's per-rank metadata (FP8 scales), not a tensor of the model: not verified
+            if isinstance(tp, TensorPlan) and tp.shape is not None:
+                shape = list(tp.shape)
+                if tp.pad_from is not None and real is not None:
+                    shape[0] = real  # vocab padding rows left out
+                known = _whole(streamed.get(name), shape) if streamed else None
+                if known is not None:
+                    tensors[name] = {"digest": f"{known:016x}", "shape": shape,
+                                     "dtype": str(dtypes.to_torch(tp.dtype)).removeprefix("torch.")}
+                    counts["streamed"] += 1
+                    continue
             value = value_of(tp, files)
             if not hasattr(value, "dtype"):
                 continue  # None extra state: nothing to hash
@@ -179,8 +233,97 @@ def fingerprint_checkpoint(root: str, *, iteration: Any = None, trust: bool = Fa
                 value = value[:real]  # vocab padding rows left out
             tensors[name] = {"digest": f"{digest(value):016x}", "shape": list(value.shape),
                              "dtype": str(value.dtype).removeprefix("torch.")}
+            counts["read"] += 1
     finally:
         files.close()
+    if stats is not None:
+        stats.update(counts)
     return {"format": FORMAT, "iteration": index.layout.iteration, "source": os.path.abspath(root),
             "vocab_rows": real, "optimizer_step": g.plain_step() if g.writes_optimizer else None,
             "tensors": tensors}
+
+
+def _whole(boxes: dict[tuple, tuple[int, int]] | None, shape: list[int]) -> int | None:
+    """The digest of a tensor from streamed boxes, when they cover it exactly (disjoint boxes, counted once)."""
+    if not boxes:
+        return None
+    numel = 1
+    for s in shape:
+        numel *= s
+    if sum(n for _, n in boxes.values()) != numel:
+        return None
+    return combine([d for d, _ in boxes.values()])
+
+
+# the names a writer gives an fp32 master (a distributed optimizer's ``param``, a torch_dist plain optimizer's
+# ``fp32_param``) and the one the global view reads it under
+_MASTER_ALIASES = ("param", "fp32_param")
+
+
+class StreamTap:
+    """One unit's tap (see reshard/targets/unit.py): the partial digest of every box of a global tensor that the unit
+    writes, per global name — summed over the pieces the writer streams, so nothing is read back."""
+
+    def __init__(self, r: Resharder, coords: dict[str, int]) -> None:
+        self.r, self.coords = r, coords
+        self.parts: Partials = {}
+
+    def tensor(self, plan: TensorPlan, r0: int, rows: Any) -> None:
+        param = plan.param if plan.param is not None else plan
+        if param.gkey is None or plan.shape is None or param.shape is None or param.key.endswith("_extra_state"):
+            return
+        name = placement.global_name(self.r, param)
+        if plan.param is not None:
+            state = plan.key.rsplit("#", 1)[1]
+            name += "#" + (MASTER if state in _MASTER_ALIASES else state)
+        boxes = self.parts.setdefault(name, {})
+        if not plan.shape:
+            boxes[((), ())] = (digest_box(rows.reshape(()), (), ()), 1)
+            return
+        rows = rows.reshape((-1, *plan.shape[1:]))
+        r1 = r0 + rows.shape[0]
+        for local, gshape, offsets in placement.boxes(self.r, param, self.coords):
+            lo, hi = max(local[0].start, r0), min(local[0].stop, r1)
+            if lo >= hi:
+                continue
+            piece = rows[(slice(lo - r0, hi - r0), *local[1:])]
+            at = (offsets[0] + lo - local[0].start, *offsets[1:])
+            key = (tuple(offsets), tuple(sl.stop - sl.start for sl in local))
+            d, n = boxes.get(key, (0, 0))
+            boxes[key] = (combine([d, digest_box(piece, gshape, at)]), n + piece.numel())
+
+    def result(self) -> Partials:
+        return self.parts
+
+
+class Fingerprinting:
+    """``reshard --fingerprint``: taps every unit the writer writes, then writes the output's fingerprint file into
+    the temp root before the rename — named and shaped by the output's own global view (as ``megatron-preflight
+    fingerprint`` would), each digest from the streamed partials; a tensor they do not cover whole (a form the taps
+    cannot place, or replicas that disagree) is read back from the output and hashed."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, int] = {}
+
+    def open(self, r: Resharder, coords: dict[str, int]) -> StreamTap:
+        return StreamTap(r, coords)
+
+    def finish(self, r: Resharder, results: list[Any], tmp_root: str, dst_root: str) -> list[str]:
+        merged: Partials = {}
+        disagree: set[str] = set()
+        for part in results:
+            for name, boxes in (part or {}).items():
+                into = merged.setdefault(name, {})
+                for key, (d, n) in boxes.items():
+                    if key in into and into[key] != (d, n):
+                        disagree.add(name)  # replicas written differently: read it back
+                    into.setdefault(key, (d, n))
+        for name in disagree:
+            log.warning("fingerprint: the written replicas of %s differ; reading it back", name)
+            merged.pop(name)
+        doc = fingerprint_checkpoint(tmp_root, iteration=r.layout.iteration if r.layout.iteration is not None else 0,
+                                     trust=True, weights_only=not r.writes_optimizer, streamed=merged,
+                                     stats=self.stats)
+        doc["source"] = os.path.abspath(dst_root)
+        path = store(tmp_root, doc["iteration"], doc)
+        return [os.path.join(dst_root, os.path.relpath(path, tmp_root))]

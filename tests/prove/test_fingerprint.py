@@ -2,6 +2,7 @@
 checkpoint, its reshards and its torch_dist twin have the same fingerprints."""
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from megatron_preflight.cli.main import main
 from megatron_preflight.prove import fingerprint as fp
 from megatron_preflight.prove.stored import DIR
-from megatron_preflight.reshard import TargetLayout, write_resharded
+from megatron_preflight.reshard import TargetLayout, open_resharder, write_resharded
 from tests.conftest import fixture_path
 
 
@@ -98,6 +99,64 @@ def test_reshard_can_store_the_outputs_fingerprints(tmp_path):
     out = str(tmp_path / "tp1")
     assert main(["reshard", fixture_path("tp2_torch"), out, "--tp", "1", "--fingerprint", "--no-progress"]) == 0
     assert fp.load(out, 2)["tensors"] == fp.fingerprint_checkpoint(fixture_path("tp2_torch"))["tensors"]
+
+
+STREAMED = [  # (fixture, the reshard's flags): every writer, optimizer form and split kind the taps must place
+    ("tp2_torch", ["--tp", "4"]),
+    ("vpp_qkln_pp2_torch", ["--pp", "1"]),
+    ("moe_shared_tp2pp2ep2_torch", ["--tp", "1", "--pp", "1", "--ep", "1"]),
+    ("distopt_bf16_tp2dp2_torch", ["--tp", "1"]),  # a world tensor's flattened parts, fp32 masters of bf16
+    ("distopt_moe_ep2dp2_torch", ["--ep", "1", "--workers", "2"]),  # expert parts; partials back from workers
+    ("fp16_qkln_tp2_torch", ["--tp", "1"]),  # the plain optimizer's fp32_from_fp16 masters
+    ("distopt_bf16_tp2dp2_torch", ["--tp", "1", "--ckpt-format", "torch_dist"]),  # the torch_dist writer
+    ("te_tp2_torch", ["--tp", "1"]),
+]
+
+
+@pytest.mark.parametrize("fixture,flags", STREAMED, ids=[f"{f}{''.join(a)}" for f, a in STREAMED])
+def test_fingerprints_hashed_as_written_equal_the_outputs_read_back(tmp_path, capsys, fixture, flags):
+    """``reshard --fingerprint`` hashes each tensor as the writer streams it (no tensor read back) and stores exactly
+    what fingerprinting the finished output gives — and what the source gives (the reshard moved, never changed)."""
+    out = str(tmp_path / "out")
+    assert main(["reshard", fixture_path(fixture), out, *flags, "--fingerprint", "--no-progress"]) == 0
+    stored = fp.load(out, 2) or fp.load(out, 1)
+    assert stored is not None and stored["source"] == out
+    again = fp.fingerprint_checkpoint(out, trust=True)
+    assert stored["tensors"] == again["tensors"]
+    assert again["tensors"] == fp.fingerprint_checkpoint(fixture_path(fixture))["tensors"]
+    assert f"{len(again['tensors'])} tensor(s) hashed as written, 0 read back" in capsys.readouterr().out
+    assert any("#exp_avg" in k for k in again["tensors"])  # the optimizer state too
+
+
+def test_a_tensor_the_streamed_partials_do_not_cover_is_read_back(tmp_path):
+    """Partials that disagree (replicas written differently) or miss a box are not trusted: that tensor is hashed
+    from the output, the others are taken as streamed."""
+    out = str(tmp_path / "out")
+    assert main(["reshard", fixture_path("tp2_torch"), out, "--tp", "1", "--no-progress"]) == 0
+    whole = fp.fingerprint_checkpoint(out)["tensors"]
+    names = sorted(whole)
+    partials = {n: {("whole",): (int(whole[n]["digest"], 16), _numel(whole[n]["shape"]))} for n in names}
+    partials[names[0]] = {("half",): (123, 1)}  # covers one element
+    stats: dict = {}
+    doc = fp.fingerprint_checkpoint(out, streamed=partials, stats=stats)
+    assert doc["tensors"] == whole and stats == {"streamed": len(names) - 1, "read": 1}
+    partials[names[0]] = {("whole",): (1, _numel(whole[names[0]]["shape"]))}  # a wrong digest is used as given:
+    doc = fp.fingerprint_checkpoint(out, streamed=partials)  # the taps are trusted for what they cover
+    assert doc["tensors"][names[0]]["digest"] == f"{1:016x}"
+    tapping = fp.Fingerprinting()
+    disagree = [{names[1]: {("a",): (5, 1)}}, {names[1]: {("a",): (6, 1)}}]  # two replicas of one box
+    tmp = str(tmp_path / "tmp")
+    shutil.copytree(out, tmp)
+    tapping.finish(open_resharder(out, TargetLayout(tp=1)), disagree, tmp, out)
+    assert tapping.stats == {"streamed": 0, "read": len(names)}  # only names[1] was streamed, and it was dropped
+    assert fp.load(tmp, 2)["tensors"] == whole
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def test_a_flat_shard_of_a_split_tensor_hashes_into_the_same_digest():

@@ -382,7 +382,7 @@ def plan_dist_optimizer(index: DistOptimizerIndex, plan: RankPlan, tgt: Parallel
                         raise OptimizerNotReshardable(f"no distributed optimizer state for {p.key}", fix=FIX,
                                                       code="optimizer")
                     fp = plan_tensor(entry, "optimizer", f"{p.key}#{name}", plan.coords, tgt, vocab)
-                    fp.gkey = None
+                    fp.gkey, fp.param = None, p.plan
                     flat.append((offsets[p.name], fp))
                 world[name] = FlatPlan(numel, flat, key=f"distrib_optim[{gbuf}].{name}",
                                        names=[p.name for p in members])

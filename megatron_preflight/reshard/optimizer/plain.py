@@ -384,7 +384,7 @@ def _plan_part(index: OptimizerIndex, plan: RankPlan, src: ParallelLayout, tgt: 
                 where = f"{tp.key}#{name}"
                 if isinstance(f, GlobalEntry):
                     fp = plan_tensor(f, "optimizer", where, plan.coords, tgt, vocab)
-                    fp.gkey = None
+                    fp.gkey, fp.param = None, tp
                 else:
                     fp = _carry(f.shard, f.ref, where)
                 if name == MASTER:

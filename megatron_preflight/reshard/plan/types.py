@@ -99,6 +99,8 @@ class TensorPlan:
     zero_fill: tuple[tuple[int, int], ...] = ()
     pad_from: int | None = None
     gkey: GlobalKey | None = None  # the global tensor this is a piece of (None: not a model tensor)
+    # an optimizer state's parameter (its plan): the state is laid out, split and placed in the global tensor as it is
+    param: TensorPlan | None = None
 
 
 @dataclass(frozen=True)

@@ -22,31 +22,35 @@ from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets import durable
 from megatron_preflight.reshard.targets.stream_save import save_streaming, save_tree
-from megatron_preflight.reshard.targets.unit import ShardResult
+from megatron_preflight.reshard.targets.unit import ShardResult, Tapping
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
 log = logging.getLogger(__name__)
 
 
-def write_shard(r: Resharder, name: str, iter_out: str, verify: bool) -> ShardResult:
-    """Write the shard dir ``name`` of ``r``'s target into ``iter_out`` (and verify it)."""
-    plan = r.plan_for_coords(naming.shard_writers(r.tgt)[name], name)
+def write_shard(r: Resharder, name: str, iter_out: str, verify: bool, tapping: Tapping | None = None
+                ) -> ShardResult:
+    """Write the shard dir ``name`` of ``r``'s target into ``iter_out`` (and verify it; every tensor written shown to
+    ``tapping``'s tap)."""
+    coords = naming.shard_writers(r.tgt)[name]
+    plan = r.plan_for_coords(coords, name)
+    tap = tapping.open(r, coords) if tapping is not None else None
     files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
         out_dir = os.path.join(iter_out, name)
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, naming.MODEL_FILENAME)
         replicas = check_replicas(plan, files, full=verify)
-        save_streaming(r.header(files), plan, files, path)
+        save_streaming(r.header(files), plan, files, path, tap)
         checked = verify_shard(plan, path, files) if verify else 0
         written = os.path.getsize(path)
         if plan.dist_optimizer is not None:
             dist_path = os.path.join(out_dir, naming.DISTRIB_OPTIM_FILENAME)
-            save_tree(plan.dist_optimizer, files, dist_path)
+            save_tree(plan.dist_optimizer, files, dist_path, tap)
             checked += verify_dist_optimizer(plan, dist_path, files) if verify else 0
             written += os.path.getsize(dist_path)
         durable.fsync_dir(out_dir)
-        return ShardResult(files.bytes_read, written, checked, replicas)
+        return ShardResult(files.bytes_read, written, checked, replicas, tap.result() if tap is not None else None)
     finally:
         files.close()
 
@@ -144,5 +148,6 @@ class LegacyTarget:
     def weights(self, r: Resharder) -> dict[str, int]:
         return {name: plan.nbytes for name, plan in r.shard_plans().items()}
 
-    def write(self, r: Resharder, unit: str, iter_out: str, verify: bool) -> ShardResult:
-        return write_shard(r, unit, iter_out, verify)
+    def write(self, r: Resharder, unit: str, iter_out: str, verify: bool, tapping: Tapping | None = None
+              ) -> ShardResult:
+        return write_shard(r, unit, iter_out, verify, tapping)

@@ -29,7 +29,7 @@ from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets import destination, durable, lifeline, share
 from megatron_preflight.reshard.targets.legacy import LegacyTarget
 from megatron_preflight.reshard.targets.torch_dist import TorchDistTarget
-from megatron_preflight.reshard.targets.unit import ShardResult, Target
+from megatron_preflight.reshard.targets.unit import ShardResult, Tapping, Target
 
 
 @dataclass
@@ -48,6 +48,7 @@ class Summary:
     dropped: dict[str, str] = field(default_factory=dict)
     destination: str = ""
     source_notes: list[str] = field(default_factory=list)  # what about the source the user should know
+    added: list[str] = field(default_factory=list)  # files a tap added beside the iteration dir (fingerprints)
 
     def render(self) -> str:
         lines = [
@@ -67,6 +68,8 @@ class Summary:
             lines.append(f"removed {path}: partial output of an earlier run that died")
         for path in self.stale_kept:
             lines.append(f"left {path}: partial output of an earlier run (remove it when that run is gone)")
+        for path in self.added:
+            lines.append(f"wrote {path}")
         for key, why in self.dropped.items():
             lines.append(f"not carried: {key} — {why}")
         return "\n".join(lines)
@@ -110,26 +113,28 @@ def target_of(target: TargetLayout) -> Target:
     return TARGETS[target.ckpt_format or "torch"]
 
 
-def _write_shard(name: str, iter_out: str, verify: bool, resharder: Resharder | None = None) -> ShardResult:
+def _write_shard(name: str, iter_out: str, verify: bool, tapping: Tapping | None,
+                 resharder: Resharder | None = None) -> ShardResult:
     """One unit, in a worker (its resharder) or in the main process (``resharder``)."""
     r = resharder or _WORKER
     assert r is not None
-    return target_of(r.target).write(r, name, iter_out, verify)
+    return target_of(r.target).write(r, name, iter_out, verify, tapping)
 
 
 def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 1, verify: bool = False,
                     iteration: int | str | None = None, trust_checkpoint: bool = False,
                     progress: Progress | None = None, drop_optimizer: bool = False,
-                    distributed: bool = False, keep_stale: bool = False) -> Summary:
+                    distributed: bool = False, keep_stale: bool = False, tapping: Tapping | None = None) -> Summary:
     """Reshard the legacy checkpoint at ``src`` into a new checkpoint root ``dst`` at ``target``. Under torchrun
     (``distributed``), every rank writes its share of the shards (see :mod:`share`). ``progress`` is called after
-    each shard (on rank 0); the engine itself never prints."""
+    each shard (on rank 0); the engine itself never prints. ``tapping`` sees every tensor written and adds its files
+    to the output before the rename (``reshard --fingerprint``)."""
     t0 = time.perf_counter()
     grp = share.from_env() if distributed else None
     try:
         summary = _write(src, dst, target, workers=workers, verify=verify, iteration=iteration,
                          trust_checkpoint=trust_checkpoint, progress=progress, drop_optimizer=drop_optimizer, grp=grp,
-                         keep_stale=keep_stale)
+                         keep_stale=keep_stale, tapping=tapping)
     finally:
         if grp is not None:
             grp.close()
@@ -197,7 +202,7 @@ def open_checked(src: str, target: TargetLayout, *, iteration: Any, trust_checkp
 
 def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bool, iteration: int | str | None,
            trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
-           grp: share.Share | None, keep_stale: bool = False) -> Summary:
+           grp: share.Share | None, keep_stale: bool = False, tapping: Tapping | None = None) -> Summary:
     dst_abs = os.path.abspath(dst)
     root = grp is None or grp.rank == 0
     error: BaseException | None = None
@@ -220,7 +225,7 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
         return _write_claimed(r, src, dst_abs, target, workers=workers, verify=verify, iteration=iteration,
                               trust_checkpoint=trust_checkpoint, progress=progress,
                               drop_optimizer=drop_optimizer, grp=grp, root=root, keep_stale=keep_stale,
-                              claimed=lambda d: dest_box.append(d))
+                              claimed=lambda d: dest_box.append(d), tapping=tapping)
     finally:
         for claimed_dest in dest_box:
             claimed_dest.release()
@@ -228,7 +233,8 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
 
 def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *, workers: int, verify: bool,
                    iteration: Any, trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
-                   grp: share.Share | None, root: bool, keep_stale: bool, claimed: Callable) -> Summary:
+                   grp: share.Share | None, root: bool, keep_stale: bool, claimed: Callable,
+                   tapping: Tapping | None = None) -> Summary:
     out = target_of(target)
     names = out.units(r)
     parent = os.path.dirname(dst_abs) or "."
@@ -266,7 +272,7 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
     try:
         results = _write_shards(r, mine, iter_out, src, target, workers=workers, verify=verify,
                                 iteration=iteration, trust=trust_checkpoint, progress=progress if root else None,
-                                keep_optimizer=not drop_optimizer)
+                                keep_optimizer=not drop_optimizer, tapping=tapping)
     except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
         error = e
     try:
@@ -285,9 +291,14 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
     summary.peak_rss_bytes = max(t[3] for t in totals)
     summary.replicas_compared = sum(t[4] for t in totals)
     summary.replicas_full = verify
+    tapped = [x.tapped for x in results]
+    if grp is not None and tapping is not None:
+        tapped = [t for part in grp.gather(tapped) for t in part]
     error = None
     if root:
         try:
+            if tapping is not None:
+                summary.added = tapping.finish(r, tapped, tmp, dst_abs)
             durable.fsync_tree(tmp)  # every shard file is already on disk; now the dirs that name them
             durable.write_text(os.path.join(tmp, naming.TRACKER_FILENAME), str(iteration_value))  # the tracker last
             durable.fsync_dir(tmp)
@@ -326,7 +337,7 @@ def _stop(pool: ProcessPoolExecutor) -> None:
 
 def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, target: TargetLayout, *, workers: int,
                   verify: bool, iteration: Any, trust: bool, progress: Progress | None,
-                  keep_optimizer: bool) -> list[ShardResult]:
+                  keep_optimizer: bool, tapping: Tapping | None = None) -> list[ShardResult]:
     """Write ``names`` into ``iter_out`` (in worker processes when ``workers`` > 1)."""
     results: list[ShardResult] = []
     if workers > 1 and len(names) > 1:
@@ -340,7 +351,7 @@ def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, targe
             # that arrives here is delivered when the mask is restored.
             old_mask = _block_sigint()
             try:
-                futures = {pool.submit(_write_shard, n, iter_out, verify): n for n in names}
+                futures = {pool.submit(_write_shard, n, iter_out, verify, tapping): n for n in names}
             finally:
                 _restore_mask(old_mask)
             for i, fut in enumerate(futures, 1):
@@ -353,7 +364,7 @@ def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, targe
         pool.shutdown(wait=True)
     else:
         for i, name in enumerate(names, 1):
-            results.append(_write_shard(name, iter_out, verify, r))
+            results.append(_write_shard(name, iter_out, verify, tapping, r))
             if progress:
                 progress(i, len(names), name)
     return results

@@ -21,6 +21,7 @@ from megatron_preflight import dtypes, pickling
 from megatron_preflight.reshard.execute.executor import build_rows
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.targets.unit import Tap
 from megatron_preflight.reshard.targets.zip_writer import TorchZipWriter, zip_size
 from megatron_preflight.tree import map_leaves
 
@@ -70,10 +71,11 @@ def shard_tree(header: dict[str, Any], plan: RankPlan) -> dict[str, Any]:
     return state
 
 
-def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, path: str) -> int:
+def save_streaming(header: dict[str, Any], plan: RankPlan, files: SourceFiles, path: str, tap: Tap | None = None
+                   ) -> int:
     """Write ``header`` plus the model chunks (and optimizer state) of ``plan`` to ``path``; returns the bytes of
     tensor data written."""
-    return save_tree(shard_tree(header, plan), files, path)
+    return save_tree(shard_tree(header, plan), files, path, tap)
 
 
 def _records(tree: Any) -> tuple[bytes, list[tuple[_StorageStub, Any]]]:
@@ -121,9 +123,10 @@ def planned_size(tree: Any, filename: str) -> int:
     return zip_size(records, _archive(filename))
 
 
-def save_tree(tree: Any, files: SourceFiles, path: str) -> int:
+def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) -> int:
     """Write ``tree`` as a torch file at ``path``, building each planned tensor (:class:`TensorPlan`,
-    :class:`FlatPlan`) from its source slices a piece at a time; returns the bytes of tensor data written."""
+    :class:`FlatPlan`) from its source slices a piece at a time (each piece shown to ``tap``); returns the bytes of
+    tensor data written."""
     data, pending = _records(tree)
     written = 0
     with TorchZipWriter(path, _archive(path)) as zw:
@@ -133,8 +136,10 @@ def save_tree(tree: Any, files: SourceFiles, path: str) -> int:
         for storage, source in pending:
             nbytes = storage.numel * storage.dtype.itemsize
             with zw.open(f"data/{storage.key}", nbytes) as fh:
-                for part in _pieces(source, files):
+                for plan, r0, part in _pieces(source, files):
                     fh.write(part.reshape(-1).view(torch.uint8).numpy().data)
+                    if tap is not None and plan is not None:
+                        tap.tensor(plan, r0, part)
                     del part
                     files.release_pages()
             written += nbytes
@@ -144,34 +149,36 @@ def save_tree(tree: Any, files: SourceFiles, path: str) -> int:
 
 
 def _pieces(source: Any, files: SourceFiles) -> Any:
-    """A target tensor in row chunks of about CHUNK_BYTES (a carried tensor: whole; a flat world tensor: its
-    parameters one after the other, zeros between)."""
+    """A target tensor in row chunks of about CHUNK_BYTES, each as (its plan, its first row, the rows) — a carried
+    tensor: whole, no plan; a flat world tensor: its parameters' states one after the other (flattened), zeros
+    between, no plan."""
     if isinstance(source, FlatPlan):
         pos = 0
         for start, tp in sorted(source.parts, key=lambda x: x[0]):
             if start > pos:
-                yield torch.zeros(start - pos, dtype=source.dtype)
+                yield None, 0, torch.zeros(start - pos, dtype=source.dtype)
             pos = start
-            for piece in _pieces(tp, files):
+            for plan, r0, piece in _pieces(tp, files):
+                piece = piece.to(source.dtype)
                 pos += piece.numel()
-                yield piece.to(source.dtype)
+                yield plan, r0, piece
         if pos < source.numel:
-            yield torch.zeros(source.numel - pos, dtype=source.dtype)
+            yield None, 0, torch.zeros(source.numel - pos, dtype=source.dtype)
         return
     if not isinstance(source, TensorPlan):
-        yield source.contiguous()
+        yield None, 0, source.contiguous()
         return
     shape = source.shape
     assert shape is not None
     if not shape or shape[0] == 0:
-        yield build_rows(source, files, 0, shape[0] if shape else 1, release=True)
+        yield source, 0, build_rows(source, files, 0, shape[0] if shape else 1, release=True)
         return
     row = source.dtype.itemsize
     for s in shape[1:]:
         row *= s
     step = max(1, CHUNK_BYTES // max(row, 1))
     for r0 in range(0, shape[0], step):
-        yield build_rows(source, files, r0, min(r0 + step, shape[0]), release=True)
+        yield source, r0, build_rows(source, files, r0, min(r0 + step, shape[0]), release=True)
 
 
 def _serialization_id(path: str, nbytes: int) -> str:

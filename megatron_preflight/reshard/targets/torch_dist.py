@@ -39,7 +39,7 @@ from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.sources.torch_dist import object_fqn
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.unit import ShardResult
+from megatron_preflight.reshard.targets.unit import ShardResult, Tap, Tapping
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +134,14 @@ def _layer_fqn(plan: TensorPlan, local_spec: bool, stacked: bool) -> tuple[str, 
     return head + dist_suffix(gkey.suffix, local_spec), False
 
 
-Placement = dict[Any, tuple[str, tuple[int, ...], tuple[int, ...]]]  # gkey -> (fqn, stacked index, stacked dims)
+# gkey -> (fqn, stacked index, stacked dims, the parameter's plan)
+Placement = dict[Any, tuple[str, tuple[int, ...], tuple[int, ...], TensorPlan]]
 
 
 def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_layers: int,
-                       num_experts: int) -> Placement:
-    """Every global tensor of the checkpoint (planned as the one rank of TP1·PP1·EP1), chunk by chunk. Returns where
-    each parameter went (its optimizer state goes to the same places)."""
+                       num_experts: int, tap: Tap | None = None) -> Placement:
+    """Every global tensor of the checkpoint (planned as the one rank of TP1·PP1·EP1), chunk by chunk, each shown to
+    ``tap``. Returns where each parameter went (its optimizer state goes to the same places)."""
     args = g.layout.saved_args
     local_spec = is_local_spec(args)
     stacked = _homogeneous(args)
@@ -155,7 +156,9 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
                 continue  # tied: the embedding is saved once
             t = build_tensor(tp, files, release=True)
             out.chunk(tp.key, tuple(t.shape), (0,) * t.dim(), t, tp)
-            placed[gkey] = (tp.key, (), ())
+            if tap is not None:
+                tap.tensor(tp, 0, t)
+            placed[gkey] = (tp.key, (), (), tp)
             continue
         fqn, expert = _layer_fqn(tp, local_spec, stacked)
         lead: tuple[int, ...] = (gkey.layer,) if stacked else ()
@@ -168,12 +171,14 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
         t = build_tensor(tp, files, release=True)
         out.chunk(fqn, lead_shape + tuple(t.shape), lead + (0,) * t.dim(),
                   t.reshape((1,) * len(lead) + tuple(t.shape)), tp)
-        placed[gkey] = (fqn, lead, lead_shape)
+        if tap is not None:
+            tap.tensor(tp, 0, t)
+        placed[gkey] = (fqn, lead, lead_shape, tp)
     return placed
 
 
 def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: SourceFiles, out: _Writer,
-                          placed: Placement) -> Any:
+                          placed: Placement, tap: Tap | None = None) -> Any:
     """The optimizer state in model space — the distributed optimizer's ``fully_reshardable`` form (``param``, the
     fp32 master; ``exp_avg``; ``exp_avg_sq``) or the plain optimizer's (``exp_avg``, ``exp_avg_sq``, ``fp32_param``
     for a bf16/fp16 run) — each tensor chunked like its parameter; returns the common state's ``optimizer`` entry
@@ -187,7 +192,7 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
     for gkey, fields in idx.fields.items():
         if gkey not in placed:
             continue
-        fqn, lead, lead_shape = placed[gkey]
+        fqn, lead, lead_shape, param = placed[gkey]
         master = fields.get(MASTER)
         half = half or master is not None
         if distributed:
@@ -202,11 +207,14 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
                 raise PreflightError(f"no {name} for {fqn} in the optimizer state", path=g.layout.iter_dir,
                                      fix="pass --drop-optimizer", code="optimizer")
             plan = plan_tensor(entry, "optimizer", f"{fqn}#{name}", coords, g.tgt, g.vocab)
+            plan.param = param
             t = build_tensor(plan, files, release=True)
             if distributed and name == "param":
                 t = t.float()  # the fp32 master (an fp32 run's weight is its own master)
             out.chunk(f"optimizer.state.{name}.{fqn}", lead_shape + tuple(t.shape), lead + (0,) * t.dim(),
                       t.reshape((1,) * len(lead) + tuple(t.shape)), plan, distributed and name == "param")
+            if tap is not None:
+                tap.tensor(plan, 0, t)
     split = bool(idx.expert) and tgt.experts_are_expert_parallel()
     layout = ([(False, [s for s in idx.order if s in idx.dense]), (True, [s for s in idx.order if s in idx.expert])]
               if split else [(False, [s for s in idx.order if s in idx.dense | idx.expert])])
@@ -272,11 +280,13 @@ def global_resharders(src: str | CheckpointIndex, target: TargetLayout, *, itera
 
 
 def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLayout, *, iteration: Any = None,
-                     trust: bool = False, keep_optimizer: bool = True, verify: bool = False) -> tuple[int, int, int]:
+                     trust: bool = False, keep_optimizer: bool = True, verify: bool = False,
+                     tapping: Tapping | None = None) -> tuple[int, int, int, Any]:
     """Write the torch_dist form of ``src`` into the iteration dir ``iter_out`` (made by the caller, inside its
     temp destination). ``target`` sets the args (and so the vocab padding and the optimizer's kind and parts) the
-    checkpoint records. Returns (bytes read, bytes written, chunks verified)."""
+    checkpoint records. Returns (bytes read, bytes written, chunks verified, the tap's result)."""
     r, g, carry = global_resharders(src, target, iteration=iteration, trust=trust, keep_optimizer=keep_optimizer)
+    tap = tapping.open(g, next(iter(naming.shard_writers(g.tgt).values()))) if tapping is not None else None
     if g.layout.saved_args is None:
         raise PreflightError("the checkpoint has no saved args; a torch_dist checkpoint must record them",
                              path=g.layout.iter_dir, fix="convert a checkpoint saved by Megatron-LM", code="format")
@@ -289,9 +299,9 @@ def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLa
     optimizer = None
     try:
         placed = write_global_state(g, files, out, num_layers=g.src.num_layers or 0,
-                                    num_experts=g.src.num_experts or 0)
+                                    num_experts=g.src.num_experts or 0, tap=tap)
         if carry:
-            optimizer = write_optimizer_state(g, r.tgt, r.target_distributed, files, out, placed)
+            optimizer = write_optimizer_state(g, r.tgt, r.target_distributed, files, out, placed, tap)
     finally:
         out.close()
     with open(os.path.join(iter_out, ".metadata"), "wb") as fh:
@@ -326,7 +336,8 @@ def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLa
         with open(os.path.join(iter_out, name), "rb+") as fh:
             os.fsync(fh.fileno())
     return read, out.bytes_written + sum(os.path.getsize(os.path.join(iter_out, n))
-                                         for n in (".metadata", "common.pt", "metadata.json")), checked
+                                         for n in (".metadata", "common.pt", "metadata.json")), checked, \
+        tap.result() if tap is not None else None
 
 
 class TorchDistTarget:
@@ -338,7 +349,9 @@ class TorchDistTarget:
     def weights(self, r: Resharder) -> dict[str, int]:
         return {"torch_dist": 1}
 
-    def write(self, r: Resharder, unit: str, iter_out: str, verify: bool) -> ShardResult:
-        read, written, checked = write_torch_dist(r.checkpoint, iter_out, r.target, keep_optimizer=r.keep_optimizer,
-                                                  verify=verify)
-        return ShardResult(read, written, checked, 0)
+    def write(self, r: Resharder, unit: str, iter_out: str, verify: bool, tapping: Tapping | None = None
+              ) -> ShardResult:
+        read, written, checked, tapped = write_torch_dist(r.checkpoint, iter_out, r.target,
+                                                          keep_optimizer=r.keep_optimizer, verify=verify,
+                                                          tapping=tapping)
+        return ShardResult(read, written, checked, 0, tapped)

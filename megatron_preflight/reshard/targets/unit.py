@@ -1,15 +1,39 @@
 """What every output format provides to the offline writer (:mod:`.offline`): the units it writes (a legacy
 target's shard dirs; a torch_dist target's one global state), what each weighs (to deal them to ranks), and how one
 is written (and verified) into the temp iteration dir. A new format is a class with these three methods and a row in
-``offline.TARGETS``."""
+``offline.TARGETS``.
+A writer may be *tapped*: every tensor it writes is shown, a piece at a time, to a :class:`Tap` (what
+``reshard --fingerprint`` uses to hash the output as it streams, without reading it back). The tap's kind comes from a
+higher layer (:class:`Tapping`, picklable: it travels to the worker processes); the writers only call it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # annotations only: the resharder imports the targets' helpers, never the reverse at run time
+    from megatron_preflight.reshard.plan.types import TensorPlan
     from megatron_preflight.reshard.resharder import Resharder
+
+
+class Tap(Protocol):
+    """Sees what one unit's writer writes."""
+
+    def tensor(self, plan: TensorPlan, r0: int, rows: Any) -> None:
+        """Rows ``r0:r0+len(rows)`` (along dim 0; the whole value for a 0-dim tensor) of the planned tensor ``plan``,
+        as written."""
+
+    def result(self) -> Any:
+        """What the tap gathered (sent back from a worker: picklable)."""
+
+
+class Tapping(Protocol):
+    """Makes a unit's tap, and turns every unit's results into output files (in the temp root, before the rename)."""
+
+    def open(self, r: Resharder, coords: dict[str, int]) -> Tap: ...
+
+    def finish(self, r: Resharder, results: list[Any], tmp_root: str, dst_root: str) -> list[str]: ...
 
 
 @dataclass
@@ -20,6 +44,7 @@ class ShardResult:
     bytes_written: int
     verified: int
     replicas: int
+    tapped: Any = None  # the unit's tap result, when the writer was tapped
 
 
 class Target(Protocol):
@@ -27,4 +52,5 @@ class Target(Protocol):
 
     def weights(self, r: Resharder) -> dict[str, int]: ...
 
-    def write(self, r: Resharder, unit: str, iter_out: str, verify: bool) -> ShardResult: ...
+    def write(self, r: Resharder, unit: str, iter_out: str, verify: bool, tapping: Tapping | None = None
+              ) -> ShardResult: ...
