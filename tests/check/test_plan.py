@@ -304,14 +304,14 @@ def test_a_torch_dist_the_resharder_cannot_read_stays_fatal(tmp_path):
     assert open_index(fixture_path("distopt_dpr_tp2dp2_torch_dist")).source_problem() is None
     assert open_index(fixture_path("moe_ep2_torch_dist")).source_problem() is None
     md_key = "decoder.layers.self_attention.linear_qkv.weight"
-    from megatron_preflight.layout.dist import read_dcp_metadata
+    from torch.distributed.checkpoint import FileSystemReader
 
     root = tmp_path / "c"
     shutil.copytree(fixture_path("distopt_dpr_tp2dp2_torch_dist"), root)
     import pickle
 
     it = root / "iter_0000002"
-    md = read_dcp_metadata(str(it))
+    md = FileSystemReader(str(it)).read_metadata()  # torch's classes (ours reads them as inert records)
     mystery = "decoder.layers.self_attention.linear_mystery.weight"
     md.state_dict_metadata[mystery] = md.state_dict_metadata[md_key]
     for index, info in list(md.storage_data.items()):

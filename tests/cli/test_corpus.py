@@ -114,10 +114,10 @@ def shorten_storage_record(root: str) -> None:
 
 def drop_dcp_chunk(root: str) -> None:
     """A torch_dist ``.metadata`` whose biggest tensor lost one of its chunks (its bytes can no longer be found)."""
-    from megatron_preflight.layout.dist import read_dcp_metadata
+    from torch.distributed.checkpoint import FileSystemReader
 
     it = os.path.join(root, IT)
-    md = read_dcp_metadata(it)
+    md = FileSystemReader(it).read_metadata()  # torch's classes (ours reads them as inert records)
     key = max((k for k, v in md.state_dict_metadata.items() if len(getattr(v, "chunks", ())) > 1),
               key=lambda k: len(md.state_dict_metadata[k].chunks))
     md.state_dict_metadata[key].chunks.pop()

@@ -72,6 +72,7 @@ class DistReader:
         self.trust = trust
         self._files: dict[tuple[str, int], tuple[TorchFile, TensorRef]] = {}
         self._last: tuple[RegionRef, torch.Tensor] | None = None
+        self._touched: set[tuple[str, int]] = set()  # chunks mapped since the last release (only they hold pages)
         self.bytes_read = 0
 
     def _chunk(self, chunk: Chunk) -> torch.Tensor:
@@ -86,6 +87,7 @@ class DistReader:
                                        fix="restore the iteration dir from a complete copy")
             self._files[key] = (f, ref)
         f, ref = self._files[key]
+        self._touched.add(key)
         return f.tensor(ref)
 
     def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -163,15 +165,19 @@ class DistReader:
         return out
 
     def release_pages(self) -> None:
+        """Drop the mapped pages of the chunks read since the last release (not every chunk opened: releasing each
+        of a checkpoint's thousands of chunks after every tensor was quadratic)."""
         self._last = None
-        for f, _ in self._files.values():
-            f.release_pages()
+        for key in self._touched:
+            self._files[key][0].release_pages()
+        self._touched.clear()
 
     def close(self) -> None:
         self._last = None
         for f, _ in self._files.values():
             f.close()
         self._files.clear()
+        self._touched.clear()
 
 
 def chunk_index(md: Any) -> dict[str, list[Chunk]]:
