@@ -158,19 +158,18 @@ def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         packed = ("the experts are the legacy GroupedMLP (experts.weight1/weight2: all local experts in one transposed "
                   "tensor)")
         same = run_gg and run_impl == "local"  # the flags that built it
+        carried = "with the optimizer state, plain or distributed, mapped to each expert like its weights"
         if same and rt.builds_grouped_mlp is None:  # offline: which Megatron runs is not known
             out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", run_gg, INFO,
                                f"{packed}: a Megatron whose local spec still builds it loads them as is; Megatron-LM "
                                "main builds sequential experts and cannot load them",
                                "on Megatron-LM main, run without --moe-grouped-gemm: the resharder reads GroupedMLP's "
-                               "weights as sequential experts (weights only: --no-load-optim)"))
+                               f"weights as sequential experts ({carried})"))
         elif not (same and rt.builds_grouped_mlp):
             why = " and this Megatron's local spec builds sequential experts (it has no GroupedMLP)" if same else ""
             out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", "sequential experts" if same else run_gg,
-                               RESHARD, f"{packed}{why}: the resharder reads them as each expert's weights (the "
-                               "optimizer state is not mapped: weights only)",
-                               _reshard_fix(layout, "--moe-grouped-gemm" if run_gg else "no --moe-grouped-gemm")
-                               + " (with --no-load-optim, or --drop-optimizer offline)"))
+                               RESHARD, f"{packed}{why}: the resharder reads them as each expert's weights ({carried})",
+                               _reshard_fix(layout, "--moe-grouped-gemm" if run_gg else "no --moe-grouped-gemm")))
         return out
     if ck_gg != run_gg:
         if not legacy:

@@ -106,7 +106,7 @@ def _experts_line(layout: Layout) -> str | None:
         return None
     if layout.format == Format.TORCH and reshard.has_legacy_grouped(layout):
         return ("legacy GroupedMLP (experts.weight1/weight2, all local experts packed): read as sequential experts, "
-                "weights only; Megatron-LM main cannot load it as is")
+                "with their optimizer state; Megatron-LM main cannot load it as is")
     if getattr(args, "moe_grouped_gemm", False) and getattr(args, "transformer_impl", None) != "local":
         return "Transformer Engine grouped (experts.linear_fc1.weight{j})"
     return "sequential (experts.local_experts.{j})"

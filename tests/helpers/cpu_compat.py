@@ -66,6 +66,73 @@ def apply() -> None:
     schedules.torch = _TorchProxy()
 
 
+_OPTIMIZER = False
+
+
+def optimizer_on_cpu() -> None:
+    """W-L .. W-O: megatron-core's optimizers (Float16OptimizerWithFloat16Params, FP32Optimizer, grad-norm) on CPU.
+    W-L: they make small tensors with ``device="cuda"`` (the loss scale, the grad-norm buffers): the factories put
+    them on the CPU. W-M: Float16Optimizer sorts parameters by ``param.type()`` ('torch.cuda.BFloat16Tensor'): a CPU
+    tensor's type reads as its CUDA name. The optimizer's math (torch AdamW, fp32 masters) is unchanged."""
+    global _OPTIMIZER
+    if _OPTIMIZER:
+        return
+    _OPTIMIZER = True
+    import torch
+
+    def on_cpu(factory):
+        def make(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+        return make
+
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    plain_type = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        if args or kwargs:
+            return plain_type(self, *args, **kwargs)
+        name = plain_type(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type
+
+    # W-N: without apex / TE, torch's Adam keeps ``step`` in each parameter's state (apex / TE keep it in the param
+    # groups); DistributedOptimizer's load of distrib_optim.pt copies every state tensor from the file, which has
+    # no ``step`` (load_state_dict already set it from the param groups): KeyError 'step'. Leave a state tensor the
+    # file does not hold as it is, and copy under no_grad (the fp32 mains are views of leaves that require grad).
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    set_states = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @torch.no_grad()
+    def keep_missing(self, model_param, tensors):
+        index, order = self.model_param_group_index_map[model_param]
+        main = self.optimizer.param_groups[index]["params"][order]
+        kept = {k: v for k, v in self.optimizer.state.get(main, {}).items()
+                if isinstance(v, torch.Tensor) and k not in tensors}
+        return set_states(self, model_param, {**tensors, **kept})
+
+    dopt.DistributedOptimizer._set_main_param_and_optimizer_states = keep_missing
+
+    # W-O: on that path DistributedOptimizer.load_state_dict gives every parameter's state the *same* ``step``
+    # tensor, which torch's Adam then increments in place once per parameter: the resumed run's bias correction
+    # runs ahead (a same-layout round trip of megatron-core's own checkpoint takes a different next step). Each
+    # state gets its own copy, as the saved run had.
+    load_state = dopt.DistributedOptimizer.load_state_dict
+
+    def untied_steps(self, state_dict):
+        out = load_state(self, state_dict)
+        for st in self.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+        return out
+
+    dopt.DistributedOptimizer.load_state_dict = untied_steps
+
+
 def grouped_gemm_stand_in() -> None:
     """W-I, a STAND-IN for the CUDA-only ``grouped_gemm`` package (not installable here): megatron-core's legacy
     GroupedMLP asserts the package at build; its ``gmm`` is a per-expert matmul loop. Building and saving the model

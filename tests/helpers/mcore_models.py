@@ -161,25 +161,67 @@ def _model_entries(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     return {f"model{i}": c.state_dict_for_save_checkpoint() for i, c in enumerate(chunks)}
 
 
-def save_legacy(chunks, spec: ModelSpec, layout: Layout, root: str, iteration: int, *, dist_opt: bool = False) -> None:
+def trainer(chunks, lr: float = 1e-2, distributed: bool = False):
+    """Megatron's training wrapping of ``chunks`` (Float16Module for bf16, DDP) and megatron-core's optimizer (Adam
+    over torch AdamW, as without apex / TE: the plain one, Float16OptimizerWithFloat16Params for bf16; or the
+    DistributedOptimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from tests.helpers import cpu_compat
+
+    cpu_compat.optimizer_on_cpu()
+    cfg = chunks[0].config
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False)
+    models = [DistributedDataParallel(c.config, ddp_cfg, Float16Module(c.config, c) if cfg.bf16 else c)
+              for c in chunks]
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, bf16=cfg.bf16,
+                                                 use_distributed_optimizer=distributed), models)
+    return models, opt
+
+
+def train_step(models, opt, spec: ModelSpec, seed: int) -> None:
+    """One step on a fixed batch (the same on every rank; PP = 1)."""
+    ids = tokens(spec, seed=seed)
+    pos = torch.arange(spec.seq).unsqueeze(0).expand_as(ids)
+    mask = torch.triu(torch.ones(spec.seq, spec.seq, dtype=torch.bool), 1)[None, None]
+    for m in models:
+        m.zero_grad_buffer()
+        m.train()
+    opt.zero_grad()
+    models[0](ids, pos, mask, labels=ids).float().mean().backward()
+    for m in models:
+        m.finish_grad_sync()
+    ok, _, _ = opt.step()
+    assert ok
+
+
+def save_legacy(chunks, spec: ModelSpec, layout: Layout, root: str, iteration: int, *, dist_opt: bool = False,
+                optimizer: Any = None) -> None:
     """Megatron's legacy save: writers are ranks with DP rank 0 or expert-DP rank 0; dir named by tp/pp/ep rank."""
     from megatron.core import parallel_state as ps
 
     writes = ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0
+    # Megatron's dir name, written out here (not taken from the code under test): mp_rank_TT[_PPP][_EEE]
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+    if layout.pp > 1:
+        name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+    if layout.ep > 1:
+        name += f"_{ps.get_expert_model_parallel_rank():03d}"
+    d = os.path.join(root, f"iter_{iteration:07d}", name)
+    if optimizer is not None and dist_opt:  # every rank takes part (a gather); DP rank 0 of each part writes
+        os.makedirs(d, exist_ok=True)
+        optimizer.save_parameter_state(os.path.join(d, "distrib_optim.pt"))
     if writes:
-        # Megatron's dir name, written out here (not taken from the code under test): mp_rank_TT[_PPP][_EEE]
-        name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
-        if layout.pp > 1:
-            name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
-        if layout.ep > 1:
-            name += f"_{ps.get_expert_model_parallel_rank():03d}"
-        d = os.path.join(root, f"iter_{iteration:07d}", name)
         os.makedirs(d, exist_ok=True)
         state = {"args": megatron_args(spec, layout, dist_opt=dist_opt), "checkpoint_version": 3.0,
                  "iteration": iteration, **_model_entries(chunks),
                  "rng_state": [{"random_rng_state": None, "torch_rng_state": torch.get_rng_state()}],
                  "num_floating_point_operations_so_far": 0}
-        if dist_opt:
+        if optimizer is not None:  # the plain optimizer's state dict, as Megatron's save_checkpoint stores it
+            state["optimizer"] = optimizer.state_dict()
+        if dist_opt and optimizer is None:
             # FAKE (named as such): Megatron's DistributedOptimizer cannot be built on CPU here; write the documented
             # distrib_optim.pt structure so layout discovery sees a distributed-optimizer checkpoint.
             state["optimizer"] = {"optimizer": {"param_groups": []}}

@@ -65,7 +65,7 @@ def test_legacy_grouped_mlp_reads_as_sequential_experts(mcore_pool2, tmp_path, n
     assert all(r["param_order_ok"] for r in out)
     assert all(r["max_tensor_diff"] == 0.0 for r in out), [r["max_tensor_diff"] for r in out]
     assert (out[0]["logits"] - out[0]["ref_logits"]).abs().max().item() == 0.0
-    # the check calls it a reshard (was: not mapped), and names the optimizer state as not carried
+    # the check calls it a reshard (was: not mapped); the plain optimizer's state is carried (no --no-load-optim)
     from megatron_preflight.check.plan import Verdict, make_plan
     from megatron_preflight.check.runtime_args import from_cli
 
@@ -76,7 +76,7 @@ def test_legacy_grouped_mlp_reads_as_sequential_experts(mcore_pool2, tmp_path, n
              *(["--swiglu"] if spec.swiglu else [])]
     plan = make_plan(legacy, from_cli(flags))
     f, = [f for f in plan.findings if f.field == "moe_grouped_gemm"]
-    assert plan.verdict == Verdict.RESHARD and f.severity.value == "reshard" and "--no-load-optim" in f.fix, \
+    assert plan.verdict == Verdict.RESHARD and f.severity.value == "reshard" and "--no-load-optim" not in f.fix, \
         [x.to_json() for x in plan.findings if x.severity.value != "info"]
     # the same flags as saved: a Megatron without GroupedMLP (the hook asks megatron.core) needs the reshard; one
     # that still builds it loads as is; unknown (offline): said, not decided

@@ -35,7 +35,8 @@ from megatron_preflight.reshard.optimizer.plain import (
     OptimizerNotReshardable,
     _signature,
     is_param,
-    refuse_legacy_grouped,
+    packed_params,
+    unpacked,
 )
 from megatron_preflight.reshard.plan.index import iter_source_keys
 from megatron_preflight.reshard.plan.planner import plan_tensor
@@ -121,6 +122,7 @@ class Param:
     shared_embedding: bool
     source: SourceKey | None = None  # source side: the model entry it is
     plan: TensorPlan | None = None  # target side: the planned weight
+    unpacked: tuple[SourceKey, ...] = ()  # source side, a legacy GroupedMLP weight: the experts it holds
 
     @property
     def name(self) -> str:
@@ -171,15 +173,20 @@ def source_params(layout: Layout, src: ParallelLayout) -> dict[str, list[Param]]
     """Every source shard's parameters, per model chunk in ``model.parameters()`` order."""
     tied = is_tied(layout)
     expert_parallel = src.experts_are_expert_parallel()
-    out: dict[str, list[Param]] = {}
+    by_shard: dict[str, list[SourceKey]] = {}
     for sk in iter_source_keys(layout, src):
-        if not is_param(sk.key, sk.value):
-            continue
-        if tied and src.pp == 1 and sk.key == "output_layer.weight":
-            continue
-        shared = tied and src.pp > 1 and sk.key in _EMBEDDING_KEYS
-        out.setdefault(sk.shard, []).append(Param(sk.chunk, sk.key, tuple(sk.value.shape), sk.value.dtype,
-                                                  sk.info.expert is not None and expert_parallel, shared, source=sk))
+        if is_param(sk.key, sk.value):
+            by_shard.setdefault(sk.shard, []).append(sk)
+    out: dict[str, list[Param]] = {}
+    for shard, keys in by_shard.items():
+        whole, packed = packed_params(layout, shard, keys)  # the legacy GroupedMLP: one range per packed weight
+        for sk in whole:
+            if tied and src.pp == 1 and sk.key == "output_layer.weight":
+                continue
+            shared = tied and src.pp > 1 and sk.key in _EMBEDDING_KEYS
+            out.setdefault(shard, []).append(Param(sk.chunk, sk.key, tuple(sk.value.shape), sk.value.dtype,
+                                                   sk.info.expert is not None and expert_parallel, shared, source=sk,
+                                                   unpacked=tuple(packed.get(f"{sk.chunk}:{sk.key}", ()))))
     return out
 
 
@@ -199,7 +206,6 @@ def index_dist_optimizer(layout: Layout, src: ParallelLayout, *, trust: bool = F
     """Read every shard's ``distrib_optim.pt`` metadata (no tensor bytes) and place each parameter's fp32 master,
     ``exp_avg`` and ``exp_avg_sq`` in its global tensor. Raises :class:`OptimizerNotReshardable` when the files do not
     match the modelled buffer layout exactly."""
-    refuse_legacy_grouped(layout)
     index = DistOptimizerIndex()
     args = layout.saved_args
     size = bucket_size(args)
@@ -292,19 +298,21 @@ def _index_part(index: DistOptimizerIndex, state: dict[str, Any], buffers: list[
                 f"elements) take {numel}: another Megatron version's buffer layout, or other bucket settings",
                 path=path, fix=FIX, code="optimizer")
         for p in members:
-            sk = p.source
-            assert sk is not None
-            gkey = sk.gkey
-            if tied and p.key == "output_layer.weight":
-                gkey = GlobalKey(None, None, "plain", "embedding.word_embeddings.weight")  # a replica of it
-            fields = index.fields.setdefault(gkey, OrderedDict())
-            for name in STATE_KEYS:
-                view = world[name].window(offsets[p.name], p.shape)
-                entry = fields.get(name)
-                if entry is None:
-                    entry = fields[name] = GlobalEntry(gkey, sk.info, sk.rule)
-                entry.add(SourcePiece(shard, view, sk.group_rank, sk.group_size))
-            index.checked.append((shard, sk.value, shard, world["param"].window(offsets[p.name], p.shape)))
+            assert p.source is not None
+            views = {name: world[name].window(offsets[p.name], p.shape) for name in STATE_KEYS}
+            # a packed GroupedMLP weight's range holds every local expert's state: each read as the expert's linear
+            for sk in p.unpacked or (p.source,):
+                gkey = sk.gkey
+                if tied and p.key == "output_layer.weight":
+                    gkey = GlobalKey(None, None, "plain", "embedding.word_embeddings.weight")  # a replica of it
+                fields = index.fields.setdefault(gkey, OrderedDict())
+                mine = {name: unpacked(v, sk, len(p.unpacked), path) if p.unpacked else v for name, v in views.items()}
+                for name, view in mine.items():
+                    entry = fields.get(name)
+                    if entry is None:
+                        entry = fields[name] = GlobalEntry(gkey, sk.info, sk.rule)
+                    entry.add(SourcePiece(shard, view, sk.group_rank, sk.group_size))
+                index.checked.append((shard, sk.value, shard, mine["param"]))
 
 
 def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8, shards: set[str] | None = None) -> int:

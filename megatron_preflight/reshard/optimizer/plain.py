@@ -21,6 +21,7 @@ The distributed optimizer keeps its tensors in ``distrib_optim.pt`` (flat per-bu
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +31,11 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import PROVENANCE_KEY
-from megatron_preflight.reshard.plan.index import has_legacy_grouped, iter_source_keys
+from megatron_preflight.reshard.plan.index import iter_source_keys
 from megatron_preflight.reshard.plan.planner import plan_tensor
-from megatron_preflight.reshard.plan.topology import is_tied
+from megatron_preflight.reshard.plan.rules import parse_key
+from megatron_preflight.reshard.plan.spec import unpack_legacy_grouped
+from megatron_preflight.reshard.plan.topology import is_tied, model_chunks
 from megatron_preflight.reshard.plan.types import (
     CopyOp,
     GlobalEntry,
@@ -196,15 +199,35 @@ def _assign(subs: list[SubOptimizer], params: list[SourceKey], where: str,
     return out
 
 
-def refuse_legacy_grouped(layout: Layout) -> None:
-    """The legacy GroupedMLP's optimizer state is not mapped (Megatron's own dist checkpoint does not carry it to
-    other expert modules either: its sharded state dict says so): weights only."""
-    if has_legacy_grouped(layout):
-        raise OptimizerNotReshardable(
-            "the checkpoint's experts are the legacy GroupedMLP (experts.weight1/weight2): its weights are read, its "
-            "optimizer state is not mapped to other expert modules (neither does Megatron's own dist checkpoint)",
-            path=layout.iter_dir, fix="start the run with --no-load-optim (weights only), or reshard offline with "
-            "--drop-optimizer", code="optimizer")
+def packed_params(layout: Layout, shard_name: str, keys: list[SourceKey]
+                  ) -> tuple[list[SourceKey], dict[str, list[SourceKey]]]:
+    """The shard's parameters as its optimizer holds them: the legacy GroupedMLP's ``weight1`` / ``weight2`` are one
+    parameter each (one state entry, one fp32 master, one range of the distributed optimizer's buffer, of the packed
+    shape), however many experts the index unpacked them into. Returns (one source key per optimizer parameter — a
+    packed one carries the packed tensor —, each packed key's "chunk:key" -> the experts' source keys)."""
+    meta = next(s.meta for s in layout.shards if s.name == shard_name)
+    chunk_names = dict(model_chunks(meta))
+    out: list[SourceKey] = []
+    experts: dict[str, list[SourceKey]] = {}
+    for sk in keys:
+        if parse_key(sk.key).style != "legacy_grouped":
+            out.append(sk)
+            continue
+        where = f"{sk.chunk}:{sk.key}"
+        if where not in experts:
+            out.append(dataclasses.replace(sk, value=meta[chunk_names[sk.chunk]][sk.key]))
+        experts.setdefault(where, []).append(sk)
+    return out, experts
+
+
+def unpacked(value: Any, sk: SourceKey, experts: int, where: str) -> Any:
+    """A packed parameter's state tensor (its moments, its fp32 master) read as the one expert's linear ``sk`` is:
+    the same strided views as the weights (:func:`unpack_legacy_grouped`)."""
+    if not isinstance(value, TensorRef) or not value.shape:
+        return value  # a per-parameter scalar (step): every expert's
+    packed = parse_key(sk.key).suffix
+    assert sk.info.expert is not None
+    return unpack_legacy_grouped(packed, value, experts, where)[sk.info.expert][1]
 
 
 def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | None:
@@ -213,7 +236,6 @@ def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | Non
     shards = [s for s in layout.shards if s.meta is not None and "optimizer" in s.meta]
     if not shards:
         return None
-    refuse_legacy_grouped(layout)
     tied = is_tied(layout)
     parsed = {s.name: parse_optimizer(s.meta["optimizer"], s.path) for s in shards}
     by_shard: dict[str, list[SourceKey]] = {}
@@ -239,9 +261,11 @@ def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | Non
                     index.settings[sig] = {**settings, "is_expert_parallel": False}
         keys = by_shard.get(shard.name, [])
         params = [sk for sk in keys if is_param(sk.key, sk.value)]
-        slots = _assign(subs, params, shard.path, expert_parallel)
+        whole, packed = packed_params(layout, shard.name, params)
+        slots = _assign(subs, whole, shard.path, expert_parallel)
         for sk in params:
             s, g, idx, mpos = slots[f"{sk.chunk}:{sk.key}"]
+            n_packed = len(packed.get(f"{sk.chunk}:{sk.key}", ()))
             sig = _signature(subs[s].groups[g])
             (index.expert if sk.info.expert is not None else index.dense).add(sig)
             if tied and sk.key == "output_layer.weight":
@@ -252,10 +276,11 @@ def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | Non
                                               path=shard.path, code="optimizer")
             fields = index.fields.setdefault(sk.gkey, OrderedDict())
             for name, v in subs[s].state.get(idx, {}).items():
-                _add_field(fields, name, v, sk)
+                _add_field(fields, name, unpacked(v, sk, n_packed, shard.path) if n_packed else v, sk)
             masters = subs[s].masters
             if masters is not None and mpos is not None:
-                _add_field(fields, MASTER, masters[g][mpos], sk)
+                v = masters[g][mpos]
+                _add_field(fields, MASTER, unpacked(v, sk, n_packed, shard.path) if n_packed else v, sk)
     return index
 
 
