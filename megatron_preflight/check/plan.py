@@ -143,6 +143,9 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                            "the checkpoint has no optimizer state (saved with --no-save-optim); Megatron starts the "
                            "optimizer fresh", "add --no-load-optim to say so explicitly"))
         load_optim = False
+    if load_optim and layout.format == Format.TORCH_DIST and \
+            layout.dist_optimizer_sharding == "fully_sharded_model_space" and rt.loads_flattened_range is not True:
+        out.append(_flattened_range(layout, rt))
     if load_optim and ck_dopt != rt.use_distributed_optimizer and layout.format == Format.TORCH and \
             _convertible(index):
         out.append(Finding("use_distributed_optimizer", ck_dopt, rt.use_distributed_optimizer, RESHARD,
@@ -225,6 +228,25 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
         out.append(Finding("optimizer", "saved", "not loaded", INFO,
                            "--no-load-optim/--finetune: the optimizer state is not loaded", ""))
     return out, load_optim, load_rng
+
+
+def _flattened_range(layout: Layout, rt: RuntimeArgs) -> Finding:
+    """A fully_sharded_model_space optimizer state (the default of megatron-core <= 0.15's distributed optimizer):
+    megatron-core >= 0.16 refuses it inside load_checkpoint, at any layout; the resharder reads it."""
+    fix = (f"convert it once: megatron-preflight reshard {layout.root or layout.path} NEW_DIR --ckpt-format torch_dist "
+           "-- <the run's flags> (the fully_reshardable form, which it loads at any TP/PP; or --ckpt-format torch "
+           "for the legacy format), then --load NEW_DIR; or add --no-load-optim (and keep the weights)")
+    if rt.loads_flattened_range is False:
+        return Finding("optimizer", "fully_sharded_model_space", "not loadable", FATAL,
+                       "the distributed optimizer's state is saved in the fully_sharded_model_space form (flattened "
+                       "ranges: the default of megatron-core <= 0.15); this Megatron's megatron-core refuses it in "
+                       "load_checkpoint ('ShardedTensor.flattened_range is not supported'), after the model and "
+                       "optimizer are built", fix)
+    return Finding("optimizer", "fully_sharded_model_space", "load", INFO,
+                   "the distributed optimizer's state is saved in the fully_sharded_model_space form (flattened "
+                   "ranges: the default of megatron-core <= 0.15): a Megatron with megatron-core >= 0.16 (Megatron-LM "
+                   "main) refuses it in load_checkpoint ('ShardedTensor.flattened_range is not supported')",
+                   "on such a Megatron, " + fix)
 
 
 _FAMILIES = {"torch": "torch's Adam/AdamW (a step per parameter)",

@@ -9,6 +9,7 @@ every rank with status 1 (rank 0 prints the one-screen report first). The decisi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -83,6 +84,18 @@ def builds_grouped_mlp(args: Any) -> bool | None:
     return hasattr(experts, "GroupedMLP")
 
 
+def loads_flattened_range() -> bool | None:
+    """Whether this megatron-core still loads ShardedTensors with a ``flattened_range`` (the distributed optimizer's
+    ``fully_sharded_model_space`` torch_dist form): megatron-core 0.16 and Megatron-LM main raise "ShardedTensor.
+    flattened_range is not supported"; None: unknown. Read from the class's source (nothing is built)."""
+    try:
+        from megatron.core.dist_checkpointing import mapping  # Megatron is present: this runs inside its job
+        text = inspect.getsource(mapping.ShardedTensor)
+    except Exception:  # noqa: BLE001 - no megatron.core, or no source to read: unknown
+        return None
+    return "flattened_range" in text and "flattened_range is not supported" not in text
+
+
 def device_memory_gib() -> float | None:
     """This rank's CUDA device memory in GiB (None without CUDA, e.g. on the CPU runner)."""
     try:
@@ -99,6 +112,7 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     rt = from_namespace(args)
     rt.optimizer_family = run_adam_family(args)
     rt.builds_grouped_mlp = builds_grouped_mlp(args)
+    rt.loads_flattened_range = loads_flattened_range()
     if rt.preflight_device_memory is None:
         rt.preflight_device_memory = device_memory_gib()
     if mode in ("auto", "verify"):

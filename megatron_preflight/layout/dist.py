@@ -101,6 +101,16 @@ def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:
     return None
 
 
+def _saved_sharding(optimizer: Any) -> str | None:
+    """The distributed optimizer's form as its common state records it (``param_state_sharding_type``, in each part
+    of a chained optimizer): what a checkpoint without content_metadata says."""
+    parts = optimizer if isinstance(optimizer, list) else (
+        [optimizer[k] for k in sorted(optimizer)] if isinstance(optimizer, dict) and optimizer
+        and all(isinstance(k, int) for k in optimizer) else [optimizer])
+    kinds = {p.get("param_state_sharding_type") for p in parts if isinstance(p, dict)} - {None}
+    return kinds.pop() if len(kinds) == 1 and isinstance(next(iter(kinds)), str) else None
+
+
 def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
     """Fill ``layout`` for a torch_dist / zarr / DCP iteration dir."""
     entries = set(os.listdir(iter_dir))
@@ -178,6 +188,8 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
         content = common.get("content_metadata") or {}
         if isinstance(content, dict):
             layout.dist_optimizer_sharding = content.get("distrib_optim_sharding_type")
+        if layout.dist_optimizer_sharding is None:  # saved before content_metadata (megatron-core <= ~0.13)
+            layout.dist_optimizer_sharding = _saved_sharding(common.get("optimizer"))
         it = common.get("iteration")
         if isinstance(it, int) and isinstance(layout.iteration, int) and it != layout.iteration:
             layout.add("iteration_mismatch", iter_dir,

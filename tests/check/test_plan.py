@@ -322,3 +322,36 @@ def test_a_torch_dist_the_resharder_cannot_read_stays_fatal(tmp_path):
     p = plan(str(root), "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
              "--tensor-model-parallel-size", "1")
     assert p.verdict == Verdict.FAIL and any("cannot serve it either" in f.message for f in p.fatal), p.fatal
+
+
+FSMS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "megatron-core-0.13",
+                    "fsms_bf16_tp2dp2_torch_dist")
+FSMS_FLAGS = ["--bf16", "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--disable-bias-linear",
+              "--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--tensor-model-parallel-size", "2",
+              "--world-size", "4"]
+
+
+@pytest.mark.parametrize("loads, verdict, severity", [(False, Verdict.FAIL, "fatal"), (None, Verdict.LOAD, "info"),
+                                                      (True, Verdict.LOAD, None)])
+def test_a_fully_sharded_model_space_state_on_a_megatron_that_refuses_it_fails_at_start(loads, verdict, severity):
+    """megatron-core 0.13.1's default distributed-optimizer form (a real checkpoint it wrote): megatron-core >= 0.16
+    raises 'ShardedTensor.flattened_range is not supported' inside load_checkpoint, even at the saved layout; the
+    hook asks megatron.core (offline: unknown, said as info); the fix converts it with the resharder."""
+    rt = from_cli(FLAGS + FSMS_FLAGS)
+    rt.loads_flattened_range = loads
+    p = make_plan(FSMS, rt)
+    found = [f for f in p.findings if f.checkpoint == "fully_sharded_model_space"]
+    assert p.verdict == verdict, [f.to_json() for f in p.findings if f.severity.value != "info"]
+    assert [f.severity.value for f in found] == ([severity] if severity else [])
+    if found:
+        assert "megatron-preflight reshard" in found[0].fix and "--ckpt-format torch_dist" in found[0].fix
+    rt.no_load_optim = True
+    assert not [f for f in make_plan(FSMS, rt).findings if f.checkpoint == "fully_sharded_model_space"]
+
+
+def test_the_hook_asks_megatron_core_whether_it_loads_flattened_ranges():
+    import megatron.core
+
+    from megatron_preflight.hook.runtime import loads_flattened_range
+
+    assert loads_flattened_range() is (megatron.core.__version__ < "0.16")  # 0.16.1 here: refused

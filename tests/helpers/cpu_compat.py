@@ -70,7 +70,7 @@ _OPTIMIZER = False
 
 
 def optimizer_on_cpu() -> None:
-    """W-L .. W-O: megatron-core's optimizers (Float16OptimizerWithFloat16Params, FP32Optimizer, grad-norm) on CPU.
+    """W-L .. W-P: megatron-core's optimizers (Float16OptimizerWithFloat16Params, FP32Optimizer, grad-norm) on CPU.
     W-L: they make small tensors with ``device="cuda"`` (the loss scale, the grad-norm buffers): the factories put
     them on the CPU. W-M: Float16Optimizer sorts parameters by ``param.type()`` ('torch.cuda.BFloat16Tensor'): a CPU
     tensor's type reads as its CUDA name. The optimizer's math (torch AdamW, fp32 masters) is unchanged."""
@@ -132,6 +132,25 @@ def optimizer_on_cpu() -> None:
 
     dopt.DistributedOptimizer.load_state_dict = untied_steps
 
+    # W-P: on that path DistributedOptimizer.state_dict() asserts one Adam step among the inner state's entries;
+    # before a first step or a load (a torch_dist load asks for the state-dict template first) there are none. Then
+    # build the template as under apex / TE, with step 0 in the param groups (the load brings the real one).
+    plain_state_dict = dopt.DistributedOptimizer.state_dict
+
+    def template_when_empty(self):
+        if getattr(dopt, "HAVE_APEX_OR_TE", True) or len(self.optimizer.state):
+            return plain_state_dict(self)
+        dopt.HAVE_APEX_OR_TE = True
+        try:
+            sd = plain_state_dict(self)
+        finally:
+            dopt.HAVE_APEX_OR_TE = False
+        for group in sd["optimizer"]["param_groups"]:
+            group.setdefault("step", 0)
+        return sd
+
+    dopt.DistributedOptimizer.state_dict = template_when_empty
+
 
 def grouped_gemm_stand_in() -> None:
     """W-I, a STAND-IN for the CUDA-only ``grouped_gemm`` package (not installable here): megatron-core's legacy
@@ -163,4 +182,13 @@ def seed(value: int) -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     torch.manual_seed(value)
-    mrandom.model_parallel_cuda_manual_seed(value, inference_rng_tracker=True, force_reset_rng=True)
+    try:
+        mrandom.model_parallel_cuda_manual_seed(value, inference_rng_tracker=True, force_reset_rng=True)
+    except TypeError:  # megatron-core 0.13 (the fixtures of tests/fixtures/megatron-core-0.13): no force_reset_rng,
+        # and its tracker reads and sets CUDA generator states: the CPU generator's stand in
+        torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+        torch.cuda.manual_seed = torch.manual_seed
+        mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+        mrandom.get_cuda_rng_tracker().reset()
+        mrandom.model_parallel_cuda_manual_seed(value, inference_rng_tracker=True)

@@ -167,6 +167,8 @@ def _globally_named(live: dict, spec: ModelSpec, layout: Layout) -> dict:
     """Sequential experts renamed from local to global expert numbers."""
     from megatron.core import parallel_state as ps
 
+    if not spec.num_experts:
+        return live
     local = spec.num_experts // layout.ep
     first = ps.get_expert_model_parallel_rank() * local
     out = {}

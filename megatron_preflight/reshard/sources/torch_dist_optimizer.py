@@ -16,6 +16,7 @@ are refused with the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections import OrderedDict
@@ -130,9 +131,12 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
     out = DistOptimizerIndex(template_shard=virtual.shards[0].name if virtual.shards else "")
     full = read_common(iter_dir, md, trust=trust) or {}
     first = _parts(full.get("optimizer") if isinstance(full, dict) else None)[0]
-    if isinstance(first, dict):  # a wrapper's other entries (an fp16 run's grad scaler)
+    if isinstance(first, dict):  # a wrapper's other entries (an fp16 run's grad scaler); not the model-space forms'
+        # per-parameter common entries (``param_state``: fully_sharded_model_space's step per parameter), which
+        # describe the source's state, not a legacy file's: Megatron's load then asks for their sharding type
         out.outer = OrderedDict((k, v) for k, v in first.items()
-                                if k not in ("optimizer", "param_state_sharding_type", "state", "param_groups"))
+                                if k not in ("optimizer", "param_state_sharding_type", "param_state", "state",
+                                             "param_groups"))
     step = None
     if sharding is None:
         found = _find(full.get("optimizer") if isinstance(full, dict) else None, "common_step")
@@ -173,8 +177,23 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
     return out
 
 
+def fragments(state_shape: tuple[int, ...], param_shape: tuple[int, ...], dims: int) -> tuple[int, ...] | None:
+    """The fragment shape of an optimizer tensor saved flattened by fragments (``fully_sharded_model_space``: see
+    :class:`~megatron_preflight.reshard.sources.torch_dist_reader.Slab`) — ``param_shape`` is ``lead + G`` with
+    ``dims`` = len(G), ``state_shape`` ``lead + F + (numel,)`` —, None when the shapes are not that relation."""
+    lead = len(param_shape) - dims
+    if len(state_shape) != lead + dims + 1 or state_shape[:lead] != param_shape[:lead]:
+        return None
+    counts, whole = state_shape[lead:lead + dims], param_shape[lead:]
+    if any(c < 1 or g % c for c, g in zip(counts, whole, strict=True)):
+        return None
+    frag = tuple(g // c for c, g in zip(counts, whole, strict=True))
+    return frag if math.prod(frag) == state_shape[-1] else None
+
+
 def _state_ref(param: RegionRef, state: str, saved: dict[str, Any]) -> RegionRef | None:
-    """The optimizer tensor ``state`` of a parameter, at the parameter's own region (same global shape)."""
+    """The optimizer tensor ``state`` of a parameter, at the parameter's own region: the same global shape
+    (``fully_reshardable``, the plain optimizer), or flattened by fragments (``fully_sharded_model_space``)."""
     slabs = []
     dtype = None
     for s in param.slabs:
@@ -182,11 +201,17 @@ def _state_ref(param: RegionRef, state: str, saved: dict[str, Any]) -> RegionRef
         tm = saved.get(fqn)
         if tm is None or not hasattr(tm, "size"):
             return None
-        if tuple(int(d) for d in tm.size) != tuple(int(d) for d in saved[s.fqn].size):
-            raise OptimizerNotReshardable(f"{fqn} has shape {tuple(tm.size)}, its parameter "
-                                          f"{tuple(saved[s.fqn].size)}", fix=FIX, code="optimizer")
+        state_shape = tuple(int(d) for d in tm.size)
+        param_shape = tuple(int(d) for d in saved[s.fqn].size)
+        frag = None
+        if state_shape != param_shape:
+            frag = fragments(state_shape, param_shape, len(param.shape))
+            if frag is None:
+                raise OptimizerNotReshardable(f"{fqn} has shape {state_shape}, its parameter {param_shape}: neither "
+                                              "the parameter's shape nor its fragments flattened (the "
+                                              "fully_sharded_model_space form)", fix=FIX, code="optimizer")
         dtype = tm.properties.dtype
-        slabs.append(dataclasses.replace(s, fqn=fqn))
+        slabs.append(dataclasses.replace(s, fqn=fqn, fragment=frag))
     assert dtype is not None
     numel = param.storage.numel
     return RegionRef(param.file, StorageRef(slabs[0].fqn, dtype, numel), 0, param.shape, param.stride,

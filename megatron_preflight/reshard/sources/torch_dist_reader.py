@@ -5,6 +5,7 @@ those byte ranges of the ``__*_*.distcp`` files (a piece that is one saved chunk
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -31,13 +32,21 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Slab:
-    """A box of global tensor ``fqn`` that lands at ``local_start`` along ``dim`` of the local piece."""
+    """A box of global tensor ``fqn`` that lands at ``local_start`` along ``dim`` of the local piece.
+
+    ``fragment``: ``fqn`` is stored *flattened by fragments* (the distributed optimizer's ``fully_sharded_model_space``
+    form: megatron-core's "ND flattened" reformulation): the global tensor of shape ``lead + G`` (stacked layer /
+    expert dims, then the parameter's) is saved as ``lead + F + (prod(fragment),)``, where ``F = G / fragment`` counts
+    the fragments along each of the parameter's dims (the saving layout's split: TP, and twice TP for a SwiGLU
+    fc1) and the last dim holds each fragment flattened row-major (its DP ranks' ranges as chunks). ``offsets`` and
+    ``sizes`` stay in the unflattened ``lead + G`` coordinates."""
 
     fqn: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     dim: int
     local_start: int
+    fragment: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, repr=False)
@@ -112,6 +121,34 @@ class DistReader:
                                    fix="restore the iteration dir from a complete copy", code="corrupt_file")
         return out
 
+    def _fragmented(self, s: Slab, dtype: torch.dtype) -> torch.Tensor:
+        """The box of a slab whose tensor is stored flattened by fragments (see :class:`Slab`): each fragment it
+        meets read as its flat range, reshaped, cut to the box."""
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+        assert s.fragment is not None
+        frag = s.fragment
+        lead = len(s.offsets) - len(frag)
+        out = torch.empty(s.sizes, dtype=dtype)
+        spans = [range(o, o + n) for o, n in zip(s.offsets[:lead], s.sizes[:lead], strict=True)]
+        spans += [range(o // f, (o + n - 1) // f + 1) for o, n, f in zip(s.offsets[lead:], s.sizes[lead:], frag,
+                                                                          strict=True)]
+        numel = math.prod(frag)
+        for index in itertools.product(*spans):
+            at, part = index[:lead], index[lead:]
+            flat = self.region(s.fqn, (*at, *part, 0), (1,) * len(index) + (numel,), dtype).reshape(frag)
+            src, dst = [], [a - o for a, o in zip(at, s.offsets[:lead], strict=True)]
+            for d, (i, f) in enumerate(zip(part, frag, strict=True)):
+                lo = max(s.offsets[lead + d], i * f)
+                hi = min(s.offsets[lead + d] + s.sizes[lead + d], (i + 1) * f)
+                src.append(slice(lo - i * f, hi - i * f))
+                dst.append(slice(lo - s.offsets[lead + d], hi - s.offsets[lead + d]))
+            out[(*dst[:lead], *dst[lead:])] = flat[tuple(src)]
+        return out
+
+    def _box(self, s: Slab, dtype: torch.dtype) -> torch.Tensor:
+        return self._fragmented(s, dtype) if s.fragment is not None else self.region(s.fqn, s.offsets, s.sizes, dtype)
+
     def _inside_one_chunk(self, s: Slab, dtype: torch.dtype) -> torch.Tensor | None:
         """The box as a view of the one chunk that holds it whole (the usual case: a legacy piece is a saved chunk):
         mapped, not copied, so a big tensor streams through the writer as a legacy one does."""
@@ -144,7 +181,8 @@ class DistReader:
     def _assemble(self, ref: RegionRef) -> torch.Tensor:
         import torch  # reading tensors (the layout itself is metadata: this module loads without torch)
 
-        if len(ref.slabs) == 1 and ref.shape and math.prod(ref.slabs[0].sizes) == math.prod(ref.shape):
+        if len(ref.slabs) == 1 and ref.shape and math.prod(ref.slabs[0].sizes) == math.prod(ref.shape) and \
+                ref.slabs[0].fragment is None:
             view = self._inside_one_chunk(ref.slabs[0], ref.dtype)
             if view is not None:
                 return view.reshape(ref.shape)
@@ -155,7 +193,7 @@ class DistReader:
             return flat.view(ref.shape)
         out = torch.empty(ref.shape, dtype=ref.dtype)
         for s in ref.slabs:
-            box = self.region(s.fqn, s.offsets, s.sizes, ref.dtype)
+            box = self._box(s, ref.dtype)
             if not ref.shape:
                 out.copy_(box.reshape(()))
                 continue
