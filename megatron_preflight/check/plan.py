@@ -239,13 +239,15 @@ def _flattened_range(layout: Layout, rt: RuntimeArgs) -> Finding:
     if rt.loads_flattened_range is False:
         return Finding("optimizer", "fully_sharded_model_space", "not loadable", FATAL,
                        "the distributed optimizer's state is saved in the fully_sharded_model_space form (flattened "
-                       "ranges: the default of megatron-core <= 0.15); this Megatron's megatron-core refuses it in "
-                       "load_checkpoint ('ShardedTensor.flattened_range is not supported'), after the model and "
-                       "optimizer are built", fix)
+                       "ranges: the default of megatron-core <= 0.15); this Megatron's megatron-core no longer reads "
+                       "it: load_checkpoint fails after the model and optimizer are built ('ShardedTensor."
+                       "flattened_range is not supported', or, for a checkpoint saved without content metadata, "
+                       "'Missing key in checkpoint state_dict: optimizer.distributed.dp_group_idx_0...')", fix)
     return Finding("optimizer", "fully_sharded_model_space", "load", INFO,
                    "the distributed optimizer's state is saved in the fully_sharded_model_space form (flattened "
                    "ranges: the default of megatron-core <= 0.15): a Megatron with megatron-core >= 0.16 (Megatron-LM "
-                   "main) refuses it in load_checkpoint ('ShardedTensor.flattened_range is not supported')",
+                   "main) no longer reads it: its load_checkpoint fails ('ShardedTensor.flattened_range is not "
+                   "supported', or 'Missing key in checkpoint state_dict: optimizer.distributed...')",
                    "on such a Megatron, " + fix)
 
 

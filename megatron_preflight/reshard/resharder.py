@@ -67,6 +67,17 @@ class OptimizerChoice:
         return self.plain is not None or self.distributed is not None
 
 
+def grads_in_fp32(args: Any) -> bool:
+    """Whether a run's DDP gradient buffers are fp32 (the key of each distrib_optim.pt buffer names their dtype, and
+    Megatron's load looks the buffer up by it): ``accumulate_allreduce_grads_in_fp32`` as saved; args that do not
+    record it follow Megatron-LM's rule (bf16 accumulates and all-reduces gradients in fp32 unless
+    --grad-reduce-in-bf16)."""
+    saved = getattr(args, "accumulate_allreduce_grads_in_fp32", None)
+    if saved is not None:
+        return bool(saved)
+    return bool(getattr(args, "bf16", False)) and not bool(getattr(args, "grad_reduce_in_bf16", False))
+
+
 def choose_optimizer(index: CheckpointIndex, *, distributed: bool, keep: bool,
                      group_order: str | None = None) -> OptimizerChoice:
     """THE decision on the optimizer state for a target: carried in the form ``distributed`` asks for (converted when
@@ -83,7 +94,7 @@ def choose_optimizer(index: CheckpointIndex, *, distributed: bool, keep: bool,
         return OptimizerChoice(dropped="left out on request (--drop-optimizer); load with --no-load-optim")
     plain, dist = source.plain, source.distributed
     if distributed and dist is None:
-        grad_fp32 = bool(getattr(index.view.saved_args, "accumulate_allreduce_grads_in_fp32", False))
+        grad_fp32 = grads_in_fp32(index.view.saved_args)
         dist, plain = plain_to_distributed(plain, index.tensors, index.step_of(plain), grad_fp32), None
     elif not distributed and plain is None:
         plain, dist = distributed_to_plain(dist, index.view, index.topology), None

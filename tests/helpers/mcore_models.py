@@ -161,7 +161,7 @@ def _model_entries(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     return {f"model{i}": c.state_dict_for_save_checkpoint() for i, c in enumerate(chunks)}
 
 
-def trainer(chunks, lr: float = 1e-2, distributed: bool = False):
+def trainer(chunks, lr: float = 1e-2, distributed: bool = False, min_lr: float | None = None):
     """Megatron's training wrapping of ``chunks`` (Float16Module for bf16, DDP) and megatron-core's optimizer (Adam
     over torch AdamW, as without apex / TE: the plain one, Float16OptimizerWithFloat16Params for bf16; or the
     DistributedOptimizer)."""
@@ -173,10 +173,12 @@ def trainer(chunks, lr: float = 1e-2, distributed: bool = False):
 
     cpu_compat.optimizer_on_cpu()
     cfg = chunks[0].config
-    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False)
+    # gradients in fp32 for bf16, as Megatron-LM sets it (accumulate_allreduce_grads_in_fp32)
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=False,
+                                            grad_reduce_in_fp32=bool(cfg.bf16))
     models = [DistributedDataParallel(c.config, ddp_cfg, Float16Module(c.config, c) if cfg.bf16 else c)
               for c in chunks]
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.1, bf16=cfg.bf16,
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=0.1, bf16=cfg.bf16,
                                                  use_distributed_optimizer=distributed), models)
     return models, opt
 

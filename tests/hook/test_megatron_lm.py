@@ -1096,3 +1096,36 @@ def test_te_moe_torch_dist_sources_every_optimizer_form_offline_and_in_memory(tm
         rc, log = run(tmp_path, str(sources[form]), 1, "--ckpt-format", "torch_dist", *extra[:1], *resume,
                       "--preflight", "auto", port=29830 + n, te=True)
         assert rc == 0 and (loss(log, 3, 4), loss(log, 4, 4)) == want, (form, log[-3000:])
+
+
+# megatron-core 0.13.1's default distributed-optimizer form, in a checkpoint it wrote (tests/fixtures/megatron-core-0.13)
+FSMS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "megatron-core-0.13",
+                    "fsms_bf16_tp2dp2_torch_dist")
+FSMS_RUN = ["--bf16", "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--disable-bias-linear",
+            "--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--no-load-rng", "--train-iters", "4",
+            "--make-vocab-size-divisible-by", "16"]  # as saved (tests/helpers/mcore_models.py's args)
+
+
+def test_a_fully_sharded_model_space_state_fails_at_start_and_loads_once_converted(tmp_path):
+    """A torch_dist checkpoint megatron-core 0.13.1 saved with its default distributed-optimizer form
+    (fully_sharded_model_space): Megatron-LM main fails inside load_checkpoint (after building the model and the
+    optimizer); --preflight check stops every rank at start naming the form and the conversion; after `megatron-
+    preflight reshard --ckpt-format torch_dist` (the fully_reshardable form) Megatron's own loader resumes it, and
+    iterations 3-4 equal its resume of our legacy conversion (another format, another loader; both hold what
+    megatron-core 0.13.1's own load holds: tests/reshard/sources/test_fully_sharded_model_space.py)."""
+    rc, log = run(tmp_path, FSMS, 2, *FSMS_RUN, "--ckpt-format", "torch_dist", plugin=False, port=29861)
+    assert rc != 0 and "Missing key in checkpoint state_dict: optimizer.distributed" in log, log[-3000:]
+    rc, log = run(tmp_path, FSMS, 2, *FSMS_RUN, "--ckpt-format", "torch_dist", "--preflight", "check", port=29862)
+    assert rc == 1 and "fully_sharded_model_space" in log and "megatron-preflight reshard" in log, log[-3000:]
+    assert "lm loss" not in log
+    losses = {}
+    for n, fmt in enumerate(("torch_dist", "torch")):
+        out = tmp_path / f"converted_{fmt}"
+        r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", FSMS, str(out), "--tp", "2",
+                            "--ckpt-format", fmt, "--optimizer", "distributed", "--verify", "--no-progress"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rc, log = run(tmp_path, str(out), 2, *FSMS_RUN, "--ckpt-format", fmt, plugin=False, port=29863 + n)
+        assert rc == 0 and loss(log, 4, 4) is not None, (fmt, log[-3000:])
+        losses[fmt] = (loss(log, 3, 4), loss(log, 4, 4))
+    assert losses["torch_dist"] == losses["torch"], losses
