@@ -42,6 +42,14 @@ def mcore_pool():
     yield from _pool(4)
 
 
+@pytest.fixture(scope="module")
+def training_pool2():
+    """A 2-process world of its own for a module that trains (megatron-core's DDP, optimizer, a backward pass): the
+    gloo threads of the process groups that training leaves alive in C++ (no Python object holds them; ~100 per
+    MoE test) end with these processes instead of piling up in the session's pool."""
+    yield from _pool(2)
+
+
 @pytest.fixture(scope="session")
 def mcore_pool2():
     """A 2-process world: fewer processes than cores, so gloo collectives in torch_dist saves/loads do not starve."""

@@ -39,53 +39,53 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(mcore_pool2, tmp_path_factory):
+def trained(training_pool2, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("grouped") / "ckpt")
-    out = mcore_pool2.run("tests.helpers.tasks:train_grouped_and_save", spec=asdict(SPEC), layout=asdict(Layout(ep=2)),
+    out = training_pool2.run("tests.helpers.tasks:train_grouped_and_save", spec=asdict(SPEC), layout=asdict(Layout(ep=2)),
                           root=root)
     return root, _merged(out, "before"), _merged(out, "after")
 
 
-def test_the_plain_optimizer_state_of_packed_experts_is_carried_offline(mcore_pool2, tmp_path, trained):
+def test_the_plain_optimizer_state_of_packed_experts_is_carried_offline(training_pool2, tmp_path, trained):
     root, before, after = trained
     out = str(tmp_path / "sequential")
     write_resharded(root, out, TargetLayout(ep=1), verify=True)
     files = {str(r): os.path.join(out, "iter_0000002", "mp_rank_00", "model_optim_rng.pt") for r in range(2)}
-    res = mcore_pool2.run("tests.helpers.tasks:resume_and_step", spec=SEQUENTIAL, layout=asdict(Layout(ep=1)),
+    res = training_pool2.run("tests.helpers.tasks:resume_and_step", spec=SEQUENTIAL, layout=asdict(Layout(ep=1)),
                           state=files)
     assert _differences(before, res[0]["before"]) == []  # masters, moments and bf16 weights, every expert
     assert _differences(after, res[0]["after"]) == []  # and the next step (Adam's bias correction continues)
 
 
-def test_the_plain_optimizer_state_of_packed_experts_is_carried_in_memory(mcore_pool2, trained):
+def test_the_plain_optimizer_state_of_packed_experts_is_carried_in_memory(training_pool2, trained):
     root, before, after = trained
-    res = mcore_pool2.run("tests.helpers.tasks:resume_and_step", spec=SEQUENTIAL, layout=asdict(Layout(ep=2)),
+    res = training_pool2.run("tests.helpers.tasks:resume_and_step", spec=SEQUENTIAL, layout=asdict(Layout(ep=2)),
                           source=root)
     assert _differences(before, _merged(res, "before")) == []
     assert _differences(after, _merged(res, "after")) == []
 
 
-def test_without_the_optimizer_state_the_step_differs(mcore_pool2, trained):
+def test_without_the_optimizer_state_the_step_differs(training_pool2, trained):
     """The control: the same load with a fresh optimizer (--no-load-optim) takes a different step."""
     root, _, after = trained
-    res = mcore_pool2.run("tests.helpers.tasks:resume_and_step", spec=SEQUENTIAL, layout=asdict(Layout(ep=2)),
+    res = training_pool2.run("tests.helpers.tasks:resume_and_step", spec=SEQUENTIAL, layout=asdict(Layout(ep=2)),
                           source=root, with_optimizer=False)
     moved = [d for d in _differences(after, _merged(res, "after")) if d.endswith(" param")]
     assert len(moved) > 20, moved
 
 
-def test_the_distributed_optimizer_state_of_packed_experts_is_carried(mcore_pool2, tmp_path):
+def test_the_distributed_optimizer_state_of_packed_experts_is_carried(training_pool2, tmp_path):
     """The same with megatron-core's DistributedOptimizer (its distrib_optim.pt: each packed weight one range of the
     buffers), resumed at EP1 by the distributed optimizer, offline and in memory."""
     root = str(tmp_path / "ckpt")
-    out = mcore_pool2.run("tests.helpers.tasks:train_grouped_and_save", spec=asdict(SPEC), layout=asdict(Layout(ep=2)),
+    out = training_pool2.run("tests.helpers.tasks:train_grouped_and_save", spec=asdict(SPEC), layout=asdict(Layout(ep=2)),
                           root=root, distributed=True)
     before, after = _merged(out, "before"), _merged(out, "after")
     assert os.path.isfile(os.path.join(root, "iter_0000002", "mp_rank_00_000", "distrib_optim.pt"))
     dst = str(tmp_path / "sequential")
     write_resharded(root, dst, TargetLayout(ep=1), verify=True)
     files = {str(r): os.path.join(dst, "iter_0000002", "mp_rank_00", "model_optim_rng.pt") for r in range(2)}
-    res = mcore_pool2.run("tests.helpers.tasks:resume_and_step", spec=SEQUENTIAL, layout=asdict(Layout(ep=1)),
+    res = training_pool2.run("tests.helpers.tasks:resume_and_step", spec=SEQUENTIAL, layout=asdict(Layout(ep=1)),
                           state=files, distributed=True)
     assert _differences(before, res[0]["before"]) == []
     assert _differences(after, res[0]["after"]) == []

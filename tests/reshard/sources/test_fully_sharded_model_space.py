@@ -53,11 +53,11 @@ def test_every_global_state_equals_megatron_core_013s_own_load(oracle):
 
 
 @pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "plain"])
-def test_a_legacy_reshard_resumes_with_the_state_megatron_core_013_loaded(mcore_pool2, tmp_path, oracle, distributed):
+def test_a_legacy_reshard_resumes_with_the_state_megatron_core_013_loaded(training_pool2, tmp_path, oracle, distributed):
     out = str(tmp_path / "tp1")
     write_resharded(SRC, out, TargetLayout(tp=1, distributed_optimizer=distributed), verify=True)
     files = {str(r): os.path.join(out, "iter_0000002", "mp_rank_00", "model_optim_rng.pt") for r in range(2)}
-    res = mcore_pool2.run("tests.helpers.tasks:resume_and_step", spec=oracle["spec"], layout={"tp": 1}, state=files,
+    res = training_pool2.run("tests.helpers.tasks:resume_and_step", spec=oracle["spec"], layout={"tp": 1}, state=files,
                           distributed=distributed)
     loaded = {k.split(":", 1)[1]: v for k, v in res[0]["before"].items()}
     bad = [(k, f) for k, v in oracle["tensors"].items() for f in FIELDS if not torch.equal(loaded[k][f], v[f])]
