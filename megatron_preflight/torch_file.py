@@ -328,7 +328,13 @@ class TorchFile:
         Keeps the resident set at about one tensor while streaming through a big shard."""
         if self._mmap is not None and hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             try:
-                self._mmap.madvise(mmap.MADV_DONTNEED)
+                if self._window is None:
+                    self._mmap.madvise(mmap.MADV_DONTNEED)
+                else:  # a window of a big file (a torch_dist chunk): only its pages, not the whole mapping's range
+                    page = mmap.PAGESIZE
+                    lo = self._base // page * page
+                    hi = min(len(self._mmap), self._base + self._window[1])
+                    self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             except (OSError, ValueError):
                 pass
 
