@@ -10,16 +10,14 @@ Usage: python benchmarks/bench_diff.py [--work DIR] [--keep]
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
-from bench_reshard import dir_bytes, make_checkpoint, run_case
+from bench_reshard import dir_bytes, proving_inputs, run_case
 
 PROBE = ("import json, resource, sys, time, torch\n"
          "from megatron_preflight.prove.diff import diff_checkpoints\n"
@@ -44,16 +42,7 @@ def read_floor(*roots: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--keep", action="store_true")
-    ns = ap.parse_args()
-    work = ns.work or tempfile.mkdtemp(prefix="bench_diff_")
-    dense, adam = os.path.join(work, "dense_tp2"), os.path.join(work, "dense_adam_tp2")
-    if not os.path.exists(dense):
-        make_checkpoint(dense, layers=16, tp=2, ep=1, moe=None)
-    if not os.path.exists(adam):
-        make_checkpoint(adam, layers=4, tp=2, ep=1, moe=None, adam=True)
+    ns, work, dense, adam = proving_inputs("bench_diff_")
     made = {}
     for name, src, flags in (("dense_tp1", dense, ["--tp", "1"]), ("dense_dist", dense, ["--ckpt-format", "torch_dist"]),
                              ("adam_tp1", adam, ["--tp", "1"]), ("adam_dist", adam, ["--ckpt-format", "torch_dist"])):

@@ -9,15 +9,13 @@ Usage: python benchmarks/bench_fingerprint.py [--work DIR] [--keep]
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
-from bench_reshard import dir_bytes, make_checkpoint, run_case
+from bench_reshard import dir_bytes, proving_inputs, run_case
 
 
 def _timed(cmd: list[str]) -> float:
@@ -29,16 +27,7 @@ def _timed(cmd: list[str]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--keep", action="store_true")
-    ns = ap.parse_args()
-    work = ns.work or tempfile.mkdtemp(prefix="bench_fingerprint_")
-    dense, adam = os.path.join(work, "dense_tp2"), os.path.join(work, "dense_adam_tp2")
-    if not os.path.exists(dense):
-        make_checkpoint(dense, layers=16, tp=2, ep=1, moe=None)
-    if not os.path.exists(adam):
-        make_checkpoint(adam, layers=4, tp=2, ep=1, moe=None, adam=True)
+    ns, work, dense, adam = proving_inputs("bench_fingerprint_")
     rows = []
     for label, src, flags in (("dense TP2->TP1", dense, ["--tp", "1"]),
                               ("dense+Adam TP2->TP1", adam, ["--tp", "1"]),

@@ -138,6 +138,22 @@ def make_checkpoint(root: str, *, layers: int, tp: int, ep: int, moe: int | None
         fh.write("1")
 
 
+def proving_inputs(prefix: str) -> tuple[argparse.Namespace, str, str, str]:
+    """The command line (--work DIR, --keep) of the benchmarks that prove a checkpoint (bench_diff, bench_fingerprint)
+    and their two inputs, made once in the work dir: (args, work dir, dense TP2 ~1.0 GB, 4 layers + Adam ~1.3 GB)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--keep", action="store_true")
+    ns = ap.parse_args()
+    work = ns.work or tempfile.mkdtemp(prefix=prefix)
+    dense, adam = os.path.join(work, "dense_tp2"), os.path.join(work, "dense_adam_tp2")
+    if not os.path.exists(dense):
+        make_checkpoint(dense, layers=16, tp=2, ep=1, moe=None)
+    if not os.path.exists(adam):
+        make_checkpoint(adam, layers=4, tp=2, ep=1, moe=None, adam=True)
+    return ns, work, dense, adam
+
+
 def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(path) for f in fs)
 
