@@ -2,8 +2,9 @@
 
 Builds (once, in --work) the dense GPT checkpoints of bench_reshard.py (16 layers, hidden 1024, fp32, TP2, ~1.0 GB,
 model only; and 4 layers with the plain optimizer's Adam state, ~1.3 GB) and, with `megatron-preflight reshard`, the
-same at TP1 and in torch_dist. For each pair it times diff_checkpoints in a fresh process (after torch's import:
-the tool's own time) and the floor: reading every byte of both checkpoints with plain file I/O, in the same run.
+same at TP1 and in torch_dist. For each pair, in a fresh process (after torch's import: the tool's own time), it
+times diff_checkpoints once, then in rounds the floor (reading every byte of both checkpoints with plain file I/O)
+and diff_checkpoints again: a round's two timings share the load of the moment on a shared box.
 
 Usage: python benchmarks/bench_diff.py [--work DIR] [--keep]
 """
@@ -15,30 +16,29 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 from bench_reshard import dir_bytes, proving_inputs, run_case
 
-PROBE = ("import json, resource, sys, time, torch\n"
+PROBE = ("import json, os, resource, sys, time, torch\n"
          "from megatron_preflight.prove.diff import diff_checkpoints\n"
-         "times = []\n"
-         "for _ in range(4):\n"
+         "def floor(roots):\n"
+         "    t0 = time.perf_counter(); buf = bytearray(16 << 20)\n"
+         "    for root in roots:\n"
+         "        for dp, _, fs in os.walk(root):\n"
+         "            for f in fs:\n"
+         "                with open(os.path.join(dp, f), 'rb', buffering=0) as fh:\n"
+         "                    while fh.readinto(buf):\n"
+         "                        pass\n"
+         "    return time.perf_counter() - t0\n"
+         "t = time.perf_counter(); r = diff_checkpoints(sys.argv[1], sys.argv[2]); first = time.perf_counter() - t\n"
+         "diffs, floors = [], []\n"
+         "for _ in range(int(sys.argv[3])):\n"
+         "    floors.append(floor(sys.argv[1:3]))\n"
          "    t = time.perf_counter(); r = diff_checkpoints(sys.argv[1], sys.argv[2])\n"
-         "    times.append(time.perf_counter() - t)\n"
-         "print(json.dumps({'first': times[0], 'secs': min(times[1:]), 'equal': r.equal, 'tensors': len(r.tensors),\n"
-         "                  'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
-
-
-def read_floor(*roots: str) -> float:
-    t0 = time.perf_counter()
-    buf = bytearray(16 << 20)
-    for root in roots:
-        for dp, _, fs in os.walk(root):
-            for f in fs:
-                with open(os.path.join(dp, f), "rb", buffering=0) as fh:
-                    while fh.readinto(buf):
-                        pass
-    return time.perf_counter() - t0
+         "    diffs.append(time.perf_counter() - t)\n"
+         "print(json.dumps({'first': first, 'diffs': diffs, 'floors': floors, 'equal': r.equal,\n"
+         "                  'tensors': len(r.tensors), 'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
+ROUNDS = 7
 
 
 def main() -> None:
@@ -55,22 +55,23 @@ def main() -> None:
              ("dense+Adam TP2 vs torch_dist", adam, made["adam_dist"])]
     rows = []
     for label, a, b in cases:
-        floor = min(read_floor(a, b) for _ in range(4))
-        r = subprocess.run([sys.executable, "-c", PROBE, a, b], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-c", PROBE, a, b, str(ROUNDS)], capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(r.stderr)
         doc = json.loads(r.stdout.strip().splitlines()[-1])
-        rows.append((label, (dir_bytes(a) + dir_bytes(b)) / 1e9, doc["first"], doc["secs"], floor, doc["rss"],
-                     doc["equal"], doc["tensors"]))
-    print(f"{'case':<30}{'both GB':>8}{'1st s':>7}{'diff s':>8}{'floor s':>9}{'diff/floor':>11}{'peak RSS MiB':>14}"
-          f"{'equal':>7}{'tensors':>9}")
-    for label, gb, first, secs, floor, rss, equal, n in rows:
-        print(f"{label:<30}{gb:>8.2f}{first:>7.2f}{secs:>8.2f}{floor:>9.2f}{secs / floor:>11.2f}{rss:>14.0f}"
-              f"{str(equal):>7}{n:>9}")
-    print("1st s: the first diff_checkpoints in a fresh process after torch's import (with the lazy imports it "
-          "triggers: torch.distributed.checkpoint for torch_dist); diff s: the best of the next three; floor: every "
-          "byte of both checkpoints read once with plain file I/O, best of four (page cache warm, as for diff); "
-          "peak RSS: ru_maxrss of the diff process.")
+        ratios = sorted(d / f for d, f in zip(doc["diffs"], doc["floors"], strict=True))
+        rows.append((label, (dir_bytes(a) + dir_bytes(b)) / 1e9, doc["first"], min(doc["diffs"]), min(doc["floors"]),
+                     ratios[len(ratios) // 2], doc["rss"], doc["equal"], doc["tensors"]))
+    print(f"{'case':<30}{'both GB':>8}{'1st s':>7}{'diff s':>8}{'floor s':>9}{'best/best':>10}{'median':>8}"
+          f"{'peak RSS MiB':>14}{'equal':>7}{'tensors':>9}")
+    for label, gb, first, secs, floor, median, rss, equal, n in rows:
+        print(f"{label:<30}{gb:>8.2f}{first:>7.2f}{secs:>8.2f}{floor:>9.2f}{secs / floor:>10.2f}{median:>8.2f}"
+              f"{rss:>14.0f}{str(equal):>7}{n:>9}")
+    print(f"1st s: the first diff_checkpoints in a fresh process after torch's import (with the lazy imports it "
+          f"triggers); then {ROUNDS} rounds, each reading every byte of both checkpoints once with plain file I/O (the "
+          f"floor; page cache warm, as for diff) and then diffing them: diff s and floor s are the best of the rounds, "
+          f"best/best their ratio, median the median of the rounds' own diff/floor ratios (each round's two "
+          f"timings share the box's load of the moment); peak RSS: ru_maxrss of the process.")
     if not ns.keep and not ns.work:
         shutil.rmtree(work, ignore_errors=True)
 

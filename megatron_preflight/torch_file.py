@@ -9,6 +9,7 @@ shard costs what a 1 MB shard costs. :meth:`TorchFile.tensor` maps one storage r
 
 from __future__ import annotations
 
+import functools
 import io
 import mmap
 import os
@@ -126,9 +127,16 @@ class _TensorType:
 
 
 def _overrides(file: str) -> dict[tuple[str, str], Any]:
+    hooks = dict(_static_overrides())
+    hooks[("torch._utils", "_rebuild_tensor_v2")] = hooks[("torch._utils", "_rebuild_tensor")] = \
+        _rebuild_tensor_hook(file)
+    return hooks
+
+
+@functools.lru_cache(maxsize=1)
+def _static_overrides() -> dict[tuple[str, str], Any]:
+    """The hooks that do not name the file (made once: a torch_dist checkpoint opens one blob per chunk)."""
     hooks: dict[tuple[str, str], Any] = {
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_hook(file),
-        ("torch._utils", "_rebuild_tensor"): _rebuild_tensor_hook(file),
         ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
         ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
         ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
@@ -140,13 +148,13 @@ def _overrides(file: str) -> dict[tuple[str, str], Any]:
     return hooks
 
 
-class _Window(io.RawIOBase):
-    """A read-only view of bytes ``[start, start + length)`` of an open file, as a file of its own (a torch_dist
-    ``.distcp`` file holds one ``torch.save`` blob per chunk)."""
+class _MappedWindow(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of a mapped file, as a read-only file of its own (a torch_dist ``.distcp``
+    file holds one ``torch.save`` blob per chunk): reads are slices of the mapping, no system calls."""
 
-    def __init__(self, fh: Any, start: int, length: int) -> None:
+    def __init__(self, mapping: mmap.mmap, start: int, length: int) -> None:
         super().__init__()
-        self._fh, self._start, self._length, self._pos = fh, start, length, 0
+        self._map, self._start, self._length, self._pos = mapping, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -162,28 +170,64 @@ class _Window(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._length if size is None or size < 0 else min(self._length, self._pos + size)
+        if end <= self._pos:
+            return b""
+        data = self._map[self._start + self._pos: self._start + end]
+        self._pos = end
+        return data
+
     def readinto(self, buf: Any) -> int:
-        n = max(0, min(len(buf), self._length - self._pos))
-        if n == 0:
-            return 0
-        self._fh.seek(self._start + self._pos)
-        data = self._fh.read(n)
+        data = self.read(len(buf))
         buf[: len(data)] = data
-        self._pos += len(data)
         return len(data)
+
+
+def _open_checked(path: str) -> tuple[Any, int]:
+    """``path`` opened for reading, with its size: a regular, non-empty, readable file, or a clear error."""
+    require_regular_file(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise PreflightError(f"cannot read the file ({exc.strerror})", path=path,
+                             fix="check that it exists and that this user can read it", code="unreadable_file") from None
+    if size == 0:
+        raise CorruptFileError("the file is empty (0 bytes); the save that wrote it was interrupted",
+                               path=path, fix="load an earlier iteration with --ckpt-step, or re-save it",
+                               code="empty_file")
+    try:
+        return open(path, "rb"), size
+    except OSError as exc:
+        raise PreflightError(f"cannot open the file ({exc.strerror})", path=path,
+                             fix="check the file's permissions", code="unreadable_file") from None
+
+
+def map_file(path: str | os.PathLike) -> mmap.mmap:
+    """The whole file mapped copy-on-write (the file is never written; pages are read on access), after the checks
+    every open makes. Shared by the :class:`TorchFile` windows of its blobs (a torch_dist ``.distcp`` file)."""
+    fh, _ = _open_checked(os.fspath(path))
+    with fh:
+        try:
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:
+            raise PreflightError(f"cannot map the file ({exc})", path=os.fspath(path),
+                                 fix="check that it is a regular file on a filesystem that supports mmap",
+                                 code="unreadable_file") from None
 
 
 class TorchFile:
     """An open ``torch.save`` zip file: metadata via :meth:`load_metadata`, tensors via :meth:`tensor`. With
-    ``window=(start, length)``, the zip file is that byte range of ``path``."""
+    ``window=(start, length)``, the zip file is that byte range of ``path``, read through ``mapping`` (the file's
+    :func:`map_file`: one mapping shared by all the blobs of a ``.distcp`` file) or a mapping of its own."""
 
-    def __init__(self, path: str | os.PathLike, *, trust: bool = False, window: tuple[int, int] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, trust: bool = False, window: tuple[int, int] | None = None,
+                 mapping: mmap.mmap | None = None) -> None:
         self.path = os.fspath(path)
         self.trust = trust
         self._window = window
-        self._raw: Any = None
         self._zip: zipfile.ZipFile | None = None
-        self._mmap: mmap.mmap | None = None
+        self._mmap: mmap.mmap | None = mapping  # with a window: the file's mapping (map_file), maybe shared
         self._fh: Any = None
         self._archive = ""
         self._offsets: dict[str, tuple[int, int]] = {}
@@ -191,32 +235,21 @@ class TorchFile:
 
     # -- opening -------------------------------------------------------------------------------------------------
     def _open(self) -> None:
-        require_regular_file(self.path)
-        try:
-            size = os.path.getsize(self.path)
-        except OSError as exc:
-            raise PreflightError(f"cannot read the file ({exc.strerror})", path=self.path,
-                                 fix="check that it exists and that this user can read it", code="unreadable_file") from None
-        if size == 0:
-            raise CorruptFileError("the file is empty (0 bytes); the save that wrote it was interrupted",
-                                   path=self.path, fix="load an earlier iteration with --ckpt-step, or re-save it",
-                                   code="empty_file")
-        try:
-            self._fh = open(self.path, "rb")
-        except OSError as exc:
-            raise PreflightError(f"cannot open the file ({exc.strerror})", path=self.path,
-                                 fix="check the file's permissions", code="unreadable_file") from None
         self._base = 0
-        if self._window is not None:
+        if self._window is not None:  # one blob of a bigger file: read through the file's mapping
             start, length = self._window
+            if self._mmap is None:
+                self._mmap = map_file(self.path)
+            size = len(self._mmap)
             if start < 0 or length <= 0 or start + length > size:
                 self.close()
                 raise CorruptFileError(f"bytes {start:,}..{start + length:,} are listed in the metadata but the file has "
                                        f"{size:,} (truncated)", path=self.path, code="corrupt_file",
                                        fix="restore the file from a complete copy")
             self._base, size = start, length
-            self._raw = self._fh
-            self._fh = io.BufferedReader(_Window(self._raw, start, length))
+            self._fh = _MappedWindow(self._mmap, start, length)
+        else:
+            self._fh, size = _open_checked(self.path)
         try:
             self._zip = zipfile.ZipFile(self._fh)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError):
@@ -241,7 +274,7 @@ class TorchFile:
         self._size = size
 
     def close(self) -> None:
-        for obj in (self._zip, self._fh, self._raw):
+        for obj in (self._zip, self._fh):
             try:
                 if obj is not None:
                     obj.close()
@@ -362,9 +395,8 @@ class TorchFile:
         if ref.numel == 0:
             return torch.empty(ref.shape, dtype=dtype)
         if self._mmap is None:
-            raw = self._raw or self._fh
-            assert raw is not None
-            self._mmap = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_COPY)
+            assert self._fh is not None
+            self._mmap = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
         count = nbytes // dtype.itemsize
         flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)

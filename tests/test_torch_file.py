@@ -100,3 +100,38 @@ def test_a_tensor_beyond_its_storage_is_a_corrupt_file_not_a_crash():
                                         (0, (2, 2), (1,), "malformed")]:
         with pytest.raises(CorruptFileError, match=says):
             _check_extent(TensorRef("f.pt", storage, offset, shape, stride))
+
+
+def test_blobs_of_one_file_read_through_one_shared_mapping(tmp_path):
+    """A torch_dist .distcp file holds one torch.save blob per chunk: each blob is a TorchFile window read through
+    the file's one mapping (map_file), its tensors exact and copy-on-write; a window past the end is a clear error."""
+    import io
+
+    import pytest
+
+    from megatron_preflight.errors import CorruptFileError
+    from megatron_preflight.torch_file import map_file
+
+    blobs, windows = [], []
+    for i in range(3):
+        buf = io.BytesIO()
+        torch.save(torch.arange(10 * (i + 1), dtype=torch.float32).reshape(i + 1, 10) + i, buf)
+        windows.append((sum(len(b) for b in blobs), len(buf.getvalue())))
+        blobs.append(buf.getvalue())
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(b"".join(blobs))
+    before = path.read_bytes()
+    shared = map_file(path)
+    for i, window in enumerate(windows):
+        f = TorchFile(path, window=window, mapping=shared)
+        assert f._mmap is shared
+        t = f.tensor(f.load_metadata())
+        assert torch.equal(t, torch.arange(10 * (i + 1), dtype=torch.float32).reshape(i + 1, 10) + i)
+        t.mul_(3)  # copy-on-write: the file keeps its bytes
+        f.release_pages()
+        f.close()
+    assert path.read_bytes() == before
+    with pytest.raises(CorruptFileError, match="truncated"):
+        TorchFile(path, window=(windows[2][0], windows[2][1] + 1), mapping=shared)
+    with pytest.raises(CorruptFileError, match="not a torch file"):
+        TorchFile(path, window=(0, windows[0][1] - 10), mapping=shared)  # a blob without its zip directory

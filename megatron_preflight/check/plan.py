@@ -14,9 +14,10 @@ from megatron_preflight.check.compare import check_runtime_layout, compare_archi
 from megatron_preflight.check.data import data_findings
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.memory import memory_findings
+from megatron_preflight.check.param_groups import param_group_findings
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, from_namespace
 from megatron_preflight.check.save import save_findings
-from megatron_preflight.check.schedule import horizon_findings, schedule_findings
+from megatron_preflight.check.schedule import horizon_findings, schedule_findings, scheduler_flag_findings
 from megatron_preflight.check.tokenizer import tokenizer_findings
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
@@ -369,6 +370,7 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
             (optimizer_toggled(layout, rt) and _convertible(index))
         findings += lay + family
         findings += schedule_findings(layout, rt) + horizon_findings(layout, rt) + save_findings(layout, rt)
+        findings += scheduler_flag_findings(rt) + param_group_findings(layout, rt)
         findings += batch_findings(layout, rt) + data_findings(rt) + tokenizer_findings(rt)
         if not any(f.severity == FATAL for f in findings):  # a run that will not start needs no memory figure
             mem, ranks = memory_findings(index, rt)

@@ -71,6 +71,9 @@ class RuntimeArgs:
     # Whether the run's megatron-core loads ShardedTensors with a flattened_range (the distributed optimizer's
     # fully_sharded_model_space form; megatron-core >= 0.16 does not); the hook asks megatron.core, None offline
     loads_flattened_range: bool | None = None
+    # The per-group settings by which the run's megatron.core pairs saved optimizer param groups with its own
+    # (``param_group_identifier_keys``; check/param_groups.py); the hook asks megatron.core, None offline
+    param_group_keys: tuple[str, ...] | None = None
     use_distributed_optimizer: bool = False
     ckpt_format: str = "torch_dist"
     auto_detect_ckpt_format: bool = False
@@ -90,6 +93,8 @@ class RuntimeArgs:
     # the LR schedule and the horizon (check/schedule.py); Megatron's defaults, None = not set / not known
     lr: float | None = None
     min_lr: float = 0.0
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     lr_decay_style: str = "linear"
     lr_warmup_iters: int = 0
     lr_warmup_samples: int = 0
@@ -244,6 +249,9 @@ def _coerce(key: str, value: Any) -> Any:
         except (TypeError, ValueError):
             raise PreflightError(f"argument {key} must be a number, got {value!r}", fix=f"pass a number for {key}",
                                  code="usage") from None
+    if "tuple" in str(typ):  # a list of names: "a,b" on the command line
+        items = value.split(",") if isinstance(value, str) else value
+        return tuple(str(v).strip() for v in items if str(v).strip())
     if "int" in str(typ) and not isinstance(value, bool):
         try:
             return int(value)

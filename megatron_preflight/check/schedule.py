@@ -149,15 +149,15 @@ def schedule_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         if ck is None or _same(ck, sched[name]):
             continue
         why = _why(name, ck, sched[name], rt, layout.saved_args, sched)
-        if name in ("max_lr", "min_lr"):
-            why = ("Megatron-LM main also matches the optimizer's param groups by their max_lr / min_lr and fails "
-                   "before the scheduler ('Could not find parameter group with key ...'), whatever the scheduler "
-                   "flags say: there only --no-load-optim avoids it")
+        fix = _BOTH_FLAGS
+        if rt.param_group_keys is not None and name in rt.param_group_keys:  # check/param_groups.py
+            fix = (f"resume with the checkpoint's {flag} {ck} (this Megatron also pairs the optimizer's param groups "
+                   "by it: the scheduler flags do not avoid that failure), or add --no-load-optim")
         out.append(Finding(name, ck, sched[name], FATAL,
                            f"the LR schedule differs: Megatron asserts after the load that the {megatron_name} "
                            f"({flag}) equals the checkpoint's ('OptimizerParamScheduler: class input value "
                            f"{sched[name]} and checkpoint value {ck} ... do not match')" + (f": {why}" if why else ""),
-                           _BOTH_FLAGS))
+                           fix))
     return out
 
 
@@ -180,3 +180,16 @@ def horizon_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                         f"{rt.train_samples}: Megatron would load everything and exit without training",
                         f"raise --train-samples above {consumed}, or add --skip-train for evaluation only")]
     return []
+
+
+def scheduler_flag_findings(rt: RuntimeArgs) -> list[Finding]:
+    """--override-opt-param-scheduler with --use-checkpoint-opt-param-scheduler: Megatron asserts on it when it
+    builds the scheduler, after the model and the optimizer."""
+    if not (rt.override_opt_param_scheduler and rt.use_checkpoint_opt_param_scheduler):
+        return []
+    return [Finding("override_opt_param_scheduler", "", "both set", FATAL,
+                    "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are both given: "
+                    "Megatron asserts ('both override and use-checkpoint are set.') when it builds the LR scheduler, "
+                    "after building the model and the optimizer",
+                    "keep one: --override-opt-param-scheduler (the run's flags define the schedule) or "
+                    "--use-checkpoint-opt-param-scheduler (the checkpoint's schedule continues)")]

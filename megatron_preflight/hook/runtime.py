@@ -96,6 +96,19 @@ def loads_flattened_range() -> bool | None:
     return "flattened_range" in text and "flattened_range is not supported" not in text
 
 
+def param_group_keys() -> tuple[str, ...] | None:
+    """The per-group settings by which this megatron.core pairs a checkpoint's optimizer param groups with the run's
+    on load (``param_group_identifier_keys``; Megatron-LM main includes max_lr and min_lr); None: unknown."""
+    try:
+        from megatron.core.optimizer import optimizer as mcore_optimizer  # Megatron is present: in its job
+    except Exception:  # noqa: BLE001 - no megatron.core: unknown
+        return None
+    keys = getattr(mcore_optimizer, "param_group_identifier_keys", None)
+    if keys is None:  # older megatron-core: the groups' structure only (wd_mult, lr_mult, expert, decoupled)
+        return ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+    return tuple(str(k) for k in keys)
+
+
 def device_memory_gib() -> float | None:
     """This rank's CUDA device memory in GiB (None without CUDA, e.g. on the CPU runner)."""
     try:
@@ -113,6 +126,7 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     rt.optimizer_family = run_adam_family(args)
     rt.builds_grouped_mlp = builds_grouped_mlp(args)
     rt.loads_flattened_range = loads_flattened_range()
+    rt.param_group_keys = param_group_keys()
     if rt.preflight_device_memory is None:
         rt.preflight_device_memory = device_memory_gib()
     if mode in ("auto", "verify"):

@@ -46,7 +46,61 @@ TE_CPU = os.environ.get("MEGATRON_LM_TE_CPU")
 TE_SPEC = ["--transformer-impl", "transformer_engine"]
 
 
-def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=(), launch=None):
+# Every resume is verified (issue 20, proof (d): no false alarm, whoever loads): `run` takes the checkpoint's
+# fingerprints (`megatron-preflight fingerprint`, unless they are stored already: `reshard --fingerprint` writes its
+# output's as it streams) and turns `--preflight auto` into `--preflight verify` (auto + the proof after the load); a
+# run without the plugin (Megatron's own parsing, checks and loaders, untouched) gets VERIFYING_LAUNCHER, which only
+# calls verify after Megatron's own load_checkpoint. A run that trains must then say the loaded state equals the
+# fingerprints, and no run may report a difference. MEGATRON_LM_VERIFY_EVERY_LOAD=0 turns it off; tests that damage a
+# fingerprinted checkpoint on purpose pass verify=False to their plain run.
+VERIFY_EVERY_LOAD = os.environ.get("MEGATRON_LM_VERIFY_EVERY_LOAD", "1") != "0"
+VERIFIED = re.compile(r"verify: the loaded (model and optimizer state equal|model equals) the checkpoint's "
+                      r"fingerprints")
+VERIFYING_LAUNCHER = """
+import runpy, sys
+import megatron.training.checkpointing as ck, megatron.training.training as tr
+from megatron.training.global_vars import get_args
+from megatron_preflight.hook import verify
+original = ck.load_checkpoint
+def load_then_verify(ddp_model, optimizer, opt_param_scheduler, load_arg="load", *a, **k):
+    result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
+    if load_arg == "load" and result and result[0] > 0:
+        verify.verify_after_load(ddp_model, get_args(), optimizer)
+    return result
+ck.load_checkpoint = tr.load_checkpoint = load_then_verify
+sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+runpy.run_path("pretrain_gpt.py", run_name="__main__")
+"""
+
+
+def _fingerprinted_here(root) -> bool:
+    """Whether ``root`` (a checkpoint root) has fingerprints stored, taking them if it has none; False for a
+    directory without a checkpoint (a run that starts from scratch) or one the fingerprint command refuses."""
+    if os.path.isdir(os.path.join(root, "megatron_preflight_fingerprints")):
+        return True
+    if not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt")):
+        return False
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "fingerprint", str(root)], capture_output=True,
+                       text=True, timeout=300)
+    return r.returncode == 0
+
+
+def _verifying(tmp_path, dst, plugin, launch, flags):
+    """(flags, launch, verifying) for a run of the checkpoint at ``dst``: see VERIFY_EVERY_LOAD."""
+    if launch is not None or not _fingerprinted_here(dst):
+        return flags, launch, False
+    if plugin:
+        at = [i for i, f in enumerate(flags[:-1]) if f == "--preflight" and flags[i + 1] == "auto"]
+        if not at:
+            return flags, launch, False
+        return [*flags[:at[0] + 1], "verify", *flags[at[0] + 2:]], launch, True
+    launcher = tmp_path / "verifying_launcher.py"
+    launcher.write_text(VERIFYING_LAUNCHER)
+    return flags, [str(launcher)], True
+
+
+def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=(), launch=None,
+        verify=VERIFY_EVERY_LOAD):
     python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
     extra_path = [os.environ.get("MEGATRON_LM_PYTHONPATH", ""), ROOT] + ([TE_CPU] if te else [])
@@ -55,12 +109,29 @@ def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=(
     dst = tmp_path / os.path.basename(ckpt)
     if not dst.exists():
         shutil.copytree(ckpt, dst)
+    verifying = False
+    if verify:
+        flags, launch, verifying = _verifying(tmp_path, dst, plugin, launch, list(flags))
     launch = launch or (["-m", "megatron_preflight.run", "pretrain_gpt.py"] if plugin else ["pretrain_gpt.py"])
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
            *launch, *_without(TINY, drop), *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), *(TE_SPEC if te else []),
            "--load", str(dst), *flags]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    return r.returncode, r.stdout + r.stderr
+    log = r.stdout + r.stderr
+    if verifying:
+        assert "is not the checkpoint's" not in log and "no longer matches its fingerprints" not in log, log[-3000:]
+        if "lm loss" in log:  # it loaded and trained: verify ran between the two
+            assert VERIFIED.search(log), log[-3000:]
+        _record(ckpt, plugin, VERIFIED.search(log) is not None)
+    return r.returncode, log
+
+
+def _record(ckpt, plugin, verified):
+    """Appends one line per verified run to MEGATRON_LM_VERIFY_RECORD (a file), for the counts in the notes."""
+    where = os.environ.get("MEGATRON_LM_VERIFY_RECORD")
+    if where:
+        with open(where, "a") as f:
+            f.write(json.dumps({"ckpt": os.path.basename(str(ckpt)), "plugin": plugin, "verified": verified}) + "\n")
 
 
 def _without(flags, drop):
@@ -141,7 +212,8 @@ def test_offline_reshard_loads_in_plain_megatron(tmp_path, legacy, dist, nproc, 
     losses of iterations 3 and 4 equal Megatron's own reshard of the torch_dist twin."""
     out = tmp_path / "resharded"
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(legacy), str(out),
-                        *target, "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+                        *target, "--verify", "--fingerprint", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rc, log = run(tmp_path, str(out), nproc, "--ckpt-format", "torch", "--no-load-rng", "--train-iters", "4", *flags,
                   plugin=False, port=29712)
@@ -230,7 +302,8 @@ def test_offline_distributed_optimizer_reshard_trains_like_megatrons_dist_reshar
     loaded Adam moments; iteration 3 on the fp32 masters the distributed optimizer copies into the weights)."""
     out = tmp_path / "resharded"
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(legacy), str(out),
-                        *target, "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+                        *target, "--verify", "--fingerprint", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     common = ("--no-load-rng", "--train-iters", "4", "--use-distributed-optimizer", *flags)
     rc, log = run(tmp_path, str(out), nproc, "--ckpt-format", "torch", *common, plugin=False, port=29714)
@@ -249,7 +322,8 @@ def test_distributed_optimizer_moe_to_ep1_resumes(tmp_path):
     ranks instead of 2 (another summation order), so it is only close."""
     out = tmp_path / "ep1"
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path("distopt_moe_ep2dp2_torch"),
-                        str(out), "--ep", "1", "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+                        str(out), "--ep", "1", "--verify", "--fingerprint", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     common = ("--no-load-rng", "--train-iters", "4", "--use-distributed-optimizer", *DISTOPT_MOE)
     rc, log = run(tmp_path, str(out), 4, "--ckpt-format", "torch", *common, plugin=False, port=29716)
@@ -302,7 +376,7 @@ def test_toggling_the_distributed_optimizer_converts_its_state(tmp_path, source,
     if how == "offline":
         out = tmp_path / "converted"
         r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(source), str(out),
-                            "--tp", "1", "--optimizer", target_kind, "--verify", "--no-progress"],
+                            "--tp", "1", "--optimizer", target_kind, "--verify", "--fingerprint", "--no-progress"],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "optimizer state was converted" in r.stdout, r.stderr
         rc, log = run(tmp_path, str(out), 1, "--ckpt-format", "torch", *common, plugin=False, port=29720)
@@ -332,7 +406,8 @@ def test_torch_dist_to_legacy_loads_in_plain_megatron(tmp_path, dist, nproc, tar
     layout (its dist loader reshards it)."""
     out = tmp_path / "legacy"
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(dist), str(out),
-                        *target, "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+                        *target, "--verify", "--fingerprint", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     common = ("--no-load-rng", "--train-iters", "4", *flags)
     rc, log = run(tmp_path, str(out), nproc, "--ckpt-format", "torch", *common, plugin=False, port=29730)
@@ -353,7 +428,7 @@ def test_dp_reshardable_converted_at_its_own_layout_trains_like_the_twins(tmp_pa
     src = fixture_path("distopt_dpr_tp2dp2_torch_dist")
     out = tmp_path / "legacy"
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", src, str(out), "--verify",
-                        "--no-progress"], capture_output=True, text=True, timeout=300)
+                        "--fingerprint", "--no-progress"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     common = ("--no-load-rng", "--train-iters", "4", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2")
     rc, log = run(tmp_path, str(out), 4, "--ckpt-format", "torch", *common, plugin=False, port=29732)
@@ -376,7 +451,8 @@ def test_dp_reshardable_at_a_layout_megatron_refuses_trains_like_the_twin(tmp_pa
     (its values differ by <= 4.2e-8), so the losses agree to 5 decimals rather than bit for bit."""
     out = tmp_path / "legacy"
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(dpr), str(out), *target,
-                        "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+                        "--verify", "--fingerprint", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     common = ("--no-load-rng", "--train-iters", "4", "--use-distributed-optimizer", *flags)
     rc, log = run(tmp_path, str(out), nproc, "--ckpt-format", "torch", *common, plugin=False, port=29734)
@@ -458,7 +534,8 @@ def test_te_torch_dist_with_fused_adam_offline_trains_like_megatrons_own_load(tm
     Adam state: iterations 3 and 4 equal Megatron's own load of the torch_dist twin at TP1."""
     out = tmp_path / "te_tp1"
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path("te_tp2_torch_dist"),
-                        str(out), "--tp", "1", "--verify", "--no-progress"], capture_output=True, text=True,
+                        str(out), "--tp", "1", "--verify", "--fingerprint", "--no-progress"],
+                       capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     rc, log = run(tmp_path, str(out), 1, "--ckpt-format", "torch", "--no-load-rng", "--train-iters", "4",
@@ -528,8 +605,8 @@ def test_te_spec_legacy_resumes_without_te_with_its_optimizer(tmp_path):
     (["--train-iters", "3", "--global-batch-size", "4", "--lr-decay-iters", "2"], "lr_decay_steps", "do not match"),
     (["--train-iters", "4", "--global-batch-size", "1", "--lr-decay-style", "linear"], "lr_decay_style",
      "do not match"),
-    # a changed --lr: this Megatron-LM also matches the optimizer's param groups by max_lr / min_lr, and fails
-    # there first, before the scheduler ('Could not find parameter group with key'): named as the same finding
+    # a changed --lr: this Megatron-LM also pairs the optimizer's param groups by max_lr / min_lr, and fails there
+    # first, before the scheduler ('Could not find parameter group with key'), whatever the scheduler flags say
     (["--train-iters", "4", "--global-batch-size", "1", "--lr", "2e-4"], "max_lr", "Could not find parameter group"),
 ])
 def test_a_schedule_megatron_asserts_on_late_fails_at_start(tmp_path, flags, field, megatron):
@@ -542,10 +619,19 @@ def test_a_schedule_megatron_asserts_on_late_fails_at_start(tmp_path, flags, fie
     assert rc != 0 and megatron in log, log[-2000:]
     rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
                   "torch", *flags, "--preflight", "check", port=29771, drop=drop)
-    assert rc == 1 and field in log and "--override-opt-param-scheduler" in log, log[-2000:]
+    assert rc == 1 and field in log, log[-2000:]
     assert "OptimizerParamScheduler: class input value" not in log.split("[megatron-preflight]")[-1]
-    if field == "max_lr":
-        return  # Megatron's group match fails whatever the scheduler flags say (only --no-load-optim avoids it)
+    if field == "max_lr":  # the param groups: a scheduler flag does not help (Megatron fails late all the same)
+        assert "optimizer param groups" in log and "--lr 0.0001" in log and "--no-load-optim" in log, log[-2000:]
+        rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
+                      "torch", *flags, plugin=False, port=29772)  # with --use-checkpoint-opt-param-scheduler
+        assert rc != 0 and megatron in log and loss(log, 3, 4) is None, log[-2000:]
+        rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
+                      "torch", *flags, "--preflight", "check", port=29772)
+        assert rc == 1 and "optimizer param groups" in log and "lm loss" not in log, log[-2000:]
+        assert "in loaded checkpoint" not in log  # stopped at start: Megatron's own error never came
+        return
+    assert "--override-opt-param-scheduler" in log, log[-2000:]
     rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
                   "torch", *flags, "--preflight", "check", port=29772)  # with --use-checkpoint-opt-param-scheduler
     assert rc == 0 and loss(log, 3, int(flags[1])) is not None, log[-2000:]
@@ -669,7 +755,7 @@ def test_verify_names_two_swapped_experts(tmp_path):
         torch.save(sd, os.path.join(ckpt, "iter_0000002", n, "model_optim_rng.pt"), pickle_module=pickling)
     moe = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--ckpt-format",
            "torch", "--no-load-rng"]
-    rc, log = run(tmp_path, ckpt, 2, *moe, plugin=False, port=29776)
+    rc, log = run(tmp_path, ckpt, 2, *moe, plugin=False, port=29776, verify=False)
     assert rc == 0 and loss(log) is not None  # Megatron: not a word
     rc, log = run(tmp_path, ckpt, 2, *moe, "--preflight", "verify", port=29777)
     assert rc == 1, log[-3000:]
@@ -696,7 +782,7 @@ def test_verify_names_a_parameter_a_non_strict_load_left_at_init(tmp_path, lost,
     assert drop_from_dcp_metadata(os.path.join(ckpt, "iter_0000002"), f"decoder.layers.{lost}")
     flags = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist", "--dist-ckpt-strictness", "log_all",
              "--no-load-rng"]
-    rc, log = run(tmp_path, ckpt, 2, *flags, plugin=False, port=29778)
+    rc, log = run(tmp_path, ckpt, 2, *flags, plugin=False, port=29778, verify=False)
     assert rc == 0 and loss(log) is not None, log[-3000:]  # Megatron trains on
     rc, log = run(tmp_path, ckpt, 2, *flags, "--preflight", "verify", port=29779)
     assert rc == 1 and "lm loss" not in log, log[-3000:]
@@ -1088,7 +1174,8 @@ def test_te_moe_torch_dist_sources_every_optimizer_form_offline_and_in_memory(tm
     for n, (form, extra) in enumerate(forms.items()):
         out = tmp_path / f"legacy_{form}"
         r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", str(sources[form]), str(out),
-                            "--tp", "1", "--verify", "--no-progress"], capture_output=True, text=True, timeout=600)
+                            "--tp", "1", "--verify", "--fingerprint", "--no-progress"],
+                           capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         rc, log = run(tmp_path, str(out), 1, "--ckpt-format", "torch", *extra[:1], *resume, plugin=False,
                       port=29820 + n, te=True)
@@ -1122,7 +1209,8 @@ def test_a_fully_sharded_model_space_state_fails_at_start_and_loads_once_convert
     for n, fmt in enumerate(("torch_dist", "torch")):
         out = tmp_path / f"converted_{fmt}"
         r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", FSMS, str(out), "--tp", "2",
-                            "--ckpt-format", fmt, "--optimizer", "distributed", "--verify", "--no-progress"],
+                            "--ckpt-format", fmt, "--optimizer", "distributed", "--verify", "--fingerprint",
+                            "--no-progress"],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         rc, log = run(tmp_path, str(out), 2, *FSMS_RUN, "--ckpt-format", fmt, plugin=False, port=29863 + n)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import CorruptFileError
 from megatron_preflight.layout.dist import read_dcp_metadata
-from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
+from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile, map_file
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
     import torch
@@ -82,12 +83,16 @@ class DistReader:
         self._files: dict[tuple[str, int], tuple[TorchFile, TensorRef]] = {}
         self._last: tuple[RegionRef, torch.Tensor] | None = None
         self._touched: set[tuple[str, int]] = set()  # chunks mapped since the last release (only they hold pages)
+        self._maps: dict[str, mmap.mmap] = {}  # one mapping per .distcp file, shared by its chunks
         self.bytes_read = 0
 
     def _chunk(self, chunk: Chunk) -> torch.Tensor:
         key = (chunk.file, chunk.start)
         if key not in self._files:
-            f = TorchFile(os.path.join(self.iter_dir, chunk.file), trust=self.trust, window=(chunk.start, chunk.length))
+            path = os.path.join(self.iter_dir, chunk.file)
+            if chunk.file not in self._maps:
+                self._maps[chunk.file] = map_file(path)
+            f = TorchFile(path, trust=self.trust, window=(chunk.start, chunk.length), mapping=self._maps[chunk.file])
             ref = f.load_metadata()
             if not isinstance(ref, TensorRef) or tuple(ref.shape) != chunk.sizes:
                 f.close()
@@ -216,6 +221,7 @@ class DistReader:
             f.close()
         self._files.clear()
         self._touched.clear()
+        self._maps.clear()  # a mapping with live tensor views is released with the last of them
 
 
 def chunk_index(md: Any) -> dict[str, list[Chunk]]:

@@ -55,6 +55,9 @@ def test_virtual_shards_equal_the_legacy_twin(base):
                             assert got[key] == value, (shard.name, key)
             for key in ("iteration", "checkpoint_version"):
                 assert vshard.meta[key] == shard.meta[key]
+        # each .distcp file mapped once, its chunks' blobs read through that one mapping
+        assert set(reader._maps) == {file for file, _ in reader._files}
+        assert all(f._mmap is reader._maps[file] for (file, _), (f, _) in reader._files.items())
     finally:
         reader.close()
 
