@@ -77,15 +77,20 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def param_group_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
-    """The run's learning rates against the saved groups', where the run's Megatron pairs groups by them."""
+    """The run's param groups against the saved ones: a decoupled-LR group added or dropped (every Megatron), and
+    the learning rates where the run's Megatron pairs groups by them."""
     if rt.no_load_optim or rt.finetune or rt.lr is None:
         return []
+    groups = saved_param_groups(layout)
+    if not groups:
+        return []
+    structure = _decoupled_group_findings(groups, layout.saved_args, rt)
     keys = rt.param_group_keys
     compared = [k for k in LR_KEYS if keys is None or k in keys]
-    if not compared:
-        return []  # this megatron.core pairs groups by their structure only: another LR loads
+    if structure or not compared:
+        return structure  # a structural difference first; or this megatron.core pairs by structure only
     differs: dict[tuple[str, Any, Any], None] = {}
-    for group in saved_param_groups(layout):
+    for group in groups:
         decoupled = _decoupled(group, layout.saved_args)
         run = _run_lrs(group, rt, decoupled)
         if run is None:
@@ -121,3 +126,26 @@ def param_group_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                     f"this Megatron pairs the saved optimizer param groups with the run's by "
                     f"({', '.join(keys)}); the run's groups get other learning rates than the saved ones, so "
                     f"{effect}", fix)]
+
+
+def _decoupled_group_findings(groups: list[dict[str, Any]], saved_args: Any, rt: RuntimeArgs) -> list[Finding]:
+    """--decoupled-lr added or dropped on resume: the run builds one param group more or fewer than the checkpoint
+    holds (the embedding and output layer's), and Megatron's load fails pairing them."""
+    saved = [g for g in groups if _decoupled(g, saved_args)]
+    drop = "or add --no-load-optim to load the weights without the optimizer state (the Adam moments restart)"
+    if saved and rt.decoupled_lr is None:
+        lr, min_lr = saved[0].get("max_lr"), saved[0].get("min_lr")
+        return [Finding("decoupled_lr", lr, None, FATAL,
+                        f"the checkpoint's optimizer has a decoupled-LR param group (the embedding and output layer "
+                        f"at {lr}) and the run has none: Megatron's load fails pairing the groups (Megatron-LM main: "
+                        "\"loaded state dict contains a parameter group that doesn't match the size of optimizer's "
+                        "group\") after building the model and the optimizer",
+                        f"resume with --decoupled-lr {lr}" + (f" --decoupled-min-lr {min_lr}" if min_lr is not None
+                                                              else "") + f", {drop}")]
+    if not saved and rt.decoupled_lr is not None:
+        return [Finding("decoupled_lr", None, rt.decoupled_lr, FATAL,
+                        "the run adds a decoupled-LR param group (--decoupled-lr: the embedding and output layer) that "
+                        "the checkpoint's optimizer does not have: Megatron's load fails pairing the groups "
+                        "(\"Could not find parameter group with key ...\") after building the model and the optimizer",
+                        f"resume without --decoupled-lr, {drop}")]
+    return []

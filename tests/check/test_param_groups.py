@@ -61,8 +61,6 @@ def test_the_decoupled_groups_are_compared_with_the_decoupled_rates():
     layout = discover(fixture_path("declr_tp2_torch"))
     [f] = param_group_findings(layout, rt("--lr", "1e-4", "--decoupled-lr", "1e-3", "--decoupled-min-lr", "5e-5"))
     assert f.checkpoint == "decoupled max_lr 0.0005" and "--decoupled-lr 0.0005" in f.fix
-    # without --decoupled-lr the run has no decoupled group: a structural change, not a rate (not judged here)
-    assert param_group_findings(layout, rt("--lr", "1e-4")) == []
 
 
 def test_groups_saved_without_their_rates_cannot_be_paired():
@@ -101,3 +99,17 @@ def test_the_hook_asks_megatron_core_for_its_pairing_keys():
     assert keys is not None and {"wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"} <= set(keys)
     if megatron.core.__version__.startswith("0.16"):  # the pinned megatron-core: pairs by structure only
         assert "max_lr" not in keys
+
+
+def test_a_decoupled_lr_added_or_dropped_on_resume_is_fatal_in_every_megatron():
+    """Megatron-LM main, measured: dropping --decoupled-lr fails with "loaded state dict contains a parameter group
+    that doesn't match the size of optimizer's group", adding it with "Could not find parameter group"."""
+    declr = discover(fixture_path("declr_tp2_torch_dist"))
+    for keys in (MAIN_KEYS, CORE_016_KEYS, None):
+        [f] = param_group_findings(declr, rt("--lr", "1e-4", keys=keys))
+        assert f.field == "decoupled_lr" and f.severity.value == "fatal" and f.checkpoint == 0.0005
+        assert "--decoupled-lr 0.0005 --decoupled-min-lr 5e-05" in f.fix and "--no-load-optim" in f.fix
+        [f] = param_group_findings(discover(fixture_path("tp2_torch")), rt("--lr", "1e-4", "--decoupled-lr", "5e-4",
+                                                                           keys=keys))
+        assert f.field == "decoupled_lr" and f.runtime == 0.0005 and "without --decoupled-lr" in f.fix
+    assert param_group_findings(declr, rt("--lr", "1e-4", "--no-load-optim")) == []

@@ -637,6 +637,22 @@ def test_a_schedule_megatron_asserts_on_late_fails_at_start(tmp_path, flags, fie
     assert rc == 0 and loss(log, 3, int(flags[1])) is not None, log[-2000:]
 
 
+@pytest.mark.parametrize("source, flags, megatron", [
+    ("declr_tp2_torch", [], "doesn't match the size of optimizer's group"),  # --decoupled-lr dropped
+    ("tp2_torch", ["--decoupled-lr", "5e-4"], "Could not find parameter group"),  # --decoupled-lr added
+])
+def test_a_decoupled_lr_added_or_dropped_on_resume_fails_at_start(tmp_path, source, flags, megatron):
+    """The run builds one optimizer param group more or fewer than the checkpoint holds: Megatron fails pairing them
+    inside load_checkpoint, after building the model and the optimizer; --preflight check stops every rank at start
+    naming decoupled_lr and the fix."""
+    common = ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--no-load-rng", *flags]
+    rc, log = run(tmp_path, fixture_path(source), 2, *common, plugin=False, port=29792)
+    assert rc != 0 and megatron in log and "lm loss" not in log, log[-2000:]
+    rc, log = run(tmp_path, fixture_path(source), 2, *common, "--preflight", "check", port=29793)
+    assert rc == 1 and "decoupled_lr" in log and "--no-load-optim" in log and "lm loss" not in log, log[-2000:]
+    assert megatron not in log  # stopped at start: Megatron's own error never came
+
+
 def test_a_checkpoint_at_the_horizon_fails_at_start(tmp_path):
     """Megatron loads everything and exits 0 without training a step; --preflight check exits 1 at start."""
     rc, log = run(tmp_path, fixture_path("tp2_torch"), 2, "--tensor-model-parallel-size", "2", "--ckpt-format",
