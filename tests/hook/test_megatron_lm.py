@@ -650,7 +650,7 @@ def test_a_decoupled_lr_added_or_dropped_on_resume_fails_at_start(tmp_path, sour
     assert rc != 0 and megatron in log and "lm loss" not in log, log[-2000:]
     rc, log = run(tmp_path, fixture_path(source), 2, *common, "--preflight", "check", port=29793)
     assert rc == 1 and "decoupled_lr" in log and "--no-load-optim" in log and "lm loss" not in log, log[-2000:]
-    assert megatron not in log  # stopped at start: Megatron's own error never came
+    assert "ValueError" not in log  # stopped at start: Megatron's own error never came
 
 
 def test_a_checkpoint_at_the_horizon_fails_at_start(tmp_path):
