@@ -59,7 +59,7 @@ def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], nam
         t = value.detach().cpu()
         for local, gshape, offsets in placement.boxes(r, tp, coords):
             box = t[local]
-            parts.setdefault(placement.global_name(r, tp), []).append(
+            parts.setdefault(placement.checkpoint_name(r, tp), []).append(
                 (offsets, f"{fingerprint.digest_box(box, gshape, offsets):016x}", box.numel()))
     unplanned = [f"{'model' if len(live) == 1 else f'model{c}'}:{k}" for c, sd in enumerate(live) for k, v in sd.items()
                  if not k.endswith("_extra_state") and getattr(v, "requires_grad", False) and (c, k) not in planned]
@@ -131,7 +131,7 @@ def optimizer_partials(r: reshard.Resharder, model: Any, optimizer: Any, coords:
         digest, count = fingerprint.digest_indexed(values.cpu(), index)
         kept = index[index >= 0]
         box = (int(kept.min()), int(kept.max()), count) if count else (start, end, 0)
-        parts.setdefault(f"{placement.global_name(r, tp)}#{field}", []).append((box, f"{digest:016x}", count))
+        parts.setdefault(f"{placement.checkpoint_name(r, tp)}#{field}", []).append((box, f"{digest:016x}", count))
     return parts
 
 
@@ -143,14 +143,14 @@ def _differs_here(r: reshard.Resharder, coords: dict[str, int], name: str, model
     files = reshard.SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
         for tp in plan.tensors:
-            if tp.gkey is None or tp.shape is None or placement.global_name(r, tp) not in wanted:
+            if tp.gkey is None or tp.shape is None or placement.checkpoint_name(r, tp) not in wanted:
                 continue
             value = live[_chunk_index(tp.chunk)].get(tp.key)
             expected = placement.expected(tp, files)
             for local, gshape, offsets in placement.boxes(r, tp, coords):
                 if value is None or fingerprint.digest_box(value.detach().cpu()[local], gshape, offsets) != \
                         fingerprint.digest_box(expected[local], gshape, offsets):
-                    out.append(placement.global_name(r, tp))
+                    out.append(placement.checkpoint_name(r, tp))
                     break
     finally:
         files.close()
@@ -173,7 +173,7 @@ def _optimizer_differs_here(index: Any, target: Any, coords: dict[str, int], nam
             tp = by_key.get((int(chunk), key))
             if tp is None:
                 continue
-            full = f"{placement.global_name(r, tp)}#{field}"
+            full = f"{placement.checkpoint_name(r, tp)}#{field}"
             source = state_plans.get(f"{key}#{field}")
             if full not in wanted or source is None or full in out:
                 continue

@@ -1,6 +1,7 @@
 """Where a planned tensor of a run's rank sits in its global tensor: the boxes it holds (the split rule, the run's
-layout, the rank's TP / ETP coordinates; vocab padding rows left out), the tensor's global name, and its expected
-value rebuilt from the checkpoint. What ``--preflight verify`` hashes on every rank."""
+layout, the rank's TP / ETP coordinates; vocab padding rows left out), the tensor's global name (in the run's spec or
+in the checkpoint's), and its expected value rebuilt from the checkpoint. What ``--preflight verify`` hashes on every
+rank."""
 
 from __future__ import annotations
 
@@ -50,6 +51,15 @@ def global_name(r: Resharder, tp: TensorPlan) -> str:
     """The tensor's key at TP1·PP1·EP1 (global layer and expert numbers): the name its fingerprint is stored under."""
     assert tp.gkey is not None
     return r.index[tp.gkey].info.render(tp.gkey.layer, tp.gkey.expert)
+
+
+def checkpoint_name(r: Resharder, tp: TensorPlan) -> str:
+    """The tensor's key at TP1·PP1·EP1 in the checkpoint's own layer spec: the name the checkpoint's fingerprints
+    use (a run that bridges specs holds it under another: a TE checkpoint's ``linear_fc1.layer_norm_weight`` is a
+    local-spec run's ``pre_mlp_layernorm.weight``)."""
+    assert tp.gkey is not None
+    key = r.source_keys.get(tp.gkey, tp.gkey)
+    return r.checkpoint.tensors[key].info.render(key.layer, key.expert)
 
 
 def expected(tp: TensorPlan, files: SourceFiles) -> Any:

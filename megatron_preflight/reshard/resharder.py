@@ -42,7 +42,7 @@ from megatron_preflight.reshard.plan.index import VOCAB_KEYS, GlobalIndex, has_l
 from megatron_preflight.reshard.plan.planner import plan_rank, rewrite_args, target_vocab
 from megatron_preflight.reshard.plan.spec import TE, SpecChange, bridge, spec_change
 from megatron_preflight.reshard.plan.topology import saved_arg
-from megatron_preflight.reshard.plan.types import RankPlan, VocabPlan
+from megatron_preflight.reshard.plan.types import GlobalKey, RankPlan, VocabPlan
 from megatron_preflight.reshard.plan.validate import validate_plan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
@@ -140,6 +140,8 @@ class Resharder:
     dropped: Mapping[str, str]
     tensors: GlobalIndex | None = None  # the global index in the target's spec (None: the checkpoint's own)
     spec: SpecChange | None = None  # the layer spec / expert form change the target asks for
+    # a renamed tensor's key (target spec) -> its key in the checkpoint's own spec
+    source_keys: Mapping[GlobalKey, GlobalKey] = field(default_factory=dict)
     _plans: dict[tuple, RankPlan] = field(default_factory=dict, repr=False, compare=False)  # the latest plans
 
     # -- the source (the checkpoint index holds it) ----------------------------------------------------------------
@@ -327,7 +329,8 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
     if choice.dropped:
         dropped["optimizer"] = choice.dropped
     return Resharder(index, target, tgt, vocab, keep_optimizer, distributed, choice, bucket_size(view.saved_args),
-                     MappingProxyType(dropped), tensors, change)
+                     MappingProxyType(dropped), tensors, change,
+                     MappingProxyType({new: old for old, new in renamed_keys.items()}))
 
 
 def _adapted(choice: OptimizerChoice, index: CheckpointIndex, renamed_keys: dict, family: str | None, *,
