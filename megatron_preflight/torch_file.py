@@ -9,6 +9,7 @@ shard costs what a 1 MB shard costs. :meth:`TorchFile.tensor` maps one storage r
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import io
 import mmap
@@ -359,17 +360,12 @@ class TorchFile:
     def release_pages(self) -> None:
         """Drop the mapped pages read so far from this process's memory (they are re-read from the file if needed).
         Keeps the resident set at about one tensor while streaming through a big shard."""
-        if self._mmap is not None and hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            try:
-                if self._window is None:
-                    self._mmap.madvise(mmap.MADV_DONTNEED)
-                else:  # a window of a big file (a torch_dist chunk): only its pages, not the whole mapping's range
-                    page = mmap.PAGESIZE
-                    lo = self._base // page * page
-                    hi = min(len(self._mmap), self._base + self._window[1])
-                    self._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-            except (OSError, ValueError):
-                pass
+        if self._mmap is None:
+            return
+        if self._window is None:
+            release_mapped(self._mmap, 0, len(self._mmap))
+        else:  # a window of a big file (a torch_dist chunk): only its pages, not the whole mapping's range
+            release_mapped(self._mmap, self._base, self._window[1])
 
     def item(self, ref: TensorRef) -> Any:
         """A one-element tensor's value as a Python number, read without torch (a step, a loss scale); ``ref`` itself
@@ -400,6 +396,46 @@ class TorchFile:
         count = nbytes // dtype.itemsize
         flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
+
+
+def _libc_madvise() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):  # no libc to call (not Linux / glibc): mmap.madvise, under the GIL
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise() if hasattr(mmap, "MADV_DONTNEED") else None
+
+
+def release_mapped(mapping: mmap.mmap, start: int, length: int) -> None:
+    """``MADV_DONTNEED`` over bytes ``[start, start + length)`` of ``mapping`` (widened to whole pages): its pages
+    leave the resident set and are read again from the file on the next access. Called through libc, which releases
+    the GIL for the call (unmapping a tensor's pages takes milliseconds: another thread compares meanwhile);
+    ``mmap.madvise`` (which holds it) where libc is not reachable. Best effort: a failure leaves the pages mapped."""
+    if not hasattr(mmap, "MADV_DONTNEED") or length <= 0:
+        return
+    lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+    hi = min(len(mapping), start + length)
+    if hi <= lo:
+        return
+    if _MADVISE is not None:
+        try:
+            anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address (a transient buffer export)
+            base = ctypes.addressof(anchor)
+            del anchor
+            if _MADVISE(base + lo, hi - lo, mmap.MADV_DONTNEED) == 0:
+                return
+        except (TypeError, ValueError, BufferError):  # a read-only mapping has no writable buffer: below
+            pass
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (OSError, ValueError):
+        pass
 
 
 _STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h", "int8": "b",

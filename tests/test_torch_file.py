@@ -135,3 +135,38 @@ def test_blobs_of_one_file_read_through_one_shared_mapping(tmp_path):
         TorchFile(path, window=(windows[2][0], windows[2][1] + 1), mapping=shared)
     with pytest.raises(CorruptFileError, match="not a torch file"):
         TorchFile(path, window=(0, windows[0][1] - 10), mapping=shared)  # a blob without its zip directory
+
+
+def _rss_pages() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1])
+
+
+def test_release_mapped_drops_the_pages_of_its_range_only(tmp_path):
+    """release_mapped (libc's madvise without the GIL; mmap.madvise for a read-only mapping) drops exactly the
+    pages of its range from the resident set: a 64 MiB mapping read whole, then half of it released."""
+    import mmap
+    import os
+
+    import pytest
+
+    from megatron_preflight.torch_file import release_mapped
+
+    if not os.path.exists("/proc/self/statm") or not hasattr(mmap, "MADV_DONTNEED"):
+        pytest.skip("needs Linux's /proc/self/statm and MADV_DONTNEED")
+    path = tmp_path / "blob.bin"
+    size = 64 << 20
+    path.write_bytes(os.urandom(1 << 20) * 64)
+    page = mmap.PAGESIZE
+    for access in (mmap.ACCESS_COPY, mmap.ACCESS_READ):
+        with open(path, "rb") as fh:
+            m = mmap.mmap(fh.fileno(), 0, access=access)
+        before = _rss_pages()
+        checksum = sum(m[i] for i in range(0, size, page))  # touch every page
+        touched = _rss_pages() - before
+        release_mapped(m, 0, size // 2)
+        dropped = before + touched - _rss_pages()
+        assert touched >= 0.9 * size / page and abs(dropped - size / page / 2) < 0.1 * size / page, (access, touched,
+                                                                                                       dropped)
+        assert sum(m[i] for i in range(0, size, page)) == checksum  # released pages read back the file's bytes
+        m.close()

@@ -26,9 +26,20 @@ from megatron_preflight.tree import map_leaves
 
 
 def restores_rng(args: Any, index: Any) -> bool:
-    """Whether Megatron restored the RNG from this checkpoint in this run."""
-    return not (getattr(args, "no_load_rng", False) or getattr(args, "finetune", False)
-                or index.layout.iteration == naming.RELEASE)
+    """Whether Megatron restored the RNG from this checkpoint in this run: not with --no-load-rng / --finetune or
+    from a release checkpoint; and from a torch_dist checkpoint only at its own (TP, PP) and when it saved the RNG
+    (Megatron: "(TP, PP) mismatch after resume ...: RNG state will be ignored")."""
+    if getattr(args, "no_load_rng", False) or getattr(args, "finetune", False) or \
+            index.layout.iteration == naming.RELEASE:
+        return False
+    layout = index.layout
+    if layout.format == Format.TORCH_DIST:
+        par = layout.parallel
+        saved = (par.tp, par.pp) if par is not None else None
+        run = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1))
+        if saved != run or getattr(layout.saved_args, "no_save_rng", False):
+            return False
+    return True
 
 
 def saved_entry(index: Any, coords: dict[str, int], shard_name: str, dp_rank: int, trust: bool,

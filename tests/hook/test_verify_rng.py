@@ -38,3 +38,15 @@ def test_no_rng_restored_no_check():
     assert not verify_rng.restores_rng(argparse.Namespace(no_load_rng=True), index)
     assert not verify_rng.restores_rng(argparse.Namespace(finetune=True), index)
     assert verify_rng.restores_rng(argparse.Namespace(), index)
+
+
+def test_a_torch_dist_checkpoint_at_another_tp_pp_restores_no_rng():
+    """Megatron ignores a torch_dist checkpoint's RNG at another (TP, PP) ("(TP, PP) mismatch after resume ...: RNG
+    state will be ignored"): verify must not expect it (a false alarm on every such resume, found by verifying
+    Megatron's own saved reshard of the twin)."""
+    index = reshard.open_index(fixture_path("tp2_torch_dist"))
+    run = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+    assert verify_rng.restores_rng(run, index)
+    for tp, pp in ((1, 1), (2, 2)):
+        run = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        assert not verify_rng.restores_rng(run, index)
