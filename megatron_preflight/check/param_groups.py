@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.layout import optimizer_entry
 from megatron_preflight.layout.model import Layout
 
 FATAL, INFO = Severity.FATAL, Severity.INFO
@@ -27,23 +28,7 @@ def saved_param_groups(layout: Layout) -> list[dict[str, Any]]:
     distributed), from the first file's header or the torch_dist common state: metadata only."""
     head = layout.common_state if layout.common_state is not None else (
         layout.shards[0].meta if layout.shards else None)
-    groups: list[dict[str, Any]] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            found = node.get("param_groups")
-            if isinstance(found, list):
-                groups.extend(g for g in found if isinstance(g, dict))
-                return
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    if isinstance(head, dict):
-        walk(head.get("optimizer"))
-    return groups
+    return (optimizer_entry.param_groups(head.get("optimizer")) or []) if isinstance(head, dict) else []
 
 
 def _decoupled(group: dict[str, Any], saved_args: Any) -> bool:

@@ -15,7 +15,7 @@ import types
 from typing import Any
 
 from megatron_preflight.errors import PreflightError, require_regular_file
-from megatron_preflight.layout import completeness
+from megatron_preflight.layout import completeness, optimizer_entry
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.placeholders import Placeholder
 from megatron_preflight.safe_pickle import safe_loads
@@ -101,16 +101,6 @@ def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:
     return None
 
 
-def _saved_sharding(optimizer: Any) -> str | None:
-    """The distributed optimizer's form as its common state records it (``param_state_sharding_type``, in each part
-    of a chained optimizer): what a checkpoint without content_metadata says."""
-    parts = optimizer if isinstance(optimizer, list) else (
-        [optimizer[k] for k in sorted(optimizer)] if isinstance(optimizer, dict) and optimizer
-        and all(isinstance(k, int) for k in optimizer) else [optimizer])
-    kinds = {p.get("param_state_sharding_type") for p in parts if isinstance(p, dict)} - {None}
-    return kinds.pop() if len(kinds) == 1 and isinstance(next(iter(kinds)), str) else None
-
-
 def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
     """Fill ``layout`` for a torch_dist / zarr / DCP iteration dir."""
     entries = set(os.listdir(iter_dir))
@@ -189,7 +179,8 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
         if isinstance(content, dict):
             layout.dist_optimizer_sharding = content.get("distrib_optim_sharding_type")
         if layout.dist_optimizer_sharding is None:  # saved before content_metadata (megatron-core <= ~0.13)
-            layout.dist_optimizer_sharding = _saved_sharding(common.get("optimizer"))
+            kinds = optimizer_entry.sharding_kinds(common.get("optimizer"))
+            layout.dist_optimizer_sharding = kinds.pop() if len(kinds) == 1 else None
         it = common.get("iteration")
         if isinstance(it, int) and isinstance(layout.iteration, int) and it != layout.iteration:
             layout.add("iteration_mismatch", iter_dir,

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
-from megatron_preflight.layout import naming
+from megatron_preflight.layout import naming, optimizer_entry
 from megatron_preflight.layout.dist import COMMON_PT, object_index, read_dcp_metadata, read_object
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
@@ -44,35 +44,16 @@ MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
 FIELDS = {"param": "param", "fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
-def _parts(common_optimizer: Any) -> list[Any]:
-    """A chained optimizer's parts (saved as a list, or a dict keyed 0, 1, ...), or the one optimizer."""
-    if isinstance(common_optimizer, list):
-        return common_optimizer
-    if isinstance(common_optimizer, dict) and common_optimizer and all(isinstance(k, int) for k in common_optimizer):
-        return [common_optimizer[k] for k in sorted(common_optimizer)]
-    return [common_optimizer]
-
-
 def _groups(common_optimizer: Any) -> list[dict[str, Any]]:
-    """The param groups of the common state (plain: ``{state, param_groups}``, bf16/fp16 plain: wrapped once more,
-    distributed: ``{optimizer: {param_groups}, param_state_sharding_type}``; a chained optimizer: its parts)."""
-    parts = _parts(common_optimizer)
-    out: list[dict[str, Any]] = []
-    for part in parts:
-        inner = part.get("optimizer", part) if isinstance(part, dict) else None
-        if isinstance(inner, dict) and "param_groups" not in inner and isinstance(inner.get("optimizer"), dict):
-            inner = inner["optimizer"]
-        groups = inner.get("param_groups") if isinstance(inner, dict) else None
-        if not isinstance(groups, list):
-            raise OptimizerNotReshardable("the common state's optimizer has no param groups", fix=FIX,
-                                          code="optimizer")
-        out.extend(g for g in groups if isinstance(g, dict))
-    return out
+    """The param groups of the common state's optimizer (see :func:`optimizer_entry.param_groups`)."""
+    groups = optimizer_entry.param_groups(common_optimizer)
+    if groups is None:
+        raise OptimizerNotReshardable("the common state's optimizer has no param groups", fix=FIX, code="optimizer")
+    return groups
 
 
 def _sharding(common_optimizer: Any) -> str | None:
-    parts = _parts(common_optimizer)
-    kinds = {p.get("param_state_sharding_type") for p in parts if isinstance(p, dict)} - {None}
+    kinds = optimizer_entry.sharding_kinds(common_optimizer)
     return kinds.pop() if len(kinds) == 1 else (None if not kinds else "mixed")
 
 
@@ -130,7 +111,7 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
     saved = md.state_dict_metadata
     out = DistOptimizerIndex(template_shard=virtual.shards[0].name if virtual.shards else "")
     full = read_common(iter_dir, md, trust=trust) or {}
-    first = _parts(full.get("optimizer") if isinstance(full, dict) else None)[0]
+    first = optimizer_entry.parts(full.get("optimizer") if isinstance(full, dict) else None)[0]
     if isinstance(first, dict):  # a wrapper's other entries (an fp16 run's grad scaler); not the model-space forms'
         # per-parameter common entries (``param_state``: fully_sharded_model_space's step per parameter), which
         # describe the source's state, not a legacy file's: Megatron's load then asks for their sharding type
