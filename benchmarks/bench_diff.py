@@ -3,8 +3,9 @@
 Builds (once, in --work) the dense GPT checkpoints of bench_reshard.py (16 layers, hidden 1024, fp32, TP2, ~1.0 GB,
 model only; and 4 layers with the plain optimizer's Adam state, ~1.3 GB) and, with `megatron-preflight reshard`, the
 same at TP1 and in torch_dist. For each pair, in a fresh process (after torch's import: the tool's own time), it
-times diff_checkpoints once, then in rounds the floor (reading every byte of both checkpoints with plain file I/O)
-and diff_checkpoints again: a round's two timings share the load of the moment on a shared box.
+times diff_checkpoints once, then in rounds the floor (reading every byte of both checkpoints with plain file I/O,
+the fastest of 1, 4 and 16 MiB reads) and diff_checkpoints again: a round's timings share the load of the moment on a
+shared box.
 
 Usage: python benchmarks/bench_diff.py [--work DIR] [--keep]
 """
@@ -21,8 +22,8 @@ from bench_reshard import dir_bytes, proving_inputs, run_case
 
 PROBE = ("import json, os, resource, sys, time, torch\n"
          "from megatron_preflight.prove.diff import diff_checkpoints\n"
-         "def floor(roots):\n"
-         "    t0 = time.perf_counter(); buf = bytearray(16 << 20)\n"
+         "def read_all(roots, size):\n"
+         "    t0 = time.perf_counter(); buf = bytearray(size)\n"
          "    for root in roots:\n"
          "        for dp, _, fs in os.walk(root):\n"
          "            for f in fs:\n"
@@ -30,6 +31,8 @@ PROBE = ("import json, os, resource, sys, time, torch\n"
          "                    while fh.readinto(buf):\n"
          "                        pass\n"
          "    return time.perf_counter() - t0\n"
+         "def floor(roots):\n"
+         "    return min(read_all(roots, size) for size in (1 << 20, 4 << 20, 16 << 20))\n"
          "t = time.perf_counter(); r = diff_checkpoints(sys.argv[1], sys.argv[2]); first = time.perf_counter() - t\n"
          "diffs, floors = [], []\n"
          "for _ in range(int(sys.argv[3])):\n"
@@ -69,7 +72,7 @@ def main() -> None:
               f"{rss:>14.0f}{str(equal):>7}{n:>9}")
     print(f"1st s: the first diff_checkpoints in a fresh process after torch's import (with the lazy imports it "
           f"triggers); then {ROUNDS} rounds, each reading every byte of both checkpoints once with plain file I/O (the "
-          f"floor; page cache warm, as for diff) and then diffing them: diff s and floor s are the best of the rounds, "
+          f"floor: the fastest of 1, 4 and 16 MiB reads; page cache warm, as for diff) and then diffing them: diff s and floor s are the best of the rounds, "
           f"best/best their ratio, median the median of the rounds' own diff/floor ratios (each round's two "
           f"timings share the box's load of the moment); peak RSS: ru_maxrss of the process.")
     if not ns.keep and not ns.work:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import io
+import math
 import mmap
 import os
 import struct
@@ -68,14 +69,38 @@ class TensorRef:
     def window(self, start: int, shape: tuple[int, ...]) -> TensorRef:
         """Elements ``start .. start + prod(shape)`` of this 1-D tensor (a flat optimizer buffer), as a contiguous
         tensor of ``shape`` (every source format's refs answer this: a torch_dist region cuts its slabs)."""
-        stride, acc = [], 1
-        for s in reversed(shape):
-            stride.append(acc)
-            acc *= s
-        return TensorRef(self.file, self.storage, self.offset + start, tuple(shape), tuple(reversed(stride)))
+        return TensorRef(self.file, self.storage, self.offset + start, tuple(shape), row_major(tuple(shape)))
 
     def __repr__(self) -> str:
         return f"TensorRef({tuple(self.shape)}, {self.dtype})"
+
+
+def row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``."""
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` / ``stride`` lays its elements out contiguously in row-major order (the stride
+    of a dim of size 1 does not matter)."""
+    if len(shape) != len(stride):
+        return False
+    return all(n == 1 or st == want for n, st, want in zip(shape, stride, row_major(shape), strict=True))
+
+
+def row_pitch(shape: tuple[int, ...], stride: tuple[int, ...]) -> int | None:
+    """The elements from one row (dim 0) of a tensor to the next, when each row is stored contiguously row-major and
+    rows do not overlap (a column slice of a matrix: its row stride; a contiguous tensor: its row size); else None."""
+    if not shape or len(shape) != len(stride) or not is_row_major(shape[1:], stride[1:]):
+        return None
+    row = math.prod(shape[1:])
+    if shape[0] == 1:
+        return row
+    return stride[0] if stride[0] >= row else None
 
 
 def _rebuild_tensor_hook(file: str):
@@ -366,6 +391,20 @@ class TorchFile:
             release_mapped(self._mmap, 0, len(self._mmap))
         else:  # a window of a big file (a torch_dist chunk): only its pages, not the whole mapping's range
             release_mapped(self._mmap, self._base, self._window[1])
+
+    def byte_extent(self, ref: TensorRef) -> tuple[int, int] | None:
+        """(offset, pitch): where in :attr:`path` the bytes of ``ref`` begin and the bytes from one of its rows (dim
+        0) to the next, when each row is stored contiguously (see :func:`row_pitch`): a reader can ``pread`` any run
+        of its rows. None for other strides."""
+        pitch = row_pitch(ref.shape, ref.stride)
+        if pitch is None or ref.numel == 0:
+            return None
+        start, nbytes = self._record_offset(ref.storage.key)
+        size = ref.dtype.itemsize
+        last = ref.offset + (ref.shape[0] - 1) * pitch + math.prod(ref.shape[1:])
+        if last * size > nbytes:
+            return None  # metadata checks keep a tensor inside its storage: a record shorter than that reads nothing
+        return self._base + start + ref.offset * size, pitch * size
 
     def item(self, ref: TensorRef) -> Any:
         """A one-element tensor's value as a Python number, read without torch (a step, a loss scale); ``ref`` itself

@@ -170,3 +170,26 @@ def test_release_mapped_drops_the_pages_of_its_range_only(tmp_path):
                                                                                                        dropped)
         assert sum(m[i] for i in range(0, size, page)) == checksum  # released pages read back the file's bytes
         m.close()
+
+
+def test_byte_extent_gives_where_each_row_of_a_tensor_lies(tmp_path):
+    """(offset, pitch) of saved tensors and views (rows a pitch apart, each contiguous): the file's bytes there are
+    the tensor's rows; a view whose rows are not contiguous (transposed, every other column) has none."""
+    from megatron_preflight.torch_file import row_pitch
+
+    base = torch.arange(48, dtype=torch.float32).view(6, 8)
+    path = tmp_path / "t.pt"
+    torch.save({"whole": base, "cols": base[:, 2:5], "rows": base[1:4], "t": base.t(), "every_other": base[:, ::2],
+                "one_row": base[4:5, 3:6]}, path)
+    meta = read_torch_file(path)
+    with TorchFile(path) as f, open(path, "rb") as fh:
+        for name in ("whole", "cols", "rows", "one_row"):
+            ref = meta[name]
+            offset, pitch = f.byte_extent(ref)
+            got = []
+            for i in range(ref.shape[0]):
+                fh.seek(offset + i * pitch)
+                got.append(torch.frombuffer(bytearray(fh.read(ref.shape[1] * 4)), dtype=torch.float32))
+            assert torch.equal(torch.stack(got), f.tensor(ref)), name
+        assert f.byte_extent(meta["t"]) is None and f.byte_extent(meta["every_other"]) is None
+    assert row_pitch((6, 3), (8, 1)) == 8 and row_pitch((1, 3), (99, 1)) == 3 and row_pitch((3, 4), (2, 1)) is None

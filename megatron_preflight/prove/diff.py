@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
+from megatron_preflight.prove.lockstep import LockstepReader, int_view
 from megatron_preflight.reshard.checkpoint_index import open_index
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -211,17 +212,12 @@ def _bits(x: Any) -> Any:
     """The tensor's bits as integers of its width, without a copy (any strides)."""
     import torch  # deferred: see compare_tensors
 
-    if x.dtype == torch.bool:
-        return x
-    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    return x if x.dtype == torch.bool else x.view(int_view(x.dtype))
 
 
 def _as_ints(x: Any) -> Any:
     """The tensor's bits as integers of its width (bool as uint8)."""
-    import torch  # deferred: see compare_tensors
-
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    return x.contiguous().view(ints)
+    return x.contiguous().view(int_view(x.dtype))
 
 
 def _bitwise_equal(x: Any, y: Any) -> Any:
@@ -306,13 +302,13 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
     na, nb = named_tensors(pa, with_optimizer), named_tensors(pb, with_optimizer)
     names = [n for n in list(na) + [n for n in nb if n not in na] if not _absent_extra(n, na, nb)]
     local = threading.local()
-    opened: list[SourceFiles] = []
+    opened: list[SourceFiles | LockstepReader] = []
     lock = threading.Lock()
 
-    def files() -> tuple[SourceFiles, SourceFiles]:
-        if not hasattr(local, "files"):  # one pair of readers per thread (their mapped files are not shared)
+    def files() -> tuple[SourceFiles, SourceFiles, LockstepReader]:
+        if not hasattr(local, "files"):  # per thread: a pair of readers (their mapped files are not shared), buffers
             local.files = (SourceFiles(ga.layout.iter_dir or "", trust=trust),
-                           SourceFiles(gb.layout.iter_dir or "", trust=trust))
+                           SourceFiles(gb.layout.iter_dir or "", trust=trust), LockstepReader())
             with lock:
                 opened.extend(local.files)
         return local.files
@@ -321,14 +317,19 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
         if name not in nb or name not in na:
             tp = na.get(name) or nb.get(name)
             return TensorDiff(name, "missing_in_b" if name in na else "missing_in_a", shape=getattr(tp, "shape", None))
-        fa, fb = files()
+        fa, fb, blocks = files()
         is_vocab = any(getattr(t, "pad_from", None) is not None for t in (na[name], nb[name]))
-        if not (atol or rtol) and bitwise_equal_in_place(na[name], nb[name], fa, fb, rows if is_vocab else None):
-            tp = na[name]
-            return TensorDiff(name, "equal", shape=tp.shape, dtype=str(tp.dtype),
-                              rows=rows if is_vocab else None)
-        return compare_tensors(name, value_of(na[name], fa), value_of(nb[name], fb), atol, rtol,
-                               rows if is_vocab else None)
+        limit = rows if is_vocab else None
+        if not (atol or rtol):
+            # the common case, equal bit for bit, shown the cheapest way that can read both plans: plain reads of
+            # row blocks in lockstep, else slice against slice of the mapped sources; a difference is measured below
+            same = blocks.equal(na[name], nb[name], fa, fb, limit)
+            if same is None:
+                same = bitwise_equal_in_place(na[name], nb[name], fa, fb, limit)
+            if same:
+                tp = na[name]
+                return TensorDiff(name, "equal", shape=tp.shape, dtype=str(tp.dtype), rows=limit)
+        return compare_tensors(name, value_of(na[name], fa), value_of(nb[name], fb), atol, rtol, limit)
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # torch reads and compares without the GIL

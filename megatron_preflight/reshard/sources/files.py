@@ -26,6 +26,8 @@ class Reader(Protocol):
 
     def item(self, shard: str, ref: Any) -> Any: ...
 
+    def extent(self, shard: str, ref: Any) -> tuple[str, int, int] | None: ...
+
     def release(self, shard: str, ref: Any) -> None: ...
 
     def release_pages(self) -> None: ...
@@ -60,6 +62,12 @@ class SourceFiles:
     def tensor(self, shard: str, ref: TensorRef) -> torch.Tensor:
         """The tensor ``ref`` points at (a lazy mmap view; a torch_dist piece is assembled from its chunks)."""
         return self.reader(ref).tensor(shard, ref)
+
+    def extent(self, shard: str, ref: TensorRef) -> tuple[str, int, int] | None:
+        """(file, byte offset, row pitch in bytes): where the piece ``ref`` (``ref.shape``, ``ref.dtype``) lies when
+        each of its rows (dim 0) is one contiguous row-major run of bytes, ``pitch`` apart, so that it can be read
+        with plain file I/O; None when it cannot (other strides, or assembled from several chunks)."""
+        return self.reader(ref).extent(shard, ref)
 
     def item(self, shard: str, ref: TensorRef) -> Any:
         """A one-element tensor as a number."""

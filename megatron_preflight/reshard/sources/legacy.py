@@ -35,6 +35,12 @@ class LegacyReader:
     def tensor(self, shard: str, ref: TensorRef) -> torch.Tensor:
         return self.file_of(shard, ref).tensor(ref)
 
+    def extent(self, shard: str, ref: TensorRef) -> tuple[str, int, int] | None:
+        """(file, byte offset, row pitch in bytes) of ``ref`` when each of its rows is stored contiguously."""
+        f = self.file_of(shard, ref)
+        at = f.byte_extent(ref)
+        return None if at is None else (f.path, *at)
+
     def item(self, shard: str, ref: TensorRef) -> Any:
         """A one-element tensor as a number, from its bytes (no torch)."""
         return self.file_of(shard, ref).item(ref)

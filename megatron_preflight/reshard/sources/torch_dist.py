@@ -33,8 +33,8 @@ from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
 from megatron_preflight.reshard.plan.rules import parse_key, rule_for, segments
 from megatron_preflight.reshard.plan.spec import MODULE_ORDER, is_local_spec, legacy_suffix, param_rank, rank_in
 from megatron_preflight.reshard.sources.te_extra_state import described, no_fp8_copy
-from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab, contiguous
-from megatron_preflight.torch_file import StorageRef
+from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab
+from megatron_preflight.torch_file import StorageRef, row_major
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
     import torch
@@ -107,7 +107,7 @@ class _Builder:
                 slabs.append(Slab(fqn, lead + tuple(offsets), tuple(1 for _ in lead) + tuple(sizes), dim, lstart))
                 local[dim] += length
         return RegionRef(self.iter_dir, StorageRef(fqn, dtype, math.prod(local)), 0, tuple(local),
-                         contiguous(tuple(local)), slabs=tuple(slabs))
+                         row_major(tuple(local)), slabs=tuple(slabs))
 
     def _add(self, shard: str, chunk: int, sort: tuple, key: str, value: Any) -> None:
         self.entries[(shard, chunk)].append(_Entry(sort, key, value))

@@ -12,9 +12,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError
 from megatron_preflight.layout.dist import read_dcp_metadata
-from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile, map_file
+from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile, map_file, row_major, row_pitch
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
     import torch
@@ -70,7 +71,7 @@ class RegionRef(TensorRef):
             if lo < hi:
                 slabs.append(Slab(s.fqn, (s.offsets[-1] + lo - s.local_start,), (hi - lo,), 0, lo - start))
         return RegionRef(self.file, StorageRef(self.storage.key, self.dtype, n), 0, tuple(shape),
-                         contiguous(tuple(shape)), slabs=tuple(slabs))
+                         row_major(tuple(shape)), slabs=tuple(slabs))
 
 
 class DistReader:
@@ -87,6 +88,12 @@ class DistReader:
         self.bytes_read = 0
 
     def _chunk(self, chunk: Chunk) -> torch.Tensor:
+        f, ref = self._chunk_file(chunk)
+        self._touched.add((chunk.file, chunk.start))
+        return f.tensor(ref)
+
+    def _chunk_file(self, chunk: Chunk) -> tuple[TorchFile, TensorRef]:
+        """The chunk's blob, opened (its metadata read and checked against ``.metadata``), and its tensor's ref."""
         key = (chunk.file, chunk.start)
         if key not in self._files:
             path = os.path.join(self.iter_dir, chunk.file)
@@ -100,9 +107,7 @@ class DistReader:
                                        f"of shape {chunk.sizes}", path=f.path, code="corrupt_file",
                                        fix="restore the iteration dir from a complete copy")
             self._files[key] = (f, ref)
-        f, ref = self._files[key]
-        self._touched.add(key)
-        return f.tensor(ref)
+        return self._files[key]
 
     def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The box of global tensor ``fqn`` at ``offsets`` / ``sizes``, assembled from the chunks that cover it."""
@@ -154,19 +159,54 @@ class DistReader:
     def _box(self, s: Slab, dtype: torch.dtype) -> torch.Tensor:
         return self._fragmented(s, dtype) if s.fragment is not None else self.region(s.fqn, s.offsets, s.sizes, dtype)
 
-    def _inside_one_chunk(self, s: Slab, dtype: torch.dtype) -> torch.Tensor | None:
-        """The box as a view of the one chunk that holds it whole (the usual case: a legacy piece is a saved chunk):
-        mapped, not copied, so a big tensor streams through the writer as a legacy one does."""
+    def _holding_chunk(self, s: Slab) -> Chunk | None:
+        """The saved chunk that holds the slab's box whole, if one does."""
         for c in self.chunks.get(s.fqn, ()):
             if all(co <= o and o + n <= co + cs for o, n, co, cs in zip(s.offsets, s.sizes, c.offsets, c.sizes,
                                                                         strict=True)):
-                t = self._chunk(c)
-                if t.dtype != dtype:
-                    return None
-                self.bytes_read += math.prod(s.sizes) * t.element_size()
-                return t[tuple(slice(o - co, o - co + n) for o, n, co in zip(s.offsets, s.sizes, c.offsets,
-                                                                             strict=True))]
+                return c
         return None
+
+    def extent(self, shard: str, ref: RegionRef) -> tuple[str, int, int] | None:
+        """(file, byte offset, row pitch in bytes) of the piece ``ref`` when it lies inside one saved chunk with each
+        of its rows contiguous (a legacy-shaped piece that is a chunk, whole rows of one, or a column block of one);
+        None when it is assembled from several chunks or otherwise strided (it is then read through :meth:`tensor`)."""
+        if len(ref.slabs) != 1 or not ref.shape:
+            return None
+        s = ref.slabs[0]
+        if s.fragment is not None or math.prod(s.sizes) != math.prod(ref.shape):
+            return None
+        c = self._holding_chunk(s)
+        if c is None:
+            return None
+        f, cref = self._chunk_file(c)
+        at = f.byte_extent(cref)
+        if at is None or at[1] != math.prod(c.sizes[1:]) * cref.dtype.itemsize or \
+                dtypes.name_of(cref.dtype) != dtypes.name_of(ref.dtype):
+            return None  # a chunk that is not stored contiguously (torch.save keeps a view's strides)
+        strides = row_major(c.sizes)
+        kept = [(n, st) for n, st in zip(s.sizes, strides, strict=True) if n != 1]
+        if [n for n, _ in kept] != [n for n in ref.shape if n != 1]:
+            return None  # the piece reshapes the box (merges or splits its dims)
+        it = iter(kept)
+        pitch = row_pitch(tuple(ref.shape), tuple(next(it)[1] if n != 1 else 0 for n in ref.shape))
+        if pitch is None:
+            return None
+        first = sum((o - co) * st for o, co, st in zip(s.offsets, c.offsets, strides, strict=True))
+        size = cref.dtype.itemsize
+        return f.path, at[0] + first * size, pitch * size
+
+    def _inside_one_chunk(self, s: Slab, dtype: torch.dtype) -> torch.Tensor | None:
+        """The box as a view of the one chunk that holds it whole (the usual case: a legacy piece is a saved chunk):
+        mapped, not copied, so a big tensor streams through the writer as a legacy one does."""
+        c = self._holding_chunk(s)
+        if c is None:
+            return None
+        t = self._chunk(c)
+        if t.dtype != dtype:
+            return None
+        self.bytes_read += math.prod(s.sizes) * t.element_size()
+        return t[tuple(slice(o - co, o - co + n) for o, n, co in zip(s.offsets, s.sizes, c.offsets, strict=True))]
 
     def tensor(self, shard: str, ref: RegionRef) -> torch.Tensor:
         """The piece ``ref`` (its shard is in the slabs), assembled once: row-chunked writers ask again and again."""
@@ -236,14 +276,6 @@ def chunk_index(md: Any) -> dict[str, list[Chunk]]:
                 out.setdefault(fqn, []).append(Chunk(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes),
                                                      info.relative_path, int(info.offset), int(info.length)))
     return out
-
-
-def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 def dist_reader(iter_dir: str, *, trust: bool = False) -> DistReader:
