@@ -135,6 +135,7 @@ class LockstepReader:
         self._fds: dict[str, int] = {}
         self._bufs: dict[str, tuple[bytearray, Any]] = {}  # "a" / "b" / "scratch" -> (bytes, uint8 tensor over them)
         self._last: dict[str, tuple[Any, memoryview, Any]] = {}  # name -> ((dtype, shape), bytes, tensor)
+        self._scatters: dict[tuple, list[tuple[list[memoryview], int]]] = {}  # see _scattered
         self.bytes_read = 0
 
     def close(self) -> None:
@@ -143,6 +144,7 @@ class LockstepReader:
         self._fds.clear()
         self._bufs.clear()
         self._last.clear()
+        self._scatters.clear()
 
     def equal(self, tpa: Any, tpb: Any, fa: SourceFiles, fb: SourceFiles, rows: int | None) -> bool | None:
         """Whether two planned tensors are equal bit for bit (``rows``: only their first rows, vocab padding out):
@@ -187,23 +189,38 @@ class LockstepReader:
         if have is None or len(have[0]) < nbytes:
             raw = bytearray(max(nbytes, self.block_bytes))
             have = self._bufs[name] = (raw, torch.frombuffer(raw, dtype=torch.uint8))
+            self._scatters = {k: v for k, v in self._scatters.items() if k[0] != name}  # they point at the old bytes
         view, tensor = memoryview(have[0])[:nbytes], have[1][:nbytes].view(dtype).view(shape)
         self._last[name] = (key, view, tensor)
         return view, tensor
 
-    def _read(self, path: str, offset: int, into: memoryview) -> bool:
-        """Fill ``into`` from the bytes of ``path`` at ``offset`` on; False when the file ends first."""
+    def _read(self, path: str, offset: int, batches: list[tuple[list[memoryview], int]]) -> bool:
+        """Fill the buffers of ``batches`` (each: buffers, their bytes) in order from the bytes of ``path`` at
+        ``offset`` on, a ``preadv`` per batch; False when the file ends first."""
         fd = self._fds.get(path)
         if fd is None:
             fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        got = 0
-        while got < len(into):
-            n = os.preadv(fd, [into[got:]], offset + got)
-            if n <= 0:
-                return False  # past the end of the file: a truncated file, reported by the caller's path
-            got += n
-        self.bytes_read += got
+        for parts, nbytes in batches:
+            n = os.preadv(fd, parts, offset)
+            if n != nbytes and not _read_rest(fd, parts, offset, n):
+                return False
+            offset += nbytes
+            self.bytes_read += nbytes
         return True
+
+    def _scattered(self, name: str, view: memoryview, shape: tuple[int, ...], size: int, dst: tuple[int, int, int],
+                   rows: int) -> list[tuple[list[memoryview], int]]:
+        """The parts of buffer ``name`` (its block of ``rows`` global rows) where a column block landing at ``dst``
+        goes, row by row, in ``preadv`` batches: made once per block shape (the same for every block of a tensor)."""
+        key = (name, shape, size, dst, rows)
+        have = self._scatters.get(key)
+        if have is None:
+            if len(self._scatters) > 64:
+                self._scatters.clear()
+            parts = _row_parts(view, dst, shape, size, rows)
+            have = self._scatters[key] = [(parts[i:i + _IOV_MAX], sum(map(len, parts[i:i + _IOV_MAX])))
+                                          for i in range(0, len(parts), _IOV_MAX)]
+        return have
 
     def _block(self, name: str, side: _Side, shape: tuple[int, ...], dtype: torch.dtype, r0: int,
                r1: int) -> torch.Tensor | None:
@@ -224,15 +241,21 @@ class LockstepReader:
                 first = (run.src[1] if run.src is not None else 0) + lo - start
             piece_row = math.prod(run.piece[1:]) * size
             if run.pitch == piece_row and run.piece[1:] == shape[1:]:  # whole rows back to back: straight in
-                if not self._read(run.path, run.offset + first * run.pitch,
-                                  view[(lo - r0) * row_bytes:(hi - r0) * row_bytes]):
+                part = view[(lo - r0) * row_bytes:(hi - r0) * row_bytes]
+                if not self._read(run.path, run.offset + first * run.pitch, [([part], len(part))]):
                     return None
                 continue
-            # a column block (or rows a pitch apart): the piece's rows first .. first + k read with what lies between
-            # them, then placed (one copy in the cache: cheaper than a scattered read's per-row buffers, measured)
+            if run.pitch == piece_row and run.src is None and run.dst is not None and run.dst[0] > 0 and \
+                    hi - lo == r1 - r0:  # a column block, rows back to back: each row read into its place
+                if not self._read(run.path, run.offset + first * run.pitch,
+                                  self._scattered(name, view, shape, size, run.dst, r1 - r0)):
+                    return None
+                continue
+            # rows a pitch apart (or a cut of the piece): its rows first .. first + k read with what lies between
+            # them, then placed
             k = hi - lo
             pview, flat = self._buffer("scratch", dtype, (((k - 1) * run.pitch + piece_row) // size,))
-            if not self._read(run.path, run.offset + first * run.pitch, pview):
+            if not self._read(run.path, run.offset + first * run.pitch, [([pview], len(pview))]):
                 return None
             part = torch.as_strided(flat, (k, *run.piece[1:]), (run.pitch // size, *row_major(run.piece[1:])))
             if run.src is not None and run.src[0] > 0:
@@ -242,6 +265,49 @@ class LockstepReader:
                 dst = dst.narrow(run.dst[0], run.dst[1], run.dst[2])
             dst.copy_(part)
         return out
+
+
+def _read_rest(fd: int, parts: list[memoryview], offset: int, got: int) -> bool:
+    """After a ``preadv`` that filled only ``got`` bytes of ``parts`` (a signal, a very large request): the rest,
+    part by part. False when the file ends first."""
+    if got < 0:
+        return False
+    for part in parts:
+        if got >= len(part):
+            got -= len(part)
+            offset += len(part)
+            continue
+        rest, offset, got = part[got:], offset + got, 0
+        while len(rest):
+            n = os.preadv(fd, [rest], offset)
+            if n <= 0:
+                return False  # past the end of the file: a truncated file, reported by the caller's path
+            rest, offset = rest[n:], offset + n
+    return True
+
+
+def _row_parts(view: memoryview, dst: tuple[int, int, int], shape: tuple[int, ...], size: int,
+               rows: int) -> list[memoryview]:
+    """Where the rows of a piece that lands at ``dst`` (dim, start, length; dim > 0) lie in a block of ``rows``
+    global rows of ``shape``: per row, one contiguous part per index of the dims between the row and ``dim``."""
+    dim, start, length = dst
+    row = math.prod(shape[1:]) * size
+    outer = math.prod(shape[1:dim])
+    span = math.prod(shape[dim:]) * size  # one index of those dims
+    inner = math.prod(shape[dim + 1:]) * size
+    at, n = start * inner, length * inner
+    return [view[r * row + j * span + at:r * row + j * span + at + n] for r in range(rows) for j in range(outer)]
+
+
+def _iov_max() -> int:
+    """Buffers one ``preadv`` call takes (POSIX guarantees 16; Linux 1024)."""
+    try:
+        return max(16, min(1024, os.sysconf("SC_IOV_MAX")))
+    except (AttributeError, ValueError, OSError):
+        return 16
+
+
+_IOV_MAX = _iov_max()
 
 
 def _libc_memcmp() -> Any:
