@@ -174,6 +174,11 @@ def _static_overrides() -> dict[tuple[str, str], Any]:
     return hooks
 
 
+# the pickle bytes of a file that held one tensor -> that tensor's ref (a torch_dist checkpoint's chunks of one shape
+# pickle the same bytes: a hit skips the unpickler; the storage record is still checked against each file)
+_ONE_TENSOR: dict[bytes, TensorRef] = {}
+
+
 class _MappedWindow(io.RawIOBase):
     """Bytes ``[start, start + length)`` of a mapped file, as a read-only file of its own (a torch_dist ``.distcp``
     file holds one ``torch.save`` blob per chunk): reads are slices of the mapping, no system calls."""
@@ -334,29 +339,43 @@ class TorchFile:
             dtype = stype.dtype if isinstance(stype, StorageType) else dtypes.dtype("uint8")
             try:
                 numel = int(numel)
-                info = self._zip.getinfo(f"{self._archive}data/{key}") if self._zip is not None else None
             except (TypeError, ValueError):
                 raise CorruptFileError(f"storage {key!r} has a non-integer size {numel!r}", path=self.path,
                                        code="corrupt_file") from None
-            except KeyError:
-                raise CorruptFileError(f"storage record data/{key} is missing from the zip file", path=self.path,
-                                       fix="restore the file from a complete copy", code="corrupt_file") from None
-            if numel < 0 or (info is not None and info.file_size < numel * dtype.itemsize):
-                have = info.file_size if info is not None else 0
-                raise CorruptFileError(
-                    f"storage data/{key} should hold {numel:,} {dtype} elements ({numel * dtype.itemsize:,} bytes) but "
-                    f"its record has {have:,} bytes", path=self.path, fix="restore the file from a complete copy",
-                    code="corrupt_file")
-            return StorageRef(str(key), dtype, numel)
+            return self._storage(StorageRef(str(key), dtype, numel))
 
+        if not self.trust:  # a torch_dist chunk blob: its pickle is the same bytes as many others' (same shape)
+            known = _ONE_TENSOR.get(data)
+            if known is not None:
+                return TensorRef(self.path, self._storage(known.storage), known.offset, known.shape, known.stride)
         try:
-            return bounded_load(data, source=self.path, overrides=_overrides(self.path),
-                                persistent_load=persistent_load, trust=self.trust)
+            out = bounded_load(data, source=self.path, overrides=_overrides(self.path),
+                               persistent_load=persistent_load, trust=self.trust)
         except PreflightError:
             raise
         except Exception as exc:  # malformed pickle stream
             raise CorruptFileError(f"its pickle is malformed ({type(exc).__name__}: {exc})", path=self.path,
                                    fix="restore the file from a complete copy", code="corrupt_file") from None
+        if type(out) is TensorRef and not self.trust:
+            if len(_ONE_TENSOR) >= 1024:
+                _ONE_TENSOR.clear()
+            _ONE_TENSOR[data] = out
+        return out
+
+    def _storage(self, ref: StorageRef) -> StorageRef:
+        """``ref`` once its record is in this zip file and holds its elements (else a clear error)."""
+        try:
+            info = self._zip.getinfo(f"{self._archive}data/{ref.key}") if self._zip is not None else None
+        except KeyError:
+            raise CorruptFileError(f"storage record data/{ref.key} is missing from the zip file", path=self.path,
+                                   fix="restore the file from a complete copy", code="corrupt_file") from None
+        if ref.numel < 0 or (info is not None and info.file_size < ref.numel * ref.dtype.itemsize):
+            have = info.file_size if info is not None else 0
+            raise CorruptFileError(
+                f"storage data/{ref.key} should hold {ref.numel:,} {ref.dtype} elements "
+                f"({ref.numel * ref.dtype.itemsize:,} bytes) but its record has {have:,} bytes", path=self.path,
+                fix="restore the file from a complete copy", code="corrupt_file")
+        return ref
 
     # -- tensor data ---------------------------------------------------------------------------------------------
     def _record_offset(self, key: str) -> tuple[int, int]:

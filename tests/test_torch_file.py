@@ -193,3 +193,31 @@ def test_byte_extent_gives_where_each_row_of_a_tensor_lies(tmp_path):
             assert torch.equal(torch.stack(got), f.tensor(ref)), name
         assert f.byte_extent(meta["t"]) is None and f.byte_extent(meta["every_other"]) is None
     assert row_pitch((6, 3), (8, 1)) == 8 and row_pitch((1, 3), (99, 1)) == 3 and row_pitch((3, 4), (2, 1)) is None
+
+
+def test_a_known_pickle_is_not_unpickled_again_but_its_storage_is_still_checked(tmp_path, monkeypatch):
+    """Files that pickle the same bytes (a torch_dist checkpoint's chunks of one shape) are unpickled once; each
+    file's own storage record is still checked: a copy whose record is cut short is a corrupt file, not a hit."""
+    import pytest
+
+    from megatron_preflight import torch_file
+    from megatron_preflight.errors import CorruptFileError
+
+    a, b, short = tmp_path / "a.pt", tmp_path / "b.pt", tmp_path / "short.pt"
+    torch.save(torch.arange(8, dtype=torch.float32), a)
+    torch.save(torch.arange(8, dtype=torch.float32) * 2, b)
+    with zipfile.ZipFile(a) as src, zipfile.ZipFile(short, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info.filename, data[:8] if info.filename.endswith("data/0") else data)
+    calls = []
+    real = torch_file.bounded_load
+    monkeypatch.setattr(torch_file, "bounded_load", lambda *x, **k: calls.append(1) or real(*x, **k))
+    monkeypatch.setattr(torch_file, "_ONE_TENSOR", {})
+    ra, rb = read_torch_file(a), read_torch_file(b)
+    assert len(calls) == 1 and rb.file == str(b) and rb.shape == (8,)
+    with TorchFile(b) as f:
+        assert torch.equal(f.tensor(f.load_metadata()), torch.arange(8, dtype=torch.float32) * 2)
+    with pytest.raises(CorruptFileError, match="should hold 8"):
+        read_torch_file(short)
+    assert ra.file == str(a)
