@@ -8,6 +8,8 @@ the fastest of 1, 4 and 16 MiB reads) and diff_checkpoints again: a round's timi
 shared box.
 
 Usage: python benchmarks/bench_diff.py [--work DIR] [--keep]
+       BENCH_DIFF_COLD=1 python benchmarks/bench_diff.py ...   (each timing from disk: the files' pages dropped with
+       posix_fadvise(DONTNEED) before it; 3 rounds)
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from bench_reshard import dir_bytes, proving_inputs, run_case
 
 PROBE = ("import json, os, resource, sys, time, torch\n"
          "from megatron_preflight.prove.diff import diff_checkpoints\n"
+         "COLD = sys.argv[4] == 'cold'\n"
+         "def evict(roots):\n"
+         "    for root in roots if COLD else ():\n"
+         "        for dp, _, fs in os.walk(root):\n"
+         "            for f in fs:\n"
+         "                fd = os.open(os.path.join(dp, f), os.O_RDONLY)\n"
+         "                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)\n"
          "def read_all(roots, size):\n"
+         "    evict(roots)\n"
          "    t0 = time.perf_counter(); buf = bytearray(size)\n"
          "    for root in roots:\n"
          "        for dp, _, fs in os.walk(root):\n"
@@ -37,11 +47,13 @@ PROBE = ("import json, os, resource, sys, time, torch\n"
          "diffs, floors = [], []\n"
          "for _ in range(int(sys.argv[3])):\n"
          "    floors.append(floor(sys.argv[1:3]))\n"
+         "    evict(sys.argv[1:3])\n"
          "    t = time.perf_counter(); r = diff_checkpoints(sys.argv[1], sys.argv[2])\n"
          "    diffs.append(time.perf_counter() - t)\n"
          "print(json.dumps({'first': first, 'diffs': diffs, 'floors': floors, 'equal': r.equal,\n"
          "                  'tensors': len(r.tensors), 'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
-ROUNDS = 7
+COLD = os.environ.get("BENCH_DIFF_COLD") == "1"  # every timing from disk: the files' pages dropped before each
+ROUNDS = 3 if COLD else 7
 
 
 def main() -> None:
@@ -58,7 +70,8 @@ def main() -> None:
              ("dense+Adam TP2 vs torch_dist", adam, made["adam_dist"])]
     rows = []
     for label, a, b in cases:
-        r = subprocess.run([sys.executable, "-c", PROBE, a, b, str(ROUNDS)], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-c", PROBE, a, b, str(ROUNDS), "cold" if COLD else "warm"],
+                           capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(r.stderr)
         doc = json.loads(r.stdout.strip().splitlines()[-1])
@@ -72,7 +85,9 @@ def main() -> None:
               f"{rss:>14.0f}{str(equal):>7}{n:>9}")
     print(f"1st s: the first diff_checkpoints in a fresh process after torch's import (with the lazy imports it "
           f"triggers); then {ROUNDS} rounds, each reading every byte of both checkpoints once with plain file I/O (the "
-          f"floor: the fastest of 1, 4 and 16 MiB reads; page cache warm, as for diff) and then diffing them: diff s and floor s are the best of the rounds, "
+          f"floor: the fastest of 1, 4 and 16 MiB reads; "
+          f"{'each timing from disk, the pages dropped first' if COLD else 'page cache warm, as for diff'}) and then "
+          f"diffing them: diff s and floor s are the best of the rounds, "
           f"best/best their ratio, median the median of the rounds' own diff/floor ratios (each round's two "
           f"timings share the box's load of the moment); peak RSS: ru_maxrss of the process.")
     if not ns.keep and not ns.work:

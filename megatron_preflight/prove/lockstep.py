@@ -1,14 +1,15 @@
 """Two planned global tensors compared bit for bit by reading both sides in lockstep, a block of rows at a time.
 
 The cheap way to show that two tensors are equal is the way the floor reads them: plain ``preadv`` of each side's
-bytes into a small buffer that is reused, and the comparison made while the block is still in the CPU's cache.
-Mapping the files instead costs page faults on the way in and releasing the pages again on the way out (to keep the
-resident set at a tensor), about as much again as the copy. Every source piece of a plan that lies as one contiguous
-row-major run of bytes (a legacy tensor; a torch_dist piece that is a saved chunk, or whole rows of one) has its
-rows at known byte offsets, whether the plan splits the global tensor along its rows or along another dim: a block of
-global rows is, per piece, one contiguous read (split along another dim: read whole into a scratch block and placed
-in cache). A plan this cannot read so (a piece assembled from several chunks, a strided view, a dtype conversion)
-is answered None and compared through the mapped sources by the caller.
+bytes into small reused buffers, each block compared (libc ``memcmp``, without the GIL) while it is still in cache.
+Mapping the files instead costs page faults on the way in and releasing the pages on the way out (to keep the
+resident set at a tensor), about as much again as the copy. A reader says where each source piece lies
+(:meth:`~megatron_preflight.reshard.sources.files.SourceFiles.extent`: its rows at a pitch, each row contiguous: a
+legacy tensor or view, a torch_dist piece inside one saved chunk), so a block of global rows is, per piece, one read
+of whole rows, or — a column block (a TP-split row-parallel weight) — one ``preadv`` over a buffer per row, each in
+its place; column blocks of one saved chunk are joined into one read. A plan this cannot read so (a piece assembled
+from several chunks, a dtype conversion, rows further apart than :data:`MAX_OVERREAD` row sizes) is answered None and
+compared through the mapped sources by the caller.
 """
 
 from __future__ import annotations
