@@ -230,3 +230,27 @@ def test_te_grouped_experts_are_placed_in_tes_registration_order():
     seq = sorted(keys[:6], key=lambda k: _Builder._layer_sort(SimpleNamespace(te_grouped=False), 0, EXPERTS + k[0],
                                                              k[1], 0))
     assert seq[:2] == [("linear_fc1.weight", 0), ("linear_fc2.weight", 0)]  # sequential: expert-major
+
+
+@pytest.mark.parametrize("name", ["moe_shared_tp2pp2ep2_torch_dist", "te_tp2_torch_dist", "distopt_tp2dp2_torch_dist"])
+def test_a_box_is_looked_up_among_the_chunks_of_its_layer_only(name):
+    """The chunks that may meet a box (a chunk's own, a row of one, one element, the whole tensor) include every chunk
+    that does meet it; for a box inside one stacked layer, only the chunks filed under that layer are looked at."""
+    import random
+
+    reader = dist_reader(os.path.join(fixture_path(name), discover(fixture_path(name)).iter_dir))
+    random.seed(name)
+    narrowed = 0
+    for fqn, chunks in reader.chunks.items():
+        shape = tuple(max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes)))
+        boxes = [(c.offsets, c.sizes) for c in chunks] + [((0,) * len(shape), shape)]
+        for c in random.sample(chunks, min(3, len(chunks))):
+            boxes.append((c.offsets, (1,) * len(shape)))  # one element
+            boxes.append((c.offsets, (1, *c.sizes[1:])))  # a row of it
+        for offsets, sizes in boxes:
+            meet = {(c.offsets, c.file, c.start) for c in chunks if all(
+                o < co + cs and co < o + s for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes, strict=True))}
+            found = reader._candidates(fqn, offsets, sizes)
+            assert meet <= {(c.offsets, c.file, c.start) for c in found}, (fqn, offsets, sizes)
+            narrowed += len(found) < len(chunks)
+    assert narrowed  # stacked layers: some lookups skip other layers' chunks
