@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_preflight import dtypes
+from megatron_preflight import dtypes, libc
 from megatron_preflight.errors import CorruptFileError, PreflightError, require_regular_file
 from megatron_preflight.safe_pickle import bounded_load
 
@@ -456,18 +456,9 @@ class TorchFile:
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
 
 
-def _libc_madvise() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):  # no libc to call (not Linux / glibc): mmap.madvise, under the GIL
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise() if hasattr(mmap, "MADV_DONTNEED") else None
+# no libc to call (not Linux / glibc): mmap.madvise, under the GIL
+_MADVISE = libc.function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)) \
+    if hasattr(mmap, "MADV_DONTNEED") else None
 
 
 def release_mapped(mapping: mmap.mmap, start: int, length: int) -> None:

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_preflight import dtypes
+from megatron_preflight import dtypes, libc
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.torch_file import row_major
@@ -137,7 +137,6 @@ class LockstepReader:
         self._bufs: dict[str, tuple[bytearray, Any]] = {}  # "a" / "b" / "scratch" -> (bytes, uint8 tensor over them)
         self._last: dict[str, tuple[Any, memoryview, Any]] = {}  # name -> ((dtype, shape), bytes, tensor)
         self._scatters: dict[tuple, list[tuple[list[memoryview], int]]] = {}  # see _scattered
-        self.bytes_read = 0
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -198,15 +197,17 @@ class LockstepReader:
     def _read(self, path: str, offset: int, batches: list[tuple[list[memoryview], int]]) -> bool:
         """Fill the buffers of ``batches`` (each: buffers, their bytes) in order from the bytes of ``path`` at
         ``offset`` on, a ``preadv`` per batch; False when the file ends first."""
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        for parts, nbytes in batches:
-            n = os.preadv(fd, parts, offset)
-            if n != nbytes and not _read_rest(fd, parts, offset, n):
-                return False
-            offset += nbytes
-            self.bytes_read += nbytes
+        try:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            for parts, nbytes in batches:
+                n = os.preadv(fd, parts, offset)
+                if n != nbytes and not _read_rest(fd, parts, offset, n):
+                    return False
+                offset += nbytes
+        except OSError:  # gone or unreadable since its metadata was read: the caller's path reports the file
+            return False
         return True
 
     def _scattered(self, name: str, view: memoryview, shape: tuple[int, ...], size: int, dst: tuple[int, int, int],
@@ -311,17 +312,7 @@ def _iov_max() -> int:
 _IOV_MAX = _iov_max()
 
 
-def _libc_memcmp() -> Any:
-    try:
-        fn = ctypes.CDLL(None).memcmp
-    except (OSError, AttributeError):  # no libc to call: torch compares
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MEMCMP = _libc_memcmp()
+_MEMCMP = libc.function("memcmp", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t))  # None: torch compares
 
 
 def _same_bytes(x: torch.Tensor, y: torch.Tensor, ints: torch.dtype) -> bool:

@@ -184,7 +184,7 @@ def test_any_cut_of_a_tensor_against_any_other(tmp_path, monkeypatch, x, y):
 
 def test_what_cannot_be_read_in_lockstep_is_left_to_the_caller(tmp_path):
     """No answer (None), never a wrong one: a piece of another dtype than the plan's, a transposed (column-major)
-    piece, a gap between pieces or rows no piece covers, and a file cut short after it was opened."""
+    piece, a gap between pieces or rows no piece covers, a file cut short or removed after it was opened."""
     g = torch.randn(GLOBAL)
     root = str(tmp_path)
     whole = _cut(root, g, "whole", "w")
@@ -209,6 +209,10 @@ def test_what_cannot_be_read_in_lockstep_is_left_to_the_caller(tmp_path):
         with open(path, "r+b") as fh:
             fh.truncate(64)
         assert reader.equal(whole, cut, files, files, None) is None
+        gone = _cut(root, g, "whole", "gone")
+        files.extent("gone_whole", gone.ops[0].ref)
+        os.remove(os.path.join(root, "gone_whole", "model_optim_rng.pt"))  # removed after its metadata was read
+        assert reader.equal(whole, gone, files, files, None) is None
     finally:
         reader.close()
         files.close()
@@ -224,6 +228,31 @@ def test_vocab_rows_beyond_the_real_vocab_are_not_compared(tmp_path):
         a, b = _cut(root, g, "rows", "a"), _cut(root, h, "rows", "b")
         assert reader.equal(a, b, files, files, 4) is True
         assert reader.equal(a, b, files, files, 5) is False
+    finally:
+        reader.close()
+        files.close()
+
+
+def test_a_tensor_split_along_its_last_dim_of_three_reads_each_rows_parts_into_place(tmp_path):
+    """A 3-D tensor split along dim 2 (each row of a piece lands as one part per index of dim 1) against it whole:
+    equal; one changed element is found."""
+    g = torch.randn(5, 3, 8)
+    root = str(tmp_path)
+    whole = _save(root, "whole3", {"w": g.clone()})["w"]
+    ops = []
+    for i, (s, e) in enumerate(((0, 3), (3, 8))):
+        ref = _save(root, f"part3_{i}", {"w": g[:, :, s:e].clone()})["w"]
+        ops.append(CopyOp(f"part3_{i}", ref, None, (2, s, e - s)))
+    h = g.clone()
+    h[4, 2, 6] += 1.0
+    changed = _save(root, "changed3", {"w": h})["w"]
+    files, reader = SourceFiles(root), lockstep.LockstepReader(block_bytes=2 * 3 * 8 * 4)
+    try:
+        split = TensorPlan("model", "s", (5, 3, 8), torch.float32, ops)
+        assert reader.equal(TensorPlan("model", "w", (5, 3, 8), torch.float32, [CopyOp("whole3", whole, None, None)]),
+                            split, files, files, None) is True
+        assert reader.equal(TensorPlan("model", "c", (5, 3, 8), torch.float32, [CopyOp("changed3", changed, None, None)]),
+                            split, files, files, None) is False
     finally:
         reader.close()
         files.close()
