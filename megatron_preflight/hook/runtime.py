@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.plan import make_plan
@@ -192,8 +192,7 @@ def preflight(args: Any) -> Decision | None:
             print(decision.report, file=sys.stderr, flush=True)
             print(f"[megatron-preflight] the job must not start: stopping every rank (exit {decision.exit_code})",
                   file=sys.stderr, flush=True)
-        release_process_groups()
-        raise SystemExit(decision.exit_code)
+        exit_job(decision.exit_code)
     apply_decision(args, decision)
     return decision
 
@@ -204,20 +203,27 @@ def fail_load(exc: BaseException) -> None:
     what = exc.render() if isinstance(exc, PreflightError) else f"{type(exc).__name__}: {exc}"
     print(f"[megatron-preflight] rank {consensus.rank()}: loading through the resharder failed: {what}",
           file=sys.stderr, flush=True)
-    release_process_groups()
-    raise SystemExit(EXIT_FAIL)
+    exit_job(EXIT_FAIL)
 
 
-def release_process_groups() -> None:
-    """Tear down torch.distributed locally before exiting, so no rank aborts in a communicator destructor while
-    its peers are already gone (every rank got the same decision; no collective follows)."""
-    try:
-        import torch.distributed as dist  # deferred: torch only in a distributed run
+def exit_job(code: int) -> NoReturn:
+    """Leave the job now with ``code``.
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # pragma: no cover - best effort on the way out
-        pass
+    With peers (a process group of more than one rank) the process ends at once, after flushing what it printed and
+    logged: no communicator teardown and no interpreter shutdown, either of which can abort the process (SIGABRT,
+    exit -6 instead of ``code``) when a peer has already left — seen with gloo on a loaded 2-core box. Every rank got
+    the same decision and no collective follows, so nothing is left to say to the others; torchrun reports ``code``.
+    Alone, it raises SystemExit (callers and in-process tests can catch it).
+    """
+    if consensus.world_size() <= 1:
+        raise SystemExit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more to say
+            pass
+    os._exit(code)
 
 
 def apply_decision(args: Any, d: Decision) -> None:

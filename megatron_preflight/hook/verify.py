@@ -316,5 +316,4 @@ def _stop(message: str) -> None:
         print(f"[megatron-preflight] {message}", file=sys.stderr, flush=True)
         print("[megatron-preflight] the job must not train: stopping every rank (exit 1)", file=sys.stderr,
               flush=True)
-    runtime.release_process_groups()
-    raise SystemExit(runtime.EXIT_FAIL)
+    runtime.exit_job(runtime.EXIT_FAIL)

@@ -59,7 +59,7 @@ def test_fatal_verdict_exits_every_rank_with_one_report(tmp_path):
     spec = dict(TINY, preflight="check", load=fixture_path("tp2_torch"), tensor_model_parallel_size=2,
                 hidden_size=64, num_layers=8, world_size=2)
     results = run_world(tmp_path, spec)
-    assert [rc for rc, _, _ in results] == [1, 1, 1]
+    assert [rc for rc, _, _ in results] == [1, 1, 1], [se[-2000:] for _, _, se in results]
     reports = [se for _, _, se in results if "FAIL" in se]
     assert len(reports) == 1  # rank 0 only
     assert "hidden_size" in reports[0] and "num_layers" in reports[0]
@@ -90,7 +90,7 @@ def test_every_rank_gets_the_same_decision(tmp_path):
 def test_check_mode_refuses_what_megatron_cannot_load(tmp_path):
     spec = dict(TINY, preflight="check", load=fixture_path("pp2_torch"), no_load_optim=True, world_size=2)
     results = run_world(tmp_path, spec, world=2)
-    assert [rc for rc, _, _ in results] == [1, 1]
+    assert [rc for rc, _, _ in results] == [1, 1], [se[-2000:] for _, _, se in results]
     assert "--preflight auto" in results[0][2]
 
 
