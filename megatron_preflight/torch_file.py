@@ -17,12 +17,14 @@ import mmap
 import os
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight import dtypes, libc
 from megatron_preflight.errors import CorruptFileError, PreflightError, require_regular_file
 from megatron_preflight.safe_pickle import bounded_load
+from megatron_preflight.zip_directory import Record, read_directory
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ class TorchFile:
         self._fh: Any = None
         self._archive = ""
         self._offsets: dict[str, tuple[int, int]] = {}
+        self._records: dict[str, Record] = {}
         self._open()
 
     # -- opening -------------------------------------------------------------------------------------------------
@@ -281,6 +284,27 @@ class TorchFile:
             self._fh = _MappedWindow(self._mmap, start, length)
         else:
             self._fh, size = _open_checked(self.path)
+        records = read_directory(self._read_at, size)
+        if records is None:  # not the plain layout torch.save writes: zipfile reads it, or says what is wrong
+            records = self._zipfile_records()
+        self._records = records
+        pkl = [n for n in records if n.endswith("/data.pkl") or n == "data.pkl"]
+        if not pkl:
+            self.close()
+            raise CorruptFileError("the zip file has no data.pkl record, so it is not a torch checkpoint",
+                                   path=self.path, fix="point at the Megatron checkpoint directory", code="corrupt_file")
+        self._archive = pkl[0][: -len("data.pkl")]
+        self._size = size
+
+    def _read_at(self, offset: int, n: int) -> bytes:
+        assert self._fh is not None
+        self._fh.seek(offset)
+        return self._fh.read(n)
+
+    def _zipfile_records(self) -> dict[str, Record]:
+        """The records as :mod:`zipfile` reads them (a layout :func:`read_directory` leaves to it), or a clear
+        error."""
+        assert self._fh is not None
         try:
             self._zip = zipfile.ZipFile(self._fh)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError):
@@ -295,14 +319,8 @@ class TorchFile:
             raise CorruptFileError(msg, path=self.path,
                                    fix="restore the file from a complete copy, or load an earlier iteration with --ckpt-step",
                                    code="corrupt_file") from None
-        names = self._zip.namelist()
-        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
-        if not pkl:
-            self.close()
-            raise CorruptFileError("the zip file has no data.pkl record, so it is not a torch checkpoint",
-                                   path=self.path, fix="point at the Megatron checkpoint directory", code="corrupt_file")
-        self._archive = pkl[0][: -len("data.pkl")]
-        self._size = size
+        return {i.filename: Record(i.filename, i.header_offset, i.compress_type, i.compress_size, i.file_size, i.CRC)
+                for i in self._zip.infolist()}
 
     def close(self) -> None:
         for obj in (self._zip, self._fh):
@@ -325,12 +343,7 @@ class TorchFile:
     # -- metadata ------------------------------------------------------------------------------------------------
     def load_metadata(self) -> Any:
         """The unpickled object tree, with :class:`TensorRef` in place of every tensor. Reads only ``data.pkl``."""
-        assert self._zip is not None
-        try:
-            data = self._zip.read(self._archive + "data.pkl")
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-            raise CorruptFileError(f"cannot read its data.pkl record ({exc})", path=self.path,
-                                   fix="restore the file from a complete copy", code="corrupt_file") from None
+        data = self._record_bytes(self._archive + "data.pkl")
 
         def persistent_load(pid: Any) -> Any:
             if not isinstance(pid, tuple) or not pid or pid[0] != "storage":
@@ -364,11 +377,10 @@ class TorchFile:
 
     def _storage(self, ref: StorageRef) -> StorageRef:
         """``ref`` once its record is in this zip file and holds its elements (else a clear error)."""
-        try:
-            info = self._zip.getinfo(f"{self._archive}data/{ref.key}") if self._zip is not None else None
-        except KeyError:
+        info = self._records.get(f"{self._archive}data/{ref.key}")
+        if info is None:
             raise CorruptFileError(f"storage record data/{ref.key} is missing from the zip file", path=self.path,
-                                   fix="restore the file from a complete copy", code="corrupt_file") from None
+                                   fix="restore the file from a complete copy", code="corrupt_file")
         if ref.numel < 0 or (info is not None and info.file_size < ref.numel * ref.dtype.itemsize):
             have = info.file_size if info is not None else 0
             raise CorruptFileError(
@@ -381,25 +393,48 @@ class TorchFile:
     def _record_offset(self, key: str) -> tuple[int, int]:
         if key in self._offsets:
             return self._offsets[key]
-        assert self._zip is not None and self._fh is not None
         name = f"{self._archive}data/{key}"
-        try:
-            info = self._zip.getinfo(name)
-        except KeyError:
-            raise CorruptFileError(f"storage record {name} is missing", path=self.path, code="corrupt_file") from None
+        info = self._records.get(name)
+        if info is None:
+            raise CorruptFileError(f"storage record {name} is missing", path=self.path, code="corrupt_file")
         if info.compress_type != zipfile.ZIP_STORED:
             raise CorruptFileError(f"storage record {name} is compressed", path=self.path, code="corrupt_file")
-        self._fh.seek(info.header_offset)
-        header = self._fh.read(30)
-        if len(header) < 30 or header[:4] != b"PK\x03\x04":
-            raise CorruptFileError(f"bad zip header for {name}", path=self.path, code="corrupt_file")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        start = info.header_offset + 30 + name_len + extra_len
-        if start + info.file_size > self._size:
-            raise CorruptFileError(f"storage record {name} runs past the end of the file (truncated)",
-                                   path=self.path, code="corrupt_file")
-        self._offsets[key] = (start, info.file_size)
+        self._offsets[key] = (self._data_start(info), info.file_size)
         return self._offsets[key]
+
+    def _data_start(self, info: Record) -> int:
+        """Where the bytes of a stored record begin (after its local header), checked to lie inside the file."""
+        raw_name = info.name.encode("utf-8")
+        header = self._read_at(info.header_offset, 30 + len(raw_name))
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            raise CorruptFileError(f"bad zip header for {info.name}", path=self.path, code="corrupt_file")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        if info.name.isascii() and (name_len != len(raw_name) or header[30:] != raw_name):
+            raise CorruptFileError(f"the zip directory's entry for {info.name} points at another record's header",
+                                   path=self.path, code="corrupt_file", fix="restore the file from a complete copy")
+        start = info.header_offset + 30 + name_len + extra_len
+        if start + info.compress_size > self._size:
+            raise CorruptFileError(f"record {info.name} runs past the end of the file (truncated)",
+                                   path=self.path, code="corrupt_file", fix="restore the file from a complete copy")
+        return start
+
+    def _record_bytes(self, name: str) -> bytes:
+        """A small record's bytes (``data.pkl``), checked against the CRC-32 the directory holds for it."""
+        info = self._records[name]
+        if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores; another writer may have compressed it
+            try:
+                if self._zip is None:
+                    self._zip = zipfile.ZipFile(self._fh)
+                return self._zip.read(name)
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
+                raise CorruptFileError(f"cannot read its {name} record ({exc})", path=self.path,
+                                       fix="restore the file from a complete copy", code="corrupt_file") from None
+        data = self._read_at(self._data_start(info), info.file_size)
+        if len(data) != info.file_size or zlib.crc32(data) != info.crc:
+            raise CorruptFileError(f"its {name} record does not match the checksum in the zip directory (a damaged "
+                                   f"or partly written file)", path=self.path,
+                                   fix="restore the file from a complete copy", code="corrupt_file")
+        return data
 
     def release_pages(self) -> None:
         """Drop the mapped pages read so far from this process's memory (they are re-read from the file if needed).

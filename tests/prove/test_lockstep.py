@@ -141,15 +141,21 @@ def _cut(root, g, how, tag):
 WAYS = ["whole", "rows", "cols", "joined", "strided", "shifted"]
 
 
+ROW_WAYS = {"whole", "rows", "shifted"}  # whole rows back to back: compared mapped
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
 @pytest.mark.parametrize("x", WAYS)
 @pytest.mark.parametrize("y", WAYS)
-def test_any_cut_of_a_tensor_against_any_other(tmp_path, monkeypatch, x, y):
+def test_any_cut_of_a_tensor_against_any_other(tmp_path, monkeypatch, x, y, mapped):
     """One global tensor cut two ways (whole, row pieces, column pieces, joined column blocks, strided slices, rows
     from the middle of a bigger tensor) and read in blocks of 1..4 rows, at most two buffers a preadv, and reads that
-    come back short (every other call fills at most 7 bytes, as a signal may cut one): equal; one changed bit
+    come back short (every other call fills at most 7 bytes, as a signal may cut one) — or, where both sides are whole
+    rows, compared mapped in windows of a few bytes (not page-aligned; without mapping: read): equal; one changed bit
     anywhere (the sign of a zero, a NaN's payload, a low mantissa bit) is found."""
-    random.seed(f"{x}-{y}")
+    random.seed(f"{x}-{y}-{mapped}")
     monkeypatch.setattr(lockstep, "_IOV_MAX", 2)
+    monkeypatch.setattr(lockstep, "MAP_WINDOW", random.randint(1, 3) * 4 * GLOBAL[1] + random.randint(1, 7))
     real, calls = os.preadv, [0]
 
     def short(fd, buffers, offset):
@@ -163,10 +169,13 @@ def test_any_cut_of_a_tensor_against_any_other(tmp_path, monkeypatch, x, y):
     root = str(tmp_path)
     pa = _cut(root, g, x, "a")
     reader = lockstep.LockstepReader(block_bytes=random.randint(1, 4) * GLOBAL[1] * 4)
+    if not mapped:
+        reader._maps = None  # as where there is no libc to map with
     files = SourceFiles(root)
     try:
         pb = _cut(root, g, y, "b")
         assert reader.equal(pa, pb, files, files, None) is True, (x, y)
+        assert (calls[0] == 0) == (mapped and {x, y} <= ROW_WAYS)  # the mapped way where both are rows, else read
         for r, c in ((1, 2), (5, random.randrange(GLOBAL[1])), (3, 4)):
             h = g.clone()
             if r == 1:
@@ -213,6 +222,25 @@ def test_what_cannot_be_read_in_lockstep_is_left_to_the_caller(tmp_path):
         files.extent("gone_whole", gone.ops[0].ref)
         os.remove(os.path.join(root, "gone_whole", "model_optim_rng.pt"))  # removed after its metadata was read
         assert reader.equal(whole, gone, files, files, None) is None
+    finally:
+        reader.close()
+        files.close()
+
+
+def test_a_mapped_file_that_shrinks_is_left_to_the_caller(tmp_path):
+    """A file compared mapped once and cut short afterwards is not touched past its new end (that would be SIGBUS):
+    no answer, and the caller's path names the file."""
+    g = torch.randn(GLOBAL)
+    root = str(tmp_path)
+    a, b = _cut(root, g, "whole", "a"), _cut(root, g, "rows", "b")
+    files, reader = SourceFiles(root), lockstep.LockstepReader()
+    try:
+        assert reader.equal(a, b, files, files, None) is True
+        assert reader._maps  # mapped
+        path, offset, _ = files.extent("a_whole", a.ops[0].ref)
+        with open(path, "r+b") as fh:
+            fh.truncate(offset + 4)  # inside the tensor's first row
+        assert reader.equal(a, b, files, files, None) is None
     finally:
         reader.close()
         files.close()
