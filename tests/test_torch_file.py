@@ -1,6 +1,7 @@
 """Metadata-only reading: tensor bytes are never read to inspect; single tensors materialise exactly."""
 
 import pickle
+import struct
 import zipfile
 
 import torch
@@ -13,26 +14,31 @@ FILE = fixture_path("moe_ep2_torch") + "/iter_0000002/mp_rank_00_001/model_optim
 
 
 def test_metadata_reads_only_the_pickle(monkeypatch):
-    read = []
-    real = zipfile.ZipFile.read
+    """Reading the tree touches the zip directory, the pickle and local headers, never a storage record's bytes."""
+    reads = []
+    real = TorchFile._read_at
 
-    def spy(self, name, *a, **k):
-        read.append(name)
-        return real(self, name, *a, **k)
+    def spy(self, offset, n):
+        reads.append((offset, offset + n))
+        return real(self, offset, n)
 
-    monkeypatch.setattr(zipfile.ZipFile, "read", spy)
-    real_open = zipfile.ZipFile.open
-    opened = []
-
-    def spy_open(self, name, *a, **k):
-        opened.append(getattr(name, "filename", name))
-        return real_open(self, name, *a, **k)
-
-    monkeypatch.setattr(zipfile.ZipFile, "open", spy_open)
+    monkeypatch.setattr(TorchFile, "_read_at", spy)
+    monkeypatch.setattr(zipfile.ZipFile, "__init__", None)  # the file is read without zipfile
     meta = read_torch_file(FILE)
-    assert all(n.endswith("data.pkl") for n in read + opened), read + opened
     ref = meta["model"]["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]
     assert isinstance(ref, TensorRef) and ref.shape == (64, 32) and ref.dtype == torch.float32
+    with open(FILE, "rb") as fh:
+        data = fh.read()
+    monkeypatch.undo()
+    with zipfile.ZipFile(FILE) as z:
+        storages = []
+        for info in z.infolist():
+            if "/data/" in info.filename:
+                name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+                start = info.header_offset + 30 + name_len + extra_len
+                storages.append((start, start + info.file_size))
+    assert reads and len(storages) > 10
+    assert not [(r, s) for r in reads for s in storages if r[0] < s[1] and s[0] < r[1]]
 
 
 class _InertMegatron:
