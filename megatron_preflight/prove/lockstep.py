@@ -239,6 +239,9 @@ class LockstepReader:
                 total = (hi - lo) * row_bytes
                 for at in range(0, total, MAP_WINDOW):
                     n = min(MAP_WINDOW, total - at)
+                    if at + n < total:  # from disk: the next window's pages read ahead while this one is compared
+                        _advise(pa + at + n, min(MAP_WINDOW, total - at - n), _WILLNEED)
+                        _advise(pb + at + n, min(MAP_WINDOW, total - at - n), _WILLNEED)
                     differ = _MEMCMP(pa + at, pb + at, n) != 0
                     _release(pa + at, n)
                     _release(pb + at, n)
@@ -419,16 +422,20 @@ _MUNMAP = libc.function("munmap", (ctypes.c_void_p, ctypes.c_size_t))
 _MADVISE = libc.function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 _PROT_READ, _MAP_SHARED = getattr(mmap, "PROT_READ", 1), getattr(mmap, "MAP_SHARED", 1)
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
-_MAPPING = None not in (_MEMCMP, _MMAP, _MUNMAP, _MADVISE, _DONTNEED)
+_DONTNEED, _WILLNEED = getattr(mmap, "MADV_DONTNEED", None), getattr(mmap, "MADV_WILLNEED", None)
+_MAPPING = None not in (_MEMCMP, _MMAP, _MUNMAP, _MADVISE, _DONTNEED, _WILLNEED)
 _PAGE = mmap.PAGESIZE
 MAP_WINDOW = 16 << 20  # bytes a side compared between releases of its pages
 
 
+def _advise(addr: int, nbytes: int, advice: int) -> None:
+    lo = addr - addr % _PAGE
+    _MADVISE(lo, addr + nbytes - lo, advice)
+
+
 def _release(addr: int, nbytes: int) -> None:
     """Drop this process's mapping of the pages under ``addr .. addr + nbytes`` (the file's pages stay cached)."""
-    lo = addr - addr % _PAGE
-    _MADVISE(lo, addr + nbytes - lo, _DONTNEED)
+    _advise(addr, nbytes, _DONTNEED)
 
 
 def _same_bytes(x: torch.Tensor, y: torch.Tensor, ints: torch.dtype) -> bool:
