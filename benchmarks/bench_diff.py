@@ -56,8 +56,9 @@ COLD = os.environ.get("BENCH_DIFF_COLD") == "1"  # every timing from disk: the f
 ROUNDS = 3 if COLD else 7
 
 
-def main() -> None:
-    ns, work, dense, adam = proving_inputs("bench_diff_")
+def diff_pairs(prefix: str = "bench_diff_") -> tuple[object, str, list[tuple[str, str, str]]]:
+    """The benchmark's checkpoint pairs (label, a, b), built in --work once."""
+    ns, work, dense, adam = proving_inputs(prefix)
     made = {}
     for name, src, flags in (("dense_tp1", dense, ["--tp", "1"]), ("dense_dist", dense, ["--ckpt-format", "torch_dist"]),
                              ("adam_tp1", adam, ["--tp", "1"]), ("adam_dist", adam, ["--ckpt-format", "torch_dist"])):
@@ -68,6 +69,11 @@ def main() -> None:
              ("dense TP2 vs torch_dist", dense, made["dense_dist"]),
              ("dense+Adam TP2 vs TP1", adam, made["adam_tp1"]),
              ("dense+Adam TP2 vs torch_dist", adam, made["adam_dist"])]
+    return ns, work, cases
+
+
+def main() -> None:
+    ns, work, cases = diff_pairs()
     rows = []
     for label, a, b in cases:
         r = subprocess.run([sys.executable, "-c", PROBE, a, b, str(ROUNDS), "cold" if COLD else "warm"],
