@@ -206,9 +206,8 @@ class LockstepReader:
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
         if row_bytes == 0 or n_rows == 0:
             return True
-        spans_a, spans_b = _row_spans(a, shape, n_rows, row_bytes), _row_spans(b, shape, n_rows, row_bytes)
-        if spans_a is not None and spans_b is not None and self._maps is not None:
-            same = self._mapped_equal(spans_a, spans_b, row_bytes)
+        if self._maps is not None:
+            same = self._mapped_pieces(a, b, shape, n_rows, row_bytes, dtype.itemsize)
             if same is not None:
                 return same
         per = max(1, self.block_bytes // row_bytes)
@@ -222,6 +221,31 @@ class LockstepReader:
         return True
 
     # -- comparing mapped bytes ------------------------------------------------------------------------------------
+    def _mapped_pieces(self, a: _Side, b: _Side, shape: tuple[int, ...], rows: int, row_bytes: int,
+                       size: int) -> bool | None:
+        """Both sides compared mapped where each is whole rows back to back, or where both are cut into the same
+        column blocks, each stored contiguously (a row-parallel weight at the same TP on both sides): then block
+        against block, each as whole rows of its own. None: read block by block instead."""
+        spans_a, spans_b = _row_spans(a, shape, rows, row_bytes), _row_spans(b, shape, rows, row_bytes)
+        if spans_a is not None and spans_b is not None:
+            return self._mapped_equal(spans_a, spans_b, row_bytes)
+        if a.dim in (None, 0) or a.dim != b.dim or len(a.runs) != len(b.runs):
+            return None
+        pairs = []
+        for x, y in zip(a.runs, b.runs, strict=True):
+            if x.dst != y.dst or x.piece != y.piece or x.src is not None or y.src is not None:
+                return None
+            piece_row = math.prod(x.piece[1:]) * size
+            if x.pitch != piece_row or y.pitch != piece_row:
+                return None
+            pairs.append((x, y, piece_row))
+        for x, y, piece_row in pairs:
+            same = self._mapped_equal([_Span(0, rows, x.path, x.offset)], [_Span(0, rows, y.path, y.offset)],
+                                      piece_row)
+            if not same:
+                return same
+        return True
+
     def _mapped_equal(self, a: list[_Span], b: list[_Span], row_bytes: int) -> bool | None:
         """Rows laid out back to back on both sides, compared where they lie: each side's file mapped (once per
         reader), ``memcmp`` over windows of :data:`MAP_WINDOW` bytes, each window's pages released after it (the

@@ -175,7 +175,9 @@ def test_any_cut_of_a_tensor_against_any_other(tmp_path, monkeypatch, x, y, mapp
     try:
         pb = _cut(root, g, y, "b")
         assert reader.equal(pa, pb, files, files, None) is True, (x, y)
-        assert (calls[0] == 0) == (mapped and {x, y} <= ROW_WAYS)  # the mapped way where both are rows, else read
+        same_blocks = x == y == "joined" or (x == y == "cols" and [o.dst for o in pa.ops] == [o.dst for o in pb.ops])
+        # the mapped way where both are rows or the same column blocks, else read
+        assert (calls[0] == 0) == (mapped and ({x, y} <= ROW_WAYS or same_blocks))
         for r, c in ((1, 2), (5, random.randrange(GLOBAL[1])), (3, 4)):
             h = g.clone()
             if r == 1:
@@ -222,6 +224,38 @@ def test_what_cannot_be_read_in_lockstep_is_left_to_the_caller(tmp_path):
         files.extent("gone_whole", gone.ops[0].ref)
         os.remove(os.path.join(root, "gone_whole", "model_optim_rng.pt"))  # removed after its metadata was read
         assert reader.equal(whole, gone, files, files, None) is None
+    finally:
+        reader.close()
+        files.close()
+
+
+def test_the_same_column_blocks_on_both_sides_are_compared_block_against_block(tmp_path, monkeypatch):
+    """A row-parallel weight at the same TP on both sides (three column blocks, each its own file): compared mapped,
+    block against block, nothing read; a changed element in any block is found; blocks cut elsewhere are read."""
+    monkeypatch.setattr(lockstep, "MAP_WINDOW", 4 * 5)
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *a: reads.append(1) or real(*a))
+    g = torch.randn(GLOBAL)
+    root = str(tmp_path)
+
+    def cols(t, tag, cuts):
+        ops = []
+        for i, (s, e) in enumerate(zip([0, *cuts], [*cuts, GLOBAL[1]], strict=True)):
+            ref = _save(root, f"{tag}{i}", {"w": t[:, s:e].clone()})["w"]
+            ops.append(CopyOp(f"{tag}{i}", ref, None, (1, s, e - s)))
+        return _plan(tag, t.dtype, ops)
+
+    files, reader = SourceFiles(root), lockstep.LockstepReader()
+    try:
+        a = cols(g, "a", [3, 7])
+        assert reader.equal(a, cols(g, "b", [3, 7]), files, files, None) is True and not reads
+        for r, c in ((0, 0), (5, 9), (2, 4)):
+            h = g.clone()
+            h.view(torch.int32)[r, c] ^= 1
+            assert reader.equal(a, cols(h, f"c{r}_", [3, 7]), files, files, None) is False, (r, c)
+        assert not reads
+        assert reader.equal(a, cols(g, "d", [3, 6]), files, files, None) is True and reads  # other blocks: read
     finally:
         reader.close()
         files.close()
