@@ -4,11 +4,12 @@ A reader says where each source piece lies (:meth:`~megatron_preflight.reshard.s
 rows at a pitch, each row contiguous: a legacy tensor or view, a torch_dist piece inside one saved chunk). Two ways:
 
 * **Mapped** — when both sides are whole rows back to back (a whole tensor, pieces split along rows: most bytes of a
-  checkpoint), the files are mapped and libc ``memcmp`` runs over windows of :data:`MAP_WINDOW` bytes, each window's
+  checkpoint), or both are cut into the same column blocks, each stored contiguously (a row-parallel weight at the
+  same TP on both sides: block against block), the files are mapped and libc ``memcmp`` runs over windows of :data:`MAP_WINDOW` bytes, each window's
   pages released after it. One call per window, without the GIL: two threads compare side by side (measured on this
   project's 2-core box, two 1 GB files in the page cache: 0.11 s with two threads, against 0.13-0.15 s reading them
   in 1 MiB blocks, whose ~3 GIL hand-offs per block and side also slow every other thread of the process).
-* **Read in lockstep** — otherwise (a column block: a TP-split row-parallel weight; rows a pitch apart) a block of
+* **Read in lockstep** — otherwise (column blocks cut differently on the two sides; rows a pitch apart) a block of
   global rows is read per side with plain ``preadv`` into small reused buffers and compared while in cache: per piece
   one read of whole rows, or one ``preadv`` over a buffer per row, each in its place; column blocks of one saved chunk
   are joined into one read.
