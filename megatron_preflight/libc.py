@@ -4,6 +4,7 @@ libc to call, and the caller takes its portable path."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 from typing import Any
 
 
@@ -16,3 +17,16 @@ def function(name: str, argtypes: tuple[Any, ...], restype: Any = ctypes.c_int) 
     fn.argtypes = argtypes
     fn.restype = restype
     return fn
+
+
+_MADVISE = function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+HAS_MADVISE = _MADVISE is not None
+
+
+def madvise(addr: int, nbytes: int, advice: int) -> bool:
+    """``madvise`` over ``addr .. addr + nbytes``, widened down to its first page (the kernel takes a page-aligned
+    start); False when libc cannot be called or the call fails (advice is best effort)."""
+    if _MADVISE is None or nbytes <= 0:
+        return False
+    lo = addr - addr % mmap.PAGESIZE
+    return _MADVISE(lo, addr + nbytes - lo, advice) == 0

@@ -381,11 +381,10 @@ class TorchFile:
         if info is None:
             raise CorruptFileError(f"storage record data/{ref.key} is missing from the zip file", path=self.path,
                                    fix="restore the file from a complete copy", code="corrupt_file")
-        if ref.numel < 0 or (info is not None and info.file_size < ref.numel * ref.dtype.itemsize):
-            have = info.file_size if info is not None else 0
+        if ref.numel < 0 or info.file_size < ref.numel * ref.dtype.itemsize:
             raise CorruptFileError(
                 f"storage data/{ref.key} should hold {ref.numel:,} {ref.dtype} elements "
-                f"({ref.numel * ref.dtype.itemsize:,} bytes) but its record has {have:,} bytes", path=self.path,
+                f"({ref.numel * ref.dtype.itemsize:,} bytes) but its record has {info.file_size:,} bytes", path=self.path,
                 fix="restore the file from a complete copy", code="corrupt_file")
         return ref
 
@@ -491,11 +490,6 @@ class TorchFile:
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
 
 
-# no libc to call (not Linux / glibc): mmap.madvise, under the GIL
-_MADVISE = libc.function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)) \
-    if hasattr(mmap, "MADV_DONTNEED") else None
-
-
 def release_mapped(mapping: mmap.mmap, start: int, length: int) -> None:
     """``MADV_DONTNEED`` over bytes ``[start, start + length)`` of ``mapping`` (widened to whole pages): its pages
     leave the resident set and are read again from the file on the next access. Called through libc, which releases
@@ -507,16 +501,16 @@ def release_mapped(mapping: mmap.mmap, start: int, length: int) -> None:
     hi = min(len(mapping), start + length)
     if hi <= lo:
         return
-    if _MADVISE is not None:
+    if libc.HAS_MADVISE:
         try:
             anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address (a transient buffer export)
             base = ctypes.addressof(anchor)
             del anchor
-            if _MADVISE(base + lo, hi - lo, mmap.MADV_DONTNEED) == 0:
+            if libc.madvise(base + lo, hi - lo, mmap.MADV_DONTNEED):
                 return
         except (TypeError, ValueError, BufferError):  # a read-only mapping has no writable buffer: below
             pass
-    try:
+    try:  # no libc to call (not Linux / glibc): mmap.madvise, under the GIL
         mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
     except (OSError, ValueError):
         pass

@@ -5,8 +5,8 @@ optimizer state in model space: per parameter its fp32 master, ``exp_avg``, ``ex
 optimizer's buffers included — and the step), so a TP2 legacy checkpoint and a TP4·PP2 torch_dist one of the same
 model compare tensor for tensor. The second side is named and laid out as the first (its layer spec bridged, its Adam
 state put in the first's family) so a local-spec checkpoint and a TE-spec one compare too. Equal tensors — the
-common case — are shown equal block by block from plain reads of both sides (:mod:`.lockstep`), or slice against
-slice of the mapped sources where a plan cannot be read so; a difference is measured from the two tensors built in
+common case — are shown equal where their bytes lie (:mod:`.lockstep`: mapped windows, or row blocks read in
+lockstep), or slice against slice of the mapped sources where a plan cannot be read so; a difference is measured from the two tensors built in
 full, one pair in memory at a time. Vocab padding rows are not compared (Megatron pads to a multiple of the TP size:
 the rows hold nothing); every real row is.
 """
