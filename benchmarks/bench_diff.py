@@ -41,6 +41,11 @@ PROBE = ("import json, os, resource, sys, time, torch\n"
          "                    while fh.readinto(buf):\n"
          "                        pass\n"
          "    return time.perf_counter() - t0\n"
+         "def hwm():  # VmHWM: reset at exec (ru_maxrss is not: it would carry the builder's peak)\n"
+         "    for line in open('/proc/self/status'):\n"
+         "        if line.startswith('VmHWM:'):\n"
+         "            return int(line.split()[1]) / 1024\n"
+         "    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
          "def floor(roots):\n"
          "    return min(read_all(roots, size) for size in (1 << 20, 4 << 20, 16 << 20))\n"
          "t = time.perf_counter(); r = diff_checkpoints(sys.argv[1], sys.argv[2]); first = time.perf_counter() - t\n"
@@ -51,7 +56,7 @@ PROBE = ("import json, os, resource, sys, time, torch\n"
          "    t = time.perf_counter(); r = diff_checkpoints(sys.argv[1], sys.argv[2])\n"
          "    diffs.append(time.perf_counter() - t)\n"
          "print(json.dumps({'first': first, 'diffs': diffs, 'floors': floors, 'equal': r.equal,\n"
-         "                  'tensors': len(r.tensors), 'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
+         "                  'tensors': len(r.tensors), 'rss': hwm()}))\n")
 COLD = os.environ.get("BENCH_DIFF_COLD") == "1"  # every timing from disk: the files' pages dropped before each
 ROUNDS = 3 if COLD else 7
 
@@ -95,7 +100,7 @@ def main() -> None:
           f"{'each timing from disk, the pages dropped first' if COLD else 'page cache warm, as for diff'}) and then "
           f"diffing them: diff s and floor s are the best of the rounds, "
           f"best/best their ratio, median the median of the rounds' own diff/floor ratios (each round's two "
-          f"timings share the box's load of the moment); peak RSS: ru_maxrss of the process.")
+          f"timings share the box's load of the moment); peak RSS: VmHWM of the probe process.")
     if not ns.keep and not ns.work:
         shutil.rmtree(work, ignore_errors=True)
 
