@@ -47,7 +47,15 @@ ARCH_FIELDS = (
     ("add_bias_linear", "linear-layer biases are present in one and not the other"),
     ("qk_layernorm", "q/k layernorm weights are present in one and not the other"),
     ("untie_embeddings_and_output_weights", "tied vs untied output layer: a separate output_layer.weight exists in one"),
+    ("multi_latent_attention", "multi-latent attention (MLA) in one and standard attention in the other: other "
+                               "attention weights"),
+    ("q_lora_rank", "MLA's query low-rank size differs (the Q down / up projections' shapes)"),
+    ("kv_lora_rank", "MLA's key-value low-rank size differs (the KV down / up projections' shapes)"),
+    ("qk_head_dim", "MLA's query-key head dim differs"),
+    ("qk_pos_emb_head_dim", "MLA's rotary part of the query-key head dim differs"),
+    ("v_head_dim", "MLA's value head dim differs (the output projection's shape)"),
 )
+_MLA_SIZES = frozenset({"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"})
 
 
 def _derived_kv(saved: Any, kv: Any) -> bool:
@@ -62,7 +70,8 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 def _norm(field: str, value: Any) -> Any:
     if field == "num_experts" and value in (0, None):
         return None
-    if field in ("swiglu", "add_bias_linear", "qk_layernorm", "untie_embeddings_and_output_weights"):
+    if field in ("swiglu", "add_bias_linear", "qk_layernorm", "untie_embeddings_and_output_weights",
+                 "multi_latent_attention"):
         return bool(value)
     if isinstance(value, str):
         return value.lower() if field == "normalization" else value
@@ -86,6 +95,8 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         run = _norm(field, getattr(rt, field, None))
         if field == "moe_ffn_hidden_size" and not (ck and run and _norm("num_experts", _get(saved, "num_experts"))):
             continue
+        if field in _MLA_SIZES and not (_get(saved, "multi_latent_attention") and rt.multi_latent_attention):
+            continue  # sizes of MLA on both sides only (a change of attention kind is reported once, above)
         if ck is None and run is None:
             continue
         if run is None and field not in rt.given:

@@ -60,6 +60,12 @@ class RuntimeArgs:
     swiglu: bool = False
     add_bias_linear: bool = True
     qk_layernorm: bool = False
+    multi_latent_attention: bool = False  # MLA, and its sizes (Megatron's defaults)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     untie_embeddings_and_output_weights: bool = False
     transformer_impl: str = "transformer_engine"
     # The run's Adam: "torch" (AdamW) or "fused" (TE's or apex's FusedAdam). Not a Megatron flag: Megatron takes the

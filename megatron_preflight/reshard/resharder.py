@@ -286,7 +286,7 @@ class Resharder:
         own = files is None
         files = files or SourceFiles(self.layout.iter_dir or "", trust=self.trust)
         try:
-            check_replicas(plan, files)
+            check_replicas(plan, files, saved_args=self.layout.saved_args)
             state = self.header(files)
             state.update(execute(plan, files))
             return state

@@ -171,6 +171,30 @@ def test_each_architecture_field_is_fatal(field, flags):
     assert f[0].fix and f[0].message
 
 
+# the real MLA fixture's model (TE spec through the CPU stand-in for TE, not TE): LOCAL_FIXTURES.md
+MLA = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
+       "--v-head-dim 6 --qk-layernorm --position-embedding-type rope --sequence-parallel").split()
+MLA_CHANGES = [("q_lora_rank", "--q-lora-rank", "8"), ("kv_lora_rank", "--kv-lora-rank", "16"),
+               ("qk_head_dim", "--qk-head-dim", "16"), ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim", "8"),
+               ("v_head_dim", "--v-head-dim", "8")]
+
+
+@pytest.mark.parametrize("field, flag, value", MLA_CHANGES, ids=[c[0] for c in MLA_CHANGES])
+def test_each_mla_size_is_fatal_and_the_same_model_reshards(field, flag, value):
+    assert plan("mla_te_tp2_torch", *MLA, "--transformer-impl", "transformer_engine",
+                "--no-load-rng").verdict == Verdict.RESHARD
+    changed = [*MLA, flag, value]  # the later flag wins, as in Megatron's argparse
+    p = plan("mla_te_tp2_torch", *changed, "--transformer-impl", "transformer_engine", "--no-load-rng")
+    assert p.verdict == Verdict.FAIL and [f.field for f in p.fatal] == [field], [x.to_json() for x in p.findings]
+    assert p.fatal[0].fix == f"set {flag} {getattr(from_cli(TINY + MLA), field)}"
+
+
+def test_mla_dropped_from_the_run_is_one_fatal_finding():
+    p = plan("mla_te_tp2_torch", "--qk-layernorm", "--position-embedding-type", "rope", "--transformer-impl",
+             "transformer_engine", "--no-load-rng")
+    assert [f.field for f in p.fatal] == ["multi_latent_attention"] and p.fatal[0].fix == "add --multi-latent-attention"
+
+
 @pytest.mark.parametrize("name, flags", [
     ("tp1_torch", ["--transformer-impl", "transformer_engine"]),  # local -> TE: the same tensors, other names
     ("te_tp2_torch", ["--tensor-model-parallel-size", "2", "--transformer-impl", "local"]),  # TE -> local

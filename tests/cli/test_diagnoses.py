@@ -58,13 +58,19 @@ def test_a_flag_missing_its_value_after_dashes_is_one_line(cmd, capsys):
     assert "alias" not in err and "usage:" not in err
 
 
-@pytest.mark.parametrize("field,value,says", [
-    ("hidden_size", 64, "holds embedding.word_embeddings.weight with global shape (256, 32), but its saved args"),
-    ("num_layers", 6, "the saved args say 6 layers, but the shards hold 4"),
-    ("ffn_hidden_size", 128, "mlp.linear_fc1.weight with global shape (64, 32)"),
+@pytest.mark.parametrize("name,field,value,says", [
+    ("tp2_torch", "hidden_size", 64, "holds embedding.word_embeddings.weight with global shape (256, 32), but its "
+                                     "saved args"),
+    ("tp2_torch", "num_layers", 6, "the saved args say 6 layers, but the shards hold 4"),
+    ("tp2_torch", "ffn_hidden_size", 128, "mlp.linear_fc1.weight with global shape (64, 32)"),
+    # multi-latent attention sizes its projections by its own args (the real fixture: TE spec via the stand-in)
+    ("mla_te_tp2_torch", "v_head_dim", 8, "linear_proj.weight with global shape (32, 24)"),
+    ("mla_te_tp2_torch", "q_lora_rank", 8, "linear_q_down_proj.weight with global shape (16, 32)"),
+    ("mla_te_tp2_torch", "qk_pos_emb_head_dim", 2, "linear_q_up_proj.weight with global shape (48, 16)"),
+    ("mla_te_tp2_torch", "kv_lora_rank", 16, "linear_kv_down_proj.weight with global shape (12, 32)"),
 ])
-def test_shards_that_contradict_their_args_are_named_not_blamed_on_the_optimizer(field, value, says):
-    lay = discover(fixture_path("tp2_torch"))
+def test_shards_that_contradict_their_args_are_named_not_blamed_on_the_optimizer(name, field, value, says):
+    lay = discover(fixture_path(name))
     setattr(lay.saved_args, field, value)
     with pytest.raises(PreflightError, match="saved args") as exc:
         open_resharder(lay, TargetLayout(tp=1))

@@ -563,6 +563,47 @@ def test_te_production_default_at_another_tp_loads_in_memory(tmp_path):
     assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
 
 
+# tests/fixtures/megatron-lm/LOCAL_FIXTURES.md: multi-latent attention (TE spec through the stand-in: the up projections
+# fused with their q/kv layernorm), trained at TP2 with sequence parallelism (the duplicated down projections' gradients
+# are reduced over TP only then)
+MLA = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
+       "--v-head-dim 6 --qk-layernorm --position-embedding-type rope --rope-type rope --sequence-parallel").split()
+
+
+@te_only
+def test_mla_legacy_at_another_tp_loads_in_memory_like_megatrons_dist_reshard(tmp_path):
+    """A legacy MLA checkpoint (TE spec through the stand-in, TP2) at TP1 through --preflight auto (Megatron cannot
+    load a legacy checkpoint at another TP): iterations 3 and 4 equal Megatron's own load of the torch_dist twin at
+    TP1 (its dist loader reshards), weights and Adam state."""
+    rc, log = run(tmp_path, fixture_path("mla_te_tp2_torch"), 1, *MLA, "--ckpt-format", "torch", "--no-load-rng",
+                  "--train-iters", "4", "--preflight", "auto", port=29764, te=True)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log
+    rc2, log2 = run(tmp_path, fixture_path("mla_te_tp2_torch_dist"), 1, *MLA, "--ckpt-format", "torch_dist",
+                    "--no-load-rng", "--train-iters", "4", plugin=False, port=29765, te=True)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
+@te_only
+def test_mla_replicas_megatron_let_drift_are_refused_with_their_cause_and_a_fix_that_works(tmp_path):
+    """MLA trained at TP2 without --sequence-parallel (Megatron leaves the duplicated down projections' gradients
+    unreduced over TP, so the TP replicas drift apart): --preflight auto at TP1 refuses it with that cause, not as
+    damage; the fix it gives — Megatron's own save as torch_dist at the saved layout — loads at TP1."""
+    rc, log = run(tmp_path, fixture_path("mla_nosp_te_tp2_torch"), 1, *MLA, "--ckpt-format", "torch", "--no-load-rng",
+                  "--preflight", "auto", port=29766, te=True, verify=False)
+    assert rc != 0 and "lm loss" not in log, log[-3000:]
+    assert "without --sequence-parallel" in log and "--ckpt-convert-format torch_dist" in log, log[-3000:]
+    saved = tmp_path / "as_torch_dist"
+    rc, log = run(tmp_path, fixture_path("mla_nosp_te_tp2_torch"), 2, *_without(MLA, ("--sequence-parallel",)),
+                  "--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--ckpt-convert-format", "torch_dist",
+                  "--ckpt-convert-save", str(saved), plugin=False, port=29767, te=True, verify=False)
+    assert rc == 0 and "converted checkpoint" in log, log[-3000:]
+    rc, log = run(tmp_path, str(saved / "torch_dist"), 1, *MLA, "--ckpt-format", "torch_dist", "--no-load-rng",
+                  "--train-iters", "4", "--preflight", "auto", port=29768, te=True)
+    assert rc == 0 and loss(log, 4, 4) is not None, log[-3000:]
+
+
 @te_only
 @pytest.mark.parametrize("source", ["tp2_torch", "tp2_torch_dist"])
 def test_local_spec_checkpoint_resumes_on_a_te_cluster_with_its_optimizer(tmp_path, source):
@@ -873,6 +914,8 @@ def assert_same_files(ours, theirs):
      MOE_SHARED + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                    "--expert-tensor-parallel-size", "2"]),  # ETP1 -> ETP2: the experts split by ETP, 8 ranks
     pytest.param("te_tp2_torch", "te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC, marks=te_only, id="te-fused-adam"),
+    pytest.param("mla_te_tp2_torch", "mla_te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC + MLA, marks=te_only,
+                 id="te-mla"),  # multi-latent attention: column up projections, duplicated down projections
 ])
 def test_our_reshard_equals_megatrons_own_saved_reshard(tmp_path, legacy, twin, nproc, target, flags):
     """Both sources: our reshard of the legacy twin, and of the torch_dist twin itself."""
@@ -880,7 +923,7 @@ def test_our_reshard_equals_megatrons_own_saved_reshard(tmp_path, legacy, twin, 
     from megatron_preflight.reshard import TargetLayout, write_resharded
 
     theirs = megatron_convert(tmp_path, twin, nproc, ["--tensor-model-parallel-size", str(target["tp"]), *flags],
-                              port=29790, te=flags is TE_SPEC)
+                              port=29790, te=flags[:len(TE_SPEC)] == TE_SPEC)
     for source in (legacy, twin):
         ours = str(tmp_path / f"ours_{source}")
         write_resharded(fixture_path(source), ours, TargetLayout(**target), verify=True)

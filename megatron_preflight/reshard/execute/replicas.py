@@ -6,7 +6,7 @@ are a real failure mode; they are reported with the shards involved, never avera
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
@@ -48,9 +48,22 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     return _bytes(torch.cat([flat[:SAMPLE], flat[mid:mid + SAMPLE], flat[n - SAMPLE:]]))
 
 
-def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False) -> int:
+def expected_divergence(saved_args: Any) -> str | None:
+    """Why this checkpoint's TP replicas differ by Megatron's own doing (not damage), from its saved args; None when
+    no such cause is known."""
+    tp = getattr(saved_args, "tensor_model_parallel_size", 1) or 1
+    if getattr(saved_args, "multi_latent_attention", False) and tp > 1 and \
+            not getattr(saved_args, "sequence_parallel", False):
+        return (f"it is a multi-latent-attention model trained at TP{tp} without --sequence-parallel, where Megatron "
+                "does not reduce the gradients of MLA's duplicated down projections over the TP group, so the "
+                "parameters replicated over TP drift apart between TP ranks as it trains")
+    return None
+
+
+def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, saved_args: Any = None) -> int:
     """Compare every replica of every source piece ``plan`` reads with its main copy (bit for bit), whole or
-    sampled. Returns the number of replicas compared; raises :class:`ReplicaMismatch` on the first difference."""
+    sampled. Returns the number of replicas compared; raises :class:`ReplicaMismatch` on the first difference (with
+    its cause when the checkpoint's ``saved_args`` explain it: :func:`expected_divergence`)."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     seen: set[tuple] = set()
@@ -69,13 +82,22 @@ def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False) ->
                     files.release_pages()
                 compared += 1
                 if not same:
-                    raise ReplicaMismatch(
-                        f"the replicas of {tp.key} disagree: {op.shard} and {shard} hold different values for the same "
-                        f"piece{'' if full else ' (sampled check)'}; one of those ranks diverged",
-                        path=files.iter_dir,
-                        fix="find which copy is right (compare with an earlier iteration) and restore the iteration "
-                            "dir from a good copy, or load an earlier iteration with --ckpt-step", code="replicas")
+                    raise _mismatch(tp.key, op.shard, shard, full, files.iter_dir, expected_divergence(saved_args))
     return compared
+
+
+def _mismatch(key: str, main: str, other: str, full: bool, where: str, cause: str | None) -> ReplicaMismatch:
+    what = (f"the replicas of {key} disagree: {main} and {other} hold different values for the same piece"
+            f"{'' if full else ' (sampled check)'}")
+    if cause is not None:
+        return ReplicaMismatch(
+            f"{what}; {cause}. A reshard must take one copy, and it does not pick one for you", path=where,
+            fix="load it at its own layout with --ckpt-convert-format torch_dist --ckpt-convert-save DIR (a torch_dist "
+                "save keeps TP rank 0's copies), then resume from DIR at the new layout; train MLA at TP > 1 with "
+                "--sequence-parallel", code="replicas")
+    return ReplicaMismatch(f"{what}; one of those ranks diverged", path=where,
+                           fix="find which copy is right (compare with an earlier iteration) and restore the iteration "
+                               "dir from a good copy, or load an earlier iteration with --ckpt-step", code="replicas")
 
 
 def _ident(ref: TensorRef) -> tuple:

@@ -138,12 +138,33 @@ def expected_shapes(args: Any) -> dict[tuple[bool, str], tuple[int | None, ...]]
         (False, "pre_mlp_layernorm.weight"): (hidden,),
         (False, "decoder.final_layernorm.weight"): (hidden,),
     }
+    if getattr(args, "multi_latent_attention", False):  # no fused QKV; the output projection reads v_head_dim
+        del out[(False, "self_attention.linear_qkv.weight")], out[(False, "self_attention.linear_proj.weight")]
+        out.update(_mla_shapes(get, hidden, heads))
     if ffn:
         out[(False, "mlp.linear_fc1.weight")] = (ffn * glu, hidden)
         out[(False, "mlp.linear_fc2.weight")] = (hidden, ffn)
     if moe_ffn:
         out[(True, "linear_fc1.weight")] = (moe_ffn * glu, hidden)
         out[(True, "linear_fc2.weight")] = (hidden, moe_ffn)
+    return out
+
+
+def _mla_shapes(get: Any, hidden: int, heads: int) -> dict[tuple[bool, str], tuple[int | None, ...]]:
+    """Multi-latent attention's projections, as its args size them (None: a size the args do not give)."""
+    qk, pos, v = get("qk_head_dim"), get("qk_pos_emb_head_dim"), get("v_head_dim")
+    q_lora, kv_lora = get("q_lora_rank"), get("kv_lora_rank")
+    out: dict[tuple[bool, str], tuple[int | None, ...]] = {
+        (False, "self_attention.linear_proj.weight"): (hidden, heads * v if v else None)}
+    q_out = heads * (qk + pos) if qk and pos else None
+    if q_lora:
+        out[(False, "self_attention.linear_q_down_proj.weight")] = (q_lora, hidden)
+        out[(False, "self_attention.linear_q_up_proj.weight")] = (q_out, q_lora)
+    else:
+        out[(False, "self_attention.linear_q_proj.weight")] = (q_out, hidden)
+    if kv_lora:
+        out[(False, "self_attention.linear_kv_down_proj.weight")] = (kv_lora + pos if pos else None, hidden)
+        out[(False, "self_attention.linear_kv_up_proj.weight")] = (heads * (qk + v) if qk and v else None, kv_lora)
     return out
 
 

@@ -61,6 +61,15 @@ _TABLE: list[tuple[str, Rule]] = [
     (r"self_attention\.(q|k)_layernorm\.(weight|bias)", REPL),
     (r"self_attention\.linear_proj\.weight", ROW),
     (r"self_attention\.linear_proj\.bias", REPL),
+    # multi-latent attention (MLASelfAttention, TE spec): the up projections and the plain Q projection are
+    # column-parallel, whole heads per rank ([q_nope, q_pe] / [k_nope, v] per head); the down projections are TE's
+    # duplicated linears, the same on every TP rank (the local spec's column-split down projections cannot be built
+    # by Megatron 0.16 and later; a checkpoint that has them fails the shape check against its args)
+    (r"self_attention\.linear_q_proj\.(weight|bias)", COLUMN),
+    (r"self_attention\.linear_(q|kv)_up_proj\.(weight|bias)", COLUMN),
+    (r"self_attention\.linear_(q|kv)_up_proj\.layer_norm_(weight|bias)", REPL),
+    (r"self_attention\.linear_(q|kv)_down_proj\.(weight|bias)", REPL),
+    (r"self_attention\.kv_layernorm\.(weight|bias)", REPL),
     # dense MLP
     (r"pre_mlp_layernorm\.(weight|bias)", REPL),
     (r"mlp\.linear_fc1\.layer_norm_(weight|bias)", REPL),

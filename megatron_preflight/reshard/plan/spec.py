@@ -47,7 +47,10 @@ LOCAL_SPEC_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
 # Megatron-Core's module registration order inside a transformer layer (the order of a legacy state dict; the
 # optimizer's parameter order follows it). Keys of other modules follow.
 MODULE_ORDER = ("input_layernorm.", "self_attention.core_attention.", "self_attention.linear_proj.",
-                "self_attention.linear_qkv.", "self_attention.q_layernorm.", "self_attention.k_layernorm.",
+                "self_attention.linear_qkv.", "self_attention.linear_q_proj.", "self_attention.linear_q_down_proj.",
+                "self_attention.linear_q_up_proj.", "self_attention.linear_kv_down_proj.",
+                "self_attention.linear_kv_up_proj.", "self_attention.q_layernorm.", "self_attention.kv_layernorm.",
+                "self_attention.k_layernorm.",
                 "pre_cross_attn_layernorm.", "cross_attention.", "pre_mlp_layernorm.", "mlp.linear_fc1.",
                 "mlp.linear_fc2.", "mlp.router.", "mlp.experts.", "mlp.shared_experts.linear_fc1.",
                 "mlp.shared_experts.linear_fc2.", "mlp.shared_experts.")

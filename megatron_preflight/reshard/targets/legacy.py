@@ -40,7 +40,7 @@ def write_shard(r: Resharder, name: str, iter_out: str, verify: bool, tapping: T
         out_dir = os.path.join(iter_out, name)
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, naming.MODEL_FILENAME)
-        replicas = check_replicas(plan, files, full=verify)
+        replicas = check_replicas(plan, files, full=verify, saved_args=r.layout.saved_args)
         save_streaming(r.header(files), plan, files, path, tap)
         checked = verify_shard(plan, path, files) if verify else 0
         written = os.path.getsize(path)

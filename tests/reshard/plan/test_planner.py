@@ -127,6 +127,18 @@ def test_diverged_replica_is_reported_with_both_shards(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_replicas_megatron_let_drift_are_reported_with_their_cause(tmp_path):
+    """A real MLA checkpoint (TE spec through the CPU stand-in, not TE) trained at TP2 without --sequence-parallel:
+    Megatron lets its TP replicas drift apart. Refused with that cause and a fix, not as damage; the same model
+    trained with sequence parallelism reshards."""
+    with pytest.raises(ReplicaMismatch) as exc:
+        write_resharded(fixture_path("mla_nosp_te_tp2_torch"), str(tmp_path / "out"), TargetLayout(tp=1))
+    msg = str(exc.value)
+    assert "without --sequence-parallel" in msg and "diverged" not in msg and "--ckpt-convert-format torch_dist" in msg
+    assert not (tmp_path / "out").exists()
+    write_resharded(fixture_path("mla_te_tp2_torch"), str(tmp_path / "sp"), TargetLayout(tp=1), verify=True)
+
+
 def test_replica_diverged_between_samples_is_found_by_verify(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(fixture_path("tp2_torch"), src)

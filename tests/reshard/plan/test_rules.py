@@ -28,6 +28,16 @@ KEYS = [
     ("decoder.layers.3.self_attention.q_layernorm.weight", False, "replicated", "tp"),
     ("decoder.layers.3.self_attention.linear_proj.weight", False, "row", "tp"),
     ("decoder.layers.3.self_attention.linear_proj.bias", False, "replicated", "tp"),
+    # multi-latent attention (TE spec): whole heads per rank in the up / plain Q projections, duplicated down ones
+    ("decoder.layers.3.self_attention.linear_q_proj.weight", False, "column", "tp"),
+    ("decoder.layers.3.self_attention.linear_q_up_proj.weight", False, "column", "tp"),
+    ("decoder.layers.3.self_attention.linear_kv_up_proj.weight", False, "column", "tp"),
+    ("decoder.layers.3.self_attention.linear_q_up_proj.layer_norm_weight", False, "replicated", "tp"),
+    ("decoder.layers.3.self_attention.linear_kv_up_proj.layer_norm_bias", False, "replicated", "tp"),
+    ("decoder.layers.3.self_attention.linear_q_down_proj.weight", False, "replicated", "tp"),
+    ("decoder.layers.3.self_attention.linear_kv_down_proj.weight", False, "replicated", "tp"),
+    ("decoder.layers.3.self_attention.linear_kv_down_proj._extra_state", False, "extra", "tp"),
+    ("decoder.layers.3.self_attention.kv_layernorm.weight", False, "replicated", "tp"),
     ("decoder.layers.1.mlp.linear_fc1.weight", False, "column", "tp"),
     ("decoder.layers.1.mlp.linear_fc1.weight", True, "glu", "tp"),
     ("decoder.layers.1.mlp.linear_fc1.layer_norm_bias", True, "replicated", "tp"),
@@ -66,8 +76,8 @@ def test_parse_key_places_layers_and_experts():
 
 
 def test_unknown_key_is_refused_by_name():
-    with pytest.raises(UnknownKeyError, match="decoder.layers.0.self_attention.linear_q_down_proj.weight"):
-        rule_for(parse_key("decoder.layers.0.self_attention.linear_q_down_proj.weight"), swiglu=False)
+    with pytest.raises(UnknownKeyError, match="decoder.layers.0.self_attention.linear_qkv_down_proj.weight"):
+        rule_for(parse_key("decoder.layers.0.self_attention.linear_qkv_down_proj.weight"), swiglu=False)
 
 
 def test_two_matching_rows_are_an_error_not_first_match(monkeypatch):
