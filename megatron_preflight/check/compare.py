@@ -54,6 +54,8 @@ ARCH_FIELDS = (
     ("qk_head_dim", "MLA's query-key head dim differs"),
     ("qk_pos_emb_head_dim", "MLA's rotary part of the query-key head dim differs"),
     ("v_head_dim", "MLA's value head dim differs (the output projection's shape)"),
+    ("mtp_num_layers", "the number of multi-token prediction (MTP) layers differs: MTP layers are in one and not the "
+                       "other"),
 )
 _MLA_SIZES = frozenset({"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"})
 
@@ -68,7 +70,7 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 
 def _norm(field: str, value: Any) -> Any:
-    if field == "num_experts" and value in (0, None):
+    if field in ("num_experts", "mtp_num_layers") and value in (0, None):
         return None
     if field in ("swiglu", "add_bias_linear", "qk_layernorm", "untie_embeddings_and_output_weights",
                  "multi_latent_attention"):

@@ -27,6 +27,7 @@ from megatron_preflight.parallel import LayoutError
 log = logging.getLogger(__name__)
 
 FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
+UNKNOWN_KEY = "unknown_key"  # a checkpoint tensor no split rule covers (reshard/plan/rules.py)
 
 # Optimizer sharding types Megatron's DistributedOptimizer can reload across a (TP, PP) change.
 FULLY_RESHARDABLE = {"fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor"}
@@ -165,7 +166,9 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
         if layout.format == Format.TORCH:
             status = index.optimizer_status
             problem = status.reason if status is not None and not status.reshardable else None
-            if problem is None and status is not None and not status.in_memory:
+            if any(p.code == UNKNOWN_KEY for p in layout.problems):
+                pass  # the weights cannot be resharded either: one finding says why (_unknown_key_findings)
+            elif problem is None and status is not None and not status.in_memory:
                 out.append(Finding("optimizer", "distributed", "load", FATAL,
                                    "the distributed optimizer's state (distrib_optim.pt) follows a layout change "
                                    "offline, not yet in memory: Megatron would look for distrib_optim.pt of the "
@@ -341,6 +344,8 @@ def _problem_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     for p in layout.problems:
         if p.code == "no_tracker" and rt.ckpt_step is not None:
             continue
+        if p.code == UNKNOWN_KEY:
+            continue  # fatal only where the load reshards: see _unknown_key_findings
         if p.code == "bad_tracker" and rt.ckpt_step is not None:
             continue
         out.append(Finding(p.code, None, None, FATAL, f"{p.path}: {p.message.rstrip('.')}",
@@ -348,6 +353,22 @@ def _problem_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     if layout.format is None and not layout.problems:
         out.append(Finding("checkpoint", None, layout.path, FATAL, "this is not a Megatron checkpoint",
                            "pass the --load dir of a Megatron run"))
+    return out
+
+
+def _unknown_key_findings(layout: Layout, loader: Loader | None) -> list[Finding]:
+    """A tensor the split-rule table does not know (another model type, a newer Megatron) blocks only a reshard of
+    ours: Megatron's own loaders read it at the saved layout, and its dist loader at any."""
+    out = []
+    for p in layout.problems:
+        if p.code != UNKNOWN_KEY:
+            continue
+        if loader == Loader.RESHARD:
+            out.append(Finding(p.code, None, None, FATAL, f"{p.path}: {p.message.rstrip('.')}", p.fix or ""))
+        else:
+            out.append(Finding(p.code, None, None, INFO, f"{p.path}: {p.message.rstrip('.')}: Megatron's own "
+                               f"{'dist ' if loader == Loader.DIST else ''}loader reads it as saved; megatron-preflight "
+                               "could not reshard it", ""))
     return out
 
 
@@ -389,6 +410,7 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
         loader = Loader.DIST
     else:
         loader = None
+    findings += _unknown_key_findings(layout, loader)
     if any(f.severity == FATAL for f in findings):
         verdict = Verdict.FAIL
     elif loader == Loader.RESHARD:

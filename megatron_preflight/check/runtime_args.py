@@ -66,6 +66,7 @@ class RuntimeArgs:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    mtp_num_layers: int | None = None  # multi-token prediction layers
     untie_embeddings_and_output_weights: bool = False
     transformer_impl: str = "transformer_engine"
     # The run's Adam: "torch" (AdamW) or "fused" (TE's or apex's FusedAdam). Not a Megatron flag: Megatron takes the

@@ -10,6 +10,7 @@ from megatron_preflight.layout import naming
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex
 from megatron_preflight.reshard.execute.executor import build_tensor
 from megatron_preflight.reshard.optimizer.plain import iter_plans
+from megatron_preflight.reshard.plan.rules import canonical_name
 from megatron_preflight.reshard.plan.spec import spec_of
 from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
@@ -35,12 +36,15 @@ def global_plan(r: Resharder) -> RankPlan:
 
 
 def named_tensors(plan: RankPlan, optimizer: bool) -> dict[str, TensorPlan | Any]:
-    out: dict[str, Any] = {t.key: t for t in plan.tensors}
+    """The plan's entries by global name (:func:`~megatron_preflight.reshard.plan.rules.canonical_name`)."""
+    out: dict[str, Any] = {canonical_name(t.key): t for t in plan.tensors}
     if optimizer and plan.optimizer is not None:
         # per-parameter steps are one number per run: compared once (DiffReport.steps), in either Adam family
         # (the wrapper's own entries, e.g. fp16's grad scaler, are not parameter state: not compared)
-        out.update({tp.key: tp for _, tp in iter_plans(plan.optimizer) if "#" in tp.key
-                    and not tp.key.endswith("#step")})
+        for _, tp in iter_plans(plan.optimizer):
+            if "#" in tp.key and not tp.key.endswith("#step"):
+                key, _, what = tp.key.partition("#")
+                out[f"{canonical_name(key)}#{what}"] = tp
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_preflight.reshard.execute.executor import build_tensor
-from megatron_preflight.reshard.plan.rules import Rule, segments
+from megatron_preflight.reshard.plan.rules import Rule, canonical_name, segments
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -50,7 +50,7 @@ def boxes(r: Resharder, tp: TensorPlan, coords: dict[str, int]) -> list[Box]:
 def global_name(r: Resharder, tp: TensorPlan) -> str:
     """The tensor's key at TP1·PP1·EP1 (global layer and expert numbers): the name its fingerprint is stored under."""
     assert tp.gkey is not None
-    return r.index[tp.gkey].info.render(tp.gkey.layer, tp.gkey.expert)
+    return canonical_name(r.index[tp.gkey].info.render(tp.gkey.layer, tp.gkey.expert))
 
 
 def checkpoint_name(r: Resharder, tp: TensorPlan) -> str:
@@ -59,7 +59,7 @@ def checkpoint_name(r: Resharder, tp: TensorPlan) -> str:
     local-spec run's ``pre_mlp_layernorm.weight``)."""
     assert tp.gkey is not None
     key = r.source_keys.get(tp.gkey, tp.gkey)
-    return r.checkpoint.tensors[key].info.render(key.layer, key.expert)
+    return canonical_name(r.checkpoint.tensors[key].info.render(key.layer, key.expert))
 
 
 def expected(tp: TensorPlan, files: SourceFiles) -> Any:

@@ -2,11 +2,13 @@
 
 import argparse
 import dataclasses
+import functools
 import os
 
 import pytest
 import torch
 
+from megatron_preflight.check.findings import Severity
 from megatron_preflight.check.plan import Loader, Verdict, make_plan
 from megatron_preflight.check.runtime_args import from_cli, from_namespace, from_yaml
 from megatron_preflight.layout import naming
@@ -187,6 +189,34 @@ def test_each_mla_size_is_fatal_and_the_same_model_reshards(field, flag, value):
     p = plan("mla_te_tp2_torch", *changed, "--transformer-impl", "transformer_engine", "--no-load-rng")
     assert p.verdict == Verdict.FAIL and [f.field for f in p.fatal] == [field], [x.to_json() for x in p.findings]
     assert p.fatal[0].fix == f"set {flag} {getattr(from_cli(TINY + MLA), field)}"
+
+
+MTP = "--mtp-num-layers 1 --position-embedding-type rope --untie-embeddings-and-output-weights".split()
+
+
+def test_mtp_layers_are_compared_and_an_mtp_checkpoint_reshards():
+    te = ["--transformer-impl", "transformer_engine", "--no-load-rng"]
+    assert plan("mtp_te_tp2pp2_torch", *MTP, *te).verdict == Verdict.RESHARD  # TP2·PP2 -> TP1·PP1
+    dropped = plan("mtp_te_tp2pp2_torch", *MTP[2:], *te)
+    assert [(f.field, f.fix) for f in dropped.fatal] == [("mtp_num_layers", "add --mtp-num-layers 1")]
+    added = plan("te_tp2_torch", "--tensor-model-parallel-size", "2", "--mtp-num-layers", "2", *te)
+    assert [(f.field, f.fix) for f in added.fatal] == [("mtp_num_layers", "remove --mtp-num-layers")]
+
+
+def test_a_tensor_no_rule_covers_blocks_only_a_reshard(monkeypatch):
+    """A key the split-rule table does not know (here: MLA's down projections with their rows taken out of the
+    table, as a newer Megatron's module would be): the job loads at the saved layout (Megatron reads it as saved),
+    and a layout change that needs our reshard fails at start, naming the key."""
+    from megatron_preflight.reshard.plan import rules
+
+    monkeypatch.setattr(rules, "_COMPILED", [(p, r) for p, r in rules._COMPILED if "down_proj" not in p.pattern])
+    monkeypatch.setattr(rules, "_rule_of_suffix", functools.lru_cache(maxsize=None)(rules._rule_of_suffix.__wrapped__))
+    te = [*MLA, "--transformer-impl", "transformer_engine"]
+    same = plan("mla_te_tp2_torch", *te, "--tensor-model-parallel-size", "2")
+    assert same.verdict == Verdict.LOAD and [f.severity for f in same.findings if f.field == "unknown_key"] == [Severity.INFO]
+    other = plan("mla_te_tp2_torch", *te, "--no-load-rng")
+    assert other.verdict == Verdict.FAIL and [f.field for f in other.fatal] == ["unknown_key"]
+    assert "linear_q_down_proj.weight" in other.fatal[0].message
 
 
 def test_mla_dropped_from_the_run_is_one_fatal_finding():

@@ -570,6 +570,60 @@ MLA = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 8 --qk-head-dim
        "--v-head-dim 6 --qk-layernorm --position-embedding-type rope --rope-type rope --sequence-parallel").split()
 
 
+# multi-token prediction (DeepSeek-V3's form: untied head), TE spec through the stand-in, trained at TP2·PP2: the MTP
+# layer on the last stage, which holds its own copy of the word embedding (LOCAL_FIXTURES.md)
+MTP = "--mtp-num-layers 1 --position-embedding-type rope --untie-embeddings-and-output-weights".split()
+MTP_MOE = "--num-experts 4 --moe-router-topk 2 --disable-bias-linear --moe-grouped-gemm".split()
+
+
+@te_only
+@pytest.mark.parametrize("name, nproc, flags", [
+    ("mtp_te_tp2pp2", 1, []), ("mtp_te_tp2pp2", 2, ["--tensor-model-parallel-size", "2"]),
+    # an MoE MTP layer, EP2 -> PP2·EP2 (Megatron's own torch_dist load cannot change EP with the plain optimizer)
+    ("mtp_moe_te_ep2", 4, MTP_MOE + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+])
+def test_mtp_legacy_at_another_layout_loads_in_memory_like_megatrons_dist_reshard(tmp_path, name, nproc, flags):
+    """A legacy MTP checkpoint (TP2·PP2; an MoE one at EP2) at another layout through --preflight auto: iterations
+    3 and 4 (the main and the MTP loss) equal Megatron's own load of the torch_dist twin at that layout."""
+    rc, log = run(tmp_path, fixture_path(f"{name}_torch"), nproc, *MTP, *flags, "--ckpt-format", "torch",
+                  "--no-load-rng", "--train-iters", "4", "--preflight", "auto", port=29769, te=True)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log
+    rc2, log2 = run(tmp_path, fixture_path(f"{name}_torch_dist"), nproc, *MTP, *flags, "--ckpt-format",
+                    "torch_dist", "--no-load-rng", "--train-iters", "4", plugin=False, port=29770, te=True)
+    assert rc2 == 0, log2[-3000:]
+    mtp = [re.findall(r"mtp_1 loss: ([0-9.E+-]+)", text) for text in (log, log2)]
+    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+    assert mtp[0] and mtp[0] == mtp[1]
+
+
+@te_only
+@pytest.mark.parametrize("in_memory", [False, True], ids=["offline", "in-memory"])
+def test_mtp_distributed_optimizer_reshard_trains_like_megatrons_dist_reshard(tmp_path, in_memory):
+    """MTP with the distributed optimizer (TE spec and fused Adam through the stand-in), PP2·DP2 -> PP1·DP2: the MTP
+    layer's and the last stage's own embedding's Adam state leave their stage's buffers. Iterations 3 and 4 (main and
+    MTP loss) equal Megatron's own reshard of the twin saved with --dist-ckpt-optim-fully-reshardable."""
+    common = (*MTP, "--use-distributed-optimizer", "--global-batch-size", "4", "--no-load-rng", "--train-iters", "4")
+    legacy = fixture_path("mtp_te_distopt_pp2dp2_torch")
+    if in_memory:
+        rc, log = run(tmp_path, legacy, 2, "--ckpt-format", "torch", *common, "--preflight", "auto", port=29771,
+                      te=True)
+        assert "loaded through the in-memory resharder" in log, log[-3000:]
+    else:
+        out = tmp_path / "resharded"
+        r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", legacy, str(out), "--pp", "1",
+                            "--verify", "--fingerprint", "--no-progress"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        rc, log = run(tmp_path, str(out), 2, "--ckpt-format", "torch", *common, plugin=False, port=29771, te=True)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = run(tmp_path, fixture_path("mtp_te_distopt_pp2dp2_torch_dist"), 2, "--ckpt-format", "torch_dist",
+                    *common, plugin=False, port=29772, te=True)
+    assert rc2 == 0, log2[-3000:]
+    mtp = [re.findall(r"mtp_1 loss: ([0-9.E+-]+)", text) for text in (log, log2)]
+    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+    assert mtp[0] and mtp[0] == mtp[1]
+
+
 @te_only
 def test_mla_legacy_at_another_tp_loads_in_memory_like_megatrons_dist_reshard(tmp_path):
     """A legacy MLA checkpoint (TE spec through the stand-in, TP2) at TP1 through --preflight auto (Megatron cannot
@@ -916,6 +970,13 @@ def assert_same_files(ours, theirs):
     pytest.param("te_tp2_torch", "te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC, marks=te_only, id="te-fused-adam"),
     pytest.param("mla_te_tp2_torch", "mla_te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC + MLA, marks=te_only,
                  id="te-mla"),  # multi-latent attention: column up projections, duplicated down projections
+    pytest.param("mtp_te_tp2pp2_torch", "mtp_te_tp2pp2_torch_dist", 1, {"tp": 1, "pp": 1}, TE_SPEC + MTP,
+                 marks=te_only, id="te-mtp-pp1"),  # multi-token prediction: the MTP layer and its own embedding
+    pytest.param("mtp_te_tp2pp2_torch", "mtp_te_tp2pp2_torch_dist", 2, {"tp": 1, "pp": 2}, TE_SPEC + MTP +
+                 ["--pipeline-model-parallel-size", "2"], marks=te_only, id="te-mtp-pp2"),
+    pytest.param("mtp_moe_te_ep2_torch", "mtp_moe_te_ep2_torch_dist", 4, {"tp": 1, "pp": 2, "ep": 2},
+                 TE_SPEC + MTP + MTP_MOE + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+                 marks=te_only, id="te-mtp-moe-pp2ep2"),  # the MoE MTP layer's TE-grouped experts on the last stage
 ])
 def test_our_reshard_equals_megatrons_own_saved_reshard(tmp_path, legacy, twin, nproc, target, flags):
     """Both sources: our reshard of the legacy twin, and of the torch_dist twin itself."""

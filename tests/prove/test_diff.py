@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from megatron_preflight.prove.diff import diff_checkpoints
 from megatron_preflight.reshard import TargetLayout, write_resharded
 from megatron_preflight.reshard.resharder import open_resharder
 from tests.conftest import fixture_path
+from tests.helpers import ckpt_edit
 
 
 @pytest.mark.parametrize("legacy, twin", [
@@ -23,12 +25,39 @@ from tests.conftest import fixture_path
     ("bf16_gqa_tp2_torch", "bf16_gqa_tp2_torch_dist"),  # bf16 weights, fp32 masters
     ("distopt_tp2dp2_torch", "distopt_tp2dp2_torch_dist"),  # distrib_optim.pt buffers vs fully_reshardable
     ("te_tp2_torch", "te_tp2_torch_dist"),  # TE spec (the CPU stand-in), fused Adam, TE extra state
+    ("mla_te_tp2_torch", "mla_te_tp2_torch_dist"),  # multi-latent attention (TE spec via the stand-in)
+    ("mtp_te_tp2pp2_torch", "mtp_te_tp2pp2_torch_dist"),  # MTP: `transformer_layer` in torch_dist
+    ("mtp_moe_te_ep2_torch", "mtp_moe_te_ep2_torch_dist"),  # an MoE MTP layer, TE-grouped experts over EP2
 ])
 def test_a_legacy_checkpoint_equals_its_torch_dist_twin(legacy, twin):
     r = diff_checkpoints(fixture_path(legacy), fixture_path(twin))
     assert r.equal, r.render()
     assert any("#exp_avg" in t.name for t in r.tensors) and r.steps == (2.0, 2.0)  # the optimizer was compared
     assert any("padding" in n for n in r.notes)
+
+
+def test_an_mtp_checkpoint_of_an_older_megatron_keeps_its_names_and_equals_the_newer(tmp_path):
+    """Megatron-LM before late 2025 named an MTP layer's transformer layer ``transformer_layer`` in legacy files
+    (``mtp_model_layer`` since): a copy renamed so (the real fixture, every shard) reshards under its own names, and
+    equals the newer-named original and its twin, weights and Adam state."""
+    old = tmp_path / "old"
+    shutil.copytree(fixture_path("mtp_te_tp2pp2_torch"), old)
+    renamed = 0
+    for dirpath, _, files in os.walk(old):
+        if naming.MODEL_FILENAME in files:
+            path = os.path.join(dirpath, naming.MODEL_FILENAME)
+            state = ckpt_edit.load(path)
+            state["model"] = {k.replace(".mtp_model_layer.", ".transformer_layer."): v for k, v in state["model"].items()}
+            renamed += sum(".transformer_layer." in k for k in state["model"])
+            ckpt_edit.save(state, path)
+    assert renamed
+    out = str(tmp_path / "tp1")
+    write_resharded(str(old), out, TargetLayout(tp=1, pp=1))
+    keys = [k for s in open_resharder(out, TargetLayout()).layout.shards for k in s.meta["model"] if "mtp." in k]
+    assert any(".transformer_layer." in k for k in keys) and not any(".mtp_model_layer." in k for k in keys)
+    for other in (fixture_path("mtp_te_tp2pp2_torch"), fixture_path("mtp_te_tp2pp2_torch_dist"), out):
+        r = diff_checkpoints(str(old), other)
+        assert r.equal and any("mtp.layers.0.mtp_model_layer." in t.name for t in r.tensors), r.render()
 
 
 def test_two_runs_differ_within_a_tolerance():

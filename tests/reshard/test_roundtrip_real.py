@@ -2,6 +2,7 @@
 layouts), and equal to Megatron's own torch_dist twin of the same weights."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -105,6 +106,10 @@ SOURCES = {
     "declr_tp2_torch": (TargetLayout(tp=2, pp=1), dict(num_experts=None)),  # --decoupled-lr: a third group
     # multi-latent attention, TE spec (the CPU stand-in for TE, not TE): up projections split, down ones duplicated
     "mla_te_tp2_torch": (TargetLayout(tp=2, pp=1), dict(num_experts=None)),
+    # multi-token prediction (TE spec via the stand-in): the MTP layer and its own word embedding on the last stage
+    "mtp_te_tp2pp2_torch": (TargetLayout(tp=2, pp=2, embedding_in_split=False), dict(num_experts=None)),
+    # an MoE MTP layer (TE-grouped experts, EP2: the MTP layer's experts split over EP as the decoder's)
+    "mtp_moe_te_ep2_torch": (TargetLayout(tp=1, pp=1, ep=2, etp=1), dict(num_experts=4)),
 }
 
 
@@ -125,6 +130,10 @@ SOURCES = {
     ("v14_tp2pp2_torch", TargetLayout(tp=1, pp=1)), ("v14_tp2pp2_torch", TargetLayout(tp=4, pp=4)),
     ("declr_tp2_torch", TargetLayout(tp=1, pp=2)),
     ("mla_te_tp2_torch", TargetLayout(tp=1)), ("mla_te_tp2_torch", TargetLayout(tp=4, pp=2)),
+    ("mtp_te_tp2pp2_torch", TargetLayout(tp=1, pp=1)), ("mtp_te_tp2pp2_torch", TargetLayout(tp=4, pp=4, vpp=None)),
+    ("mtp_te_tp2pp2_torch", TargetLayout(tp=1, pp=2, vpp=2)),
+    ("mtp_moe_te_ep2_torch", TargetLayout(ep=1)), ("mtp_moe_te_ep2_torch", TargetLayout(ep=4, pp=2)),
+    ("mtp_moe_te_ep2_torch", TargetLayout(tp=2, ep=1, etp=2)),
 ])
 def test_fixture_roundtrip_bit_exact(tmp_path, name, target):
     back, _ = SOURCES[name]
@@ -175,9 +184,18 @@ def twin_tensor(g, key, prefix=""):
     """The twin's global tensor that a TP1 legacy key corresponds to. torch_dist stacks per-layer tensors over layers
     (and experts) when every layer is alike, and keys them per layer (``decoder.layers.{i}.``) when not (MoE every
     other layer)."""
+    grouped = re.match(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$", key)
+    if grouped:  # TE's grouped experts: expert j of a stacked tensor, as the sequential experts below
+        head, linear, param, j = grouped.groups()
+        key = f"{head}.local_experts.{j}.{linear}.{param}"
     parts = key.split(".")
-    if parts[:2] != ["decoder", "layers"]:
-        return g[prefix + key]
+    if parts[:2] != ["decoder", "layers"]:  # an MTP layer's transformer layer: `transformer_layer` in torch_dist
+        key = key.replace(".mtp_model_layer.", ".transformer_layer.")
+        if ".local_experts." not in key:
+            return g[prefix + key]
+        head, tail = key.split(".local_experts.")
+        j, tail = tail.split(".", 1)
+        return g[f"{prefix}{head}.experts.{tail}"][int(j)]
     layer, rest = int(parts[2]), ".".join(parts[3:])
     if not {prefix + f"decoder.layers.{layer}." + rest, prefix + "decoder.layers." + rest} & g.keys():
         for a, b in LOCAL_TO_DIST.items():  # a local-spec norm the twin keeps under TE's fused name
@@ -204,6 +222,8 @@ def twin_tensor(g, key, prefix=""):
     ("v14_tp2_torch", "v14_tp2_torch_dist", TargetLayout(tp=1)),  # Megatron-LM core_r0.14
     ("declr_tp2_torch", "declr_tp2_torch_dist", TargetLayout(tp=1)),
     ("mla_te_tp2_torch", "mla_te_tp2_torch_dist", TargetLayout(tp=1)),  # MLA (TE spec through the stand-in)
+    ("mtp_te_tp2pp2_torch", "mtp_te_tp2pp2_torch_dist", TargetLayout(tp=1, pp=1)),  # MTP (the same)
+    ("mtp_moe_te_ep2_torch", "mtp_moe_te_ep2_torch_dist", TargetLayout(ep=1)),  # an MoE MTP layer
 ])
 def test_tp1_reshard_equals_megatrons_torch_dist_twin(legacy, dist, target):
     """Megatron's own global view of the same weights and Adam state is the ground truth for a TP1·PP1·EP1

@@ -9,7 +9,7 @@ from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.plan.consistency import complete_problems, raise_first
-from megatron_preflight.reshard.plan.rules import KeyInfo, parse_key, rule_for
+from megatron_preflight.reshard.plan.rules import KeyInfo, mtp_index, parse_key, rule_for
 from megatron_preflight.reshard.plan.spec import unpack_legacy_grouped
 from megatron_preflight.reshard.plan.topology import is_tied, model_chunks, saved_arg
 from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourceKey, SourcePiece
@@ -21,14 +21,14 @@ def _layer_orders(keys: list[str]) -> dict[str, tuple[int, int]]:
     module order, read from the source. Sequential experts form one block (expert-major inside it); TE-grouped
     expert weights sort by name, then expert."""
     out: dict[str, tuple[int, int]] = {}
-    first: dict[tuple[int | None, str, str], int] = {}
-    block: dict[int | None, int] = {}
-    pos: dict[int | None, int] = {}
+    first: dict[tuple[int | None, str, str, str], int] = {}
+    block: dict[tuple[int | None, str], int] = {}
+    pos: dict[tuple[int | None, str], int] = {}
     for key in keys:
         info = parse_key(key)
-        layer = info.layer
+        layer = (info.layer, info.head)  # a decoder layer, an MTP layer's transformer layer, or neither
         p = pos[layer] = pos.get(layer, -1) + 1
-        slot = first.setdefault((layer, info.style, info.suffix), p)
+        slot = first.setdefault((*layer, info.style, info.suffix), p)
         if info.style in ("seq_expert", "legacy_grouped"):  # GroupedMLP's weight1, weight2: one expert block
             start = block.setdefault(layer, p)
             out[key] = (start, slot - start)
@@ -71,8 +71,8 @@ def iter_source_keys(layout: Layout, src: ParallelLayout) -> Any:
                     grank, gsize = coords["etp"], src.etp_eff
                 else:
                     grank, gsize = coords["tp"], src.tp
-                yield SourceKey(shard.name, chunk_idx, key, value, info, rule, GlobalKey(layer, expert, info.style, info.suffix),
-                                grank, gsize, orders[key])
+                yield SourceKey(shard.name, chunk_idx, key, value, info, rule,
+                                GlobalKey(layer, expert, info.style, info.global_suffix), grank, gsize, orders[key])
 
 
 GlobalIndex = OrderedDict[GlobalKey, GlobalEntry]  # every global tensor of a checkpoint, in model order
@@ -96,10 +96,13 @@ def index_sources(layout: Layout, src: ParallelLayout, *, check: bool = True
             continue
         entry = index.get(sk.gkey)
         if entry is None:
-            order = sk.order if sk.info.layer is not None else (len(index), 0)
+            order = sk.order if sk.info.layer is not None or sk.info.head else (len(index), 0)
             entry = index[sk.gkey] = GlobalEntry(sk.gkey, sk.info, sk.rule, order=order)
         entry.add(SourcePiece(sk.shard, sk.value, sk.group_rank, sk.group_size))
-    if EMBEDDING in index:
+    # with MTP on the last stage, the stage's own word embedding is the tied weight (its output layer is handed it
+    # in forward): its output_layer.weight is a parameter Megatron never uses, left at its init, not a replica
+    mtp = any(mtp_index(k.suffix) is not None for k in index)
+    if EMBEDDING in index and not mtp:
         for sk in head_copies:
             if isinstance(sk.value, TensorRef) and sk.value.shape == index[EMBEDDING].first().ref.shape:
                 index[EMBEDDING].add(SourcePiece(sk.shard, sk.value, sk.group_rank, sk.group_size))

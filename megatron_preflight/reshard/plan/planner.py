@@ -16,7 +16,7 @@ from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout, pad_vocab
 from megatron_preflight.reshard.plan.index import EMBEDDING
-from megatron_preflight.reshard.plan.rules import Rule, segments
+from megatron_preflight.reshard.plan.rules import Rule, mtp_index, mtp_place, segments
 from megatron_preflight.reshard.plan.topology import saved_arg
 from megatron_preflight.reshard.plan.types import (
     CopyOp,
@@ -78,6 +78,9 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, t
     chunk_names = ["model"] if tgt.chunks == 1 else [f"model{v}" for v in range(tgt.chunks)]
     tensors: list[tuple[tuple, TensorPlan]] = []
     own = _own_extra_state(src, tgt, coords)
+    last = tgt.pp - 1
+    # MTP layers run on the last stage, which then builds its own embedding too (its input is the next token's)
+    mtp_embedding = stage == last and last > 0 and any(mtp_index(k.suffix) is not None for k in index)
     for gkey, entry in index.items():
         layer, expert, _style, suffix = gkey
         if layer is not None:
@@ -88,13 +91,22 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, t
         else:
             local = None
             if suffix.startswith("embedding."):
-                if stage != 0:
+                if stage != 0 and not mtp_embedding:
                     continue
-                chunk, section = 0, 0
-            elif suffix.startswith(("decoder.final_", "output_layer.")):
-                if stage != tgt.pp - 1:
+                chunk, section = (0 if stage == 0 else tgt.chunks - 1), 0
+            elif suffix.startswith("decoder.final_"):
+                if stage != last:
                     continue
                 chunk, section = tgt.chunks - 1, 2
+            elif mtp_index(suffix) is not None:  # Megatron's module order: decoder, MTP layers, output layer
+                if stage != last:
+                    continue
+                chunk, section = tgt.chunks - 1, 3
+                local = mtp_place(suffix)
+            elif suffix.startswith("output_layer."):
+                if stage != last:
+                    continue
+                chunk, section = tgt.chunks - 1, 4
             else:
                 raise PreflightError(f"no placement rule for non-layer key {suffix}", code="unknown_key")
         local_expert = None

@@ -83,6 +83,11 @@ _TABLE: list[tuple[str, Rule]] = [
     (r"mlp\.shared_experts\.linear_fc2\.weight", ROW),
     (r"mlp\.shared_experts\.linear_fc2\.bias", REPL),
     (r"mlp\.shared_experts\.gate_weight", REPL),
+    # multi-token prediction (MTP): per MTP layer its norms of the embedding and of the hidden state, the
+    # column-parallel projection of their concatenation to the hidden size, and its final norm; the transformer layer
+    # inside it is parsed as a decoder layer is (see parse_key)
+    (r"mtp\.layers\.\d+\.(enorm|hnorm|final_layernorm)\.(weight|bias)", REPL),
+    (r"mtp\.layers\.\d+\.eh_proj\.weight", COLUMN),
 ]
 
 # Inside one expert (the suffix after `local_experts.{j}.` or the TE-grouped `weight{j}`), split by ETP.
@@ -97,6 +102,10 @@ _COMPILED = [(re.compile(p + r"$"), r) for p, r in _TABLE]
 _EXPERT_COMPILED = [(re.compile(p + r"$"), r) for p, r in _EXPERT_TABLE]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# an MTP layer's transformer layer: ``mtp_model_layer`` in Megatron-LM from late 2025 (module and legacy files),
+# ``transformer_layer`` before and in every torch_dist checkpoint (Megatron maps the new name to it when it saves)
+_MTP_LAYER_RE = re.compile(r"^(mtp\.layers\.(\d+)\.)(mtp_model_layer|transformer_layer)\.(.+)$")
+MTP_INNER = "mtp_model_layer."  # the name planned keys carry (GlobalKey): one name whichever the source wrote
 _SEQ_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _TE_GROUPED_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _LEGACY_GROUPED_RE = re.compile(r"^mlp\.experts\.weight[12]$")
@@ -110,33 +119,90 @@ class KeyInfo:
     expert: int | None
     suffix: str  # for layers: the part after `decoder.layers.N.` (experts: after the expert prefix)
     style: str = "plain"  # plain | seq_expert | te_grouped | legacy_grouped (GroupedMLP's weight1/weight2)
+    head: str = ""  # a transformer layer outside the decoder (an MTP layer's): its prefix, as the source names it
 
     def render(self, layer: int | None, expert: int | None) -> str:
-        if self.layer is None:
+        if self.layer is None and not self.head:
             return self.suffix
+        prefix = self.head or f"decoder.layers.{layer}."
         if self.style == "seq_expert":
-            return f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{self.suffix}"
+            return f"{prefix}mlp.experts.local_experts.{expert}.{self.suffix}"
         if self.style == "te_grouped":
             linear, param = self.suffix.split(".")
-            return f"decoder.layers.{layer}.mlp.experts.{linear}.{param}{expert}"
-        return f"decoder.layers.{layer}.{self.suffix}"
+            return f"{prefix}mlp.experts.{linear}.{param}{expert}"
+        return f"{prefix}{self.suffix}"
+
+    @property
+    def global_suffix(self) -> str:
+        """The suffix of the key's global name (:class:`~megatron_preflight.reshard.plan.types.GlobalKey`): an MTP
+        layer's transformer layer under one name, whichever the source wrote."""
+        if not self.head:
+            return self.suffix
+        return self.head[:self.head.index(".", len("mtp.layers.")) + 1] + MTP_INNER + self.suffix
+
+
+def mtp_index(suffix: str) -> int | None:
+    """The MTP layer a global suffix belongs to (None: not an MTP key)."""
+    if not suffix.startswith("mtp.layers."):
+        return None
+    number = suffix[len("mtp.layers."):].split(".", 1)[0]
+    return int(number) if number.isdigit() else None
+
+
+# the modules of an MTP layer, in Megatron's order (a module's place, its parameters, the distributed optimizer's
+# buffers all follow it)
+MTP_PARTS = ("enorm.", "hnorm.", "eh_proj.", MTP_INNER, "final_layernorm.")
+
+
+def mtp_place(suffix: str) -> int:
+    """An MTP global suffix's place among the model's MTP modules: its layer, then its module in the layer."""
+    index = mtp_index(suffix)
+    assert index is not None, suffix
+    rest = suffix.split(".", 3)[3]
+    part = next((i for i, p in enumerate(MTP_PARTS) if rest.startswith(p)), len(MTP_PARTS))
+    return index * (len(MTP_PARTS) + 1) + part
+
+
+def canonical_name(key: str) -> str:
+    """``key`` with an MTP layer's transformer layer under its one global name (``mtp_model_layer``), whichever name
+    its Megatron wrote: checkpoints of one model by Megatron versions that name it differently compare, fingerprint
+    and verify alike (every other key is itself)."""
+    info = parse_key(key)
+    if not info.head:
+        return key
+    return info_of_global(None, info.expert, info.style, info.global_suffix).render(None, info.expert)
+
+
+def info_of_global(layer: int | None, expert: int | None, style: str, suffix: str) -> KeyInfo:
+    """The parsed key of a global name (the inverse of :attr:`KeyInfo.global_suffix`; the layer number only says
+    "a decoder layer")."""
+    m = _MTP_LAYER_RE.match(suffix) if layer is None else None
+    if m:
+        return KeyInfo(None, expert, m.group(4), style, head=f"{m.group(1)}{MTP_INNER}")
+    return KeyInfo(None if layer is None else 0, expert, suffix, style)
 
 
 @functools.lru_cache(maxsize=1 << 17)  # the same keys recur in every shard and every pass over them
 def parse_key(key: str) -> KeyInfo:
     m = _LAYER_RE.match(key)
-    if not m:
-        return KeyInfo(None, None, key)
-    layer, rest = int(m.group(1)), m.group(2)
+    if m:
+        return _inside_layer(int(m.group(1)), m.group(2), "")
+    t = _MTP_LAYER_RE.match(key)
+    if t and not _LEGACY_GROUPED_RE.match(t.group(4)):  # (an MTP layer of the legacy GroupedMLP: no rule)
+        return _inside_layer(None, t.group(4), f"{t.group(1)}{t.group(3)}.")
+    return KeyInfo(None, None, key)
+
+
+def _inside_layer(layer: int | None, rest: str, head: str) -> KeyInfo:
     e = _SEQ_EXPERT_RE.match(rest)
     if e:
-        return KeyInfo(layer, int(e.group(1)), e.group(2), "seq_expert")
+        return KeyInfo(layer, int(e.group(1)), e.group(2), "seq_expert", head)
     g = _TE_GROUPED_RE.match(rest)
     if g:
-        return KeyInfo(layer, int(g.group(3)), f"{g.group(1)}.{g.group(2)}", "te_grouped")
+        return KeyInfo(layer, int(g.group(3)), f"{g.group(1)}.{g.group(2)}", "te_grouped", head)
     if _LEGACY_GROUPED_RE.match(rest):  # every local expert in one tensor: unpacked by reshard/plan/spec.py
-        return KeyInfo(layer, None, rest, "legacy_grouped")
-    return KeyInfo(layer, None, rest)
+        return KeyInfo(layer, None, rest, "legacy_grouped", head)
+    return KeyInfo(layer, None, rest, head=head)
 
 
 class AmbiguousRuleError(PreflightError):
@@ -144,7 +210,8 @@ class AmbiguousRuleError(PreflightError):
 
 
 def matching_rules(info: KeyInfo) -> list[tuple[str, Rule]]:
-    """Every table row whose pattern matches the key's suffix (the expert table inside an expert)."""
+    """Every table row whose pattern matches the key's suffix (the expert table inside an expert; an MTP layer's
+    transformer layer as a decoder layer)."""
     table = _EXPERT_COMPILED if info.expert is not None else _COMPILED
     return [(pattern.pattern, rule) for pattern, rule in table if pattern.match(info.suffix)]
 

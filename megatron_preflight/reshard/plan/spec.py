@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.reshard.plan.rules import KeyInfo, rule_for
+from megatron_preflight.reshard.plan.rules import info_of_global, rule_for
 from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourcePiece
 from megatron_preflight.torch_file import TensorRef
 
@@ -196,7 +196,7 @@ def unpack_legacy_grouped(suffix: str, ref: TensorRef, num_local: int, where: st
 
 def _new_entry(key: GlobalKey, swiglu: bool, value: Any = None, like: GlobalEntry | None = None) -> GlobalEntry:
     # the layer number of the info only says "a layer key": the planner places the global layer
-    info = KeyInfo(None if key.layer is None else 0, key.expert, key.suffix, key.style)
+    info = info_of_global(*key)
     entry = GlobalEntry(key, info, rule_for(info, swiglu=swiglu))
     if like is not None:
         entry.pieces = like.pieces

@@ -30,7 +30,7 @@ from megatron_preflight.layout.dist import object_index, read_dcp_metadata, read
 from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
-from megatron_preflight.reshard.plan.rules import parse_key, rule_for, segments
+from megatron_preflight.reshard.plan.rules import canonical_name, mtp_index, mtp_place, parse_key, rule_for, segments
 from megatron_preflight.reshard.plan.spec import MODULE_ORDER, is_local_spec, legacy_suffix, param_rank, rank_in
 from megatron_preflight.reshard.sources.te_extra_state import described, no_fp8_copy
 from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab
@@ -52,7 +52,19 @@ def object_fqn(base: str, index: tuple[int, ...], count: tuple[int, ...]) -> str
 
 
 NON_LAYER_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "embedding.",
-                   "decoder.final_layernorm.", "decoder.final_norm.", "output_layer.")
+                   "decoder.final_layernorm.", "decoder.final_norm.", "mtp.", "output_layer.")
+
+
+def _legacy_name(fqn: str) -> str:
+    """A torch_dist key outside the decoder layers as a legacy file names it: an MTP layer's transformer layer is
+    ``transformer_layer`` in every torch_dist checkpoint and ``mtp_model_layer`` in the legacy files of a
+    Megatron-LM that names its module so (late 2025 on; older ones load torch_dist through their own dist loader)."""
+    return canonical_name(fqn)
+
+
+def _top_sort(key: str, pos: int) -> tuple:
+    """A non-layer legacy key's place in its model chunk (not an MTP layer's: :meth:`_Builder._mtp_sort`)."""
+    return (0 if key.startswith("embedding.") else 2, 0, rank_in(key, NON_LAYER_ORDER, pos), param_rank(key), pos)
 
 
 @dataclass
@@ -140,12 +152,16 @@ class _Builder:
         dtype = tm.properties.dtype
         pos = self.position[fqn]
         if not fqn.startswith(LAYERS):
+            mtp = mtp_index(fqn) is not None
+            if mtp and f".{EXPERTS}" in fqn:
+                self._mtp_experts(fqn, dtype, shape, pos)
+                return
             first = fqn.startswith("embedding.")
             stage, chunk = (0, 0) if first else (self.par.pp - 1, self.par.chunks - 1)
+            key = _legacy_name(fqn)
             for name, c in self._shards(stage):
-                ref = self._ref(fqn, dtype, (), shape, fqn, c["tp"], self.par.tp)
-                self._add(name, chunk, (0 if first else 2, 0, rank_in(fqn, NON_LAYER_ORDER, pos), param_rank(fqn),
-                                        pos), fqn, ref)
+                ref = self._ref(fqn, dtype, (), shape, key, c["tp"], self.par.tp)
+                self._add(name, chunk, self._mtp_sort(key, pos) if mtp else _top_sort(key, pos), key, ref)
             return
         layers, rest = self._layers_of(fqn, shape[0])
         for g, lead in layers:
@@ -166,6 +182,29 @@ class _Builder:
                     ref = self._ref(fqn, dtype, lead, inner, key, c["tp"], self.par.tp)
                     self._add(name, chunk, self._layer_sort(g, suffix, 0, pos), key, ref)
 
+    def _mtp_sort(self, key: str, pos: int, expert: int = 0) -> tuple:
+        """An MTP layer's legacy key's place in the last model chunk: after the final norm, before the output layer;
+        MTP layer by layer, each module in Megatron's order, the transformer layer inside as a decoder layer's."""
+        info = parse_key(key)
+        base = (2, 0, rank_in(key, NON_LAYER_ORDER, pos), mtp_place(info.global_suffix))
+        if not info.head:
+            return (*base, 0, 0, 0, param_rank(key), pos)
+        inner = info.suffix if info.expert is None and not info.suffix.startswith("mlp.experts.") else \
+            EXPERTS + info.suffix.removeprefix("mlp.experts.")
+        return (*base, *self._layer_sort(0, inner, expert, pos)[2:])
+
+    def _mtp_experts(self, fqn: str, dtype: Any, shape: tuple[int, ...], pos: int) -> None:
+        """An MoE MTP layer's experts: ``mtp.layers.<i>.transformer_layer.mlp.experts.experts.<linear>.<param>``,
+        stacked over the experts (dim 0), in the last stage's legacy files of each expert's EP rank."""
+        head, _, suffix = fqn.partition(f".{EXPERTS}")
+        stage, chunk = self.par.pp - 1, self.par.chunks - 1
+        for ge in range(shape[0]):
+            ep_rank, le = self.par.place_expert(ge)
+            key = canonical_name(f"{head}.mlp.experts" + self._expert_key(suffix, le))
+            for name, c in self._shards(stage, ep_rank):
+                ref = self._ref(fqn, dtype, (ge,), shape[1:], key, c["etp"], self.par.etp_eff)
+                self._add(name, chunk, self._mtp_sort(key, pos, ge), key, ref)
+
     def _expert_key(self, suffix: str, local_expert: int) -> str:
         if self.te_grouped:
             return f".{suffix}{local_expert}"  # TE grouped GEMM: mlp.experts.linear_fc1.weight{j}
@@ -175,12 +214,23 @@ class _Builder:
         """A module's extra state (None without Transformer Engine FP8), read from its bytes item:
         ``…_extra_state/shard_<index>_<count>``, the index giving the layer when stacked, then the expert."""
         base, _, shard = fqn.partition("/shard_")
-        if not base.startswith(LAYERS):  # outside the layers (a TE final norm): in the last stage's legacy files
-            if base.startswith("decoder."):
-                pos = self.position[fqn]
+        if not base.startswith(LAYERS):  # outside the layers (a TE final norm, MTP): in the last stage's legacy files
+            pos = self.position[fqn]
+            if mtp_index(base) is not None and f".{EXPERTS}" in base:  # an MoE MTP layer's: one per expert
+                head, _, suffix = base.partition(f".{EXPERTS}")
+                ge = int(shard.split("_")[0])
+                ep_rank, le = self.par.place_expert(ge)
+                if self.te_grouped and le != 0:
+                    return  # one grouped module per rank: mlp.experts.linear_fc1._extra_state
+                key = canonical_name(f"{head}.mlp.experts" + (f".{suffix}" if self.te_grouped else
+                                                              self._expert_key(suffix, le)))
+                for name, _c in self._shards(self.par.pp - 1, ep_rank):
+                    self._add(name, self.par.chunks - 1, self._mtp_sort(key, pos, ge), key, self._bytes_item(fqn))
+            elif base.startswith(("decoder.", "mtp.")):
+                key = _legacy_name(base)
                 for name, _c in self._shards(self.par.pp - 1):
-                    self._add(name, self.par.chunks - 1, (2, 0, rank_in(base, NON_LAYER_ORDER, pos), param_rank(base),
-                                                          pos), base, self._bytes_item(fqn))
+                    sort = self._mtp_sort(key, pos) if mtp_index(key) is not None else _top_sort(key, pos)
+                    self._add(name, self.par.chunks - 1, sort, key, self._bytes_item(fqn))
             return
         index = [int(i) for i in shard.split("_")[0].split(".")]
         layers, rest = self._layers_of(base, None)
@@ -226,6 +276,20 @@ class _Builder:
             self._add(name, chunk, (2, 0, rank_in("output_layer.", NON_LAYER_ORDER, 0), param_rank("weight"), 0),
                       "output_layer.weight", ref)
 
+    def mtp_embedding(self) -> None:
+        """With MTP and PP > 1 the last stage builds its own word embedding (the MTP layers embed the next tokens):
+        its legacy files hold a copy (torch_dist saves the embedding once)."""
+        if self.par.pp == 1 or not any(mtp_index(fqn) is not None for fqn in self.md.state_dict_metadata):
+            return
+        for fqn in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
+            tm = self.md.state_dict_metadata.get(fqn)
+            if tm is None:
+                continue
+            shape = tuple(int(s) for s in tm.size)
+            for name, c in self._shards(self.par.pp - 1):
+                ref = self._ref(fqn, tm.properties.dtype, (), shape, fqn, c["tp"], self.par.tp)
+                self._add(name, self.par.chunks - 1, _top_sort(fqn, self.position[fqn]), fqn, ref)
+
     def output_extra_state(self) -> None:
         """The output layer's ``_extra_state`` (None): in every legacy file of the last stage, not in torch_dist."""
         chunk = self.par.chunks - 1
@@ -250,9 +314,9 @@ class _Builder:
                 key = e.key.replace(".linear_proj._extra_state", ".core_attention._extra_state")
                 value = no_fp8_copy(e.value)
                 if key not in keys and value is not None:
-                    g = e.sort[1]
-                    self._add(name, chunk, self._layer_sort(g, "self_attention.core_attention._extra_state", 0,
-                                                            e.sort[-1]), key, value)
+                    sort = self._mtp_sort(key, e.sort[-1]) if mtp_index(key) is not None else self._layer_sort(
+                        e.sort[1], "self_attention.core_attention._extra_state", 0, e.sort[-1])
+                    self._add(name, chunk, sort, key, value)
 
     def _bytes_item(self, fqn: str) -> Any:
         info = self.objects.get(fqn)
@@ -289,6 +353,7 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
             continue
         b.tensor(fqn, tm)
     b.tied_output(not bool(getattr(layout.saved_args, "untie_embeddings_and_output_weights", False)))
+    b.mtp_embedding()
     b.output_extra_state()
     b.attention_extra_state()
     common = layout.common_state or {}

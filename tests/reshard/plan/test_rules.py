@@ -38,6 +38,16 @@ KEYS = [
     ("decoder.layers.3.self_attention.linear_kv_down_proj.weight", False, "replicated", "tp"),
     ("decoder.layers.3.self_attention.linear_kv_down_proj._extra_state", False, "extra", "tp"),
     ("decoder.layers.3.self_attention.kv_layernorm.weight", False, "replicated", "tp"),
+    # multi-token prediction: the MTP layer's own modules, and its transformer layer under either name
+    ("mtp.layers.0.enorm.weight", False, "replicated", "tp"),
+    ("mtp.layers.0.hnorm.bias", False, "replicated", "tp"),
+    ("mtp.layers.1.final_layernorm.weight", False, "replicated", "tp"),
+    ("mtp.layers.0.eh_proj.weight", False, "column", "tp"),
+    ("mtp.layers.0.eh_proj._extra_state", False, "extra", "tp"),
+    ("mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.weight", False, "column", "tp"),
+    ("mtp.layers.0.transformer_layer.self_attention.linear_proj.weight", False, "row", "tp"),
+    ("mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight", True, "glu", "tp"),
+    ("mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.1.linear_fc2.weight", False, "row", "etp"),
     ("decoder.layers.1.mlp.linear_fc1.weight", False, "column", "tp"),
     ("decoder.layers.1.mlp.linear_fc1.weight", True, "glu", "tp"),
     ("decoder.layers.1.mlp.linear_fc1.layer_norm_bias", True, "replicated", "tp"),
@@ -73,6 +83,21 @@ def test_parse_key_places_layers_and_experts():
     assert info.render(1, 0) == "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"
     te = parse_key("decoder.layers.2.mlp.experts.linear_fc1.weight5")
     assert (te.layer, te.expert, te.style) == (2, 5, "te_grouped") and te.render(0, 1).endswith("linear_fc1.weight1")
+
+
+def test_an_mtp_layer_is_one_global_name_whichever_name_its_source_wrote():
+    old, new = (parse_key(f"mtp.layers.1.{inner}.mlp.experts.linear_fc1.weight3")
+                for inner in ("transformer_layer", "mtp_model_layer"))
+    assert (old.layer, old.expert, old.style, old.suffix) == (None, 3, "te_grouped", "linear_fc1.weight")
+    assert old.global_suffix == new.global_suffix == "mtp.layers.1.mtp_model_layer.linear_fc1.weight"
+    assert old.render(None, 0) == "mtp.layers.1.transformer_layer.mlp.experts.linear_fc1.weight0"  # as the source
+    back = rules.info_of_global(None, 3, "te_grouped", old.global_suffix)
+    assert back.render(None, 5) == "mtp.layers.1.mtp_model_layer.mlp.experts.linear_fc1.weight5"
+    assert rules.mtp_index("mtp.layers.1.eh_proj.weight") == 1 and rules.mtp_index("decoder.final_norm.weight") is None
+    places = [rules.mtp_place(f"mtp.layers.{i}.{m}") for i in (0, 1) for m in
+              ("enorm.weight", "hnorm.weight", "eh_proj.weight", "mtp_model_layer.input_layernorm.weight",
+               "final_layernorm.weight")]
+    assert places == sorted(places) and len(set(places)) == len(places)  # Megatron's module order, layer by layer
 
 
 def test_unknown_key_is_refused_by_name():

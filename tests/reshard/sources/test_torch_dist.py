@@ -102,6 +102,9 @@ def saved_state(root: str) -> dict[tuple[str, str, str], object]:
     ("distopt_moe_ep2dp2", dict(ep=4)),
     ("distopt_vpp_pp2dp2", dict(pp=1)),
     ("distopt_bf16_tp2dp2", dict(tp=1)),
+    ("mla_te_tp2", dict(tp=4)),  # multi-latent attention (TE spec via the CPU stand-in, not TE)
+    ("mtp_te_tp2pp2", dict(tp=1, pp=1)), ("mtp_te_tp2pp2", dict(tp=4, pp=4)),  # MTP: torch_dist's transformer_layer
+    ("mtp_moe_te_ep2", dict(ep=1)), ("mtp_moe_te_ep2", dict(ep=4, pp=2)),  # an MoE MTP layer's stacked experts
 ])
 def test_torch_dist_to_legacy_equals_the_legacy_twins_reshard(tmp_path, base, target):
     """Weights and optimizer state (plain, or the distributed optimizer's fully_reshardable form; converted when the
