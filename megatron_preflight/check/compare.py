@@ -9,6 +9,7 @@ from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.parallel import LayoutError, pad_vocab
+from megatron_preflight.reshard.plan.rules import mtp_layer_name
 
 FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
 
@@ -129,6 +130,7 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     out.extend(_compare_vocab(layout, rt))
     out.extend(_compare_dtype(saved, rt))
     out.extend(_compare_spec(layout, rt))
+    out.extend(_compare_mtp_name(layout, rt))
     return out
 
 
@@ -136,6 +138,29 @@ def _reshard_fix(layout: Layout, flag: str) -> str:
     return ("megatron-preflight renames them in memory at load (--preflight auto), or offline: megatron-preflight "
             f"reshard {layout.root or layout.path} NEW_DIR -- <the run's pretrain_gpt.py flags, {flag} included>, "
             "then --load NEW_DIR")
+
+
+def _compare_mtp_name(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    """An MTP layer's transformer layer is ``transformer_layer`` in the legacy files of Megatron-LM before late 2025
+    and ``mtp_model_layer`` after; a Megatron of the other naming loads the file strictly and fails on every key of
+    it. The in-memory resharder hands it over under the running Megatron's names."""
+    if layout.format != Format.TORCH or rt.mtp_layer_name is None:
+        return []
+    for shard in layout.shards:
+        for chunk, sd in (shard.meta or {}).items():
+            if not (chunk.startswith("model") and isinstance(sd, dict)):
+                continue
+            ck = next((n for n in map(mtp_layer_name, sd) if n is not None), None)
+            if ck is None:
+                continue
+            if ck == rt.mtp_layer_name:
+                return []
+            return [Finding("mtp_layer_name", ck, rt.mtp_layer_name, RESHARD,
+                            f"the checkpoint names its MTP layers' transformer layer `{ck}` and this Megatron "
+                            f"`{rt.mtp_layer_name}` (renamed in Megatron-LM in late 2025): its own legacy loader "
+                            "would miss every key of them; the in-memory resharder loads them under this Megatron's "
+                            "names", "run with --preflight auto")]
+    return []
 
 
 def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:

@@ -15,6 +15,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus, shared_read
 from megatron_preflight.hook.state import STATE
 from megatron_preflight.layout import naming, transport
+from megatron_preflight.reshard.plan.rules import canonical_name, mtp_spellings
 
 log = logging.getLogger("megatron_preflight")
 
@@ -163,6 +164,24 @@ def match_extra_state(state: dict[str, Any], model: Any) -> int:
     return changed
 
 
+def match_mtp_names(state: dict[str, Any], model: Any) -> int:
+    """Put each MTP layer's transformer layer under the running modules' name (``mtp_model_layer``, or the older
+    ``transformer_layer``; Megatron loads strictly), whichever the checkpoint wrote. Returns how many keys moved."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    moved = 0
+    for i, chunk in enumerate(chunks):
+        sd = state.get("model" if len(chunks) == 1 else f"model{i}")
+        if not isinstance(sd, dict) or not any(k.startswith("mtp.") for k in sd):
+            continue
+        live = set(unwrapped(chunk).state_dict(keep_vars=True))
+        for key in [k for k in sd if k not in live and k.startswith("mtp.")]:
+            other = next((name for name in mtp_spellings(key)[1:] if name in live), None)
+            if other is not None:
+                sd[other] = sd.pop(key)
+                moved += 1
+    return moved
+
+
 def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False, optimizer: Any = None,
                          model: Any = None) -> tuple[dict[str, Any], str, bool]:
     """(state_dict, a checkpoint name for Megatron's messages, release) for this rank. With the run's ``optimizer``,
@@ -186,6 +205,8 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False, optim
     groups = None if r.target_distributed else live_groups(optimizer)  # the distributed one maps groups by key
     if "optimizer" in state and groups is not None:
         state["optimizer"] = reshard.align_groups(state["optimizer"], groups)
+    if model is not None and match_mtp_names(state, model):
+        log.info("MTP layers' keys named as the running modules name them")
     if model is not None:
         moved = match_extra_state(state, model)
         if moved:
@@ -265,13 +286,14 @@ def this_rank_parameter_state(r: reshard.Resharder, parts: list[Any] | None = No
 
 
 def param_names(model: Any) -> dict[int, str]:
-    """id(parameter) -> "chunk:key" over the run's model chunks (wrapper prefixes such as DDP's "module." removed)."""
+    """id(parameter) -> "chunk:key" over the run's model chunks (wrapper prefixes such as DDP's "module." removed; keys
+    by their global name, :func:`~megatron_preflight.reshard.plan.rules.canonical_name`)."""
     out = {}
     for chunk, module in enumerate(model if isinstance(model, (list, tuple)) else [model]):
         for name, param in module.named_parameters():
             while name.startswith("module."):
                 name = name[len("module."):]
-            out[id(param)] = f"{chunk}:{name}"
+            out[id(param)] = f"{chunk}:{canonical_name(name)}"  # an MTP layer by its one global name
     return out
 
 

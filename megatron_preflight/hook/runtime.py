@@ -25,6 +25,7 @@ from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError, environment_error
 from megatron_preflight.hook import consensus
 from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
+from megatron_preflight.reshard.plan.rules import MTP_LAYER_NAMES
 
 log = logging.getLogger("megatron_preflight")
 
@@ -84,6 +85,17 @@ def builds_grouped_mlp(args: Any) -> bool | None:
     return hasattr(experts, "GroupedMLP")
 
 
+def mtp_layer_name() -> str | None:
+    """What this megatron-core names an MTP layer's transformer layer (the field of its layer's submodules:
+    ``mtp_model_layer``, or ``transformer_layer`` before late 2025); None: unknown, or no MTP."""
+    try:
+        from megatron.core.transformer import multi_token_prediction as mtp  # Megatron is present: in its job
+        names = {f.name for f in dataclasses.fields(mtp.MultiTokenPredictionLayerSubmodules)}
+    except Exception:  # noqa: BLE001 - no megatron.core, or a version without MTP: unknown
+        return None
+    return next((name for name in MTP_LAYER_NAMES if name in names), None)
+
+
 def loads_flattened_range() -> bool | None:
     """Whether this megatron-core still loads ShardedTensors with a ``flattened_range`` (the distributed optimizer's
     ``fully_sharded_model_space`` torch_dist form): megatron-core 0.16 and Megatron-LM main raise "ShardedTensor.
@@ -126,6 +138,7 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     rt.optimizer_family = run_adam_family(args)
     rt.builds_grouped_mlp = builds_grouped_mlp(args)
     rt.loads_flattened_range = loads_flattened_range()
+    rt.mtp_layer_name = mtp_layer_name() if getattr(args, "mtp_num_layers", None) else None
     rt.param_group_keys = param_group_keys()
     if rt.preflight_device_memory is None:
         rt.preflight_device_memory = device_memory_gib()

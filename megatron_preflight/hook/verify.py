@@ -28,6 +28,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus, legacy_load, runtime, verify_rng
 from megatron_preflight.layout import naming
 from megatron_preflight.prove import fingerprint, placement
+from megatron_preflight.reshard.plan.rules import canonical_name, mtp_spellings
 
 log = logging.getLogger("megatron_preflight")
 
@@ -41,6 +42,18 @@ def _chunk_index(name: str) -> int:
     return 0 if name == "model" else int(name[len("model"):])
 
 
+def _by_global_name(plan: Any) -> dict[tuple[int, str], Any]:
+    """The plan's tensors by (chunk, global name): the running modules may name an MTP layer otherwise than the
+    checkpoint did (:func:`~megatron_preflight.reshard.plan.rules.canonical_name`)."""
+    return {(_chunk_index(tp.chunk), canonical_name(tp.key)): tp for tp in plan.tensors
+            if tp.gkey is not None and tp.shape}
+
+
+def _live_value(live: dict[str, Any], key: str) -> Any:
+    """A chunk's live tensor for a planned key, under whichever name the running module gives it."""
+    return next((live[k] for k in mtp_spellings(key) if k in live), None)
+
+
 def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], name: str) -> dict[str, Any]:
     """This rank's partial digests: {global name: [(offsets, digest, numel)]}, and the live parameters the checkpoint
     has no data for."""
@@ -52,8 +65,10 @@ def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], nam
         if tp.gkey is None or tp.shape is None or tp.key.endswith("_extra_state"):
             continue
         chunk = _chunk_index(tp.chunk)
-        planned.add((chunk, tp.key))
-        value = live[chunk].get(tp.key) if chunk < len(live) else None
+        # the running module's name for it (an MTP layer's transformer layer may be named otherwise: renamed at load)
+        key = next((k for k in mtp_spellings(tp.key) if chunk < len(live) and k in live[chunk]), tp.key)
+        planned.add((chunk, key))
+        value = live[chunk].get(key) if chunk < len(live) else None
         if value is None:
             continue
         t = value.detach().cpu()
@@ -120,11 +135,11 @@ def optimizer_partials(r: reshard.Resharder, model: Any, optimizer: Any, coords:
     """This rank's partial digests of the optimizer state, {global name#field: [(box id, digest, numel)]}: each
     state range hashed at the global indices of its parameter's elements."""
     plan = r.plan_for_coords(coords, name)
-    by_key = {(_chunk_index(tp.chunk), tp.key): tp for tp in plan.tensors if tp.gkey is not None and tp.shape}
+    by_key = _by_global_name(plan)
     parts: dict[str, list[tuple[tuple, str, int]]] = {}
     for param_name, field, values, start, end, _master in live_optimizer_states(optimizer, model):
         chunk, _, key = param_name.partition(":")
-        tp = by_key.get((int(chunk), key))
+        tp = by_key.get((int(chunk), canonical_name(key)))
         if tp is None or values.numel() != end - start:
             continue
         index = placement.global_indices(tuple(tp.shape), placement.boxes(r, tp, coords), start, end)
@@ -145,7 +160,7 @@ def _differs_here(r: reshard.Resharder, coords: dict[str, int], name: str, model
         for tp in plan.tensors:
             if tp.gkey is None or tp.shape is None or placement.checkpoint_name(r, tp) not in wanted:
                 continue
-            value = live[_chunk_index(tp.chunk)].get(tp.key)
+            value = _live_value(live[_chunk_index(tp.chunk)], tp.key)
             expected = placement.expected(tp, files)
             for local, gshape, offsets in placement.boxes(r, tp, coords):
                 if value is None or fingerprint.digest_box(value.detach().cpu()[local], gshape, offsets) != \
@@ -163,18 +178,18 @@ def _optimizer_differs_here(index: Any, target: Any, coords: dict[str, int], nam
     checkpoint's state for it, rebuilt here (in the plain form, the rank's local piece, then its range)."""
     r = reshard.open_resharder(index, dataclasses.replace(target, distributed_optimizer=False), keep_optimizer=True)
     plan = r.plan_for_coords(coords, name)
-    by_key = {(_chunk_index(tp.chunk), tp.key): tp for tp in plan.tensors if tp.gkey is not None and tp.shape}
+    by_key = _by_global_name(plan)
     state_plans = {leaf.key: leaf for _, leaf in reshard.iter_plans(plan.optimizer)} if plan.optimizer else {}
     out = []
     files = reshard.SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
         for param_name, field, values, start, end, _master in live_optimizer_states(optimizer, model):
             chunk, _, key = param_name.partition(":")
-            tp = by_key.get((int(chunk), key))
+            tp = by_key.get((int(chunk), canonical_name(key)))
             if tp is None:
                 continue
             full = f"{placement.checkpoint_name(r, tp)}#{field}"
-            source = state_plans.get(f"{key}#{field}")
+            source = state_plans.get(f"{tp.key}#{field}")
             if full not in wanted or source is None or full in out:
                 continue
             expected = placement.expected(source, files).reshape(-1)[start:end]

@@ -203,6 +203,23 @@ def test_mtp_layers_are_compared_and_an_mtp_checkpoint_reshards():
     assert [(f.field, f.fix) for f in added.fatal] == [("mtp_num_layers", "remove --mtp-num-layers")]
 
 
+def test_an_mtp_layer_named_otherwise_than_the_running_megatron_names_it_is_a_reshard():
+    """The legacy fixture names its MTP layers' transformer layer `mtp_model_layer`; a Megatron-LM before late 2025
+    (the hook asks megatron.core) names it `transformer_layer` and would miss every key: resharded in memory, at the
+    saved layout too. Unknown (offline) or the same name: nothing to say."""
+    flags = [*MTP, "--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2"]
+    for name, verdict in ((None, Verdict.LOAD), ("mtp_model_layer", Verdict.LOAD), ("transformer_layer",
+                                                                                   Verdict.RESHARD)):
+        rt = from_cli(TINY + flags)
+        rt.mtp_layer_name = name
+        p = make_plan(fixture_path("mtp_te_tp2pp2_torch"), rt)
+        found = [(f.field, f.checkpoint, f.runtime) for f in p.findings if f.field == "mtp_layer_name"]
+        assert p.verdict == verdict and found == ([] if verdict == Verdict.LOAD else
+                                                  [("mtp_layer_name", "mtp_model_layer", "transformer_layer")])
+        assert p.loader == (Loader.RESHARD if verdict == Verdict.RESHARD else Loader.NON_EP)
+
+
 def test_a_tensor_no_rule_covers_blocks_only_a_reshard(monkeypatch):
     """A key the split-rule table does not know (here: MLA's down projections with their rows taken out of the
     table, as a newer Megatron's module would be): the job loads at the saved layout (Megatron reads it as saved),

@@ -598,6 +598,38 @@ def test_mtp_legacy_at_another_layout_loads_in_memory_like_megatrons_dist_reshar
 
 
 @te_only
+def test_an_mtp_checkpoint_of_an_older_megatron_resumes_in_memory(tmp_path):
+    """Megatron-LM before late 2025 wrote an MTP layer's transformer layer as `transformer_layer` in legacy files; this
+    one names it `mtp_model_layer`, and its legacy loader, when the strict load fails, loads again non-strictly and
+    trains on: the fixture renamed so (each shard) resumes in plain Megatron with the MTP layer at its random init
+    (silently: a `load_return` line, and another MTP loss). With --preflight auto, at the saved layout, it loads
+    through the in-memory resharder under the running modules' names, and iterations 3 and 4 (main and MTP loss)
+    equal plain Megatron's load of the original."""
+    from megatron_preflight.layout import naming
+    from tests.helpers import ckpt_edit
+
+    old = tmp_path / "older_megatron"
+    shutil.copytree(fixture_path("mtp_te_tp2pp2_torch"), old)
+    for dirpath, _, files in os.walk(old):
+        if naming.MODEL_FILENAME in files:
+            path = os.path.join(dirpath, naming.MODEL_FILENAME)
+            state = ckpt_edit.load(path)
+            state["model"] = {k.replace(".mtp_model_layer.", ".transformer_layer."): v for k, v in state["model"].items()}
+            ckpt_edit.save(state, path)
+    layout = (*MTP, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--ckpt-format",
+              "torch", "--no-load-rng", "--train-iters", "4")
+    rc2, log2 = run(tmp_path, fixture_path("mtp_te_tp2pp2_torch"), 4, *layout, plugin=False, port=29775, te=True)
+    assert rc2 == 0, log2[-3000:]
+    rc0, log0 = run(tmp_path, str(old), 4, *layout, plugin=False, port=29773, te=True, verify=False)
+    assert rc0 == 0 and "load_return" in log0 and "mtp.layers.0.mtp_model_layer." in log0, log0[-3000:]
+    rc, log = run(tmp_path, str(old), 4, *layout, "--preflight", "auto", port=29774, te=True)
+    assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+    mtp = [re.findall(r"mtp_1 loss: ([0-9.E+-]+)", text) for text in (log, log2, log0)]
+    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+    assert mtp[0] and mtp[0] == mtp[1] and mtp[2] != mtp[1]  # plain Megatron trained a fresh MTP layer
+
+
+@te_only
 @pytest.mark.parametrize("in_memory", [False, True], ids=["offline", "in-memory"])
 def test_mtp_distributed_optimizer_reshard_trains_like_megatrons_dist_reshard(tmp_path, in_memory):
     """MTP with the distributed optimizer (TE spec and fused Adam through the stand-in), PP2·DP2 -> PP1·DP2: the MTP

@@ -40,6 +40,7 @@ from megatron_preflight.reshard.optimizer.plain import (
 )
 from megatron_preflight.reshard.plan.index import iter_source_keys
 from megatron_preflight.reshard.plan.planner import plan_tensor
+from megatron_preflight.reshard.plan.rules import canonical_name
 from megatron_preflight.reshard.plan.topology import is_tied
 from megatron_preflight.reshard.plan.types import (
     FlatPlan,
@@ -414,11 +415,14 @@ def _chunks(params: list[Param]) -> list[list[Param]]:
 
 
 def relocate(fp: FlatPlan, offsets: dict[str, int]) -> int:
-    """Place each part at the offset the running optimizer gives its parameter (``offsets`` by "chunk:key"); returns
+    """Place each part at the offset the running optimizer gives its parameter (``offsets`` by "chunk:key", keys by
+    their global name: :func:`~megatron_preflight.reshard.plan.rules.canonical_name`); returns
     how many places differ from the modelled ones. Raises when a parameter is unknown to the running optimizer."""
     moved = 0
     parts = []
-    for name, (start, tp) in zip(fp.names, fp.parts, strict=True):
+    for planned, (start, tp) in zip(fp.names, fp.parts, strict=True):
+        chunk, _, key = planned.partition(":")
+        name = f"{chunk}:{canonical_name(key)}"  # the running modules may name an MTP layer otherwise
         if name not in offsets:
             raise PreflightError(f"the running distributed optimizer has no parameter {name.split(':', 1)[1]} in "
                                  f"{fp.key}", fix=FIX, code="optimizer")

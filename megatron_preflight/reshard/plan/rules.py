@@ -173,6 +173,23 @@ def canonical_name(key: str) -> str:
     return info_of_global(None, info.expert, info.style, info.global_suffix).render(None, info.expert)
 
 
+MTP_LAYER_NAMES = ("mtp_model_layer", "transformer_layer")  # the newer name first
+
+
+def mtp_layer_name(key: str) -> str | None:
+    """The name ``key`` gives an MTP layer's transformer layer (one of :data:`MTP_LAYER_NAMES`; None: no such key)."""
+    m = _MTP_LAYER_RE.match(key)
+    return m.group(3) if m else None
+
+
+def mtp_spellings(key: str) -> tuple[str, ...]:
+    """``key`` as written, then under the other name of an MTP layer's transformer layer (itself alone otherwise)."""
+    m = _MTP_LAYER_RE.match(key)
+    if not m:
+        return (key,)
+    return (key, *(f"{m.group(1)}{name}.{m.group(4)}" for name in MTP_LAYER_NAMES if name != m.group(3)))
+
+
 def info_of_global(layer: int | None, expert: int | None, style: str, suffix: str) -> KeyInfo:
     """The parsed key of a global name (the inverse of :attr:`KeyInfo.global_suffix`; the layer number only says
     "a decoder layer")."""

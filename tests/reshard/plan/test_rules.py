@@ -100,6 +100,13 @@ def test_an_mtp_layer_is_one_global_name_whichever_name_its_source_wrote():
     assert places == sorted(places) and len(set(places)) == len(places)  # Megatron's module order, layer by layer
 
 
+def test_an_mtp_key_is_spelled_both_ways():
+    key = "mtp.layers.2.transformer_layer.self_attention.linear_qkv.weight"
+    assert rules.mtp_layer_name(key) == "transformer_layer" and rules.mtp_layer_name("mtp.layers.0.eh_proj.weight") is None
+    assert rules.mtp_spellings(key) == (key, "mtp.layers.2.mtp_model_layer.self_attention.linear_qkv.weight")
+    assert rules.mtp_spellings("decoder.layers.0.mlp.linear_fc1.weight") == ("decoder.layers.0.mlp.linear_fc1.weight",)
+
+
 def test_unknown_key_is_refused_by_name():
     with pytest.raises(UnknownKeyError, match="decoder.layers.0.self_attention.linear_qkv_down_proj.weight"):
         rule_for(parse_key("decoder.layers.0.self_attention.linear_qkv_down_proj.weight"), swiglu=False)
