@@ -602,7 +602,8 @@ def test_an_mtp_checkpoint_of_an_older_megatron_resumes_in_memory(tmp_path):
     """Megatron-LM before late 2025 wrote an MTP layer's transformer layer as `transformer_layer` in legacy files; this
     one names it `mtp_model_layer`, and its legacy loader, when the strict load fails, loads again non-strictly and
     trains on: the fixture renamed so (each shard) resumes in plain Megatron with the MTP layer at its random init
-    (silently: a `load_return` line, and another MTP loss). With --preflight auto, at the saved layout, it loads
+    (silently: a `load_return` line, and another MTP loss) — verify after that load names the MTP layer and stops
+    every rank. With --preflight auto, at the saved layout, it loads
     through the in-memory resharder under the running modules' names, and iterations 3 and 4 (main and MTP loss)
     equal plain Megatron's load of the original."""
     from megatron_preflight.layout import naming
@@ -622,6 +623,15 @@ def test_an_mtp_checkpoint_of_an_older_megatron_resumes_in_memory(tmp_path):
     assert rc2 == 0, log2[-3000:]
     rc0, log0 = run(tmp_path, str(old), 4, *layout, plugin=False, port=29773, te=True, verify=False)
     assert rc0 == 0 and "load_return" in log0 and "mtp.layers.0.mtp_model_layer." in log0, log0[-3000:]
+    # verify after plain Megatron's own load (its fingerprints taken from the file): the MTP layer is named
+    assert subprocess.run([sys.executable, "-m", "megatron_preflight", "fingerprint", str(old)], capture_output=True,
+                          timeout=300).returncode == 0
+    launcher = tmp_path / "verifying_launcher.py"
+    launcher.write_text(VERIFYING_LAUNCHER)
+    rcv, logv = run(tmp_path, str(old), 4, *layout, plugin=False, port=29776, te=True, verify=False,
+                    launch=[str(launcher)])
+    assert rcv == 1 and "verify: the loaded model is not the checkpoint's" in logv, logv[-3000:]
+    assert "mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.weight" in logv and "lm loss" not in logv
     rc, log = run(tmp_path, str(old), 4, *layout, "--preflight", "auto", port=29774, te=True)
     assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
     mtp = [re.findall(r"mtp_1 loss: ([0-9.E+-]+)", text) for text in (log, log2, log0)]
