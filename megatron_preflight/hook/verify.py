@@ -49,9 +49,10 @@ def _by_global_name(plan: Any) -> dict[tuple[int, str], Any]:
             if tp.gkey is not None and tp.shape}
 
 
-def _live_value(live: dict[str, Any], key: str) -> Any:
-    """A chunk's live tensor for a planned key, under whichever name the running module gives it."""
-    return next((live[k] for k in mtp_spellings(key) if k in live), None)
+def _live_key(live: dict[str, Any], key: str) -> str:
+    """A planned key as the running module names it (an MTP layer's transformer layer may be named otherwise than
+    in the checkpoint: renamed at load); ``key`` itself when the chunk has no such entry."""
+    return next((k for k in mtp_spellings(key) if k in live), key)
 
 
 def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], name: str) -> dict[str, Any]:
@@ -65,8 +66,7 @@ def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], nam
         if tp.gkey is None or tp.shape is None or tp.key.endswith("_extra_state"):
             continue
         chunk = _chunk_index(tp.chunk)
-        # the running module's name for it (an MTP layer's transformer layer may be named otherwise: renamed at load)
-        key = next((k for k in mtp_spellings(tp.key) if chunk < len(live) and k in live[chunk]), tp.key)
+        key = _live_key(live[chunk], tp.key) if chunk < len(live) else tp.key
         planned.add((chunk, key))
         value = live[chunk].get(key) if chunk < len(live) else None
         if value is None:
@@ -160,7 +160,8 @@ def _differs_here(r: reshard.Resharder, coords: dict[str, int], name: str, model
         for tp in plan.tensors:
             if tp.gkey is None or tp.shape is None or placement.checkpoint_name(r, tp) not in wanted:
                 continue
-            value = _live_value(live[_chunk_index(tp.chunk)], tp.key)
+            chunk_live = live[_chunk_index(tp.chunk)]
+            value = chunk_live.get(_live_key(chunk_live, tp.key))
             expected = placement.expected(tp, files)
             for local, gshape, offsets in placement.boxes(r, tp, coords):
                 if value is None or fingerprint.digest_box(value.detach().cpu()[local], gshape, offsets) != \

@@ -26,7 +26,7 @@ from megatron_preflight.reshard.optimizer.family import family_of, saved_family
 from megatron_preflight.reshard.optimizer.plain import OptimizerIndex, OptimizerNotReshardable, index_optimizer
 from megatron_preflight.reshard.optimizer.status import OptimizerStatus, optimizer_status
 from megatron_preflight.reshard.plan.consistency import checkpoint_problems, complete_problems
-from megatron_preflight.reshard.plan.index import GlobalIndex, index_sources
+from megatron_preflight.reshard.plan.index import GlobalIndex, has_mtp, index_sources
 from megatron_preflight.reshard.plan.topology import is_tied, source_topology
 from megatron_preflight.reshard.plan.types import SourcePiece
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -152,6 +152,11 @@ class CheckpointIndex:
     @cached_property
     def tied(self) -> bool:
         return is_tied(self.view)
+
+    @cached_property
+    def mtp(self) -> bool:
+        """Whether the model has multi-token prediction layers (at PP > 1 the last stage holds its own embedding)."""
+        return has_mtp(self.tensors)
 
     # -- the optimizer state ---------------------------------------------------------------------------------------
     @cached_property

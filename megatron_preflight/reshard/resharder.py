@@ -217,7 +217,8 @@ class Resharder:
         return self._plans[key]
 
     def _plan(self, coords: dict[str, int], name: str) -> RankPlan:
-        plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied, vocab=self.vocab, shard_name=name)
+        plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied, mtp=self.checkpoint.mtp,
+                         vocab=self.vocab, shard_name=name)
         if self.optimizer_index is not None and self.keep_optimizer:
             plan.optimizer = plan_optimizer(self.optimizer_index, plan, self.src, self.tgt, self.vocab)
         if self.dist_index is not None and self.keep_optimizer and self.target_distributed:

@@ -153,6 +153,19 @@ def loss(log, it=3, total=3):
     return m.group(1) if m else None
 
 
+def mtp_losses(log):
+    """Every MTP loss the run printed, in order."""
+    return re.findall(r"mtp_1 loss: ([0-9.E+-]+)", log)
+
+
+def assert_trains_alike_with_mtp(log, oracle):
+    """Iterations 3 and 4 of a 4-iteration resume (iteration 4 needs the loaded Adam moments), and every MTP loss,
+    equal the oracle run's."""
+    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(oracle, 3, 4),
+                                                                                   loss(oracle, 4, 4))
+    assert mtp_losses(log) and mtp_losses(log) == mtp_losses(oracle)
+
+
 def test_tp2_legacy_at_tp1_auto_equals_megatrons_dist_reshard(tmp_path):
     rc, log = run(tmp_path, fixture_path("tp2_torch"), 1, "--preflight", "auto", "--no-load-optim",
                   "--ckpt-format", "torch")
@@ -592,9 +605,7 @@ def test_mtp_legacy_at_another_layout_loads_in_memory_like_megatrons_dist_reshar
     rc2, log2 = run(tmp_path, fixture_path(f"{name}_torch_dist"), nproc, *MTP, *flags, "--ckpt-format",
                     "torch_dist", "--no-load-rng", "--train-iters", "4", plugin=False, port=29770, te=True)
     assert rc2 == 0, log2[-3000:]
-    mtp = [re.findall(r"mtp_1 loss: ([0-9.E+-]+)", text) for text in (log, log2)]
-    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
-    assert mtp[0] and mtp[0] == mtp[1]
+    assert_trains_alike_with_mtp(log, log2)
 
 
 @te_only
@@ -634,9 +645,8 @@ def test_an_mtp_checkpoint_of_an_older_megatron_resumes_in_memory(tmp_path):
     assert "mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.weight" in logv and "lm loss" not in logv
     rc, log = run(tmp_path, str(old), 4, *layout, "--preflight", "auto", port=29774, te=True)
     assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
-    mtp = [re.findall(r"mtp_1 loss: ([0-9.E+-]+)", text) for text in (log, log2, log0)]
-    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
-    assert mtp[0] and mtp[0] == mtp[1] and mtp[2] != mtp[1]  # plain Megatron trained a fresh MTP layer
+    assert_trains_alike_with_mtp(log, log2)
+    assert mtp_losses(log0) != mtp_losses(log2)  # plain Megatron trained a fresh MTP layer
 
 
 @te_only
@@ -661,9 +671,7 @@ def test_mtp_distributed_optimizer_reshard_trains_like_megatrons_dist_reshard(tm
     rc2, log2 = run(tmp_path, fixture_path("mtp_te_distopt_pp2dp2_torch_dist"), 2, "--ckpt-format", "torch_dist",
                     *common, plugin=False, port=29772, te=True)
     assert rc2 == 0, log2[-3000:]
-    mtp = [re.findall(r"mtp_1 loss: ([0-9.E+-]+)", text) for text in (log, log2)]
-    assert loss(log, 4, 4) is not None and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
-    assert mtp[0] and mtp[0] == mtp[1]
+    assert_trains_alike_with_mtp(log, log2)
 
 
 @te_only

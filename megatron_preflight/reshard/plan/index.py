@@ -101,14 +101,18 @@ def index_sources(layout: Layout, src: ParallelLayout, *, check: bool = True
         entry.add(SourcePiece(sk.shard, sk.value, sk.group_rank, sk.group_size))
     # with MTP on the last stage, the stage's own word embedding is the tied weight (its output layer is handed it
     # in forward): its output_layer.weight is a parameter Megatron never uses, left at its init, not a replica
-    mtp = any(mtp_index(k.suffix) is not None for k in index)
-    if EMBEDDING in index and not mtp:
+    if EMBEDDING in index and not has_mtp(index):
         for sk in head_copies:
             if isinstance(sk.value, TensorRef) and sk.value.shape == index[EMBEDDING].first().ref.shape:
                 index[EMBEDDING].add(SourcePiece(sk.shard, sk.value, sk.group_rank, sk.group_size))
     if check:
         raise_first(complete_problems(index, layout))
     return index
+
+
+def has_mtp(index: GlobalIndex) -> bool:
+    """Whether the model has multi-token prediction layers."""
+    return any(mtp_index(k.suffix) is not None for k in index)
 
 
 def has_legacy_grouped(layout: Layout) -> bool:

@@ -72,15 +72,17 @@ def target_vocab(layout: Layout, tgt: ParallelLayout, padded_vocab_size: int | N
 
 
 def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, tgt: ParallelLayout,
-              coords: dict[str, int], *, tied: bool, vocab: VocabPlan | None, shard_name: str = "") -> RankPlan:
-    """The plan for the target rank at ``coords`` (its tp, pp, ep, etp ranks); see :func:`validate_plan`."""
+              coords: dict[str, int], *, tied: bool, vocab: VocabPlan | None, shard_name: str = "",
+              mtp: bool = False) -> RankPlan:
+    """The plan for the target rank at ``coords`` (its tp, pp, ep, etp ranks; ``mtp``: the model has MTP layers);
+    see :func:`validate_plan`."""
     stage, ep_rank = coords["pp"], coords["ep"]
     chunk_names = ["model"] if tgt.chunks == 1 else [f"model{v}" for v in range(tgt.chunks)]
     tensors: list[tuple[tuple, TensorPlan]] = []
     own = _own_extra_state(src, tgt, coords)
     last = tgt.pp - 1
     # MTP layers run on the last stage, which then builds its own embedding too (its input is the next token's)
-    mtp_embedding = stage == last and last > 0 and any(mtp_index(k.suffix) is not None for k in index)
+    mtp_embedding = mtp and last > 0 and stage == last
     for gkey, entry in index.items():
         layer, expert, _style, suffix = gkey
         if layer is not None:

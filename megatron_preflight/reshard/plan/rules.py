@@ -103,9 +103,11 @@ _EXPERT_COMPILED = [(re.compile(p + r"$"), r) for p, r in _EXPERT_TABLE]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # an MTP layer's transformer layer: ``mtp_model_layer`` in Megatron-LM from late 2025 (module and legacy files),
-# ``transformer_layer`` before and in every torch_dist checkpoint (Megatron maps the new name to it when it saves)
-_MTP_LAYER_RE = re.compile(r"^(mtp\.layers\.(\d+)\.)(mtp_model_layer|transformer_layer)\.(.+)$")
-MTP_INNER = "mtp_model_layer."  # the name planned keys carry (GlobalKey): one name whichever the source wrote
+# ``transformer_layer`` before and in every torch_dist checkpoint (Megatron maps the new name to it when it saves).
+# The newer name is the one global name (GlobalKey, diff, fingerprints, verify), whichever the source wrote.
+MTP_LAYER_NAMES = ("mtp_model_layer", "transformer_layer")
+MTP_INNER = MTP_LAYER_NAMES[0] + "."
+_MTP_LAYER_RE = re.compile(rf"^(mtp\.layers\.(\d+)\.)({'|'.join(MTP_LAYER_NAMES)})\.(.+)$")
 _SEQ_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _TE_GROUPED_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _LEGACY_GROUPED_RE = re.compile(r"^mlp\.experts\.weight[12]$")
@@ -136,9 +138,7 @@ class KeyInfo:
     def global_suffix(self) -> str:
         """The suffix of the key's global name (:class:`~megatron_preflight.reshard.plan.types.GlobalKey`): an MTP
         layer's transformer layer under one name, whichever the source wrote."""
-        if not self.head:
-            return self.suffix
-        return self.head[:self.head.index(".", len("mtp.layers.")) + 1] + MTP_INNER + self.suffix
+        return canonical_name(self.head + self.suffix) if self.head else self.suffix
 
 
 def mtp_index(suffix: str) -> int | None:
@@ -167,13 +167,8 @@ def canonical_name(key: str) -> str:
     """``key`` with an MTP layer's transformer layer under its one global name (``mtp_model_layer``), whichever name
     its Megatron wrote: checkpoints of one model by Megatron versions that name it differently compare, fingerprint
     and verify alike (every other key is itself)."""
-    info = parse_key(key)
-    if not info.head:
-        return key
-    return info_of_global(None, info.expert, info.style, info.global_suffix).render(None, info.expert)
-
-
-MTP_LAYER_NAMES = ("mtp_model_layer", "transformer_layer")  # the newer name first
+    m = _MTP_LAYER_RE.match(key)
+    return f"{m.group(1)}{MTP_INNER}{m.group(4)}" if m else key
 
 
 def mtp_layer_name(key: str) -> str | None:

@@ -55,16 +55,6 @@ NON_LAYER_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.
                    "decoder.final_layernorm.", "decoder.final_norm.", "mtp.", "output_layer.")
 
 
-def _legacy_name(fqn: str) -> str:
-    """A torch_dist key outside the decoder layers as a legacy file names it: an MTP layer's transformer layer is
-    ``transformer_layer`` in every torch_dist checkpoint and ``mtp_model_layer`` in the legacy files of a
-    Megatron-LM that names its module so (late 2025 on; older ones load torch_dist through their own dist loader)."""
-    return canonical_name(fqn)
-
-
-def _top_sort(key: str, pos: int) -> tuple:
-    """A non-layer legacy key's place in its model chunk (not an MTP layer's: :meth:`_Builder._mtp_sort`)."""
-    return (0 if key.startswith("embedding.") else 2, 0, rank_in(key, NON_LAYER_ORDER, pos), param_rank(key), pos)
 
 
 @dataclass
@@ -152,16 +142,15 @@ class _Builder:
         dtype = tm.properties.dtype
         pos = self.position[fqn]
         if not fqn.startswith(LAYERS):
-            mtp = mtp_index(fqn) is not None
-            if mtp and f".{EXPERTS}" in fqn:
+            if mtp_index(fqn) is not None and f".{EXPERTS}" in fqn:
                 self._mtp_experts(fqn, dtype, shape, pos)
                 return
             first = fqn.startswith("embedding.")
             stage, chunk = (0, 0) if first else (self.par.pp - 1, self.par.chunks - 1)
-            key = _legacy_name(fqn)
+            key = canonical_name(fqn)  # torch_dist's `transformer_layer` of an MTP layer: the newer legacy name
             for name, c in self._shards(stage):
                 ref = self._ref(fqn, dtype, (), shape, key, c["tp"], self.par.tp)
-                self._add(name, chunk, self._mtp_sort(key, pos) if mtp else _top_sort(key, pos), key, ref)
+                self._add(name, chunk, self._top_sort(key, pos), key, ref)
             return
         layers, rest = self._layers_of(fqn, shape[0])
         for g, lead in layers:
@@ -182,16 +171,26 @@ class _Builder:
                     ref = self._ref(fqn, dtype, lead, inner, key, c["tp"], self.par.tp)
                     self._add(name, chunk, self._layer_sort(g, suffix, 0, pos), key, ref)
 
-    def _mtp_sort(self, key: str, pos: int, expert: int = 0) -> tuple:
-        """An MTP layer's legacy key's place in the last model chunk: after the final norm, before the output layer;
-        MTP layer by layer, each module in Megatron's order, the transformer layer inside as a decoder layer's."""
+    def _top_sort(self, key: str, pos: int, expert: int = 0) -> tuple:
+        """A non-layer legacy key's place in its model chunk: embedding, final norm, MTP layers (layer by layer, each
+        module in Megatron's order, the transformer layer inside as a decoder layer's), output layer."""
+        first = 0 if key.startswith("embedding.") else 2
+        if mtp_index(key) is None:
+            return (first, 0, rank_in(key, NON_LAYER_ORDER, pos), param_rank(key), pos)
         info = parse_key(key)
-        base = (2, 0, rank_in(key, NON_LAYER_ORDER, pos), mtp_place(info.global_suffix))
+        base = (first, 0, rank_in(key, NON_LAYER_ORDER, pos), mtp_place(info.global_suffix))
         if not info.head:
             return (*base, 0, 0, 0, param_rank(key), pos)
-        inner = info.suffix if info.expert is None and not info.suffix.startswith("mlp.experts.") else \
-            EXPERTS + info.suffix.removeprefix("mlp.experts.")
+        experts = info.expert is not None or info.suffix.startswith("mlp.experts.")
+        inner = EXPERTS + info.suffix.removeprefix("mlp.experts.") if experts else info.suffix
         return (*base, *self._layer_sort(0, inner, expert, pos)[2:])
+
+    def _extra_expert_key(self, prefix: str, suffix: str, local_expert: int) -> str | None:
+        """The legacy key of an expert module's extra state (``prefix`` ends in ``mlp.experts``): one grouped module
+        per rank with TE's grouped experts (None for the others), one per local expert otherwise."""
+        if self.te_grouped:
+            return f"{prefix}.{suffix}" if local_expert == 0 else None
+        return prefix + self._expert_key(suffix, local_expert)
 
     def _mtp_experts(self, fqn: str, dtype: Any, shape: tuple[int, ...], pos: int) -> None:
         """An MoE MTP layer's experts: ``mtp.layers.<i>.transformer_layer.mlp.experts.experts.<linear>.<param>``,
@@ -203,7 +202,7 @@ class _Builder:
             key = canonical_name(f"{head}.mlp.experts" + self._expert_key(suffix, le))
             for name, c in self._shards(stage, ep_rank):
                 ref = self._ref(fqn, dtype, (ge,), shape[1:], key, c["etp"], self.par.etp_eff)
-                self._add(name, chunk, self._mtp_sort(key, pos, ge), key, ref)
+                self._add(name, chunk, self._top_sort(key, pos, ge), key, ref)
 
     def _expert_key(self, suffix: str, local_expert: int) -> str:
         if self.te_grouped:
@@ -216,21 +215,17 @@ class _Builder:
         base, _, shard = fqn.partition("/shard_")
         if not base.startswith(LAYERS):  # outside the layers (a TE final norm, MTP): in the last stage's legacy files
             pos = self.position[fqn]
-            if mtp_index(base) is not None and f".{EXPERTS}" in base:  # an MoE MTP layer's: one per expert
+            if mtp_index(base) is not None and f".{EXPERTS}" in base:  # an MoE MTP layer's: indexed by expert
                 head, _, suffix = base.partition(f".{EXPERTS}")
                 ge = int(shard.split("_")[0])
                 ep_rank, le = self.par.place_expert(ge)
-                if self.te_grouped and le != 0:
-                    return  # one grouped module per rank: mlp.experts.linear_fc1._extra_state
-                key = canonical_name(f"{head}.mlp.experts" + (f".{suffix}" if self.te_grouped else
-                                                              self._expert_key(suffix, le)))
-                for name, _c in self._shards(self.par.pp - 1, ep_rank):
-                    self._add(name, self.par.chunks - 1, self._mtp_sort(key, pos, ge), key, self._bytes_item(fqn))
+                key = self._extra_expert_key(canonical_name(head + ".mlp.experts"), suffix, le)
+                for name, _c in self._shards(self.par.pp - 1, ep_rank) if key is not None else ():
+                    self._add(name, self.par.chunks - 1, self._top_sort(key, pos, ge), key, self._bytes_item(fqn))
             elif base.startswith(("decoder.", "mtp.")):
-                key = _legacy_name(base)
+                key = canonical_name(base)
                 for name, _c in self._shards(self.par.pp - 1):
-                    sort = self._mtp_sort(key, pos) if mtp_index(key) is not None else _top_sort(key, pos)
-                    self._add(name, self.par.chunks - 1, sort, key, self._bytes_item(fqn))
+                    self._add(name, self.par.chunks - 1, self._top_sort(key, pos), key, self._bytes_item(fqn))
             return
         index = [int(i) for i in shard.split("_")[0].split(".")]
         layers, rest = self._layers_of(base, None)
@@ -246,12 +241,9 @@ class _Builder:
                 return
             ep_rank, le = self.par.place_expert(index[0])
             suffix = rest[len(EXPERTS):]
-            if self.te_grouped:  # one grouped module per rank: mlp.experts.linear_fc1._extra_state
-                if le != 0:
-                    return
-                key = f"{LAYERS}{local}.mlp.experts.{suffix}"
-            else:
-                key = f"{LAYERS}{local}.mlp.experts" + self._expert_key(suffix, le)
+            key = self._extra_expert_key(f"{LAYERS}{local}.mlp.experts", suffix, le)
+            if key is None:
+                return
             for name, _c in self._shards(stage, ep_rank):
                 self._add(name, chunk, self._layer_sort(g, EXPERTS + suffix, index[0], pos), key, value)
             return
@@ -273,8 +265,7 @@ class _Builder:
         for name, c in self._shards(self.par.pp - 1):
             ref = self._ref("embedding.word_embeddings.weight", tm.properties.dtype, (), shape, "output_layer.weight",
                             c["tp"], self.par.tp)
-            self._add(name, chunk, (2, 0, rank_in("output_layer.", NON_LAYER_ORDER, 0), param_rank("weight"), 0),
-                      "output_layer.weight", ref)
+            self._add(name, chunk, self._top_sort("output_layer.weight", 0), "output_layer.weight", ref)
 
     def mtp_embedding(self) -> None:
         """With MTP and PP > 1 the last stage builds its own word embedding (the MTP layers embed the next tokens):
@@ -288,15 +279,15 @@ class _Builder:
             shape = tuple(int(s) for s in tm.size)
             for name, c in self._shards(self.par.pp - 1):
                 ref = self._ref(fqn, tm.properties.dtype, (), shape, fqn, c["tp"], self.par.tp)
-                self._add(name, self.par.chunks - 1, _top_sort(fqn, self.position[fqn]), fqn, ref)
+                self._add(name, self.par.chunks - 1, self._top_sort(fqn, self.position[fqn]), fqn, ref)
 
     def output_extra_state(self) -> None:
         """The output layer's ``_extra_state`` (None): in every legacy file of the last stage, not in torch_dist."""
         chunk = self.par.chunks - 1
         for name, _c in self._shards(self.par.pp - 1):
             if not any(e.key == "output_layer._extra_state" for e in self.entries[(name, chunk)]):
-                self._add(name, chunk, (2, 0, rank_in("output_layer.", NON_LAYER_ORDER, 0), 9, 0),
-                          "output_layer._extra_state", None)
+                self._add(name, chunk, self._top_sort("output_layer._extra_state", 0), "output_layer._extra_state",
+                          None)
 
     def attention_extra_state(self) -> None:
         """Transformer Engine's attention module (``self_attention.core_attention``) has an ``_extra_state`` that a
@@ -314,7 +305,7 @@ class _Builder:
                 key = e.key.replace(".linear_proj._extra_state", ".core_attention._extra_state")
                 value = no_fp8_copy(e.value)
                 if key not in keys and value is not None:
-                    sort = self._mtp_sort(key, e.sort[-1]) if mtp_index(key) is not None else self._layer_sort(
+                    sort = self._top_sort(key, e.sort[-1]) if mtp_index(key) is not None else self._layer_sort(
                         e.sort[1], "self_attention.core_attention._extra_state", 0, e.sort[-1])
                     self._add(name, chunk, sort, key, value)
 
