@@ -147,7 +147,7 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
         load_optim = False
     if load_optim and layout.format == Format.TORCH_DIST and \
             layout.dist_optimizer_sharding == "fully_sharded_model_space" and rt.loads_flattened_range is not True:
-        out.append(_flattened_range(layout, rt))
+        out.append(_flattened_range(index, rt))
     if load_optim and ck_dopt != rt.use_distributed_optimizer and layout.format == Format.TORCH and \
             _convertible(index):
         out.append(Finding("use_distributed_optimizer", ck_dopt, rt.use_distributed_optimizer, RESHARD,
@@ -234,25 +234,33 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
     return out, load_optim, load_rng
 
 
-def _flattened_range(layout: Layout, rt: RuntimeArgs) -> Finding:
-    """A fully_sharded_model_space optimizer state (the default of megatron-core <= 0.15's distributed optimizer):
-    megatron-core >= 0.16 refuses it inside load_checkpoint, at any layout; the resharder reads it."""
-    fix = (f"convert it once: megatron-preflight reshard {layout.root or layout.path} NEW_DIR --ckpt-format torch_dist "
-           "-- <the run's flags> (the fully_reshardable form, which it loads at any TP/PP; or --ckpt-format torch "
-           "for the legacy format), then --load NEW_DIR; or add --no-load-optim (and keep the weights)")
+def _flattened_range(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> Finding:
+    """A fully_sharded_model_space optimizer state (the default of megatron-core <= 0.14's distributed optimizer):
+    megatron-core >= 0.16 refuses it inside load_checkpoint, at any layout. The resharder reads it: in a Megatron that
+    cannot, ``--preflight auto`` loads it in memory (a reshard finding); offline, converting it once carries it."""
+    layout = index.layout
+    convert = (f"convert it once: megatron-preflight reshard {layout.root or layout.path} NEW_DIR --ckpt-format "
+               "torch_dist -- <the run's flags> (the fully_reshardable form, which it loads at any TP/PP; or "
+               "--ckpt-format torch for the legacy format), then --load NEW_DIR")
+    why = ("the distributed optimizer's state is saved in the fully_sharded_model_space form (flattened ranges: the "
+           "default of megatron-core <= 0.14)")
+    fails = ("load_checkpoint fails after the model and optimizer are built ('ShardedTensor.flattened_range is not "
+             "supported', or, for a checkpoint saved without content metadata, 'Missing key in checkpoint state_dict: "
+             "optimizer.distributed.dp_group_idx_0...')")
     if rt.loads_flattened_range is False:
+        problem = index.source_problem()
+        if problem is None:
+            return Finding("optimizer", "fully_sharded_model_space", "resharded", RESHARD,
+                           f"{why}; this Megatron's megatron-core no longer reads it ({fails}); the in-memory "
+                           "resharder reads it, so --preflight auto loads the weights and the optimizer state "
+                           "through it", f"run with --preflight auto; or {convert}")
         return Finding("optimizer", "fully_sharded_model_space", "not loadable", FATAL,
-                       "the distributed optimizer's state is saved in the fully_sharded_model_space form (flattened "
-                       "ranges: the default of megatron-core <= 0.15); this Megatron's megatron-core no longer reads "
-                       "it: load_checkpoint fails after the model and optimizer are built ('ShardedTensor."
-                       "flattened_range is not supported', or, for a checkpoint saved without content metadata, "
-                       "'Missing key in checkpoint state_dict: optimizer.distributed.dp_group_idx_0...')", fix)
+                       f"{why}; this Megatron's megatron-core no longer reads it ({fails}), and the in-memory "
+                       f"resharder cannot serve it either ({problem})", "add --no-load-optim (and keep the weights)")
     return Finding("optimizer", "fully_sharded_model_space", "load", INFO,
-                   "the distributed optimizer's state is saved in the fully_sharded_model_space form (flattened "
-                   "ranges: the default of megatron-core <= 0.15): a Megatron with megatron-core >= 0.16 (Megatron-LM "
-                   "main) no longer reads it: its load_checkpoint fails ('ShardedTensor.flattened_range is not "
-                   "supported', or 'Missing key in checkpoint state_dict: optimizer.distributed...')",
-                   "on such a Megatron, " + fix)
+                   f"{why}: a Megatron with megatron-core >= 0.16 (Megatron-LM main) no longer reads it: its "
+                   f"{fails}", f"on such a Megatron, run with --preflight auto; or {convert}; or add "
+                   "--no-load-optim (and keep the weights)")
 
 
 _FAMILIES = {"torch": "torch's Adam/AdamW (a step per parameter)",

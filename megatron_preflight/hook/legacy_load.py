@@ -272,8 +272,10 @@ def this_rank_parameter_state(r: reshard.Resharder, parts: list[Any] | None = No
                 if offsets is None or not isinstance(state, dict) or not isinstance(state.get(gbuf), dict):
                     continue
                 (_, world), = state[gbuf].items()
+                moved = 0
                 for key in ("param", "exp_avg", "exp_avg_sq"):
-                    moved = reshard.relocate(world[key], offsets)
+                    if key in world:  # an optimizer without a second moment (Lion) keeps exp_avg only
+                        moved = reshard.relocate(world[key], offsets)
                 if moved:
                     log.warning("gradient buffer %d: %d parameters placed where the running optimizer keeps them, "
                                 "not where the checkpoint's rules put them", gbuf, moved)

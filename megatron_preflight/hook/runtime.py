@@ -70,7 +70,13 @@ def run_adam_family(args: Any) -> str | None:
     except Exception:  # noqa: BLE001 - no megatron.core (a library user): unknown
         return None
     using_torch = getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", None)
-    return None if using_torch is None else ("torch" if using_torch else "fused")
+    if using_torch is None:  # megatron-core < 0.15 has no flag: the class it imported as Adam says
+        adam = getattr(mcore_optimizer, "Adam", None)
+        module = getattr(adam, "__module__", "") or ""
+        if module.startswith("torch.optim"):
+            return "torch"
+        return "fused" if module.startswith(("transformer_engine", "apex")) else None
+    return "torch" if using_torch else "fused"
 
 
 def builds_grouped_mlp(args: Any) -> bool | None:

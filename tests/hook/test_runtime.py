@@ -146,3 +146,25 @@ def test_reshard_report_states_each_ranks_cost_before_any_byte_moves(tmp_path):
     assert cost["mode"] == "in_memory" and cost["bytes_read"] > 0
     assert [r["name"] for r in cost["ranks"]] == ["mp_rank_00"]
     assert cost["ranks"][0]["bytes_read"] == cost["bytes_read"] and cost["ranks"][0]["files_opened"] == 2
+
+
+def test_the_adam_family_is_read_from_what_this_megatron_core_has(monkeypatch):
+    """megatron-core >= 0.15 says which Adam it built (USING_PYTORCH_OPTIMIZER); older releases (0.13, 0.14) have no
+    flag, so the class they imported as ``Adam`` says: torch's AdamW, or TE's / apex's FusedAdam. The older module is
+    imitated on the installed megatron-core (0.16.1) by removing the flag (a stand-in, named so: no older
+    megatron-core is installed in CI; the release matrix runs the real ones)."""
+    import torch
+    from megatron.core import optimizer as mcore_optimizer
+
+    args = argparse.Namespace(optimizer="adam", optimizer_cpu_offload=False)
+    flag = getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", None)
+    assert runtime.run_adam_family(args) == ("torch" if flag else "fused")
+    monkeypatch.delattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", raising=False)
+    monkeypatch.setattr(mcore_optimizer, "Adam", torch.optim.AdamW, raising=False)
+    assert runtime.run_adam_family(args) == "torch"
+    fused = type("FusedAdam", (torch.optim.Optimizer,), {"__module__": "transformer_engine.pytorch.optimizers"})
+    monkeypatch.setattr(mcore_optimizer, "Adam", fused)
+    assert runtime.run_adam_family(args) == "fused"
+    monkeypatch.setattr(mcore_optimizer, "Adam", type("Other", (), {"__module__": "somewhere.else"}))
+    assert runtime.run_adam_family(args) is None
+    assert runtime.run_adam_family(argparse.Namespace(optimizer="sgd")) is None

@@ -76,14 +76,13 @@ def _dist_status(layout: Layout) -> OptimizerStatus | None:
     both = ("Megatron reloads it at any TP/PP (not across an EP change); the resharder converts it to legacy at any "
             "layout")
     if not layout.dist_optimizer_sharding:
-        return OptimizerStatus("plain", True, detail=f"model space (exp_avg, exp_avg_sq per parameter): {both}",
-                               in_memory=False)
+        return OptimizerStatus("plain", True, detail=f"model space (exp_avg, exp_avg_sq per parameter): {both}")
     sharding = layout.dist_optimizer_sharding
     if sharding in ("fully_reshardable", "fully_sharded_model_space"):
-        return OptimizerStatus("distributed", True, detail=f"{sharding} (model space): {both}", in_memory=False)
+        return OptimizerStatus("distributed", True, detail=f"{sharding} (model space): {both}")
     if sharding == "dp_reshardable":
         return OptimizerStatus("distributed", True, detail="dp_reshardable (flat buckets per DP rank): Megatron reloads "
                                "it only at the same TP/PP (a DP change is fine); the resharder converts it to legacy "
-                               "at any layout", in_memory=False)
+                               "at any layout")
     return OptimizerStatus("distributed", False, f"saved as {sharding}, a form megatron-preflight does not read",
                            in_memory=False)

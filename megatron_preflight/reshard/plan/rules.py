@@ -171,6 +171,13 @@ def canonical_name(key: str) -> str:
     return f"{m.group(1)}{MTP_INNER}{m.group(4)}" if m else key
 
 
+def torch_dist_name(key: str) -> str:
+    """``key`` with an MTP layer's transformer layer named as every torch_dist checkpoint names it
+    (``transformer_layer``: Megatron maps the newer module name to it when it saves); every other key is itself."""
+    m = _MTP_LAYER_RE.match(key)
+    return f"{m.group(1)}{MTP_LAYER_NAMES[1]}.{m.group(4)}" if m else key
+
+
 def mtp_layer_name(key: str) -> str | None:
     """The name ``key`` gives an MTP layer's transformer layer (one of :data:`MTP_LAYER_NAMES`; None: no such key)."""
     m = _MTP_LAYER_RE.match(key)

@@ -30,13 +30,15 @@ from megatron_preflight.layout import naming
 from megatron_preflight.reshard.carried import TO_TORCH_DIST
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_index
 from megatron_preflight.reshard.execute.executor import build_tensor
+from megatron_preflight.reshard.optimizer.family import FUSED, family_of
 from megatron_preflight.reshard.optimizer.plain import MASTER
 from megatron_preflight.reshard.plan.planner import plan_tensor
+from megatron_preflight.reshard.plan.rules import parse_key, torch_dist_name
 from megatron_preflight.reshard.plan.spec import dist_suffix, is_local_spec
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.sources.torch_dist import object_fqn
+from megatron_preflight.reshard.sources.torch_dist import EXPERTS, object_fqn
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets.unit import ShardResult, Tap, Tapping
@@ -44,6 +46,7 @@ from megatron_preflight.reshard.targets.unit import ShardResult, Tap, Tapping
 log = logging.getLogger(__name__)
 
 DATA_FILE = "__0_0.distcp"
+_EXPERTS_MODULE = "mlp.experts."
 
 
 @dataclass
@@ -123,15 +126,47 @@ class _Writer:
         return md.Metadata(state_dict_metadata=state, planner_data=None, storage_data=storage)
 
 
-def _layer_fqn(plan: TensorPlan, local_spec: bool, stacked: bool) -> tuple[str, bool]:
-    """The torch_dist name of a layer tensor (and whether it is an expert's): ``decoder.layers.<name>`` stacked, or
-    ``decoder.layers.<g>.<name>``."""
-    gkey = plan.gkey
-    assert gkey is not None and gkey.layer is not None
-    head = "decoder.layers." if stacked else f"decoder.layers.{gkey.layer}."
+# the extra states Megatron's torch_dist does not save: the output layer's (None), and Transformer Engine attention's
+# (the reader makes it again from the layer's linear_proj extra state)
+_UNSAVED_EXTRA_STATE = ("output_layer._extra_state", "self_attention.core_attention._extra_state")
+
+
+@dataclass(frozen=True)
+class DistPlace:
+    """Where a global tensor (or a module's extra state) lies in a torch_dist checkpoint: its global name, its index in
+    the stacked dims (layer, then expert) and their sizes."""
+
+    fqn: str
+    lead: tuple[int, ...] = ()
+    lead_shape: tuple[int, ...] = ()
+
+
+def dist_places(tp: TensorPlan, *, local_spec: bool, stacked: bool, num_layers: int, num_experts: int
+                ) -> list[DistPlace]:
+    """Where Megatron's torch_dist keeps the planned global tensor ``tp`` (the one rank of TP1·PP1·EP1): decoder layers
+    stacked (``decoder.layers.<name>``) or per layer (``decoder.layers.<g>.<name>``), experts stacked under
+    ``mlp.experts.experts.``, an MTP layer's transformer layer as ``transformer_layer``. None for an extra state
+    Megatron does not save; one per expert for the extra state of Transformer Engine's grouped experts (one module per
+    layer in the legacy file, one sharded object per expert in torch_dist)."""
+    gkey = tp.gkey
+    assert gkey is not None
+    if tp.key.endswith(_UNSAVED_EXTRA_STATE):
+        return []
+    if gkey.layer is not None:
+        head = "decoder.layers." if stacked else f"decoder.layers.{gkey.layer}."
+        lead, lead_shape = ((gkey.layer,), (num_layers,)) if stacked else ((), ())
+        inner = gkey.suffix if gkey.expert is not None else dist_suffix(gkey.suffix, local_spec)
+    else:
+        info = parse_key(tp.key)
+        if not info.head:  # embeddings, final norm, output layer, an MTP layer's norms and eh_proj
+            return [DistPlace(tp.key)]
+        head, lead, lead_shape, inner = info.head, (), (), info.suffix
     if gkey.expert is not None:
-        return head + "mlp.experts.experts." + gkey.suffix, True
-    return head + dist_suffix(gkey.suffix, local_spec), False
+        return [DistPlace(torch_dist_name(head + EXPERTS + inner), lead + (gkey.expert,), lead_shape + (num_experts,))]
+    if inner.startswith(_EXPERTS_MODULE) and inner.endswith("_extra_state"):
+        fqn = torch_dist_name(head + EXPERTS + inner[len(_EXPERTS_MODULE):])
+        return [DistPlace(fqn, lead + (e,), lead_shape + (num_experts,)) for e in range(num_experts)]
+    return [DistPlace(torch_dist_name(head + inner), lead, lead_shape)]
 
 
 # gkey -> (fqn, stacked index, stacked dims, the parameter's plan)
@@ -141,7 +176,8 @@ Placement = dict[Any, tuple[str, tuple[int, ...], tuple[int, ...], TensorPlan]]
 def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_layers: int,
                        num_experts: int, tap: Tap | None = None) -> Placement:
     """Every global tensor of the checkpoint (planned as the one rank of TP1·PP1·EP1), chunk by chunk, each shown to
-    ``tap``. Returns where each parameter went (its optimizer state goes to the same places)."""
+    ``tap``, and every module's extra state as the sharded objects Megatron saves. Returns where each parameter went
+    (its optimizer state goes to the same places)."""
     args = g.layout.saved_args
     local_spec = is_local_spec(args)
     stacked = _homogeneous(args)
@@ -149,31 +185,24 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
     placed: Placement = {}
     for tp in plan.tensors:
         gkey = tp.gkey
-        if gkey is None or gkey.layer is None:  # embeddings, final norm, output layer
-            if tp.key.endswith("_extra_state") or tp.shape is None:
-                continue  # not saved by Megatron's torch_dist (the output layer's extra state)
-            if g.tied and tp.key == "output_layer.weight":
-                continue  # tied: the embedding is saved once
-            t = build_tensor(tp, files, release=True)
-            out.chunk(tp.key, tuple(t.shape), (0,) * t.dim(), t, tp)
-            if tap is not None:
-                tap.tensor(tp, 0, t)
-            placed[gkey] = (tp.key, (), (), tp)
+        if gkey is None or (g.tied and tp.key == "output_layer.weight"):
+            continue  # tied: the embedding is saved once
+        places = dist_places(tp, local_spec=local_spec, stacked=stacked, num_layers=num_layers,
+                             num_experts=num_experts)
+        if tp.key.endswith("_extra_state"):  # a sharded object per layer (and expert), as Megatron saves it
+            value = tp.value if tp.shape is None else build_tensor(tp, files, release=True)
+            for at in places:
+                out.obj(object_fqn(at.fqn, at.lead, at.lead_shape), value)
             continue
-        fqn, expert = _layer_fqn(tp, local_spec, stacked)
-        lead: tuple[int, ...] = (gkey.layer,) if stacked else ()
-        lead_shape: tuple[int, ...] = (num_layers,) if stacked else ()
-        if expert:
-            lead, lead_shape = lead + (gkey.expert,), lead_shape + (num_experts,)
-        if tp.shape is None:  # a module's extra state: a sharded object per layer (and expert)
-            out.obj(object_fqn(fqn, lead, lead_shape), tp.value)
+        if tp.shape is None or not places:
             continue
+        (at,) = places
         t = build_tensor(tp, files, release=True)
-        out.chunk(fqn, lead_shape + tuple(t.shape), lead + (0,) * t.dim(),
-                  t.reshape((1,) * len(lead) + tuple(t.shape)), tp)
+        out.chunk(at.fqn, at.lead_shape + tuple(t.shape), at.lead + (0,) * t.dim(),
+                  t.reshape((1,) * len(at.lead) + tuple(t.shape)), tp)
         if tap is not None:
             tap.tensor(tp, 0, t)
-        placed[gkey] = (fqn, lead, lead_shape, tp)
+        placed[gkey] = (at.fqn, at.lead, at.lead_shape, tp)
     return placed
 
 
@@ -218,6 +247,9 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
     split = bool(idx.expert) and tgt.experts_are_expert_parallel()
     layout = ([(False, [s for s in idx.order if s in idx.dense]), (True, [s for s in idx.order if s in idx.expert])]
               if split else [(False, [s for s in idx.order if s in idx.dense | idx.expert])])
+    # a fused Adam (TE's or apex's FusedAdam) keeps its step in each param group, torch's Adam per parameter (saved
+    # once, as the plain optimizer's common_step); the distributed optimizer keeps it in the groups for either
+    fused = family_of([idx.settings[s] for s in idx.order]) == FUSED
     parts = []
     for is_expert, sigs in layout:
         groups = []
@@ -226,11 +258,14 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
             settings["is_expert_parallel"] = is_expert
             if distributed:
                 settings["step"] = step
+            elif fused:
+                settings["step"] = int(step)
             groups.append(settings)
         if distributed:
             parts.append({"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"})
         else:
-            inner = {"state": {"common_step": torch.tensor(step)}, "param_groups": groups}
+            inner = {"param_groups": groups} if fused else {"state": {"common_step": torch.tensor(step)},
+                                                           "param_groups": groups}
             if half:
                 part = {"optimizer": inner}
                 for k, v in idx.template.outer.items():

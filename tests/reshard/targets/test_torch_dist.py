@@ -163,3 +163,59 @@ def test_the_vocab_is_padded_for_the_target_tp(tmp_path):
                         assert torch.equal(reader.tensor("", mine.meta["model"][key]), f.tensor(value)), key
     finally:
         reader.close()
+
+
+# Every legacy fixture with a torch_dist twin saved by Megatron with the same flags (LOCAL_FIXTURES.md). The twins of
+# the distributed-optimizer fixtures were saved --dist-ckpt-optim-fully-reshardable: the form written here.
+TWINS = ["tp2_torch", "bf16_gqa_tp2_torch", "fp16_qkln_tp2_torch", "vpp_qkln_pp2_torch", "acct_emb_pp2_torch",
+         "declr_tp2_torch", "moe_ep2_torch", "moe_shared_tp2pp2ep2_torch", "distopt_tp2dp2_torch",
+         "distopt_bf16_tp2dp2_torch", "distopt_moe_ep2dp2_torch", "distopt_vpp_pp2dp2_torch",
+         "distopt_buckets_tp2dp2_torch", "v14_tp2_torch",
+         # Transformer Engine spec through the CPU stand-in (te_cpu; not Transformer Engine): extra states as
+         # sharded objects, MLA, MTP (its inner layer named `transformer_layer`), TE-grouped experts of an MTP layer
+         "te_tp2_torch", "mla_te_tp2_torch", "mtp_te_tp2pp2_torch", "mtp_te_distopt_pp2dp2_torch",
+         "mtp_moe_te_ep2_torch"]
+# not carried (RNG: --no-load-rng), or kept where every release reads it (common_state: Megatron-LM main keeps the
+# common state in the .distcp files; common.pt, written here, is read by main and by every older release)
+_NOT_WRITTEN = ("rng_state/", "rerun_state_machine_state/", "common_state")
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_written_torch_dist_names_what_megatrons_own_twin_names(tmp_path, name):
+    """The torch_dist written from a legacy checkpoint holds the global tensors and sharded objects Megatron's own
+    torch_dist save of the same run holds: the same keys (Megatron's loader asks for every one: a missing extra state
+    fails its load with 'Missing key in checkpoint state_dict'), global shapes and dtypes, and the same objects."""
+    from megatron_preflight.layout.dist import object_index, read_dcp_metadata, read_object
+
+    out = str(tmp_path / "dist")
+    write_resharded(fixture_path(name), out, same_layout(name))
+    twin = discover(fixture_path(name + "_dist"))
+    mine_dir = discover(out).iter_dir
+    theirs, mine = read_dcp_metadata(twin.iter_dir), read_dcp_metadata(mine_dir)
+    want = {k: v for k, v in theirs.state_dict_metadata.items() if not k.startswith(_NOT_WRITTEN)}
+    got = mine.state_dict_metadata
+    assert sorted(set(want) - set(got)) == [] and sorted(set(got) - set(want)) == []
+    for key, meta in want.items():
+        assert type(got[key]).__name__ == type(meta).__name__, key
+        if hasattr(meta, "size"):
+            assert (tuple(got[key].size), got[key].properties.dtype) == (tuple(meta.size), meta.properties.dtype), key
+    their_objects, my_objects = object_index(theirs), object_index(mine)
+    for key in want:
+        if key in their_objects:
+            a = read_object(twin.iter_dir, key, their_objects[key], tensors=True)
+            b = read_object(mine_dir, key, my_objects[key], tensors=True)
+            assert type(a) is type(b) and (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), key
+    # the optimizer's common state: param groups (their settings, order and where the Adam step is kept) and the
+    # parts of a chained optimizer, as Megatron saved them
+    assert _shape_of(discover(out).common_state["optimizer"]) == _shape_of(twin.common_state["optimizer"])
+
+
+def _shape_of(value):
+    """A common-state value with its tensors as (shape, dtype) and lists of groups as lists (comparable)."""
+    if isinstance(value, dict):
+        return {k: _shape_of(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], float)):
+        return [_shape_of(v) for v in value]
+    if isinstance(value, (TensorRef, torch.Tensor)):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    return value
