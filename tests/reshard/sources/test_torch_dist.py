@@ -205,7 +205,9 @@ def test_inspect_says_what_a_torch_dist_optimizer_state_allows():
     from megatron_preflight.reshard.optimizer.status import optimizer_status
 
     plain = optimizer_status(discover(fixture_path("tp2_torch_dist")))
-    assert plain.kind == "plain" and plain.reshardable and not plain.in_memory
+    # the hook's in-memory loader reads every form it reads offline (test_megatron_lm.py: --preflight auto loads
+    # plain, dp_reshardable and fully_sharded_model_space states where Megatron's own loader refuses them)
+    assert plain.kind == "plain" and plain.reshardable and plain.in_memory and "with the weights" in plain.describe()
     layout = discover(fixture_path("distopt_tp2dp2_torch_dist"))
     dist = optimizer_status(layout)
     assert dist.kind == "distributed" and dist.reshardable and "fully_reshardable" in dist.describe()
