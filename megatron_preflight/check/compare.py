@@ -141,7 +141,7 @@ def _reshard_fix(layout: Layout, flag: str) -> str:
 
 
 def _compare_mtp_name(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
-    """An MTP layer's transformer layer is ``transformer_layer`` in the legacy files of Megatron-LM before late 2025
+    """An MTP layer's transformer layer is ``transformer_layer`` in the legacy files of megatron-core before 0.17
     and ``mtp_model_layer`` after; a Megatron of the other naming loads the file strictly and fails on every key of
     it. The in-memory resharder hands it over under the running Megatron's names."""
     if layout.format != Format.TORCH or rt.mtp_layer_name is None:
@@ -157,7 +157,7 @@ def _compare_mtp_name(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                 return []
             return [Finding("mtp_layer_name", ck, rt.mtp_layer_name, RESHARD,
                             f"the checkpoint names its MTP layers' transformer layer `{ck}` and this Megatron "
-                            f"`{rt.mtp_layer_name}` (renamed in Megatron-LM in late 2025): its own legacy loader "
+                            f"`{rt.mtp_layer_name}` (renamed in megatron-core 0.17): its own legacy loader "
                             "would miss every key of them; the in-memory resharder loads them under this Megatron's "
                             "names", "run with --preflight auto")]
     return []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_preflight.check import releases
+from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.plan import Verdict, make_plan
 from megatron_preflight.check.report import render_plan
 from megatron_preflight.check.runtime_args import from_cli, from_yaml
@@ -15,8 +17,17 @@ def _run(ns: argparse.Namespace) -> int:
         rt = from_yaml(ns.config, ns.megatron_args)
     else:
         rt = from_cli(ns.megatron_args)
+    version, source = (releases.parse_version(ns.megatron_version), "--megatron-version") if ns.megatron_version \
+        else (releases.installed_version(), "the megatron-core installed here")
+    if version is not None:
+        releases.apply(rt, releases.facts(version))
     plan = make_plan(ns.path, rt, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                      shards="all" if ns.all_shards else "auto")
+    plan.findings.append(Finding(
+        "megatron_version", None, f"{version[0]}.{version[1]} ({source})" if version else "unknown", Severity.INFO,
+        "judged for what that release of megatron-core loads (optimizer forms, param-group pairing, MTP and expert "
+        "naming)" if version else "no megatron-core here: what differs between releases is said as info",
+        "" if ns.megatron_version else "--megatron-version MAJOR.MINOR to judge for the release that will load it"))
     if ns.json:
         print(to_json_text(plan.to_json(), len(plan.layout.shards)))
     else:
@@ -30,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", help="the checkpoint root (the --load dir)")
     p.add_argument("--config", help="YAML file of Megatron arg names (flags after -- override it)")
     p.add_argument("--iteration", help="iteration to check (default: --ckpt-step, else the tracker's)")
+    p.add_argument("--megatron-version", metavar="X.Y",
+                   help="the megatron-core release that will load the checkpoint (default: the one installed here)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled types outside the allow-list")
     add_shards_flag(p)

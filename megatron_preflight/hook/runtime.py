@@ -93,7 +93,7 @@ def builds_grouped_mlp(args: Any) -> bool | None:
 
 def mtp_layer_name() -> str | None:
     """What this megatron-core names an MTP layer's transformer layer (the field of its layer's submodules:
-    ``mtp_model_layer``, or ``transformer_layer`` before late 2025); None: unknown, or no MTP."""
+    ``mtp_model_layer``, or ``transformer_layer`` before megatron-core 0.17); None: unknown, or no MTP."""
     try:
         from megatron.core.transformer import multi_token_prediction as mtp  # Megatron is present: in its job
         names = {f.name for f in dataclasses.fields(mtp.MultiTokenPredictionLayerSubmodules)}

@@ -102,7 +102,7 @@ _COMPILED = [(re.compile(p + r"$"), r) for p, r in _TABLE]
 _EXPERT_COMPILED = [(re.compile(p + r"$"), r) for p, r in _EXPERT_TABLE]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# an MTP layer's transformer layer: ``mtp_model_layer`` in Megatron-LM from late 2025 (module and legacy files),
+# an MTP layer's transformer layer: ``mtp_model_layer`` from megatron-core 0.17 (module and legacy files),
 # ``transformer_layer`` before and in every torch_dist checkpoint (Megatron maps the new name to it when it saves).
 # The newer name is the one global name (GlobalKey, diff, fingerprints, verify), whichever the source wrote.
 MTP_LAYER_NAMES = ("mtp_model_layer", "transformer_layer")

@@ -1,0 +1,73 @@
+"""What a Megatron-LM release does differently with a checkpoint: one table, for judging a checkpoint against the
+release that will load it when that release is not running here (``megatron-preflight check --megatron-version``, or the
+megatron-core installed beside the CLI). In a job the hook asks the running megatron.core itself
+(:mod:`megatron_preflight.hook.runtime`); this table holds what those same questions answered in each release
+(``core_r0.13.0`` … ``core_r0.19.0`` and main ``d98e8a64``, megatron-core 0.20.0, asked through the hook's own functions).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import metadata
+
+from megatron_preflight.errors import PreflightError
+
+# the per-group settings by which megatron-core pairs saved optimizer param groups with the run's (its
+# ``param_group_identifier_keys``): the groups' structure up to 0.18; 0.19 adds every ParamGroupOverride field
+STRUCTURE_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+OVERRIDE_KEYS = ("end_wd", "max_lr", "min_lr", "optimizer", "start_wd", "wd_mult", "lr_mult", "is_expert_parallel",
+                 "is_decoupled_lr")
+OLDEST = (0, 13)
+
+
+@dataclass(frozen=True)
+class ReleaseFacts:
+    version: tuple[int, int]
+    loads_flattened_range: bool  # the distributed optimizer's fully_sharded_model_space form (refused from 0.16)
+    mtp_layer_name: str  # an MTP layer's transformer layer: transformer_layer up to 0.16, mtp_model_layer from 0.17
+    param_group_keys: tuple[str, ...]
+    local_grouped_mlp: bool  # the local spec with --moe-grouped-gemm builds the legacy GroupedMLP (up to 0.16)
+
+    @property
+    def name(self) -> str:
+        return f"megatron-core {self.version[0]}.{self.version[1]}"
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """``0.16``, ``0.16.1``, ``core_r0.16.0`` or ``0.20.0rc1`` -> (0, 16)."""
+    m = re.search(r"(\d+)\.(\d+)", text or "")
+    if not m:
+        raise PreflightError(f"cannot read a megatron-core version from {text!r}", code="usage",
+                             fix="pass --megatron-version MAJOR.MINOR, e.g. --megatron-version 0.16")
+    return int(m.group(1)), int(m.group(2))
+
+
+def facts(version: tuple[int, int]) -> ReleaseFacts:
+    """What release ``version`` does (a release older than 0.13 is judged as 0.13, the oldest checked)."""
+    v = max(version, OLDEST)
+    return ReleaseFacts(version=version, loads_flattened_range=v < (0, 16),
+                        mtp_layer_name="transformer_layer" if v < (0, 17) else "mtp_model_layer",
+                        param_group_keys=STRUCTURE_KEYS if v < (0, 19) else OVERRIDE_KEYS,
+                        local_grouped_mlp=v < (0, 17))
+
+
+def installed_version() -> tuple[int, int] | None:
+    """The megatron-core installed beside this process, from its package metadata (nothing is imported)."""
+    try:
+        return parse_version(metadata.version("megatron-core"))
+    except (metadata.PackageNotFoundError, PreflightError):
+        return None
+
+
+def apply(rt, release: ReleaseFacts) -> None:
+    """Fill the run's unknown release signals (``None``) with ``release``'s."""
+    if rt.loads_flattened_range is None:
+        rt.loads_flattened_range = release.loads_flattened_range
+    if rt.mtp_layer_name is None and rt.mtp_num_layers:
+        rt.mtp_layer_name = release.mtp_layer_name
+    if rt.param_group_keys is None:
+        rt.param_group_keys = release.param_group_keys
+    if rt.builds_grouped_mlp is None:
+        rt.builds_grouped_mlp = bool(rt.moe_grouped_gemm and rt.transformer_impl == "local"
+                                     and release.local_grouped_mlp)
