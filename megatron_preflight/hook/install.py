@@ -31,7 +31,9 @@ from megatron_preflight.hook.flags import add_preflight_arguments
 
 log = logging.getLogger("megatron_preflight")
 
-CHECKED_VERSIONS = ("Megatron-LM main d98e8a64 (2026-08-22, megatron-core 0.20.0)",)
+# Each run through its own pretrain_gpt.py on CPU (tests/hook/test_megatron_releases.py; README "Megatron-LM releases")
+CHECKED_VERSIONS = ("Megatron-LM main d98e8a64 (2026-08-22, megatron-core 0.20.0)",
+                    *(f"Megatron-LM core_r0.{m}.0" for m in range(19, 12, -1)))
 # The argument seam: the newer function, or (older Megatron-LM) parse_args, where it is defined and where it is used.
 ARGS_SEAMS = (("megatron.training.arguments", "add_megatron_arguments"),
               ("megatron.training.arguments", "parse_args"))

@@ -59,6 +59,15 @@ def _say(msg: str) -> None:
         print(f"[megatron-preflight] {msg}", flush=True)
 
 
+def running_version() -> str | None:
+    """The version of the megatron-core this job runs (what every release signal below was asked of)."""
+    try:
+        from megatron.core import package_info  # Megatron is present: this runs inside its job
+    except Exception:  # noqa: BLE001 - no megatron.core: unknown
+        return None
+    return str(getattr(package_info, "__version__", "")) or None
+
+
 def run_adam_family(args: Any) -> str | None:
     """The Adam this Megatron process builds: TE's or apex's FusedAdam when either is installed, torch's otherwise
     (Megatron decides it once, at import, in ``megatron.core.optimizer``); None for another optimizer or when this
@@ -250,8 +259,11 @@ def apply_decision(args: Any, d: Decision) -> None:
     if d.verdict == Verdict.SKIP:
         _say(d.report)
         return
-    took = f" (check {d.plan['seconds']:.2f} s on rank 0)" if d.plan.get("seconds") is not None else ""
-    _say(f"checkpoint {d.checkpoint}: verdict {d.verdict.value}, loader {d.loader.value if d.loader else '-'}{took}")
+    took = [f"judged for megatron-core {running_version()}"] if running_version() else []
+    if d.plan.get("seconds") is not None:
+        took.append(f"check {d.plan['seconds']:.2f} s on rank 0")
+    said = f" ({'; '.join(took)})" if took else ""
+    _say(f"checkpoint {d.checkpoint}: verdict {d.verdict.value}, loader {d.loader.value if d.loader else '-'}{said}")
     if d.mode in ("auto", "verify") and d.loader == Loader.DIST and not getattr(args, "auto_detect_ckpt_format", False) and \
             getattr(args, "ckpt_format", "torch_dist") == "torch":
         args.auto_detect_ckpt_format = True

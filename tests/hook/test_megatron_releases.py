@@ -2,8 +2,9 @@
 
 MEGATRON_LM_RELEASES names work trees, one per release: ``0.13=/w/mlm-0.13,0.14=/w/mlm-0.14,...,main=/w/Megatron-LM``
 (shared/tools/megatron-lm-cpu's README, "Other Megatron-LM releases": ``git --git-dir=<mirror> --work-tree=DIR checkout
-core_r0.X.0 -- .``; releases up to 0.15 also import ``six`` and ``regex``). MEGATRON_LM_PYTHON, MEGATRON_LM_PYTHONPATH
-(the CPU shim) and MEGATRON_LM_EXTRA_ARGS (the CPU flags) as for test_megatron_lm.py.
+core_r0.X.0 -- .``; releases up to 0.15 also import ``six`` and ``regex``, 0.16 ``pydantic`` for its megatron.rl).
+MEGATRON_LM_PYTHON, MEGATRON_LM_PYTHONPATH (the CPU shim) and MEGATRON_LM_EXTRA_ARGS (the CPU flags) as for
+test_megatron_lm.py.
 
 For each release, with checkpoints that release writes here (a tiny GPT, 2 steps, TP2, legacy and its torch_dist twin):
 the patch applies to its pretrain_gpt.py and the patched script stops every rank before the model is built on a
@@ -33,7 +34,7 @@ PATCH = os.path.join(os.path.dirname(__file__), "..", "..", "patches", "pretrain
 COMMON = ["--vocab-size", "4200"]
 SCHED = "--use-checkpoint-opt-param-scheduler"
 SCHED_OLD = "--use-checkpoint-opt_param-scheduler"
-PORTS = {label: 29800 + 10 * i for i, label in enumerate(sorted(RELEASES))}
+PORTS = {label: 29900 + 10 * i for i, label in enumerate(sorted(RELEASES))}
 
 
 def release_run(tmp_path, label, ckpt, nproc, *flags, **kw):
@@ -148,3 +149,38 @@ def test_an_older_distributed_optimizer_checkpoint_resumes_in_main(tmp_path, wri
     assert loss(log, 4, 4) is not None
     assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
 
+
+
+SIGNALS = """
+import argparse, json
+import megatron.core
+from megatron_preflight.hook import runtime
+args = argparse.Namespace(optimizer="adam", optimizer_cpu_offload=False, moe_grouped_gemm=True, transformer_impl="local")
+print("SIGNALS " + json.dumps({"version": runtime.running_version(), "flattened": runtime.loads_flattened_range(),
+                               "mtp": runtime.mtp_layer_name(), "keys": list(runtime.param_group_keys()),
+                               "adam": runtime.run_adam_family(args), "grouped": runtime.builds_grouped_mlp(args)}))
+"""
+
+
+@pytest.mark.parametrize("label", sorted(RELEASES))
+def test_the_hooks_questions_get_answers_from_every_release(label):
+    """What the hook asks the running megatron.core (the optimizer forms it reads, how it names an MTP layer, how it
+    pairs param groups, which Adam it built, whether its local spec builds GroupedMLP) has an answer in every release,
+    and the answers are the offline table's (check --megatron-version), release by release."""
+    import json
+
+    from megatron_preflight.check import releases
+
+    python, env = megatron_env(RELEASES[label])
+    r = subprocess.run([python, "-c", SIGNALS], cwd=RELEASES[label], env=env, capture_output=True, text=True,
+                       timeout=300)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("SIGNALS ")), None)
+    assert r.returncode == 0 and line, (r.stdout + r.stderr)[-3000:]
+    got = json.loads(line[len("SIGNALS "):])
+    assert got["version"] and (label == "main" or got["version"].startswith(label + "."))
+    want = releases.facts(releases.parse_version(got["version"]))
+    assert got["flattened"] == want.loads_flattened_range
+    assert got["mtp"] == want.mtp_layer_name
+    assert tuple(got["keys"]) == want.param_group_keys
+    assert got["grouped"] == want.local_grouped_mlp
+    assert got["adam"] == "torch"  # no TE or apex in the runner: torch's AdamW, said by every release
