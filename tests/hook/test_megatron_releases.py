@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -122,7 +123,8 @@ def test_an_older_distributed_optimizer_checkpoint_resumes_in_main(tmp_path, wri
     """0.13/0.14 save the distributed optimizer's state as torch_dist `fully_sharded_model_space`, which main cannot
     load (its load_checkpoint fails after the build: 'ShardedTensor.flattened_range is not supported'). In main,
     `--preflight check` stops at start naming the offline conversion, and `--preflight auto` loads it through the
-    in-memory resharder: iterations 3 and 4 equal main's resume of the release's own legacy re-save of it."""
+    in-memory resharder, and plain main loads its offline conversion (`reshard --ckpt-format torch_dist`): iterations 3
+    and 4 of both equal main's resume of the release's own legacy re-save of it."""
     src = written(label, "distopt_tp2dp2_torch_dist")
     flags = ("--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--no-load-rng")
     rc, log = release_run(tmp_path, "main", src, 4, *flags, "--ckpt-format", "torch_dist", plugin=False,
@@ -148,7 +150,14 @@ def test_an_older_distributed_optimizer_checkpoint_resumes_in_main(tmp_path, wri
     assert rc2 == 0, log2[-3000:]
     assert loss(log, 4, 4) is not None
     assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
-
+    converted = tmp_path / "converted"  # offline: the fix `check` names, then plain main
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", src, str(converted), "--ckpt-format",
+                        "torch_dist", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rc3, log3 = release_run(tmp_path, "main", str(converted), 4, *common, "--ckpt-format", "torch_dist",
+                            plugin=False, port=PORTS["main"] + 8)
+    assert rc3 == 0, log3[-3000:]
+    assert (loss(log3, 3, 4), loss(log3, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
 
 
 SIGNALS = """
