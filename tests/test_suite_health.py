@@ -27,3 +27,11 @@ def test_pool_workers_do_not_accumulate_threads(mcore_pool2, tmp_path):
 def test_release_groups_leaves_only_the_world(mcore_pool2):
     counts = mcore_pool2.run("tests.helpers.tasks:count_groups_after_release")
     assert counts == [1] * mcore_pool2.world
+
+
+def test_layouts_set_up_in_one_task_do_not_accumulate_threads(mcore_pool2):
+    """A fresh-clone suite once held 306 threads in one pool worker: tasks that set up several layouts kept every
+    layout's gloo groups (megatron-core's destroy_model_parallel forgets them, their threads stay)."""
+    for counts in mcore_pool2.run("tests.helpers.tasks:threads_across_layouts"):
+        assert max(counts) - counts[0] <= 4, counts
+        assert max(counts) < 128, counts

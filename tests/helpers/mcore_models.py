@@ -50,9 +50,13 @@ class Layout:
 
 
 def _init_parallel(layout: Layout) -> None:
+    """Megatron's parallel groups for ``layout``, after destroying every group made before in this task (a task that
+    builds models at two layouts would otherwise keep both layouts' gloo groups, and their threads, alive)."""
     from megatron.core import parallel_state as ps
 
-    ps.destroy_model_parallel()
+    from tests.helpers.pool import release_groups
+
+    release_groups()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,

@@ -96,6 +96,18 @@ def count_groups_after_release() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
 
+def threads_across_layouts() -> list[int]:
+    """This worker's thread count after each of several layouts set up in one task (a task that writes at one layout
+    and loads at another): each set-up must release the groups of the one before."""
+    from tests.helpers.mcore_models import _init_parallel
+
+    counts = []
+    for layout in (Layout(tp=2), Layout(pp=2), Layout(tp=2), Layout(ep=2), Layout(tp=2)):
+        _init_parallel(layout)
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
 def _live_state(chunks, opt) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's value and optimizer state as the live model and megatron-core's optimizer hold them:
     {name: {"param", "master", "exp_avg", "exp_avg_sq"}} (copies; the distributed optimizer's shards of each are
