@@ -42,12 +42,40 @@ def mcore_pool():
     yield from _pool(4)
 
 
+# A pool worker is replaced before a test once it holds more threads than this (a test adds up to ~100): each process
+# of the suite stays under 256 threads.
+TRAINING_THREAD_BUDGET = 120
+
+
 @pytest.fixture(scope="module")
-def training_pool2():
-    """A 2-process world of its own for a module that trains (megatron-core's DDP, optimizer, a backward pass): the
+def _training_pools():
+    held: dict = {}
+    yield held
+    if held.get("pool") is not None:
+        held["pool"].close()
+
+
+@pytest.fixture
+def training_pool2(_training_pools):
+    """A 2-process world of its own for the tests that train (megatron-core's DDP, optimizer, a backward pass): the
     gloo threads of the process groups that training leaves alive in C++ (no Python object holds them; ~100 per
-    MoE test) end with these processes instead of piling up in the session's pool."""
-    yield from _pool(2)
+    MoE test) end with these processes, replaced by fresh ones once they hold TRAINING_THREAD_BUDGET threads (kept
+    for a module, three MoE tests took a worker to 306)."""
+    return training_pool(_training_pools)
+
+
+def training_pool(held: dict):
+    """The module's training pool in ``held`` (module-scoped fixtures ask here too), replaced when it is full."""
+    pytest.importorskip("megatron.core")
+    from tests.helpers.pool import Pool, thread_counts
+
+    pool = held.get("pool")
+    if pool is not None and max(thread_counts(pool.pids).values()) > TRAINING_THREAD_BUDGET:
+        pool.close()
+        pool = None
+    if pool is None:
+        pool = held["pool"] = Pool(world=2)
+    return pool
 
 
 @pytest.fixture(scope="session")

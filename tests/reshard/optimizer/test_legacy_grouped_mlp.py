@@ -39,9 +39,11 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(training_pool2, tmp_path_factory):
+def trained(_training_pools, tmp_path_factory):
+    from tests.conftest import training_pool
+
     root = str(tmp_path_factory.mktemp("grouped") / "ckpt")
-    out = training_pool2.run("tests.helpers.tasks:train_grouped_and_save", spec=asdict(SPEC), layout=asdict(Layout(ep=2)),
+    out = training_pool(_training_pools).run("tests.helpers.tasks:train_grouped_and_save", spec=asdict(SPEC), layout=asdict(Layout(ep=2)),
                           root=root)
     return root, _merged(out, "before"), _merged(out, "after")
 
