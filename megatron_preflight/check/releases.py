@@ -29,10 +29,6 @@ class ReleaseFacts:
     param_group_keys: tuple[str, ...]
     local_grouped_mlp: bool  # the local spec with --moe-grouped-gemm builds the legacy GroupedMLP (up to 0.16)
 
-    @property
-    def name(self) -> str:
-        return f"megatron-core {self.version[0]}.{self.version[1]}"
-
 
 def parse_version(text: str) -> tuple[int, int]:
     """``0.16``, ``0.16.1``, ``core_r0.16.0`` or ``0.20.0rc1`` -> (0, 16)."""

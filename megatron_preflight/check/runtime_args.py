@@ -75,8 +75,9 @@ class RuntimeArgs:
     # Whether the run builds the legacy GroupedMLP (local spec + --moe-grouped-gemm on a megatron-core that has it);
     # not a flag: the hook asks megatron.core, the CLI does not know (None)
     builds_grouped_mlp: bool | None = None
-    # What this Megatron names an MTP layer's transformer layer in a state dict (``mtp_model_layer`` from megatron-core 0.17,
-    # ``transformer_layer`` before); not a flag: the hook asks megatron.core, None offline (not compared)
+    # What this Megatron names an MTP layer's transformer layer in a state dict (``mtp_model_layer`` from
+    # megatron-core 0.17, ``transformer_layer`` before); not a flag: the hook asks megatron.core, offline the release
+    # table (check/releases.py) when the release is known, else None (not compared)
     mtp_layer_name: str | None = None
     # Whether the run's megatron-core loads ShardedTensors with a flattened_range (the distributed optimizer's
     # fully_sharded_model_space form; megatron-core >= 0.16 does not); the hook asks megatron.core, None offline

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
+from megatron_preflight.check import releases
 from megatron_preflight.check.plan import make_plan
 from megatron_preflight.check.report import render_plan
 from megatron_preflight.check.runtime_args import from_namespace
@@ -132,7 +133,7 @@ def param_group_keys() -> tuple[str, ...] | None:
         return None
     keys = getattr(mcore_optimizer, "param_group_identifier_keys", None)
     if keys is None:  # older megatron-core: the groups' structure only (wd_mult, lr_mult, expert, decoupled)
-        return ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+        return releases.STRUCTURE_KEYS
     return tuple(str(k) for k in keys)
 
 
@@ -259,7 +260,8 @@ def apply_decision(args: Any, d: Decision) -> None:
     if d.verdict == Verdict.SKIP:
         _say(d.report)
         return
-    took = [f"judged for megatron-core {running_version()}"] if running_version() else []
+    version = running_version()
+    took = [f"judged for megatron-core {version}"] if version else []
     if d.plan.get("seconds") is not None:
         took.append(f"check {d.plan['seconds']:.2f} s on rank 0")
     said = f" ({'; '.join(took)})" if took else ""

@@ -61,8 +61,8 @@ PARAM_ORDER = {"layer_norm_weight": 0, "layer_norm_bias": 1, "weight": 2, "bias"
 _TE_NORMS = ("self_attention.q_layernorm.", "self_attention.k_layernorm.")
 _MOE_NORM = "pre_mlp_layernorm."
 _FINAL_NORM = "decoder.final_layernorm."
-_ATTENTION_EXTRA = "self_attention.core_attention._extra_state"
-_EXPERTS = "mlp.experts."
+ATTENTION_EXTRA = "self_attention.core_attention._extra_state"
+EXPERTS_MODULE = "mlp.experts."
 
 
 def spec_of(args: Any) -> str:
@@ -113,13 +113,13 @@ def _expert_inner(rest: str) -> int:
 def layer_order(style: str, suffix: str) -> tuple[int, int]:
     """A key's place inside its layer, as :func:`~megatron_preflight.reshard.plan.index.iter_source_keys` records it
     (planned keys sort by (first, local expert, second)): Megatron's module order, for keys of a bridged spec."""
-    experts = rank_in(_EXPERTS, MODULE_ORDER, 0) * 64
+    experts = rank_in(EXPERTS_MODULE, MODULE_ORDER, 0) * 64
     if style == "seq_expert":
         return experts, _expert_inner(suffix)
     if style == "te_grouped":
         return experts + 1 + _expert_inner(suffix), 0
-    if suffix.startswith(_EXPERTS):  # a grouped linear's one _extra_state
-        return experts + 1 + _expert_inner(suffix[len(_EXPERTS):]), 0
+    if suffix.startswith(EXPERTS_MODULE):  # a grouped linear's one _extra_state
+        return experts + 1 + _expert_inner(suffix[len(EXPERTS_MODULE):]), 0
     return rank_in(suffix, MODULE_ORDER, 0) * 64 + param_rank(suffix), 0
 
 
@@ -222,10 +222,10 @@ def _rename(key: GlobalKey, change: SpecChange, dense_layers: set[int]) -> Globa
             for module, fused in LOCAL_SPEC_KEYS.items():
                 if suffix.startswith(fused):
                     return GlobalKey(layer, None, style, module + suffix[len(fused):])
-            if suffix == _ATTENTION_EXTRA or (suffix.endswith("._extra_state") and
+            if suffix == ATTENTION_EXTRA or (suffix.endswith("._extra_state") and
                                               suffix.startswith((_MOE_NORM, *_TE_NORMS))):
                 return None
-        if suffix.startswith(_EXPERTS) and suffix.endswith("._extra_state") and not change.target_grouped:
+        if suffix.startswith(EXPERTS_MODULE) and suffix.endswith("._extra_state") and not change.target_grouped:
             return None  # a grouped linear's extra state: the sequential experts get one each
         return key
     if style == "te_grouped" and not change.target_grouped:
@@ -262,7 +262,7 @@ def bridge(index: OrderedDict[GlobalKey, GlobalEntry], change: SpecChange, *,
     if change.target == TE:
         layers = sorted({k.layer for k in out if k.layer is not None})
         for layer in layers:
-            made.append(GlobalKey(layer, None, "plain", _ATTENTION_EXTRA))
+            made.append(GlobalKey(layer, None, "plain", ATTENTION_EXTRA))
             for norm in _TE_NORMS:
                 if GlobalKey(layer, None, "plain", norm + "weight") in out:
                     made.append(GlobalKey(layer, None, "plain", norm + "_extra_state"))
@@ -273,7 +273,7 @@ def bridge(index: OrderedDict[GlobalKey, GlobalEntry], change: SpecChange, *,
     for layer, ids in experts.items():
         for linear in ("linear_fc1", "linear_fc2"):
             if change.target_grouped:
-                made.append(GlobalKey(layer, None, "plain", f"{_EXPERTS}{linear}._extra_state"))
+                made.append(GlobalKey(layer, None, "plain", f"{EXPERTS_MODULE}{linear}._extra_state"))
             else:
                 made += [GlobalKey(layer, e, "seq_expert", f"{linear}._extra_state") for e in sorted(ids)]
     for key in made:

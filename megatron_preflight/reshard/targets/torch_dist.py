@@ -34,7 +34,7 @@ from megatron_preflight.reshard.optimizer.family import FUSED, family_of
 from megatron_preflight.reshard.optimizer.plain import MASTER
 from megatron_preflight.reshard.plan.planner import plan_tensor
 from megatron_preflight.reshard.plan.rules import parse_key, torch_dist_name
-from megatron_preflight.reshard.plan.spec import dist_suffix, is_local_spec
+from megatron_preflight.reshard.plan.spec import ATTENTION_EXTRA, EXPERTS_MODULE, dist_suffix, is_local_spec
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -46,7 +46,6 @@ from megatron_preflight.reshard.targets.unit import ShardResult, Tap, Tapping
 log = logging.getLogger(__name__)
 
 DATA_FILE = "__0_0.distcp"
-_EXPERTS_MODULE = "mlp.experts."
 
 
 @dataclass
@@ -128,7 +127,7 @@ class _Writer:
 
 # the extra states Megatron's torch_dist does not save: the output layer's (None), and Transformer Engine attention's
 # (the reader makes it again from the layer's linear_proj extra state)
-_UNSAVED_EXTRA_STATE = ("output_layer._extra_state", "self_attention.core_attention._extra_state")
+_UNSAVED_EXTRA_STATE = ("output_layer._extra_state", ATTENTION_EXTRA)
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,8 @@ def dist_places(tp: TensorPlan, *, local_spec: bool, stacked: bool, num_layers: 
     Megatron does not save; one per expert for the extra state of Transformer Engine's grouped experts (one module per
     layer in the legacy file, one sharded object per expert in torch_dist)."""
     gkey = tp.gkey
-    assert gkey is not None
+    if gkey is None:  # not a model tensor of a layer or expert: under its own name
+        return [DistPlace(tp.key)]
     if tp.key.endswith(_UNSAVED_EXTRA_STATE):
         return []
     if gkey.layer is not None:
@@ -163,8 +163,8 @@ def dist_places(tp: TensorPlan, *, local_spec: bool, stacked: bool, num_layers: 
         head, lead, lead_shape, inner = info.head, (), (), info.suffix
     if gkey.expert is not None:
         return [DistPlace(torch_dist_name(head + EXPERTS + inner), lead + (gkey.expert,), lead_shape + (num_experts,))]
-    if inner.startswith(_EXPERTS_MODULE) and inner.endswith("_extra_state"):
-        fqn = torch_dist_name(head + EXPERTS + inner[len(_EXPERTS_MODULE):])
+    if inner.startswith(EXPERTS_MODULE) and inner.endswith("_extra_state"):
+        fqn = torch_dist_name(head + EXPERTS + inner[len(EXPERTS_MODULE):])
         return [DistPlace(fqn, lead + (e,), lead_shape + (num_experts,)) for e in range(num_experts)]
     return [DistPlace(torch_dist_name(head + inner), lead, lead_shape)]
 
@@ -185,7 +185,7 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
     placed: Placement = {}
     for tp in plan.tensors:
         gkey = tp.gkey
-        if gkey is None or (g.tied and tp.key == "output_layer.weight"):
+        if g.tied and tp.key == "output_layer.weight":
             continue  # tied: the embedding is saved once
         places = dist_places(tp, local_spec=local_spec, stacked=stacked, num_layers=num_layers,
                              num_experts=num_experts)
