@@ -52,6 +52,7 @@ class ParallelLayout:
     embedding_in_split: bool = False  # --account-for-embedding-in-pipeline-split
     loss_in_split: bool = False  # --account-for-loss-in-pipeline-split
     pipeline_layout: str | None = None  # --pipeline-model-parallel-layout (not modelled: only recorded)
+    hybrid_pattern: str | None = None  # HybridModel's --hybrid-layer-pattern: its `|` segments place the layers
     observed: tuple[tuple[int, ...], ...] | None = None  # [chunk][stage] layer counts read from a checkpoint
 
     def __post_init__(self) -> None:
@@ -131,6 +132,15 @@ class ParallelLayout:
         if self.observed is not None:
             return [list(row) for row in self.observed]
         v = self.chunks
+        pipes = hybrid_segments(self.hybrid_pattern)
+        if pipes is not None:
+            if len(pipes) != self.pp * v:
+                raise LayoutError(f"the hybrid layer pattern {self.hybrid_pattern!r} has {len(pipes)} pipeline "
+                                  f"segments, not PP{self.pp} x VPP{v} = {self.pp * v}",
+                                  field="hybrid_layer_pattern",
+                                  fix="give --hybrid-layer-pattern one '|'-separated segment per pipeline stage "
+                                      "(times the virtual stages), or drop the '|' to let Megatron split evenly")
+            return [[pipes[c * self.pp + p] for p in range(self.pp)] for c in range(v)]
         if v > 1 and (self.embedding_in_split or self.loss_in_split):
             total = self._layers() + int(self.embedding_in_split) + int(self.loss_in_split)
             if total % (self.pp * v):
@@ -228,8 +238,11 @@ class ParallelLayout:
             "use_tp_pp_dp_mapping": self.order == TP_PP_DP_ORDER,
             "pipeline_model_parallel_layout": self.pipeline_layout,
         }
-        if self.vpp and (self.num_layers is not None or self.first_stage_layers is not None
-                         or self.last_stage_layers is not None):
+        if self.hybrid_pattern is not None:
+            out["hybrid_layer_pattern"] = self.hybrid_pattern
+        if self.vpp and self.hybrid_pattern is None and (
+                self.num_layers is not None or self.first_stage_layers is not None
+                or self.last_stage_layers is not None):
             out.update(self.vpp_args())
         return out
 
@@ -265,6 +278,7 @@ def fit_problems(layout: ParallelLayout, model: Any, *, training: bool = True) -
     if ffn and ffn % tp:
         out.append(LayoutError(f"ffn hidden size {ffn} is not divisible by TP{tp}", field="tensor_model_parallel_size",
                                fix=f"choose a TP size that divides {ffn}"))
+    out += _hybrid_fit(model, tp)
     if experts:
         if experts % ep:
             out.append(LayoutError(f"{experts} experts are not divisible by EP{ep}", field="expert_model_parallel_size",
@@ -279,6 +293,29 @@ def fit_problems(layout: ParallelLayout, model: Any, *, training: bool = True) -
             out.append(LayoutError(f"expert ffn size {moe_ffn} is not divisible by ETP{etp}",
                                    field="expert_tensor_parallel_size", fix="choose an ETP size that divides it"))
     return out
+
+
+def _hybrid_fit(model: Any, tp: int) -> list[LayoutError]:
+    """HybridModel's Mamba-2 heads and groups (``M``) and gated delta net key / value heads (``G``) over TP: Megatron
+    asserts each divides."""
+    pattern = hybrid_pattern(model)
+    if pattern is None:
+        return []
+    layers = pattern.replace(PIPE, "")
+    sizes: list[tuple[str, int | None]] = []
+    if "M" in layers:
+        heads = _int(model, "mamba_num_heads")
+        if heads is None:
+            hidden, expand, head_dim = _int(model, "hidden_size"), _int(model, "mamba_expand", 2), \
+                _int(model, "mamba_head_dim", 64)
+            heads = hidden * expand // head_dim if hidden and expand and head_dim else None
+        sizes += [("Mamba heads", heads), ("Mamba groups", _int(model, "mamba_num_groups", 8))]
+    if "G" in layers:
+        sizes += [("gated delta net key heads", _int(model, "linear_num_key_heads")),
+                  ("gated delta net value heads", _int(model, "linear_num_value_heads"))]
+    return [LayoutError(f"{n} {what} are not divisible by TP{tp}", field="tensor_model_parallel_size",
+                        fix=f"choose a TP size that divides the {n} {what}: {divisors(n)}")
+            for what, n in sizes if n and n % tp]
 
 
 def _positive(name: str, value: Any) -> None:
@@ -309,6 +346,60 @@ def _int(args: Any, name: str, default: int | None = None) -> int | None:
                              fix=f"pass an integer for --{name.replace('_', '-')}") from None
 
 
+MTP_SEPARATOR, PIPE = "/", "|"
+
+
+def hybrid_pattern(args: Any) -> str | None:
+    """HybridModel's layer pattern (``--hybrid-layer-pattern``; ``--hybrid-override-pattern`` before it), None for a
+    GPT model."""
+    value = _get(args, "hybrid_layer_pattern") or _get(args, "hybrid_override_pattern")
+    return str(value) if value else None
+
+
+def hybrid_main(pattern: str) -> str:
+    """The decoder part of a hybrid pattern (before the first ``/``: what follows are MTP depths)."""
+    return pattern.split(MTP_SEPARATOR, 1)[0]
+
+
+def hybrid_segments(pattern: str | None) -> tuple[int, ...] | None:
+    """The layer count of each ``|``-separated pipeline segment of a hybrid pattern; None without ``|`` (Megatron
+    then splits the layers evenly, or by the first/last stage flags) or for a GPT model."""
+    if not pattern or PIPE not in hybrid_main(pattern):
+        return None
+    return tuple(len(s) for s in hybrid_main(pattern).split(PIPE))
+
+
+def hybrid_layers(pattern: str) -> str:
+    """The decoder's layer symbols, one per layer, in order (``|`` removed)."""
+    return hybrid_main(pattern).replace(PIPE, "")
+
+
+def repipe(source: str, given: str | None, pp: int, vpp: int | None, *, keep: bool) -> str:
+    """The hybrid pattern of a target layout: ``given`` (the run's ``--hybrid-layer-pattern``) when there is one, which
+    must hold the same layers and MTP depths; else the source's when the pipeline is kept (``keep``); else the
+    source's layers cut evenly into PP x VPP ``|`` segments (none at PP1 without VPP)."""
+    mtp = source[len(hybrid_main(source)):]
+    if given is not None:
+        if hybrid_layers(given) != hybrid_layers(source) or given[len(hybrid_main(given)):] != mtp:
+            raise PreflightError(
+                f"the hybrid layer pattern {given!r} is another model than the checkpoint's {source!r} (not the same "
+                "layers in the same order with the same MTP depths): no relayout turns one into the other",
+                fix=f"run with the checkpoint's layers, e.g. --hybrid-layer-pattern '{source}' (only the '|' "
+                    "pipeline cuts may move)", code="layout")
+        return given
+    if keep:
+        return source
+    layers, chunks = hybrid_layers(source), pp * (vpp or 1)
+    if chunks == 1:
+        return layers + mtp
+    if len(layers) % chunks:
+        raise LayoutError(f"the hybrid pattern's {len(layers)} layers do not split evenly into PP{pp} x VPP{vpp or 1}"
+                          " pipeline segments", field="hybrid_layer_pattern",
+                          fix="give the target's --hybrid-layer-pattern with its '|' cuts (after `--`)")
+    n = len(layers) // chunks
+    return PIPE.join(layers[i:i + n] for i in range(0, len(layers), n)) + mtp
+
+
 def derive_vpp(args: Any) -> int | None:
     """The virtual pipeline size Megatron derives (``validate_args``): from ``--num-layers-per-virtual-pipeline-stage``
     (layers per stage counting the embedding / loss when they are accounted in the split), from
@@ -316,6 +407,10 @@ def derive_vpp(args: Any) -> int | None:
     pp = _int(args, "pipeline_model_parallel_size", 1) or 1
     if pp < 1:
         return None  # ParallelLayout refuses the size itself
+    pattern = hybrid_pattern(args)
+    if pattern is not None:  # HybridModel: one virtual stage per PP segments of the pattern
+        pipes = hybrid_segments(pattern)
+        return len(pipes) // pp if pipes and len(pipes) > pp and len(pipes) % pp == 0 else None
     per_chunk = _int(args, "num_layers_per_virtual_pipeline_stage")
     stages = _int(args, "num_virtual_stages_per_pipeline_rank")
     vpp: int | None
@@ -375,6 +470,8 @@ def from_args(args: Any, **override: Any) -> ParallelLayout:
     validate_sizes(args)
     pp = _int(args, "pipeline_model_parallel_size", 1)
     experts = _int(args, "num_experts")
+    pattern = hybrid_pattern(args)
+    num_layers = _int(args, "num_layers") if pattern is None else len(hybrid_layers(pattern))  # as validate_args
     return ParallelLayout(
         tp=_int(args, "tensor_model_parallel_size", 1),
         pp=pp,
@@ -383,11 +480,12 @@ def from_args(args: Any, **override: Any) -> ParallelLayout:
         vpp=derive_vpp(args),
         cp=_int(args, "context_parallel_size", 1),
         order=TP_PP_DP_ORDER if _get(args, "use_tp_pp_dp_mapping") else DEFAULT_ORDER,
-        num_layers=_int(args, "num_layers"),
+        num_layers=num_layers,
         num_experts=experts or None,
         first_stage_layers=_int(args, "decoder_first_pipeline_num_layers"),
         last_stage_layers=_int(args, "decoder_last_pipeline_num_layers"),
         embedding_in_split=bool(_get(args, "account_for_embedding_in_pipeline_split")),
         loss_in_split=bool(_get(args, "account_for_loss_in_pipeline_split")),
         pipeline_layout=_get(args, "pipeline_model_parallel_layout"),
+        hybrid_pattern=pattern,
     )

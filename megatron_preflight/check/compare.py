@@ -7,6 +7,7 @@ from typing import Any
 from megatron_preflight import parallel
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.parallel import LayoutError, pad_vocab
 from megatron_preflight.reshard.plan.rules import mtp_layer_name
@@ -130,8 +131,38 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     out.extend(_compare_vocab(layout, rt))
     out.extend(_compare_dtype(saved, rt))
     out.extend(_compare_spec(layout, rt))
-    out.extend(_compare_mtp_name(layout, rt))
+    out.extend(_compare_hybrid(layout, rt))
+    if parallel.hybrid_pattern(saved) is None:  # (HybridModel's MTP stack is `mtp_model_layer` wherever it exists)
+        out.extend(_compare_mtp_name(layout, rt))
     return out
+
+
+def _compare_hybrid(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    """HybridModel's layer pattern: the same layers in the same order (and MTP depths) or the weights do not fit;
+    its ``|`` cuts are the pipeline layout, which a reshard moves."""
+    ck, run = parallel.hybrid_pattern(layout.saved_args), parallel.hybrid_pattern(rt)
+    if ck is None and run is None:
+        return []
+    if run is None:
+        return [Finding("hybrid_layer_pattern", ck, None, FATAL,
+                        f"the checkpoint is a HybridModel's (layer pattern {ck!r}); this run builds a GPT model",
+                        f"run pretrain_hybrid.py with --hybrid-layer-pattern '{ck}' (its '|' cuts may move)")]
+    if ck is None:
+        return [Finding("hybrid_layer_pattern", None, run, FATAL,
+                        "the checkpoint is a GPT model's; a HybridModel run cannot load it as is (its layers are "
+                        "numbered and named by the pattern)",
+                        "run pretrain_gpt.py with the checkpoint's flags")]
+    try:
+        parallel.repipe(ck, run, rt.pp, rt.vpp, keep=False)
+    except PreflightError as e:
+        return [Finding("hybrid_layer_pattern", ck, run, FATAL, e.message, e.fix or "")]
+    if ck != run and parallel.hybrid_segments(ck) != parallel.hybrid_segments(run) and (layout.pp or 1) == rt.pp:
+        legacy = layout.format == Format.TORCH
+        return [Finding("hybrid_layer_pattern", ck, run, RESHARD if legacy else INFO,
+                        "the pattern's '|' cuts moved: layers change pipeline stage"
+                        + ("" if legacy else " (Megatron's dist loader places them)"),
+                        _reshard_fix(layout, f"--hybrid-layer-pattern '{run}'") if legacy else "")]
+    return []
 
 
 def _reshard_fix(layout: Layout, flag: str) -> str:

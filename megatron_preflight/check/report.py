@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from megatron_preflight import reshard  # its modules load on first use (a lazy package)
+from megatron_preflight import parallel, reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.verdict import Verdict
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.prove.stored import stored
@@ -54,6 +54,9 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
         experts = _experts_line(layout)
         if experts:
             lines.append(f"experts     {experts}")
+        hybrid = _hybrid_line(layout)
+        if hybrid:
+            lines.append(f"hybrid      {hybrid}")
         lines.append(f"size        {human_bytes(layout.total_bytes)}")
         args = layout.saved_args
         if args is not None:
@@ -99,6 +102,35 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
     return "\n".join(lines)
 
 
+_FAMILIES = {"M": "Mamba-2", "G": "gated delta net", "*": "attention", "D": "DeepSeek sparse attention", "+": "MLA",
+             "-": "MLP", "E": "MoE"}
+
+
+def _hybrid_line(layout: Layout) -> str | None:
+    """A HybridModel's layer pattern, its layers per pipeline stage (and virtual stage) and its families."""
+    pattern = parallel.hybrid_pattern(layout.saved_args)
+    if pattern is None:
+        return None
+    layers = parallel.hybrid_layers(pattern)
+    families = ", ".join(f"{layers.count(c)} {name}" for c, name in _FAMILIES.items() if c in layers)
+    text = f"layer pattern {pattern!r} ({families}"
+    mtp = pattern.count(parallel.MTP_SEPARATOR)
+    text += f"; {mtp} MTP depth(s) of {pattern.rsplit(parallel.MTP_SEPARATOR, 1)[1]!r})" if mtp else ")"
+    try:
+        counts = parallel.from_args(layout.saved_args).chunk_layer_counts()
+    except parallel.LayoutError as e:
+        return f"{text}; its pipeline split: {e.message}"
+    if len(counts) * len(counts[0]) > 1:
+        parts, at = [], 0
+        for chunk, row in enumerate(counts):
+            for stage, n in enumerate(row):
+                where = f"stage {stage}" + (f".{chunk}" if len(counts) > 1 else "")
+                parts.append(f"{where} {layers[at:at + n]!r}")
+                at += n
+        text += "; " + ", ".join(parts)
+    return text
+
+
 def _experts_line(layout: Layout) -> str | None:
     """The expert module a MoE checkpoint's keys come from."""
     args = layout.saved_args
@@ -107,7 +139,7 @@ def _experts_line(layout: Layout) -> str | None:
     if layout.format == Format.TORCH and reshard.has_legacy_grouped(layout):
         return ("legacy GroupedMLP (experts.weight1/weight2, all local experts packed): read as sequential experts, "
                 "with their optimizer state; Megatron-LM main cannot load it as is")
-    if getattr(args, "moe_grouped_gemm", False) and getattr(args, "transformer_impl", None) != "local":
+    if reshard.grouped_experts(args):
         return "Transformer Engine grouped (experts.linear_fc1.weight{j})"
     return "sequential (experts.local_experts.{j})"
 

@@ -67,6 +67,17 @@ class RuntimeArgs:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     mtp_num_layers: int | None = None  # multi-token prediction layers
+    # HybridModel (pretrain_hybrid.py): the layer pattern (Megatron derives num_layers, VPP and the MTP depths from
+    # it), and the Mamba-2 / gated delta net sizes TP must divide
+    hybrid_layer_pattern: str | None = None
+    hybrid_override_pattern: str | None = None  # its older name
+    mamba_num_heads: int | None = None
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_state_dim: int = 128
+    mamba_expand: int = 2
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
     untie_embeddings_and_output_weights: bool = False
     transformer_impl: str = "transformer_engine"
     # The run's Adam: "torch" (AdamW) or "fused" (TE's or apex's FusedAdam). Not a Megatron flag: Megatron takes the
@@ -206,6 +217,13 @@ class RuntimeArgs:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.max_position_embeddings is None and self.seq_length is not None:
             self.max_position_embeddings = self.seq_length
+        pattern = parallel.hybrid_pattern(self)
+        if pattern is not None:  # as validate_args: the pattern decides the layers and the MTP depths
+            self.hybrid_layer_pattern = pattern
+            self.num_layers = len(parallel.hybrid_layers(pattern))
+            depths = pattern.count(parallel.MTP_SEPARATOR)
+            if depths and pattern.split(parallel.MTP_SEPARATOR)[-1]:
+                self.mtp_num_layers = depths
         try:  # an impossible split is reported by the check (parallel.LayoutError), not here
             self.virtual_pipeline_model_parallel_size = parallel.derive_vpp(self)
         except parallel.LayoutError:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     # the checkpoint, read and indexed once per process
     "CheckpointIndex": "checkpoint_index", "open_index": "checkpoint_index", "index_builds": "checkpoint_index",
-    "checkpoint_index": "", "has_legacy_grouped": "plan.index",
+    "checkpoint_index": "", "has_legacy_grouped": "plan.index", "grouped_experts": "plan.spec",
     # one checkpoint at one target layout
     "TargetLayout": "target", "Resharder": "resharder", "open_resharder": "resharder",
     "build_rank_state_dict": "resharder", "choose_optimizer": "resharder",
@@ -47,6 +47,7 @@ __all__ = [
     "checkpoint_index",
     "choose_optimizer",
     "global_resharders",
+    "grouped_experts",
     "has_legacy_grouped",
     "index_builds",
     "iter_plans",
@@ -81,6 +82,7 @@ if TYPE_CHECKING:  # for type checkers only: at run time the names above are imp
     from megatron_preflight.reshard.optimizer.plain import GROUP_KEY, OptimizerNotReshardable, align_groups, iter_plans
     from megatron_preflight.reshard.optimizer.status import OptimizerStatus
     from megatron_preflight.reshard.plan.index import has_legacy_grouped
+    from megatron_preflight.reshard.plan.spec import grouped_experts
     from megatron_preflight.reshard.resharder import Resharder, build_rank_state_dict, choose_optimizer, open_resharder
     from megatron_preflight.reshard.sources.files import SourceFiles
     from megatron_preflight.reshard.target import TargetLayout

@@ -25,6 +25,7 @@ from megatron_preflight.reshard.optimizer.distributed import DistOptimizerIndex,
 from megatron_preflight.reshard.optimizer.family import family_of, saved_family
 from megatron_preflight.reshard.optimizer.plain import OptimizerIndex, OptimizerNotReshardable, index_optimizer
 from megatron_preflight.reshard.optimizer.status import OptimizerStatus, optimizer_status
+from megatron_preflight.reshard.plan import sections
 from megatron_preflight.reshard.plan.consistency import checkpoint_problems, complete_problems
 from megatron_preflight.reshard.plan.index import GlobalIndex, has_mtp, index_sources
 from megatron_preflight.reshard.plan.topology import is_tied, source_topology
@@ -166,20 +167,27 @@ class CheckpointIndex:
         saved = bool(view.distributed_optimizer)
         if dp_problem is not None:
             return SourceOptimizer(problem=dp_problem, saved_distributed=saved)
-        meta = view.shards[0].meta if view.shards else None
         try:
-            if model_space:
-                plain = distributed_to_plain(index_dist_source_optimizer(self.layout, view, self.topology,
-                                                                         trust=self.trust), view, self.topology)
-                return SourceOptimizer(plain=plain, saved_distributed=saved)
-            if not isinstance(meta, dict) or "optimizer" not in meta:
-                return SourceOptimizer(saved_distributed=saved)
-            if view.distributed_optimizer:
-                return SourceOptimizer(distributed=index_dist_optimizer(view, self.topology, trust=self.trust),
-                                       saved_distributed=saved)
-            return SourceOptimizer(plain=index_optimizer(view, self.topology), saved_distributed=saved)
+            found = self._source_optimizer(view, model_space, saved)
         except PreflightError as e:
             return SourceOptimizer(problem=e, saved_distributed=saved)
+        for state in (found.plain, found.distributed):
+            if state is not None:
+                sections.adopt(state.fields, self.tensors)
+        return found
+
+    def _source_optimizer(self, view: Layout, model_space: bool, saved: bool) -> SourceOptimizer:
+        meta = view.shards[0].meta if view.shards else None
+        if model_space:
+            plain = distributed_to_plain(index_dist_source_optimizer(self.layout, view, self.topology,
+                                                                     trust=self.trust), view, self.topology)
+            return SourceOptimizer(plain=plain, saved_distributed=saved)
+        if not isinstance(meta, dict) or "optimizer" not in meta:
+            return SourceOptimizer(saved_distributed=saved)
+        if view.distributed_optimizer:
+            return SourceOptimizer(distributed=index_dist_optimizer(view, self.topology, trust=self.trust),
+                                   saved_distributed=saved)
+        return SourceOptimizer(plain=index_optimizer(view, self.topology), saved_distributed=saved)
 
     @cached_property
     def fp8_extra_states(self) -> int:

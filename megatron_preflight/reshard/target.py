@@ -46,6 +46,8 @@ class TargetLayout:
     # The target run's Adam: "torch" (AdamW) or "fused" (TE's or apex's FusedAdam); None: the checkpoint's, or fused
     # for a Transformer Engine spec that the checkpoint did not have (Megatron builds TE's FusedAdam where TE is).
     optimizer_family: str | None = None
+    # HybridModel's layer pattern at the target (None: the source's, re-cut into the target's pipeline segments)
+    hybrid_layer_pattern: str | None = None
 
     def __post_init__(self) -> None:
         parallel.validate_sizes(self.megatron_sizes())  # a size that enters here is checked here, once
@@ -94,6 +96,7 @@ class TargetLayout:
             transformer_impl=get("transformer_impl"),
             moe_grouped_gemm=None if get("moe_grouped_gemm") is None else bool(get("moe_grouped_gemm")),
             optimizer_family=get("optimizer_family"),
+            hybrid_layer_pattern=get("hybrid_layer_pattern") or get("hybrid_override_pattern"),
         )
 
     def resolve(self, src: ParallelLayout) -> ParallelLayout:
@@ -115,4 +118,11 @@ class TargetLayout:
                         account_for_embedding_in_pipeline_split=bool(self.embedding_in_split),
                         account_for_loss_in_pipeline_split=bool(self.loss_in_split))
         args.update(context_parallel_size=1, pipeline_model_parallel_layout=None)  # not modelled at the target
+        if src.hybrid_pattern is not None:
+            # a virtual pipeline only when asked for, or kept with the source's pipeline
+            vpp = self.vpp or (src.vpp if args["pipeline_model_parallel_size"] == src.pp else None)
+            args["hybrid_layer_pattern"] = parallel.repipe(src.hybrid_pattern, self.hybrid_layer_pattern,
+                                                           args["pipeline_model_parallel_size"], vpp,
+                                                           keep=args["pipeline_model_parallel_size"] == src.pp
+                                                           and vpp == src.vpp)
         return parallel.from_args(args)

@@ -43,6 +43,9 @@ MOE_SHARED = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expe
 # The CPU stand-in for Transformer Engine 2.17.1 (../shared/tools/megatron-lm-cpu/te_cpu; NOT Transformer Engine:
 # checkpoint-visible facts, plain torch math, no FP8). The TE-spec tests below run only when it is given.
 TE_CPU = os.environ.get("MEGATRON_LM_TE_CPU")
+# The CPU stand-ins for mamba_ssm 2.3.2.post1 and fla 0.5.1 (../shared/tools/megatron-lm-cpu/mamba_cpu; NOT those
+# packages: their parameter layout and reference math): HybridModel's Mamba-2 and gated delta net layers on CPU.
+MAMBA_CPU = os.environ.get("MEGATRON_LM_MAMBA_CPU")
 TE_SPEC = ["--transformer-impl", "transformer_engine"]
 
 
@@ -68,8 +71,8 @@ def load_then_verify(ddp_model, optimizer, opt_param_scheduler, load_arg="load",
         verify.verify_after_load(ddp_model, get_args(), optimizer)
     return result
 ck.load_checkpoint = tr.load_checkpoint = load_then_verify
-sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
-runpy.run_path("pretrain_gpt.py", run_name="__main__")
+sys.argv = ["SCRIPT", *sys.argv[1:]]
+runpy.run_path("SCRIPT", run_name="__main__")
 """
 
 
@@ -85,7 +88,7 @@ def _fingerprinted_here(root) -> bool:
     return r.returncode == 0
 
 
-def _verifying(tmp_path, dst, plugin, launch, flags):
+def _verifying(tmp_path, dst, plugin, launch, flags, script="pretrain_gpt.py"):
     """(flags, launch, verifying) for a run of the checkpoint at ``dst``: see VERIFY_EVERY_LOAD."""
     if launch is not None or not _fingerprinted_here(dst):
         return flags, launch, False
@@ -95,35 +98,40 @@ def _verifying(tmp_path, dst, plugin, launch, flags):
             return flags, launch, False
         return [*flags[:at[0] + 1], "verify", *flags[at[0] + 2:]], launch, True
     launcher = tmp_path / "verifying_launcher.py"
-    launcher.write_text(VERIFYING_LAUNCHER)
+    launcher.write_text(VERIFYING_LAUNCHER.replace("SCRIPT", script))
     return flags, [str(launcher)], True
 
 
-def megatron_env(root: str, te: bool = False) -> tuple[str, dict]:
-    """(the Python that runs Megatron-LM, its environment) for the Megatron-LM work tree ``root``."""
+def megatron_env(root: str, te: bool = False, mamba: bool = False) -> tuple[str, dict]:
+    """(the Python that runs Megatron-LM, its environment) for the Megatron-LM work tree ``root`` (``te``, ``mamba``:
+    with the CPU stand-ins for Transformer Engine, and for mamba_ssm and fla, on the path)."""
     python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
-    extra_path = [os.environ.get("MEGATRON_LM_PYTHONPATH", ""), root] + ([TE_CPU] if te else [])
+    extra_path = [os.environ.get("MEGATRON_LM_PYTHONPATH", ""), root] + ([TE_CPU] if te else []) + (
+        [MAMBA_CPU] if mamba else [])
     env["PYTHONPATH"] = os.pathsep.join(p for p in extra_path + [env.get("PYTHONPATH", "")] if p)
     env["PATH"] = os.path.dirname(python) + os.pathsep + env.get("PATH", "")  # Megatron builds helpers with python3
     return python, env
 
 
 def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=(), launch=None,
-        verify=VERIFY_EVERY_LOAD, root=None):
-    """pretrain_gpt.py of the Megatron-LM work tree ``root`` (default MEGATRON_LM_ROOT) loading a copy of ``ckpt``:
-    (exit status, log)."""
+        verify=VERIFY_EVERY_LOAD, root=None, script="pretrain_gpt.py", base=None):
+    """``script`` (pretrain_gpt.py; pretrain_hybrid.py runs with both stand-ins) of the Megatron-LM work tree ``root``
+    (default MEGATRON_LM_ROOT) loading a copy of ``ckpt``, with the ``base`` flags (default TINY): (exit status,
+    log)."""
     root = root or ROOT
-    python, env = megatron_env(root, te)
+    hybrid = script == "pretrain_hybrid.py"
+    python, env = megatron_env(root, te or hybrid, mamba=hybrid)
     dst = tmp_path / os.path.basename(ckpt)
     if not dst.exists():
         shutil.copytree(ckpt, dst)
     verifying = False
     if verify:
-        flags, launch, verifying = _verifying(tmp_path, dst, plugin, launch, list(flags))
-    launch = launch or (["-m", "megatron_preflight.run", "pretrain_gpt.py"] if plugin else ["pretrain_gpt.py"])
+        flags, launch, verifying = _verifying(tmp_path, dst, plugin, launch, list(flags), script)
+    launch = launch or (["-m", "megatron_preflight.run", script] if plugin else [script])
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-           *launch, *_without(TINY, drop), *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), *(TE_SPEC if te else []),
+           *launch, *_without(TINY if base is None else base, drop), *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(),
+           *(TE_SPEC if te or hybrid else []),
            "--load", str(dst), *flags]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     log = r.stdout + r.stderr
@@ -703,7 +711,7 @@ def test_an_mtp_checkpoint_of_an_older_megatron_resumes_in_memory(tmp_path):
     assert subprocess.run([sys.executable, "-m", "megatron_preflight", "fingerprint", str(old)], capture_output=True,
                           timeout=300).returncode == 0
     launcher = tmp_path / "verifying_launcher.py"
-    launcher.write_text(VERIFYING_LAUNCHER)
+    launcher.write_text(VERIFYING_LAUNCHER.replace("SCRIPT", "pretrain_gpt.py"))
     rcv, logv = run(tmp_path, str(old), 4, *layout, plugin=False, port=29776, te=True, verify=False,
                     launch=[str(launcher)])
     assert rcv == 1 and "verify: the loaded model is not the checkpoint's" in logv, logv[-3000:]

@@ -121,7 +121,7 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
         if sk.gkey in plain.membership:
             continue
         cands = _candidates([template], sk, expert_parallel)
-        if len(cands) != 1:
+        if len({_signature(groups[c[1]]) for c in cands}) != 1:  # (the dense and expert parts' twins are one)
             raise OptimizerNotReshardable(f"cannot tell which param group holds {sk.key} ({len(cands)} candidates) "
                                           "in the plain optimizer: the groups do not follow Megatron's default rules",
                                           fix=FIX, code="optimizer")

@@ -33,7 +33,7 @@ from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.optimizer.plain import (
     OptimizerNotReshardable,
-    _signature,
+    add_settings,
     is_param,
     packed_params,
     unpacked,
@@ -259,10 +259,7 @@ def _add_settings(index: DistOptimizerIndex, part: Any, expert: bool, path: str,
         index.template_shard = shard
         index.outer = OrderedDict((k, v) for k, v in part.items() if k != "optimizer")
     for g in groups:
-        sig = _signature(g)
-        if sig not in index.settings:
-            index.order.append(sig)
-            index.settings[sig] = dict(g)
+        sig = add_settings(index.order, index.settings, dict(g))
         if expert:
             index.expert_groups.add(sig)
 

@@ -111,8 +111,24 @@ def is_param(key: str, value: Any) -> bool:
 
 
 def _signature(settings: dict[str, Any]) -> str:
-    """A param group's identity across optimizer parts: its settings, whichever part it is in."""
-    return repr(sorted((k, repr(v)) for k, v in settings.items() if k not in ("params", "is_expert_parallel")))
+    """A param group's identity across optimizer parts: its settings, whichever part it is in (and whatever step a
+    fused Adam recorded in it: see :func:`add_settings`)."""
+    return repr(sorted((k, repr(v)) for k, v in settings.items() if k not in ("params", "is_expert_parallel", "step")))
+
+
+def add_settings(order: list[str], settings: dict[str, dict[str, Any]], group: dict[str, Any]) -> str:
+    """Record a param group's settings under its signature, once, in the order first met; its signature. A fused
+    Adam (TE's, apex's) keeps the step in the group and sets it at the first step the group takes: a group that held
+    no parameter on some rank (a pipeline stage without experts) has none there, and takes the step of the ranks where
+    it stepped (else it would restart Adam's bias correction for the parameters it gets at the target)."""
+    sig = _signature(group)
+    known = settings.get(sig)
+    if known is None:
+        order.append(sig)
+        settings[sig] = group
+    elif "step" in group and "step" not in known:
+        settings[sig] = {**known, "step": group["step"]}
+    return sig
 
 
 @dataclass
@@ -255,10 +271,7 @@ def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | Non
             if seen_orders.setdefault(part, sigs) != sigs:
                 index.per_rank_order = True
             for settings in sub.groups:
-                sig = _signature(settings)
-                if sig not in index.settings:
-                    index.order.append(sig)
-                    index.settings[sig] = {**settings, "is_expert_parallel": False}
+                add_settings(index.order, index.settings, {**settings, "is_expert_parallel": False})
         keys = by_shard.get(shard.name, [])
         params = [sk for sk in keys if is_param(sk.key, sk.value)]
         whole, packed = packed_params(layout, shard.name, params)

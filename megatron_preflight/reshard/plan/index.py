@@ -8,6 +8,7 @@ from typing import Any
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.reshard.plan import sections
 from megatron_preflight.reshard.plan.consistency import complete_problems, raise_first
 from megatron_preflight.reshard.plan.rules import KeyInfo, mtp_index, parse_key, rule_for
 from megatron_preflight.reshard.plan.spec import unpack_legacy_grouped
@@ -105,6 +106,7 @@ def index_sources(layout: Layout, src: ParallelLayout, *, check: bool = True
         for sk in head_copies:
             if isinstance(sk.value, TensorRef) and sk.value.shape == index[EMBEDDING].first().ref.shape:
                 index[EMBEDDING].add(SourcePiece(sk.shard, sk.value, sk.group_rank, sk.group_size))
+    sections.resolve(index, layout.saved_args, layout.iter_dir)
     if check:
         raise_first(complete_problems(index, layout))
     return index

@@ -186,7 +186,7 @@ def plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int]
     t_global, real = g_len, g_len
     if rule.kind == "vocab" and vocab is not None:
         t_global, real = vocab.target_padded, vocab.real
-    if t_global % t_size or (rule.kind == "glu" and (t_global // 2) % t_size):
+    if t_global % t_size or (rule.kind == "glu" and (t_global // 2) % t_size) or any(p % t_size for p in rule.parts):
         raise PreflightError(f"tensor {key}: {t_global} rows along dim {dim} do not split over {t_size} ranks",
                              code="layout")
     shape = list(ref.shape)
@@ -235,6 +235,10 @@ def rewrite_args(args: Any, tgt: ParallelLayout, padded_vocab: int | None,
                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
         if hasattr(new, name) or sizes[name]:  # flags the saving Megatron-LM had, or ones the target needs
             setattr(new, name, sizes[name])
+    if tgt.hybrid_pattern is not None:  # the layers' pipeline cuts (Megatron derives num_layers and VPP from it)
+        new.hybrid_layer_pattern = tgt.hybrid_pattern
+        if getattr(new, "hybrid_override_pattern", None):
+            new.hybrid_override_pattern = tgt.hybrid_pattern
     if padded_vocab is not None:
         new.padded_vocab_size = padded_vocab
     if distributed_optimizer is not None:

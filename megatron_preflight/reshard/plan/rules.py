@@ -9,6 +9,10 @@ rows are laid out:
 * ``glu``     — dim 0, SwiGLU fc1: the global tensor is ``[gate; up]`` and each rank holds ``[gate_r; up_r]``;
 * ``row``     — dim 1 split in contiguous chunks;
 * ``vocab``   — dim 0, word embeddings / output layer with ``padded_vocab_size`` rows (padding follows TP);
+* ``sections`` — dim 0 holds N unequal sections side by side (``parts``: their global sizes), each split over TP,
+  so that a rank holds ``[s1_r; s2_r; …]`` (HybridModel's Mamba-2 and gated-delta-net projections: ``[z|x|B|C|dt]``).
+  The table names the section family (``mamba_in``, ``mamba_conv``, ``gdn_in``, ``gdn_conv``); the sizes come from
+  the model (:mod:`~megatron_preflight.reshard.plan.sections`) and replace the family with a ``sections`` rule;
 * ``replicated`` — the same on every rank of the group;
 * ``extra``   — ``_extra_state`` (None, or TE/FP8 metadata): carried from the main replica.
 
@@ -30,15 +34,19 @@ class UnknownKeyError(PreflightError):
 
 @dataclass(frozen=True)
 class Rule:
-    kind: str  # column | glu | row | vocab | replicated | extra
+    kind: str  # column | glu | row | vocab | sections | replicated | extra (and the section families, unresolved)
     group: str = "tp"  # tp (dense) or etp (experts)
+    parts: tuple[int, ...] = ()  # sections: the global size of each section along dim 0
 
     @property
     def dim(self) -> int | None:
         return _SPLIT_DIM.get(self.kind)
 
 
-_SPLIT_DIM = {"column": 0, "glu": 0, "vocab": 0, "row": 1}  # the dim each kind of split cuts (none: not split)
+# the section families of HybridModel's sectioned projections (sizes from the model: reshard/plan/sections.py)
+SECTION_FAMILIES = ("mamba_in", "mamba_conv", "gdn_in", "gdn_conv")
+# the dim each kind of split cuts (none: not split)
+_SPLIT_DIM = {"column": 0, "glu": 0, "vocab": 0, "row": 1, "sections": 0, **{f: 0 for f in SECTION_FAMILIES}}
 
 
 COLUMN, ROW, VOCAB, REPL, EXTRA = Rule("column"), Rule("row"), Rule("vocab"), Rule("replicated"), Rule("extra")
@@ -88,6 +96,27 @@ _TABLE: list[tuple[str, Rule]] = [
     # inside it is parsed as a decoder layer is (see parse_key)
     (r"mtp\.layers\.\d+\.(enorm|hnorm|final_layernorm)\.(weight|bias)", REPL),
     (r"mtp\.layers\.\d+\.eh_proj\.weight", COLUMN),
+    # HybridModel (hybrid_layer_specs): a Mamba-2 layer (`M`): the mixer's in_proj rows are [z | x | B | C | dt] and
+    # its depthwise conv's channels [x | B | C], each section split over TP; per-head dt_bias, A_log, D and the gated
+    # norm over d_inner split contiguously; out_proj row-parallel; the fused pre-norm and a plain pre-norm replicated.
+    # The conv is `conv1d_weight` / `conv1d_bias` from megatron-core 0.19 (module `conv1d.weight` / `.bias` before).
+    (r"norm\.(weight|bias)", REPL),
+    (r"mixer\.in_proj\.layer_norm_(weight|bias)", REPL),
+    (r"mixer\.in_proj\.(weight|bias)", Rule("mamba_in")),
+    (r"mixer\.(conv1d_weight|conv1d_bias|conv1d\.weight|conv1d\.bias)", Rule("mamba_conv")),
+    (r"mixer\.(dt_bias|A_log|D)", COLUMN),
+    (r"mixer\.norm\.weight", COLUMN),
+    (r"mixer\.out_proj\.weight", ROW),
+    (r"mixer\.out_proj\.bias", REPL),
+    # a gated delta net layer (`G`): in_proj rows [query | key | value | z | beta | alpha], conv channels
+    # [query | key | value], per value head dt_bias and A_log, the per-head output norm replicated
+    (r"self_attention\.in_proj\.layer_norm_(weight|bias)", REPL),
+    (r"self_attention\.in_proj\.(weight|bias)", Rule("gdn_in")),
+    (r"self_attention\.conv1d\.(weight|bias)", Rule("gdn_conv")),
+    (r"self_attention\.(dt_bias|A_log)", COLUMN),
+    (r"self_attention\.out_norm\.(weight|bias)", REPL),
+    (r"self_attention\.out_proj\.weight", ROW),
+    (r"self_attention\.out_proj\.bias", REPL),
 ]
 
 # Inside one expert (the suffix after `local_experts.{j}.` or the TE-grouped `weight{j}`), split by ETP.
@@ -108,6 +137,8 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 MTP_LAYER_NAMES = ("mtp_model_layer", "transformer_layer")
 MTP_INNER = MTP_LAYER_NAMES[0] + "."
 _MTP_LAYER_RE = re.compile(rf"^(mtp\.layers\.(\d+)\.)({'|'.join(MTP_LAYER_NAMES)})\.(.+)$")
+# HybridModel's MTP layer holds a stack of its own (`mtp_model_layer.layers.{j}.`): each one a layer of the stack
+_NESTED_RE = re.compile(r"^(layers\.(\d+)\.)(.+)$")
 _SEQ_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _TE_GROUPED_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _LEGACY_GROUPED_RE = re.compile(r"^mlp\.experts\.weight[12]$")
@@ -155,12 +186,14 @@ MTP_PARTS = ("enorm.", "hnorm.", "eh_proj.", MTP_INNER, "final_layernorm.")
 
 
 def mtp_place(suffix: str) -> int:
-    """An MTP global suffix's place among the model's MTP modules: its layer, then its module in the layer."""
+    """An MTP global suffix's place among the model's MTP modules: its layer, then its module in the layer (then,
+    inside a HybridModel MTP layer's own stack, its layer there)."""
     index = mtp_index(suffix)
     assert index is not None, suffix
     rest = suffix.split(".", 3)[3]
     part = next((i for i, p in enumerate(MTP_PARTS) if rest.startswith(p)), len(MTP_PARTS))
-    return index * (len(MTP_PARTS) + 1) + part
+    nested = _NESTED_RE.match(rest[len(MTP_INNER):]) if rest.startswith(MTP_INNER) else None
+    return (index * (len(MTP_PARTS) + 1) + part) * 1024 + (int(nested.group(2)) if nested else 0)
 
 
 def canonical_name(key: str) -> str:
@@ -197,7 +230,11 @@ def info_of_global(layer: int | None, expert: int | None, style: str, suffix: st
     "a decoder layer")."""
     m = _MTP_LAYER_RE.match(suffix) if layer is None else None
     if m:
-        return KeyInfo(None, expert, m.group(4), style, head=f"{m.group(1)}{MTP_INNER}")
+        head, rest = f"{m.group(1)}{MTP_INNER}", m.group(4)
+        nested = _NESTED_RE.match(rest)
+        if nested:
+            head, rest = head + nested.group(1), nested.group(3)
+        return KeyInfo(None, expert, rest, style, head=head)
     return KeyInfo(None if layer is None else 0, expert, suffix, style)
 
 
@@ -208,7 +245,11 @@ def parse_key(key: str) -> KeyInfo:
         return _inside_layer(int(m.group(1)), m.group(2), "")
     t = _MTP_LAYER_RE.match(key)
     if t and not _LEGACY_GROUPED_RE.match(t.group(4)):  # (an MTP layer of the legacy GroupedMLP: no rule)
-        return _inside_layer(None, t.group(4), f"{t.group(1)}{t.group(3)}.")
+        head, rest = f"{t.group(1)}{t.group(3)}.", t.group(4)
+        nested = _NESTED_RE.match(rest)
+        if nested:
+            head, rest = head + nested.group(1), nested.group(3)
+        return _inside_layer(None, rest, head)
     return KeyInfo(None, None, key)
 
 
@@ -265,10 +306,26 @@ def _rule_of_suffix(suffix: str, expert: bool, swiglu: bool) -> Rule | tuple[str
 
 def segments(rule: Rule, global_len: int, group_size: int, rank: int) -> list[tuple[int, int, int]]:
     """Where rank ``rank``'s local tensor sits in the global tensor along the split dim:
-    ``[(global_start, length, local_start), ...]`` (two segments for GLU, one otherwise)."""
+    ``[(global_start, length, local_start), ...]`` (two segments for GLU, one per section of a sectioned tensor, one
+    otherwise)."""
     if rule.kind == "glu":
         half = global_len // 2
         n = half // group_size
         return [(rank * n, n, 0), (half + rank * n, n, n)]
+    if rule.kind == "sections":
+        if sum(rule.parts) != global_len:
+            raise PreflightError(f"sections {rule.parts} do not add up to the tensor's {global_len} rows",
+                                 fix="the checkpoint's tensors disagree with its args: run `megatron-preflight "
+                                     "inspect` on it", code="plan")
+        out, start, local = [], 0, 0
+        for size in rule.parts:
+            n = size // group_size
+            out.append((start + rank * n, n, local))
+            start, local = start + size, local + n
+        return out
+    if rule.kind in SECTION_FAMILIES:
+        raise PreflightError(f"the {rule.kind} sections of this tensor are not known here (a HybridModel tensor read "
+                             "outside a checkpoint index)", fix="this is a bug in megatron-preflight: report it",
+                             code="plan")
     n = global_len // group_size
     return [(rank * n, n, 0)]

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.parallel import hybrid_pattern
 from megatron_preflight.reshard.plan.rules import info_of_global, rule_for
 from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourcePiece
 from megatron_preflight.torch_file import TensorRef
@@ -53,7 +54,13 @@ MODULE_ORDER = ("input_layernorm.", "self_attention.core_attention.", "self_atte
                 "self_attention.k_layernorm.",
                 "pre_cross_attn_layernorm.", "cross_attention.", "pre_mlp_layernorm.", "mlp.linear_fc1.",
                 "mlp.linear_fc2.", "mlp.router.", "mlp.experts.", "mlp.shared_experts.linear_fc1.",
-                "mlp.shared_experts.linear_fc2.", "mlp.shared_experts.")
+                "mlp.shared_experts.linear_fc2.", "mlp.shared_experts.",
+                # HybridModel: a Mamba-2 layer's pre-norm and mixer (its own parameters, then its modules), a gated
+                # delta net (the same)
+                "norm.", "mixer.conv1d_weight", "mixer.conv1d_bias", "mixer.dt_bias", "mixer.A_log", "mixer.D",
+                "mixer.in_proj.", "mixer.conv1d.", "mixer.norm.", "mixer.out_proj.",
+                "self_attention.dt_bias", "self_attention.A_log", "self_attention.in_proj.",
+                "self_attention.conv1d.", "self_attention.out_norm.", "self_attention.out_proj.")
 
 PARAM_ORDER = {"layer_norm_weight": 0, "layer_norm_bias": 1, "weight": 2, "bias": 3, "_extra_state": 9}
 
@@ -70,6 +77,15 @@ def spec_of(args: Any) -> str:
     being Transformer Engine."""
     value = args.get("transformer_impl") if isinstance(args, dict) else getattr(args, "transformer_impl", None)
     return value or TE
+
+
+def grouped_experts(args: Any) -> bool:
+    """Whether a run builds Transformer Engine's grouped experts (``experts.linear_fc1.weight{j}``): with
+    ``--moe-grouped-gemm`` on the TE spec, and always in a HybridModel (its layer specs build no other)."""
+    if hybrid_pattern(args) is not None:
+        return True
+    grouped = args.get("moe_grouped_gemm") if isinstance(args, dict) else getattr(args, "moe_grouped_gemm", False)
+    return bool(grouped) and spec_of(args) == TE
 
 
 def is_local_spec(args: Any) -> bool:
@@ -154,9 +170,9 @@ def spec_change(saved_args: Any, target_impl: str | None, target_grouped: bool |
     a local-spec target gets sequential experts whatever ``--moe-grouped-gemm`` says (what Megatron-LM main's local
     spec builds; older ones built the legacy GroupedMLP, which is read — as sequential experts — never written)."""
     source = spec_of(saved_args)
-    grouped = bool(getattr(saved_args, "moe_grouped_gemm", False)) and moe
+    grouped = grouped_experts(saved_args) and moe
     target = target_impl or source
-    want_grouped = grouped if target_grouped is None else bool(target_grouped) and moe
+    want_grouped = grouped if target_grouped is None or hybrid_pattern(saved_args) else bool(target_grouped) and moe
     for name in (source, target):
         if name not in (LOCAL, TE):
             raise PreflightError(f"the layer spec {name!r} is not one the resharder maps (local, transformer_engine)",
@@ -197,7 +213,8 @@ def unpack_legacy_grouped(suffix: str, ref: TensorRef, num_local: int, where: st
 def _new_entry(key: GlobalKey, swiglu: bool, value: Any = None, like: GlobalEntry | None = None) -> GlobalEntry:
     # the layer number of the info only says "a layer key": the planner places the global layer
     info = info_of_global(*key)
-    entry = GlobalEntry(key, info, rule_for(info, swiglu=swiglu))
+    rule = like.rule if like is not None and like.rule.kind == "sections" else rule_for(info, swiglu=swiglu)
+    entry = GlobalEntry(key, info, rule)
     if like is not None:
         entry.pieces = like.pieces
     else:

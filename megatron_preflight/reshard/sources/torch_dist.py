@@ -31,7 +31,14 @@ from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
 from megatron_preflight.reshard.plan.rules import canonical_name, mtp_index, mtp_place, parse_key, rule_for, segments
-from megatron_preflight.reshard.plan.spec import MODULE_ORDER, is_local_spec, legacy_suffix, param_rank, rank_in
+from megatron_preflight.reshard.plan.spec import (
+    MODULE_ORDER,
+    grouped_experts,
+    is_local_spec,
+    legacy_suffix,
+    param_rank,
+    rank_in,
+)
 from megatron_preflight.reshard.sources.te_extra_state import described, no_fp8_copy
 from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab
 from megatron_preflight.torch_file import StorageRef, row_major
@@ -43,6 +50,33 @@ LAYERS = "decoder.layers."
 
 
 EXPERTS = "mlp.experts.experts."
+
+# HybridModel's sectioned projections: torch_dist saves each section as a global tensor of its own
+# (``<name>.<section>``); a legacy file holds one tensor per rank, its share of every section side by side. The legacy
+# name of Mamba's conv is main's (``conv1d_weight``; ``conv1d.weight`` in megatron-core 0.18 and before and in every
+# torch_dist).
+SECTIONED = {
+    "mixer.in_proj.weight": (("z", "x", "B", "C", "dt"), "mixer.in_proj.weight"),
+    "mixer.conv1d.weight": (("x", "B", "C"), "mixer.conv1d_weight"),
+    "mixer.conv1d.bias": (("x", "B", "C"), "mixer.conv1d_bias"),
+    "self_attention.in_proj.weight": (("query", "key", "value", "z", "beta", "alpha"), "self_attention.in_proj.weight"),
+    "self_attention.conv1d.weight": (("query", "key", "value"), "self_attention.conv1d.weight"),
+    "self_attention.conv1d.bias": (("query", "key", "value"), "self_attention.conv1d.bias"),
+}
+
+
+def section_of(fqn: str) -> tuple[str, str] | None:
+    """(the sectioned tensor, the section) a torch_dist key names, or None."""
+    parent, _, section = fqn.rpartition(".")
+    for name, (sections, _legacy) in SECTIONED.items():
+        if parent.endswith("." + name) and section in sections:
+            return parent, section
+    return None
+
+
+def _legacy_sectioned(parent: str) -> str:
+    name = next(n for n in SECTIONED if parent.endswith("." + n))
+    return parent[: -len(name)] + SECTIONED[name][1]
 
 
 def object_fqn(base: str, index: tuple[int, ...], count: tuple[int, ...]) -> str:
@@ -74,7 +108,7 @@ class _Builder:
         args = layout.saved_args
         self.swiglu = bool(getattr(args, "swiglu", False))
         self.local_spec = is_local_spec(args)
-        self.te_grouped = bool(getattr(args, "moe_grouped_gemm", False)) and not self.local_spec
+        self.te_grouped = grouped_experts(args)
         self.dirs = naming.shard_writers(par)
         self.entries: dict[tuple[str, int], list[_Entry]] = {(n, c): [] for n in self.dirs for c in range(par.chunks)}
         self.position = {fqn: i for i, fqn in enumerate(md.state_dict_metadata)}
@@ -110,6 +144,42 @@ class _Builder:
                 local[dim] += length
         return RegionRef(self.iter_dir, StorageRef(fqn, dtype, math.prod(local)), 0, tuple(local),
                          row_major(tuple(local)), slabs=tuple(slabs))
+
+    def sectioned(self, parent: str, parts: list[tuple[str, Any]]) -> None:
+        """A sectioned projection (:data:`SECTIONED`): each rank's legacy tensor is its TP share of every section, in
+        Megatron's section order."""
+        name = next(n for n in SECTIONED if parent.endswith("." + n))
+        order = {section: i for i, section in enumerate(SECTIONED[name][0])}
+        parts = sorted(parts, key=lambda p: order[p[0].rpartition(".")[2]])
+        shapes = [(fqn, tuple(int(d) for d in tm.size)) for fqn, tm in parts]
+        dtype = parts[0][1].properties.dtype
+        pos = min(self.position[fqn] for fqn, _ in parts)
+        key = _legacy_sectioned(parent)
+        if key.startswith(LAYERS):
+            layers, rest = self._layers_of(key, None)
+            g = layers[0][0]
+            stage, chunk, local = self.par.place_layer(g)
+            key, sort = f"{LAYERS}{local}.{rest}", self._layer_sort(g, rest, 0, pos)
+        else:
+            key = canonical_name(key)
+            stage, chunk, sort = self.par.pp - 1, self.par.chunks - 1, self._top_sort(key, pos)
+        for shard, c in self._shards(stage):
+            self._add(shard, chunk, sort, key, self._sectioned_ref(shapes, dtype, key, c["tp"], self.par.tp))
+
+    def _sectioned_ref(self, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, key: str, rank: int,
+                       size: int) -> RegionRef:
+        slabs, rows = [], 0
+        for fqn, shape in shapes:
+            if shape[0] % size:
+                raise PreflightError(f"tensor {fqn}: {shape[0]} rows do not split over {size} ranks",
+                                     path=os.path.join(self.iter_dir, ".metadata"), code="inconsistent_shards",
+                                     fix="the checkpoint's args and its tensors disagree: restore it from a good copy")
+            n = shape[0] // size
+            slabs.append(Slab(fqn, (rank * n,) + (0,) * (len(shape) - 1), (n, *shape[1:]), 0, rows))
+            rows += n
+        local = (rows, *shapes[0][1][1:])
+        return RegionRef(self.iter_dir, StorageRef(shapes[0][0], dtype, math.prod(local)), 0, local, row_major(local),
+                         slabs=tuple(slabs))
 
     def _add(self, shard: str, chunk: int, sort: tuple, key: str, value: Any) -> None:
         self.entries[(shard, chunk)].append(_Entry(sort, key, value))
@@ -333,6 +403,7 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
     par = layout.parallel
     b = _Builder(layout, par, md, trust)
     has_optimizer = False
+    sectioned: dict[str, list[tuple[str, Any]]] = {}
     for fqn, tm in md.state_dict_metadata.items():
         if fqn.startswith("optimizer.") or (fqn.startswith("chained_") and ".optimizer." in fqn):
             has_optimizer = True
@@ -342,7 +413,13 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
             continue
         if not hasattr(tm, "size") or fqn.startswith(("rng_state", "rerun_state")):
             continue
+        section = section_of(fqn)
+        if section is not None:
+            sectioned.setdefault(section[0], []).append((fqn, tm))
+            continue
         b.tensor(fqn, tm)
+    for parent, parts in sectioned.items():
+        b.sectioned(parent, parts)
     b.tied_output(not bool(getattr(layout.saved_args, "untie_embeddings_and_output_weights", False)))
     b.mtp_embedding()
     b.output_extra_state()

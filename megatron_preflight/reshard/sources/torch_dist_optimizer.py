@@ -28,7 +28,7 @@ from megatron_preflight.layout.dist import COMMON_PT, object_index, read_dcp_met
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.optimizer.distributed import FIX, DistOptimizerIndex
-from megatron_preflight.reshard.optimizer.plain import OptimizerNotReshardable, _signature, is_param
+from megatron_preflight.reshard.optimizer.plain import OptimizerNotReshardable, add_settings, is_param
 from megatron_preflight.reshard.plan.index import iter_source_keys
 from megatron_preflight.reshard.plan.topology import is_tied
 from megatron_preflight.reshard.plan.types import GlobalEntry, SourcePiece
@@ -130,10 +130,7 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
         settings = {k: v for k, v in settings.items() if k != "params"}
         if step is not None:
             settings["step"] = step
-        sig = _signature(settings)
-        if sig not in out.settings:
-            out.order.append(sig)
-            out.settings[sig] = settings
+        sig = add_settings(out.order, out.settings, settings)
         if settings.get("is_expert_parallel"):
             out.expert_groups.add(sig)
     tied = is_tied(virtual)

@@ -27,6 +27,7 @@ import torch
 from megatron_preflight import pickling
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
+from megatron_preflight.parallel import hybrid_pattern
 from megatron_preflight.reshard.carried import TO_TORCH_DIST
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_index
 from megatron_preflight.reshard.execute.executor import build_tensor
@@ -38,7 +39,7 @@ from megatron_preflight.reshard.plan.spec import ATTENTION_EXTRA, EXPERTS_MODULE
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.sources.torch_dist import EXPERTS, object_fqn
+from megatron_preflight.reshard.sources.torch_dist import EXPERTS, SECTIONED, object_fqn
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets.unit import ShardResult, Tap, Tapping
@@ -59,7 +60,9 @@ class Item:
 
 
 def _homogeneous(args: Any) -> bool:
-    """Whether Megatron stacks the layers (all layers alike), or keys them per layer."""
+    """Whether Megatron stacks the layers (all layers alike), or keys them per layer (a HybridModel always)."""
+    if hybrid_pattern(args) is not None:
+        return False
     freq = getattr(args, "moe_layer_freq", 1)
     if isinstance(freq, (list, tuple)):
         return len(set(freq)) <= 1
@@ -76,7 +79,8 @@ class _Writer:
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
         self.objects: set[str] = set()
         self.bytes_written = 0
-        self.planned: list[tuple[str, tuple[int, ...], tuple[int, ...], TensorPlan, bool]] = []  # for --verify
+        # for --verify: (fqn, offsets, sizes, plan, as float, the rows of the plan's tensor written there)
+        self.planned: list[tuple[str, tuple[int, ...], tuple[int, ...], TensorPlan, bool, tuple[int, int] | None]] = []
 
     def _blob(self, value: Any) -> tuple[int, int]:
         """One ``torch.save`` blob appended to the data file, written straight into it (no copy in memory), as
@@ -88,7 +92,7 @@ class _Writer:
         return start, length
 
     def chunk(self, fqn: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], tensor: torch.Tensor,
-              plan: TensorPlan | None = None, as_float: bool = False) -> None:
+              plan: TensorPlan | None = None, as_float: bool = False, rows: tuple[int, int] | None = None) -> None:
         whole = (tensor.is_contiguous() and tensor.storage_offset() == 0
                  and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
         start, length = self._blob(tensor if whole else tensor.contiguous().clone())  # never a bigger storage
@@ -96,7 +100,7 @@ class _Writer:
         known = self.tensors.setdefault(fqn, (global_shape, tensor.dtype, []))
         known[2].append((offsets, tuple(tensor.shape)))
         if plan is not None:
-            self.planned.append((fqn, offsets, tuple(tensor.shape), plan, as_float))
+            self.planned.append((fqn, offsets, tuple(tensor.shape), plan, as_float, rows))
 
     def obj(self, fqn: str, value: Any) -> None:
         start, length = self._blob([value])  # Megatron saves a sharded object wrapped in a one-element list
@@ -138,19 +142,45 @@ class DistPlace:
     fqn: str
     lead: tuple[int, ...] = ()
     lead_shape: tuple[int, ...] = ()
+    rows: tuple[int, int] | None = None  # a section of a sectioned tensor: its rows (a global tensor of its own)
+
+    def part(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.rows is None else t[self.rows[0]:self.rows[1]]
 
 
-def dist_places(tp: TensorPlan, *, local_spec: bool, stacked: bool, num_layers: int, num_experts: int
-                ) -> list[DistPlace]:
+def _sections(name: str, parts: tuple[int, ...], lead: tuple[int, ...], lead_shape: tuple[int, ...]
+              ) -> list[DistPlace] | None:
+    """A HybridModel sectioned tensor's places: one global tensor per section (``<name>.<section>``), None when
+    ``name`` is not one."""
+    for dist, (sections, legacy) in SECTIONED.items():
+        for saved in (dist, legacy):  # main's legacy name of the Mamba conv, or the older one torch_dist keeps
+            if name.endswith("." + saved) and len(sections) == len(parts):
+                return _section_places(name[: -len(saved)] + dist, sections, parts, lead, lead_shape)
+    return None
+
+
+def _section_places(base: str, sections: tuple[str, ...], parts: tuple[int, ...], lead: tuple[int, ...],
+                    lead_shape: tuple[int, ...]) -> list[DistPlace]:
+    out, start = [], 0
+    for section, size in zip(sections, parts, strict=True):
+        out.append(DistPlace(f"{base}.{section}", lead, lead_shape, (start, start + size)))
+        start += size
+    return out
+
+
+def dist_places(tp: TensorPlan, *, local_spec: bool, stacked: bool, num_layers: int, num_experts: int,
+                hybrid: bool = False, parts: tuple[int, ...] = ()) -> list[DistPlace]:
     """Where Megatron's torch_dist keeps the planned global tensor ``tp`` (the one rank of TP1·PP1·EP1): decoder layers
     stacked (``decoder.layers.<name>``) or per layer (``decoder.layers.<g>.<name>``), experts stacked under
     ``mlp.experts.experts.``, an MTP layer's transformer layer as ``transformer_layer``. None for an extra state
     Megatron does not save; one per expert for the extra state of Transformer Engine's grouped experts (one module per
-    layer in the legacy file, one sharded object per expert in torch_dist)."""
+    layer in the legacy file, one sharded object per expert in torch_dist). A HybridModel (``hybrid``) keeps its MTP
+    stack's ``mtp_model_layer`` and saves each section of a sectioned tensor (``parts``) as a global tensor."""
+    name = (lambda key: key) if hybrid else torch_dist_name
     gkey = tp.gkey
     if gkey is None:  # not a model tensor of a layer or expert: under its own name
         return [DistPlace(tp.key)]
-    if tp.key.endswith(_UNSAVED_EXTRA_STATE):
+    if tp.key.endswith(ATTENTION_EXTRA if hybrid else _UNSAVED_EXTRA_STATE):  # (a HybridModel saves its head's)
         return []
     if gkey.layer is not None:
         head = "decoder.layers." if stacked else f"decoder.layers.{gkey.layer}."
@@ -162,15 +192,19 @@ def dist_places(tp: TensorPlan, *, local_spec: bool, stacked: bool, num_layers: 
             return [DistPlace(tp.key)]
         head, lead, lead_shape, inner = info.head, (), (), info.suffix
     if gkey.expert is not None:
-        return [DistPlace(torch_dist_name(head + EXPERTS + inner), lead + (gkey.expert,), lead_shape + (num_experts,))]
+        return [DistPlace(name(head + EXPERTS + inner), lead + (gkey.expert,), lead_shape + (num_experts,))]
     if inner.startswith(EXPERTS_MODULE) and inner.endswith("_extra_state"):
-        fqn = torch_dist_name(head + EXPERTS + inner[len(EXPERTS_MODULE):])
+        fqn = name(head + EXPERTS + inner[len(EXPERTS_MODULE):])
         return [DistPlace(fqn, lead + (e,), lead_shape + (num_experts,)) for e in range(num_experts)]
-    return [DistPlace(torch_dist_name(head + inner), lead, lead_shape)]
+    if parts:
+        sections = _sections(head + inner, parts, lead, lead_shape)
+        if sections is not None:
+            return sections
+    return [DistPlace(name(head + inner), lead, lead_shape)]
 
 
-# gkey -> (fqn, stacked index, stacked dims, the parameter's plan)
-Placement = dict[Any, tuple[str, tuple[int, ...], tuple[int, ...], TensorPlan]]
+# gkey -> (its places, the parameter's plan)
+Placement = dict[Any, tuple[list[DistPlace], TensorPlan]]
 
 
 def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_layers: int,
@@ -181,14 +215,17 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
     args = g.layout.saved_args
     local_spec = is_local_spec(args)
     stacked = _homogeneous(args)
+    hybrid = hybrid_pattern(args) is not None
     plan = g.plan_for_coords(next(iter(naming.shard_writers(g.tgt).values())), "global")
     placed: Placement = {}
     for tp in plan.tensors:
         gkey = tp.gkey
         if g.tied and tp.key == "output_layer.weight":
             continue  # tied: the embedding is saved once
+        rule = g.index[gkey].rule if gkey is not None and gkey in g.index else None
         places = dist_places(tp, local_spec=local_spec, stacked=stacked, num_layers=num_layers,
-                             num_experts=num_experts)
+                             num_experts=num_experts, hybrid=hybrid,
+                             parts=rule.parts if rule is not None and rule.kind == "sections" else ())
         if tp.key.endswith("_extra_state"):  # a sharded object per layer (and expert), as Megatron saves it
             value = tp.value if tp.shape is None else build_tensor(tp, files, release=True)
             for at in places:
@@ -196,13 +233,14 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
             continue
         if tp.shape is None or not places:
             continue
-        (at,) = places
         t = build_tensor(tp, files, release=True)
-        out.chunk(at.fqn, at.lead_shape + tuple(t.shape), at.lead + (0,) * t.dim(),
-                  t.reshape((1,) * len(at.lead) + tuple(t.shape)), tp)
+        for at in places:
+            piece = at.part(t)
+            out.chunk(at.fqn, at.lead_shape + tuple(piece.shape), at.lead + (0,) * piece.dim(),
+                      piece.reshape((1,) * len(at.lead) + tuple(piece.shape)), tp, rows=at.rows)
         if tap is not None:
             tap.tensor(tp, 0, t)
-        placed[gkey] = (at.fqn, at.lead, at.lead_shape, tp)
+        placed[gkey] = (places, tp)
     return placed
 
 
@@ -221,7 +259,8 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
     for gkey, fields in idx.fields.items():
         if gkey not in placed:
             continue
-        fqn, lead, lead_shape, param = placed[gkey]
+        places, param = placed[gkey]
+        fqn = places[0].fqn
         master = fields.get(MASTER)
         half = half or master is not None
         if distributed:
@@ -240,8 +279,11 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
             t = build_tensor(plan, files, release=True)
             if distributed and name == "param":
                 t = t.float()  # the fp32 master (an fp32 run's weight is its own master)
-            out.chunk(f"optimizer.state.{name}.{fqn}", lead_shape + tuple(t.shape), lead + (0,) * t.dim(),
-                      t.reshape((1,) * len(lead) + tuple(t.shape)), plan, distributed and name == "param")
+            for at in places:
+                piece = at.part(t)
+                out.chunk(f"optimizer.state.{name}.{at.fqn}", at.lead_shape + tuple(piece.shape),
+                          at.lead + (0,) * piece.dim(), piece.reshape((1,) * len(at.lead) + tuple(piece.shape)), plan,
+                          distributed and name == "param", rows=at.rows)
             if tap is not None:
                 tap.tensor(plan, 0, t)
     split = bool(idx.expert) and tgt.experts_are_expert_parallel()
@@ -282,10 +324,12 @@ def verify_written(iter_out: str, out: _Writer, files: SourceFiles) -> int:
     (crc32 of the bytes). Returns the number of chunks checked; raises on any difference."""
     reader = dist_reader(iter_out)
     try:
-        for fqn, offsets, sizes, plan, as_float in out.planned:
+        for fqn, offsets, sizes, plan, as_float, rows in out.planned:
             want = build_tensor(plan, files, release=True)
             if as_float:
                 want = want.float()
+            if rows is not None:
+                want = want[rows[0]:rows[1]]
             got = reader.region(fqn, offsets, sizes, want.dtype)
             a = zlib.crc32(got.contiguous().view(torch.uint8).numpy().tobytes())
             b = zlib.crc32(want.reshape(sizes).contiguous().view(torch.uint8).numpy().tobytes())

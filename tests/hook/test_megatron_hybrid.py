@@ -1,0 +1,171 @@
+"""HybridModel end to end against the REAL Megatron-LM pretrain_hybrid.py (issue 32): Mamba-2 (M), gated delta net
+(G), attention (*), MLP (-), MoE (E) and MTP layers, checked, resharded in memory and offline, proven by Megatron.
+
+Skipped unless MEGATRON_LM_ROOT, MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU are set. These runs use CPU STAND-INS,
+not the real packages: ``te_cpu`` for Transformer Engine and ``mamba_cpu`` for mamba_ssm and fla
+(../shared/tools/megatron-lm-cpu/; the real parameter layout, reference math). The fixtures were written the same way
+(tests/fixtures/megatron-lm/LOCAL_FIXTURES.md, "HybridModel").
+
+Oracles: Megatron's own load-time reshard of each fixture's torch_dist twin (the losses of iterations 3 and 4 and every
+MTP loss, with the optimizer state loaded), Megatron's saved reshard of the twin (``--ckpt-convert-format torch``:
+bit for bit), and, where Megatron's dist loader cannot serve, Megatron's legacy resume of the source at its own layout.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import fixture_path
+from tests.hook.test_megatron_lm import (
+    MAMBA_CPU,
+    ROOT,
+    TE_CPU,
+    TINY,
+    assert_same_files,
+    assert_trains_alike_with_mtp,
+    loss,
+    run,
+)
+
+pytestmark = pytest.mark.skipif(not (ROOT and TE_CPU and MAMBA_CPU),
+                                reason="needs MEGATRON_LM_ROOT, MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
+                                       "stand-ins for Transformer Engine, mamba_ssm and fla)")
+
+# the fixtures' model (LOCAL_FIXTURES.md): hidden 32; Mamba 8 heads x 8 in 2 groups, state 8; GDN 2 key / 4 value
+# heads of 8; attention 4 heads in 2 query groups; 4 experts
+HYBRID = TINY + ("--spec megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec --normalization RMSNorm "
+                 "--position-embedding-type none --disable-bias-linear --swiglu --untie-embeddings-and-output-weights "
+                 "--group-query-attention --num-query-groups 2 --mamba-state-dim 8 --mamba-head-dim 8 "
+                 "--mamba-num-groups 2 --linear-key-head-dim 8 --linear-value-head-dim 8 --linear-num-key-heads 2 "
+                 "--linear-num-value-heads 4 --num-experts 4 --moe-router-topk 2 --train-iters 4").split()
+PATTERN = "MG*-E/*-"  # hyb_tp2_torch: every family and an MTP depth
+
+
+def hybrid(tmp_path, ckpt, nproc, *flags, **kw):
+    return run(tmp_path, ckpt, nproc, *flags, script="pretrain_hybrid.py", base=HYBRID, **kw)
+
+
+def iteration_losses(log):
+    return loss(log, 3, 4), loss(log, 4, 4)
+
+
+@pytest.mark.parametrize("nproc, target", [
+    (1, ["--hybrid-layer-pattern", PATTERN]),
+    (2, ["--hybrid-layer-pattern", "MG|*-E/*-", "--pipeline-model-parallel-size", "2"]),
+], ids=["tp2->tp1", "tp2->tp1pp2 unequal segments"])
+def test_auto_resumes_a_tp2_hybrid_like_megatrons_dist_reshard(tmp_path, nproc, target):
+    """The sectioned Mamba / GDN projections re-split, the layers placed by the run's '|' segments, the MTP stack on
+    the last stage, the Adam state with them: iterations 3, 4 and the MTP losses equal Megatron's own reshard."""
+    rc, log = hybrid(tmp_path, fixture_path("hyb_tp2_torch"), nproc, "--preflight", "auto", "--ckpt-format", "torch",
+                     *target, port=29970)
+    assert rc == 0, log[-3000:]
+    assert "loaded through the in-memory resharder" in log and "applied: no_load_optim" not in log
+    rc2, log2 = hybrid(tmp_path, fixture_path("hyb_tp2_torch_dist"), nproc, "--no-load-rng", "--ckpt-format",
+                       "torch_dist", *target, plugin=False, port=29971)
+    assert rc2 == 0, log2[-3000:]
+    assert_trains_alike_with_mtp(log, log2)
+
+
+def test_offline_reshard_of_a_virtual_pipeline_resumes_in_plain_megatron(tmp_path):
+    """PP2 with four '|' segments (VPP2) -> PP1: `megatron-preflight reshard` writes the pattern without cuts into the
+    args; plain pretrain_hybrid.py resumes it like Megatron's reshard of the twin."""
+    out = tmp_path / "pp1"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path("hyb_vpp_pp2_torch"),
+                        str(out), "--pp", "1", "--verify", "--fingerprint", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    flags = ["--hybrid-layer-pattern", "M*G-E*M-", "--no-load-rng"]
+    rc, log = hybrid(tmp_path, str(out), 1, "--ckpt-format", "torch", *flags, plugin=False, port=29972)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = hybrid(tmp_path, fixture_path("hyb_vpp_pp2_torch_dist"), 1, "--ckpt-format", "torch_dist", *flags,
+                       plugin=False, port=29973)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None and iteration_losses(log) == iteration_losses(log2)
+
+
+def test_the_distributed_optimizer_of_unequal_segments_resumes_exactly(tmp_path):
+    """'MG*|-EM*E' at PP2·EP2·DP2 with the distributed optimizer -> PP1·EP2: the expert param group of stage 0 (which
+    holds no expert) never stepped; its fused Adam step is taken from the stage that has the experts. Oracle: Megatron's
+    legacy resume of the source at its own layout (iteration 4 needs every Adam moment and step). Megatron's dist
+    loader of the twin gives another iteration 4 even at the twin's own layout, so it is not the oracle here."""
+    common = ["--num-experts", "4", "--use-distributed-optimizer", "--expert-model-parallel-size", "2", "--no-load-rng"]
+    rc, log = hybrid(tmp_path, fixture_path("hyb_distopt_pp2ep2_torch"), 2, "--preflight", "auto", "--ckpt-format",
+                     "torch", "--hybrid-layer-pattern", "MG*-EM*E", *common, port=29974)
+    assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+    rc2, log2 = hybrid(tmp_path, fixture_path("hyb_distopt_pp2ep2_torch"), 4, "--ckpt-format", "torch",
+                       "--hybrid-layer-pattern", "MG*|-EM*E", "--pipeline-model-parallel-size", "2", *common,
+                       plugin=False, port=29975)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None and iteration_losses(log) == iteration_losses(log2)
+
+
+@pytest.mark.parametrize("nproc, target, flags", [
+    (1, {"tp": 1}, ["--hybrid-layer-pattern", PATTERN]),
+    (2, {"tp": 1, "pp": 2, "hybrid_layer_pattern": "MG|*-E/*-"},
+     ["--hybrid-layer-pattern", "MG|*-E/*-", "--pipeline-model-parallel-size", "2"]),
+], ids=["tp1", "tp1pp2"])
+def test_our_hybrid_reshard_equals_megatrons_own_saved_reshard(tmp_path, nproc, target, flags):
+    """Megatron loads the twin at the target layout and saves it as legacy: our reshard of the legacy checkpoint has
+    the same files, keys in the same order, every tensor bit for bit and the same optimizer state."""
+    from megatron_preflight.prove.diff import diff_checkpoints
+    from megatron_preflight.reshard import TargetLayout, write_resharded
+
+    saved = tmp_path / "megatron_converted"
+    rc, log = hybrid(tmp_path, fixture_path("hyb_tp2_torch_dist"), nproc, "--ckpt-format", "torch_dist",
+                     "--ckpt-convert-format", "torch", "--ckpt-convert-save", str(saved), *flags, plugin=False,
+                     port=29976, verify=False)
+    assert rc == 0 and "converted checkpoint" in log, log[-3000:]
+    ours = str(tmp_path / "ours")
+    write_resharded(fixture_path("hyb_tp2_torch"), ours, TargetLayout(**target), verify=True)
+    report = diff_checkpoints(ours, str(saved / "torch"))
+    assert report.equal, report.render()
+    assert_same_files(ours, str(saved / "torch"))
+
+
+def test_another_pattern_fails_every_rank_before_model_build(tmp_path):
+    rc, log = hybrid(tmp_path, fixture_path("hyb_tp2_torch"), 2, "--preflight", "check", "--ckpt-format", "torch",
+                     "--tensor-model-parallel-size", "2", "--sequence-parallel", "--hybrid-layer-pattern", "MG*-M/*-",
+                     port=29977)
+    assert rc != 0
+    assert "hybrid_layer_pattern" in log and "the job must not start" in log
+    assert "number of parameters" not in log  # the model was never built
+
+
+def test_legacy_hybrid_written_as_torch_dist_resumes_exactly(tmp_path):
+    """`reshard --ckpt-format torch_dist` of the PP2·EP2 distributed-optimizer checkpoint: per-layer keys, each
+    section a global tensor, the fused Adam's step in every group. Megatron's dist loader resumes it at PP1·EP2 exactly
+    as its legacy loader resumes the source at its own layout (its own twin's resume differs: the twin's expert group
+    was saved without a step by a rank that holds no expert)."""
+    out = tmp_path / "dist"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path("hyb_distopt_pp2ep2_torch"),
+                        str(out), "--ckpt-format", "torch_dist", "--verify", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    common = ["--num-experts", "4", "--use-distributed-optimizer", "--expert-model-parallel-size", "2", "--no-load-rng"]
+    rc, log = hybrid(tmp_path, str(out), 2, "--ckpt-format", "torch_dist", "--hybrid-layer-pattern", "MG*-EM*E",
+                     *common, plugin=False, port=29978)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = hybrid(tmp_path, fixture_path("hyb_distopt_pp2ep2_torch"), 4, "--ckpt-format", "torch",
+                       "--hybrid-layer-pattern", "MG*|-EM*E", "--pipeline-model-parallel-size", "2", *common,
+                       plugin=False, port=29979)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None and iteration_losses(log) == iteration_losses(log2)
+
+
+def test_the_patched_pretrain_hybrid_reshards_in_memory(tmp_path):
+    """patches/pretrain_hybrid.py.patch, applied with `git apply` to this Megatron-LM's pretrain_hybrid.py: the one
+    flag turns the hook on."""
+    work = tmp_path / "patched"
+    work.mkdir()
+    shutil.copy(os.path.join(ROOT, "pretrain_hybrid.py"), work / "pretrain_hybrid.py")
+    subprocess.run(["git", "init", "-q", str(work)], check=True)
+    patch = os.path.join(os.path.dirname(__file__), "..", "..", "patches", "pretrain_hybrid.py.patch")
+    r = subprocess.run(["git", "-C", str(work), "apply", os.path.abspath(patch)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rc, log = hybrid(tmp_path, fixture_path("hyb_tp2_torch"), 1, "--preflight", "auto", "--ckpt-format", "torch",
+                     "--hybrid-layer-pattern", PATTERN, launch=[str(work / "pretrain_hybrid.py")], port=29980,
+                     verify=False)
+    assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
