@@ -94,9 +94,12 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         out.append(Finding("use_checkpoint_args", True, True, INFO,
                            "--use-checkpoint-args: Megatron takes the architecture args from the checkpoint", ""))
         return out
+    gpt_to_hybrid = parallel.hybrid_pattern(saved) is None and parallel.hybrid_pattern(rt) is not None
     for field, why in ARCH_FIELDS:
         ck = _norm(field, _get(saved, field))
         run = _norm(field, getattr(rt, field, None))
+        if gpt_to_hybrid and field == "num_layers":
+            continue  # a GPT layer is two hybrid layers: the pattern is compared below
         if field == "moe_ffn_hidden_size" and not (ck and run and _norm("num_experts", _get(saved, "num_experts"))):
             continue
         if field in _MLA_SIZES and not (_get(saved, "multi_latent_attention") and rt.multi_latent_attention):
@@ -148,10 +151,18 @@ def _compare_hybrid(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                         f"the checkpoint is a HybridModel's (layer pattern {ck!r}); this run builds a GPT model",
                         f"run pretrain_hybrid.py with --hybrid-layer-pattern '{ck}' (its '|' cuts may move)")]
     if ck is None:
-        return [Finding("hybrid_layer_pattern", None, run, FATAL,
-                        "the checkpoint is a GPT model's; a HybridModel run cannot load it as is (its layers are "
-                        "numbered and named by the pattern)",
-                        "run pretrain_gpt.py with the checkpoint's flags")]
+        from megatron_preflight.reshard.plan.hybrid import gpt_to_hybrid_problem  # (only for a GPT -> hybrid run)
+
+        problem = gpt_to_hybrid_problem(layout.saved_args, run)
+        if problem is not None:
+            return [Finding("hybrid_layer_pattern", None, run, FATAL,
+                            f"the checkpoint is a GPT model's and this HybridModel run cannot hold it: {problem}",
+                            "run pretrain_gpt.py with the checkpoint's flags, or the pattern named")]
+        return [Finding("hybrid_layer_pattern", None, run, RESHARD,
+                        "a GPT checkpoint into a HybridModel run: each GPT layer i is hybrid layers 2i (attention) and "
+                        "2i+1 (MLP / MoE), the same tensors renumbered (Megatron's legacy loader cannot; the "
+                        "resharder renames them, with the optimizer state)",
+                        _reshard_fix(layout, f"--hybrid-layer-pattern '{run}'"))]
     try:
         parallel.repipe(ck, run, rt.pp, rt.vpp, keep=False)
     except PreflightError as e:

@@ -18,7 +18,7 @@ from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.parallel import LayoutError, ParallelLayout
+from megatron_preflight.parallel import LayoutError, ParallelLayout, hybrid_pattern
 from megatron_preflight.reshard.carried import CARRIED, NOT_MAPPABLE, handled
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_index
 from megatron_preflight.reshard.execute.executor import execute
@@ -38,6 +38,7 @@ from megatron_preflight.reshard.optimizer.plain import (
     plan_optimizer,
 )
 from megatron_preflight.reshard.plan.consistency import args_problems, complete_problems, raise_first
+from megatron_preflight.reshard.plan.hybrid import gpt_to_hybrid_problem, to_hybrid
 from megatron_preflight.reshard.plan.index import VOCAB_KEYS, GlobalIndex, has_legacy_grouped
 from megatron_preflight.reshard.plan.planner import plan_rank, rewrite_args, target_vocab
 from megatron_preflight.reshard.plan.spec import TE, SpecChange, bridge, spec_change
@@ -324,6 +325,17 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
     if change.changes:
         tensors, renamed_keys = bridge(index.tensors, change, swiglu=bool(saved_arg(view.saved_args, "swiglu", False)))
         log.info("tensors renamed for the target: %s", change.describe())
+    if tgt.hybrid_pattern is not None and hybrid_pattern(view.saved_args) is None:  # GPT -> HybridModel
+        problem = gpt_to_hybrid_problem(view.saved_args, tgt.hybrid_pattern)
+        if problem is not None:
+            raise PreflightError(f"a HybridModel run with the pattern {tgt.hybrid_pattern!r} cannot load this GPT "
+                                 f"checkpoint: {problem}", path=view.iter_dir, code="layout",
+                                 fix="run pretrain_hybrid.py with that pattern, or pretrain_gpt.py")
+        tensors, layered = to_hybrid(tensors if tensors is not None else index.tensors, view.iter_dir)
+        renamed_keys = {old: layered.get(renamed_keys.get(old, old), renamed_keys.get(old, old))
+                        for old in index.tensors
+                        if layered.get(renamed_keys.get(old, old), renamed_keys.get(old, old)) != old}
+        log.info("a GPT checkpoint loaded as the HybridModel %r", tgt.hybrid_pattern)
     family = target.optimizer_family or (FUSED if change.target == TE != change.source else None)
     choice = _adapted(choice, index, renamed_keys, family,
                       decoupled=bool(saved_arg(view.saved_args, "decoupled_weight_decay", True)))

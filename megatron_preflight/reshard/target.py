@@ -118,7 +118,11 @@ class TargetLayout:
                         account_for_embedding_in_pipeline_split=bool(self.embedding_in_split),
                         account_for_loss_in_pipeline_split=bool(self.loss_in_split))
         args.update(context_parallel_size=1, pipeline_model_parallel_layout=None)  # not modelled at the target
-        if src.hybrid_pattern is not None:
+        if src.hybrid_pattern is None and self.hybrid_layer_pattern is not None:  # a GPT checkpoint into a hybrid run
+            args.update(hybrid_layer_pattern=self.hybrid_layer_pattern, decoder_first_pipeline_num_layers=None,
+                        decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
+                        account_for_loss_in_pipeline_split=False)
+        elif src.hybrid_pattern is not None:
             # a virtual pipeline only when asked for, or kept with the source's pipeline
             vpp = self.vpp or (src.vpp if args["pipeline_model_parallel_size"] == src.pp else None)
             args["hybrid_layer_pattern"] = parallel.repipe(src.hybrid_pattern, self.hybrid_layer_pattern,

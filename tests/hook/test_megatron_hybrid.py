@@ -102,24 +102,25 @@ def test_the_distributed_optimizer_of_unequal_segments_resumes_exactly(tmp_path)
     assert loss(log, 4, 4) is not None and iteration_losses(log) == iteration_losses(log2)
 
 
-@pytest.mark.parametrize("nproc, target, flags", [
-    (1, {"tp": 1}, ["--hybrid-layer-pattern", PATTERN]),
-    (2, {"tp": 1, "pp": 2, "hybrid_layer_pattern": "MG|*-E/*-"},
+@pytest.mark.parametrize("name, nproc, target, flags", [
+    ("hyb_tp2", 1, {"tp": 1}, ["--hybrid-layer-pattern", PATTERN]),
+    ("hyb_tp2", 2, {"tp": 1, "pp": 2, "hybrid_layer_pattern": "MG|*-E/*-"},
      ["--hybrid-layer-pattern", "MG|*-E/*-", "--pipeline-model-parallel-size", "2"]),
-], ids=["tp1", "tp1pp2"])
-def test_our_hybrid_reshard_equals_megatrons_own_saved_reshard(tmp_path, nproc, target, flags):
+    ("hyb_vpp_pp2", 1, {"pp": 1}, ["--hybrid-layer-pattern", "M*G-E*M-"]),
+], ids=["tp1", "tp1pp2", "vpp2pp2->pp1"])
+def test_our_hybrid_reshard_equals_megatrons_own_saved_reshard(tmp_path, name, nproc, target, flags):
     """Megatron loads the twin at the target layout and saves it as legacy: our reshard of the legacy checkpoint has
     the same files, keys in the same order, every tensor bit for bit and the same optimizer state."""
     from megatron_preflight.prove.diff import diff_checkpoints
     from megatron_preflight.reshard import TargetLayout, write_resharded
 
     saved = tmp_path / "megatron_converted"
-    rc, log = hybrid(tmp_path, fixture_path("hyb_tp2_torch_dist"), nproc, "--ckpt-format", "torch_dist",
+    rc, log = hybrid(tmp_path, fixture_path(f"{name}_torch_dist"), nproc, "--ckpt-format", "torch_dist",
                      "--ckpt-convert-format", "torch", "--ckpt-convert-save", str(saved), *flags, plugin=False,
                      port=29976, verify=False)
     assert rc == 0 and "converted checkpoint" in log, log[-3000:]
     ours = str(tmp_path / "ours")
-    write_resharded(fixture_path("hyb_tp2_torch"), ours, TargetLayout(**target), verify=True)
+    write_resharded(fixture_path(f"{name}_torch"), ours, TargetLayout(**target), verify=True)
     report = diff_checkpoints(ours, str(saved / "torch"))
     assert report.equal, report.render()
     assert_same_files(ours, str(saved / "torch"))
@@ -169,3 +170,31 @@ def test_the_patched_pretrain_hybrid_reshards_in_memory(tmp_path):
                      "--hybrid-layer-pattern", PATTERN, launch=[str(work / "pretrain_hybrid.py")], port=29980,
                      verify=False)
     assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+
+
+SPEC = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
+GPT_MTP_MOE = ("--mtp-num-layers 1 --position-embedding-type rope --untie-embeddings-and-output-weights --num-experts 4 "
+               "--moe-router-topk 2 --disable-bias-linear --moe-grouped-gemm --expert-model-parallel-size 2").split()
+
+
+@pytest.mark.parametrize("legacy, oracle, nproc, flags, pattern", [
+    ("te_tp2_torch", "te_tp2_torch_dist", 2, ["--pipeline-model-parallel-size", "2"], "*-*-|*-*-"),
+    ("mtp_moe_te_ep2_torch", "mtp_moe_te_ep2_torch", 2, GPT_MTP_MOE, "*E*E*E*E/*E"),
+], ids=["gpt tp2 -> hybrid tp1pp2", "gpt moe+mtp ep2 -> hybrid ep2"])
+def test_a_legacy_gpt_checkpoint_resumes_in_a_hybrid_run_with_the_gpt_runs_loss(tmp_path, legacy, oracle, nproc,
+                                                                                flags, pattern):
+    """GPT layer i is hybrid layers 2i (attention) and 2i+1 (MLP / MoE): pretrain_hybrid.py with --preflight auto
+    trains on exactly as pretrain_gpt.py resumes the GPT checkpoint (Megatron's own torch_dist twin at TP1, or the
+    legacy source at its own layout): iterations 3 and 4 (and the MTP losses) equal."""
+    rc, log = run(tmp_path, fixture_path(legacy), nproc, "--preflight", "auto", "--ckpt-format", "torch",
+                  "--no-load-rng", "--train-iters", "4", *SPEC, "--hybrid-layer-pattern", pattern, *flags,
+                  script="pretrain_hybrid.py", port=29981)
+    assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+    dist = oracle.endswith("_dist")
+    rc2, log2 = run(tmp_path, fixture_path(oracle), 1 if dist else nproc, "--ckpt-format",
+                    "torch_dist" if dist else "torch", "--no-load-rng", "--train-iters", "4",
+                    *([] if dist else flags), plugin=False, te=True, port=29982)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None and iteration_losses(log) == iteration_losses(log2)
+    if "--mtp-num-layers" in flags:
+        assert_trains_alike_with_mtp(log, log2)

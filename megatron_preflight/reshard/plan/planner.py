@@ -237,6 +237,7 @@ def rewrite_args(args: Any, tgt: ParallelLayout, padded_vocab: int | None,
             setattr(new, name, sizes[name])
     if tgt.hybrid_pattern is not None:  # the layers' pipeline cuts (Megatron derives num_layers and VPP from it)
         new.hybrid_layer_pattern = tgt.hybrid_pattern
+        new.num_layers = tgt.num_layers  # (a GPT checkpoint's layers are two hybrid layers each)
         if getattr(new, "hybrid_override_pattern", None):
             new.hybrid_override_pattern = tgt.hybrid_pattern
     if padded_vocab is not None:
