@@ -7,9 +7,10 @@ megatron-core installed beside the CLI). In a job the hook asks the running mega
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import dataclass
-from importlib import metadata
 
 from megatron_preflight.errors import PreflightError
 
@@ -48,12 +49,36 @@ def facts(version: tuple[int, int]) -> ReleaseFacts:
                         local_grouped_mlp=v < (0, 17))
 
 
+_DIST_INFO = re.compile(r"megatron[_.-]core-(\d+\.\d+[^-]*)\.dist-info$", re.IGNORECASE)
+_PACKAGE_INFO = re.compile(r"^(MAJOR|MINOR)\s*=\s*(\d+)", re.MULTILINE)
+
+
 def installed_version() -> tuple[int, int] | None:
-    """The megatron-core installed beside this process, from its package metadata (nothing is imported)."""
-    try:
-        return parse_version(metadata.version("megatron-core"))
-    except (metadata.PackageNotFoundError, PreflightError):
-        return None
+    """The megatron-core this process would import, found on ``sys.path`` without importing anything (not even
+    importlib.metadata: a verdict stays fast): its ``megatron/core/package_info.py`` (a Megatron-LM checkout on the
+    path comes first, as Python would import it), else an installed distribution's ``.dist-info`` name."""
+    for entry in sys.path:
+        path = os.path.join(entry or ".", "megatron", "core", "package_info.py")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                found = dict(_PACKAGE_INFO.findall(fh.read()))
+        except OSError:
+            continue
+        if "MAJOR" in found and "MINOR" in found:
+            return int(found["MAJOR"]), int(found["MINOR"])
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            m = _DIST_INFO.match(name)
+            if m:
+                try:
+                    return parse_version(m.group(1))
+                except PreflightError:
+                    continue
+    return None
 
 
 def apply(rt, release: ReleaseFacts) -> None:

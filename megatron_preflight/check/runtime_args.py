@@ -15,8 +15,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.parallel import pad_vocab
@@ -342,6 +340,8 @@ def from_cli(argv: list[str], env: dict[str, str] | None = None) -> RuntimeArgs:
 
 
 def _yaml_values(path: str) -> dict[str, Any]:
+    import yaml  # deferred: only a run configured by YAML needs it
+
     try:
         with open(path) as fh:
             data = yaml.safe_load(fh) or {}

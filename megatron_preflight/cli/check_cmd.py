@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_preflight.check import releases
-from megatron_preflight.check.findings import Finding, Severity
-from megatron_preflight.check.plan import Verdict, make_plan
-from megatron_preflight.check.report import render_plan
-from megatron_preflight.check.runtime_args import from_cli, from_yaml
 from megatron_preflight.cli.common import add_shards_flag, to_json_text
 
 
 def _run(ns: argparse.Namespace) -> int:
+    # the check's modules load when it runs (the CLI's parser loads no subcommand's work)
+    from megatron_preflight.check import releases
+    from megatron_preflight.check.findings import Finding, Severity
+    from megatron_preflight.check.plan import Verdict, make_plan
+    from megatron_preflight.check.report import render_plan
+    from megatron_preflight.check.runtime_args import from_cli, from_yaml
+
     if ns.config:
         rt = from_yaml(ns.config, ns.megatron_args)
     else:

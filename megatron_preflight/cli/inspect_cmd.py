@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_preflight.check.report import render_layout
 from megatron_preflight.cli.common import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, add_shards_flag, to_json_text
-from megatron_preflight.reshard import open_index
 
 
 def _run(ns: argparse.Namespace) -> int:
+    # loaded when inspect runs
+    from megatron_preflight.check.report import render_layout
+    from megatron_preflight.reshard import open_index
+
     index = open_index(ns.path, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                        shards="all" if ns.all_shards else "auto")
     layout = index.layout

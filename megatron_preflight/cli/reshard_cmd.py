@@ -8,10 +8,12 @@ import dataclasses
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from megatron_preflight.check.runtime_args import from_cli
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.reshard import TargetLayout, predict_offline, predict_torch_dist, process_age
+
+if TYPE_CHECKING:
+    from megatron_preflight.reshard import TargetLayout
 
 
 def _int(v: str | None, flag: str = "a size") -> int | None:
@@ -26,6 +28,10 @@ def _int(v: str | None, flag: str = "a size") -> int | None:
 
 def target_from(ns: argparse.Namespace) -> TargetLayout:
     """The target the command line asks for: the new run's flags after ``--``, or the size flags."""
+    # loaded when reshard runs
+    from megatron_preflight.check.runtime_args import from_cli
+    from megatron_preflight.reshard import TargetLayout
+
     if ns.megatron_args:
         rt = from_cli(ns.megatron_args)
         return TargetLayout.from_args(rt, given=rt.given)
@@ -90,6 +96,8 @@ def _run(ns: argparse.Namespace) -> int:
 
 
 def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
+    from megatron_preflight.reshard import predict_offline, predict_torch_dist, process_age  # (loaded when run)
+
     """Plan everything, move nothing: print the predicted cost (bytes, files, memory, time)."""
     from megatron_preflight.reshard import (  # the writers import torch: only when resharding
         check_destination,

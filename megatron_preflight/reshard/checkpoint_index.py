@@ -14,14 +14,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.optimizer.convert import distributed_to_plain
-from megatron_preflight.reshard.optimizer.distributed import DistOptimizerIndex, index_dist_optimizer
 from megatron_preflight.reshard.optimizer.family import family_of, saved_family
 from megatron_preflight.reshard.optimizer.plain import OptimizerIndex, OptimizerNotReshardable, index_optimizer
 from megatron_preflight.reshard.optimizer.status import OptimizerStatus, optimizer_status
@@ -31,9 +29,10 @@ from megatron_preflight.reshard.plan.index import GlobalIndex, has_mtp, index_so
 from megatron_preflight.reshard.plan.topology import is_tied, source_topology
 from megatron_preflight.reshard.plan.types import SourcePiece
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.sources.torch_dist import virtual_layout
-from megatron_preflight.reshard.sources.torch_dist_optimizer import attach_dp_reshardable, index_dist_source_optimizer
 from megatron_preflight.torch_file import TensorRef
+
+if TYPE_CHECKING:
+    from megatron_preflight.reshard.optimizer.distributed import DistOptimizerIndex
 
 _built = [0]  # global tensor indexes built in this process
 
@@ -124,6 +123,10 @@ class CheckpointIndex:
         lay = self.layout
         if lay.format != Format.TORCH_DIST:
             return lay, False, None
+        # a torch_dist checkpoint's view: its readers load only for one
+        from megatron_preflight.reshard.sources.torch_dist import virtual_layout
+        from megatron_preflight.reshard.sources.torch_dist_optimizer import attach_dp_reshardable
+
         view, model_space = virtual_layout(lay, trust=self.trust)
         problem = None
         if model_space and lay.dist_optimizer_sharding == "dp_reshardable":
@@ -177,14 +180,21 @@ class CheckpointIndex:
         return found
 
     def _source_optimizer(self, view: Layout, model_space: bool, saved: bool) -> SourceOptimizer:
+        # the distributed optimizer's and torch_dist's readers load only for such a checkpoint (a verdict stays fast)
         meta = view.shards[0].meta if view.shards else None
         if model_space:
+            # (model space: converted to the plain form)
+            from megatron_preflight.reshard.optimizer.convert import distributed_to_plain
+            from megatron_preflight.reshard.sources.torch_dist_optimizer import index_dist_source_optimizer
+
             plain = distributed_to_plain(index_dist_source_optimizer(self.layout, view, self.topology,
                                                                      trust=self.trust), view, self.topology)
             return SourceOptimizer(plain=plain, saved_distributed=saved)
         if not isinstance(meta, dict) or "optimizer" not in meta:
             return SourceOptimizer(saved_distributed=saved)
         if view.distributed_optimizer:
+            from megatron_preflight.reshard.optimizer.distributed import index_dist_optimizer  # (its own reader)
+
             return SourceOptimizer(distributed=index_dist_optimizer(view, self.topology, trust=self.trust),
                                    saved_distributed=saved)
         return SourceOptimizer(plain=index_optimizer(view, self.topology), saved_distributed=saved)

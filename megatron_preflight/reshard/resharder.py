@@ -21,8 +21,6 @@ from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.parallel import LayoutError, ParallelLayout, hybrid_pattern
 from megatron_preflight.reshard.carried import CARRIED, NOT_MAPPABLE, handled
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_index
-from megatron_preflight.reshard.execute.executor import execute
-from megatron_preflight.reshard.execute.replicas import check_replicas
 from megatron_preflight.reshard.optimizer.convert import distributed_to_plain, plain_to_distributed
 from megatron_preflight.reshard.optimizer.distributed import (
     DistOptimizerIndex,
@@ -288,6 +286,10 @@ class Resharder:
         own = files is None
         files = files or SourceFiles(self.layout.iter_dir or "", trust=self.trust)
         try:
+            # building (not for a plan's cost, which a verdict asks)
+            from megatron_preflight.reshard.execute.executor import execute
+            from megatron_preflight.reshard.execute.replicas import check_replicas
+
             check_replicas(plan, files, saved_args=self.layout.saved_args)
             state = self.header(files)
             state.update(execute(plan, files))

@@ -22,7 +22,12 @@ import json, sys
 from megatron_preflight.cli.main import main
 rc = main(sys.argv[1:])
 sys.stdout.flush()
-print(json.dumps([m for m in ("torch", "numpy", "torch.distributed.checkpoint") if m in sys.modules]), file=sys.stderr)
+heavy = ("torch", "numpy", "yaml", "importlib.metadata", "torch.distributed.checkpoint")
+# the resharder's work (building, writing) and the other subcommands' never load for a verdict (a reshard verdict plans
+# the target to predict its memory and cost: the planner loads, not the executor or a writer)
+work = ("megatron_preflight.reshard.targets", "megatron_preflight.reshard.execute.executor",
+        "megatron_preflight.prove.diff", "megatron_preflight.prove.fingerprint")
+print(json.dumps([m for m in sys.modules if m in heavy or m.startswith(work)]), file=sys.stderr)
 sys.exit(rc)
 """
 

@@ -16,6 +16,7 @@ from megatron_preflight import dtypes
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.optimizer.distributed import FIX, DistOptimizerIndex, source_params
+from megatron_preflight.reshard.optimizer.family import is_fused_adam, step_value
 from megatron_preflight.reshard.optimizer.plain import (
     MASTER,
     OptimizerIndex,
@@ -27,16 +28,6 @@ from megatron_preflight.reshard.optimizer.plain import (
 from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourcePiece
 
 _HALF = frozenset({"float16", "bfloat16"})
-
-
-def _step_value(step: float) -> Any:
-    """A parameter's ``step``: a tensor of its own (torch's Adam increments it in place); the float while torch is
-    not loaded (the check indexes without making tensors; the writers always run with torch)."""
-    if not dtypes.torch_loaded():
-        return step
-    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
-
-    return torch.tensor(step)
 
 
 def plain_to_distributed(plain: OptimizerIndex, model: dict[GlobalKey, GlobalEntry], step: float,
@@ -72,11 +63,6 @@ def plain_to_distributed(plain: OptimizerIndex, model: dict[GlobalKey, GlobalEnt
     out.grad_dtype = {d: f32 if grad_in_fp32 else d for d in half}
     out.grad_dtype[f32] = f32
     return out
-
-
-def is_fused_adam(settings: dict[str, Any]) -> bool:
-    """A param group of TE's or apex's FusedAdam (``bias_correction`` in it, one ``step`` per group), not torch's."""
-    return "bias_correction" in settings
 
 
 def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: ParallelLayout) -> OptimizerIndex:
@@ -133,7 +119,7 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
             raise OptimizerNotReshardable(f"no distributed optimizer state for {sk.key}", fix=FIX, code="optimizer")
         # torch's Adam: a step tensor of its own per parameter (incremented in place); a fused Adam: none
         out: OrderedDict[str, Any] = OrderedDict() if fused else OrderedDict(
-            [("step", SourcePiece(sk.shard, _step_value(step), 0, 1))])
+            [("step", SourcePiece(sk.shard, step_value(step), 0, 1))])
         out["exp_avg"], out["exp_avg_sq"] = fields["exp_avg"], fields["exp_avg_sq"]
         if dtypes.name_of(p.dtype) in _HALF:
             out[MASTER] = fields["param"]

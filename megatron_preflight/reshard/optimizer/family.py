@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megatron_preflight.reshard.optimizer.convert import _step_value, is_fused_adam
-from megatron_preflight.reshard.optimizer.distributed import DistOptimizerIndex
-from megatron_preflight.reshard.optimizer.plain import OptimizerIndex, _signature
+from megatron_preflight import dtypes
 from megatron_preflight.reshard.plan.types import GlobalKey, SourcePiece
+
+if TYPE_CHECKING:  # the indexes' modules load where a state is converted, not for a verdict's family question
+    from megatron_preflight.reshard.optimizer.distributed import DistOptimizerIndex
+    from megatron_preflight.reshard.optimizer.plain import OptimizerIndex
 
 TORCH, FUSED = "torch", "fused"
 FAMILIES = (TORCH, FUSED)
@@ -32,6 +34,21 @@ FAMILIES = (TORCH, FUSED)
 _TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
                   "fused": None, "decoupled_weight_decay": True}
 _TORCH_ONLY = tuple(_TORCH_OPTIONS)
+
+
+def step_value(step: float) -> Any:
+    """A parameter's ``step`` in torch's Adam: a tensor of its own (incremented in place); the float while torch is
+    not loaded (the check indexes without making tensors; the writers always run with torch)."""
+    if not dtypes.torch_loaded():
+        return step
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+    return torch.tensor(step)
+
+
+def is_fused_adam(settings: dict[str, Any]) -> bool:
+    """A param group of TE's or apex's FusedAdam (``bias_correction`` in it, one ``step`` per group), not torch's."""
+    return "bias_correction" in settings
 
 
 def family_of(settings: list[dict[str, Any]]) -> str:
@@ -78,6 +95,10 @@ def to_family(index: OptimizerIndex | DistOptimizerIndex, family: str, step: flo
     settings = [index.settings[s] for s in index.order]
     if family_of(settings) == family:
         return index
+    # the indexes' modules: loaded where a state is converted (not for a verdict's family question)
+    from megatron_preflight.reshard.optimizer.distributed import DistOptimizerIndex
+    from megatron_preflight.reshard.optimizer.plain import _signature
+
     step = _step(settings, step)
     distributed = isinstance(index, DistOptimizerIndex)
     new_settings = {sig: _group(index.settings[sig], family, step, distributed, decoupled) for sig in index.order}
@@ -90,7 +111,7 @@ def to_family(index: OptimizerIndex | DistOptimizerIndex, family: str, step: flo
     for gkey, state in index.fields.items():
         rest = OrderedDict((k, v) for k, v in state.items() if k != "step")
         if family == TORCH:  # torch's Adam: a step of its own per parameter, first in its state (a made value)
-            rest = OrderedDict([("step", SourcePiece("", _step_value(step), 0, 1)), *rest.items()])
+            rest = OrderedDict([("step", SourcePiece("", step_value(step), 0, 1)), *rest.items()])
         fields[gkey] = rest
     return dataclasses.replace(index, settings={sigs[s]: new_settings[s] for s in index.order},
                                order=[sigs[s] for s in index.order], dense={sigs[s] for s in index.dense},
@@ -104,6 +125,8 @@ def renamed(index: OptimizerIndex | DistOptimizerIndex, mapping: dict[GlobalKey,
     """``index`` with its parameters under new global keys (a spec bridge renames some; the state is the same)."""
     if not mapping:
         return index
+    from megatron_preflight.reshard.optimizer.distributed import DistOptimizerIndex  # (see to_family)
+
     fields = {mapping.get(k, k): v for k, v in index.fields.items()}
     if isinstance(index, DistOptimizerIndex):
         return dataclasses.replace(index, fields=fields)
