@@ -10,7 +10,7 @@ from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.parallel import LayoutError, pad_vocab
-from megatron_preflight.reshard.plan.rules import mtp_layer_name
+from megatron_preflight.reshard.plan.rules import mamba_conv_name, mtp_layer_name
 
 FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
 
@@ -137,7 +137,32 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     out.extend(_compare_hybrid(layout, rt))
     if parallel.hybrid_pattern(saved) is None:  # (HybridModel's MTP stack is `mtp_model_layer` wherever it exists)
         out.extend(_compare_mtp_name(layout, rt))
+    else:
+        out.extend(_compare_mamba_conv(layout, rt))
     return out
+
+
+def _compare_mamba_conv(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    """A Mamba mixer's conv is a module (``conv1d.weight``) in the legacy files of megatron-core up to 0.18 and the
+    mixer's parameters (``conv1d_weight``) from 0.19: a Megatron of the other naming misses them."""
+    if layout.format != Format.TORCH or rt.mamba_conv_name is None:
+        return []
+    for shard in layout.shards:
+        for chunk, sd in (shard.meta or {}).items():
+            if not (chunk.startswith("model") and isinstance(sd, dict)):
+                continue
+            ck = next((n for n in map(mamba_conv_name, sd) if n is not None), None)
+            if ck is None:
+                continue
+            if ck == rt.mamba_conv_name:
+                return []
+            return [Finding("mamba_conv_name", ck, rt.mamba_conv_name, RESHARD,
+                            f"the checkpoint names its Mamba mixers' conv `{ck}` and this Megatron "
+                            f"`{rt.mamba_conv_name}` (renamed in megatron-core 0.19): its own legacy loader misses "
+                            "them and, after the strict load fails, loads again non-strictly, leaving every Mamba conv "
+                            "at its init; the in-memory resharder loads them under this Megatron's names",
+                            "run with --preflight auto")]
+    return []
 
 
 def _compare_hybrid(layout: Layout, rt: RuntimeArgs) -> list[Finding]:

@@ -395,7 +395,8 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
         lay, changed = _layout_findings(layout, rt)
         family = _family_findings(index, rt)
         renamed = any(f.severity == RESHARD for f in findings
-                      if f.field in ("transformer_impl", "moe_grouped_gemm", "mtp_layer_name", "hybrid_layer_pattern"))
+                      if f.field in ("transformer_impl", "moe_grouped_gemm", "mtp_layer_name", "hybrid_layer_pattern",
+                                   "mamba_conv_name"))
         changed = changed or renamed or any(f.severity == RESHARD for f in family) or \
             (optimizer_toggled(layout, rt) and _convertible(index))
         findings += lay + family

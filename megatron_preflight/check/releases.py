@@ -29,6 +29,7 @@ class ReleaseFacts:
     mtp_layer_name: str  # an MTP layer's transformer layer: transformer_layer up to 0.16, mtp_model_layer from 0.17
     param_group_keys: tuple[str, ...]
     local_grouped_mlp: bool  # the local spec with --moe-grouped-gemm builds the legacy GroupedMLP (up to 0.16)
+    mamba_conv_name: str = "conv1d_weight"  # a Mamba mixer's conv in legacy files: conv1d.weight up to 0.18
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -46,7 +47,8 @@ def facts(version: tuple[int, int]) -> ReleaseFacts:
     return ReleaseFacts(version=version, loads_flattened_range=v < (0, 16),
                         mtp_layer_name="transformer_layer" if v < (0, 17) else "mtp_model_layer",
                         param_group_keys=STRUCTURE_KEYS if v < (0, 19) else OVERRIDE_KEYS,
-                        local_grouped_mlp=v < (0, 17))
+                        local_grouped_mlp=v < (0, 17),
+                        mamba_conv_name="conv1d.weight" if v < (0, 19) else "conv1d_weight")
 
 
 _DIST_INFO = re.compile(r"megatron[_.-]core-(\d+\.\d+[^-]*)\.dist-info$", re.IGNORECASE)
@@ -89,6 +91,8 @@ def apply(rt, release: ReleaseFacts) -> None:
         rt.mtp_layer_name = release.mtp_layer_name
     if rt.param_group_keys is None:
         rt.param_group_keys = release.param_group_keys
+    if rt.mamba_conv_name is None and rt.hybrid_layer_pattern:
+        rt.mamba_conv_name = release.mamba_conv_name
     if rt.builds_grouped_mlp is None:
         rt.builds_grouped_mlp = bool(rt.moe_grouped_gemm and rt.transformer_impl == "local"
                                      and release.local_grouped_mlp)

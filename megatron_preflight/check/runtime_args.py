@@ -88,6 +88,9 @@ class RuntimeArgs:
     # megatron-core 0.17, ``transformer_layer`` before); not a flag: the hook asks megatron.core, offline the release
     # table (check/releases.py) when the release is known, else None (not compared)
     mtp_layer_name: str | None = None
+    # What this Megatron names a Mamba mixer's conv in a state dict (``conv1d_weight`` from megatron-core 0.19,
+    # ``conv1d.weight`` before); the hook and the CLI take it from the release table (check/releases.py)
+    mamba_conv_name: str | None = None
     # Whether the run's megatron-core loads ShardedTensors with a flattened_range (the distributed optimizer's
     # fully_sharded_model_space form; megatron-core >= 0.16 does not); the hook asks megatron.core, None offline
     loads_flattened_range: bool | None = None

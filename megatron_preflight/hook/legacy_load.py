@@ -5,17 +5,19 @@ optimizer.load_state_dict, --no-load-optim/--no-load-rng, --finetune) behaves as
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from typing import Any
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
+from megatron_preflight.check import releases
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus, shared_read
 from megatron_preflight.hook.state import STATE
 from megatron_preflight.layout import naming, transport
-from megatron_preflight.reshard.plan.rules import canonical_name, mtp_spellings
+from megatron_preflight.reshard.plan.rules import canonical_name, spellings
 
 log = logging.getLogger("megatron_preflight")
 
@@ -25,7 +27,11 @@ def target_from_args(args: Any) -> reshard.TargetLayout:
     decision = STATE.decision
     if decision is not None and decision.target is not None:
         return decision.target
-    return reshard.TargetLayout.from_args(args)
+    target = reshard.TargetLayout.from_args(args)
+    version = releases.installed_version() if target.hybrid_layer_pattern else None
+    if version is not None:  # what this Megatron names a Mamba conv (check/releases.py)
+        target = dataclasses.replace(target, mamba_conv_name=releases.facts(version).mamba_conv_name)
+    return target
 
 
 def keep_optimizer(args: Any) -> bool:
@@ -165,17 +171,20 @@ def match_extra_state(state: dict[str, Any], model: Any) -> int:
 
 
 def match_mtp_names(state: dict[str, Any], model: Any) -> int:
-    """Put each MTP layer's transformer layer under the running modules' name (``mtp_model_layer``, or the older
-    ``transformer_layer``; Megatron loads strictly), whichever the checkpoint wrote. Returns how many keys moved."""
+    """Put each key a Megatron release names otherwise under the running modules' name (Megatron loads strictly, and
+    on a strict failure its legacy loader loads again non-strictly, leaving those modules at init): an MTP layer's
+    transformer layer (``mtp_model_layer``, or the older ``transformer_layer``), a Mamba mixer's conv
+    (``conv1d_weight``, or the older ``conv1d.weight``), whichever the checkpoint wrote. Returns how many keys
+    moved."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     moved = 0
     for i, chunk in enumerate(chunks):
         sd = state.get("model" if len(chunks) == 1 else f"model{i}")
-        if not isinstance(sd, dict) or not any(k.startswith("mtp.") for k in sd):
+        if not isinstance(sd, dict) or not any(k.startswith("mtp.") or ".mixer.conv1d" in k for k in sd):
             continue
         live = set(unwrapped(chunk).state_dict(keep_vars=True))
-        for key in [k for k in sd if k not in live and k.startswith("mtp.")]:
-            other = next((name for name in mtp_spellings(key)[1:] if name in live), None)
+        for key in [k for k in sd if k not in live and (k.startswith("mtp.") or ".mixer.conv1d" in k)]:
+            other = next((name for name in spellings(key)[1:] if name in live), None)
             if other is not None:
                 sd[other] = sd.pop(key)
                 moved += 1

@@ -156,6 +156,9 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     rt.loads_flattened_range = loads_flattened_range()
     rt.mtp_layer_name = mtp_layer_name() if getattr(args, "mtp_num_layers", None) else None
     rt.param_group_keys = param_group_keys()
+    version = releases.installed_version() if rt.hybrid_layer_pattern else None
+    if version is not None:
+        rt.mamba_conv_name = releases.facts(version).mamba_conv_name
     if rt.preflight_device_memory is None:
         rt.preflight_device_memory = device_memory_gib()
     if mode in ("auto", "verify"):
@@ -179,8 +182,8 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
                    "`megatron-preflight reshard`.")
     if verdict == Verdict.FAIL and plan.layout.format is None and not allow_missing:
         report += ("\nIf starting from scratch is intended, add --preflight-allow-missing-checkpoint.")
-    target = dataclasses.replace(reshard.TargetLayout.from_args(args), optimizer_family=rt.optimizer_family) \
-        if plan.loader == Loader.RESHARD else None
+    target = dataclasses.replace(reshard.TargetLayout.from_args(args), optimizer_family=rt.optimizer_family,
+                                 mamba_conv_name=rt.mamba_conv_name) if plan.loader == Loader.RESHARD else None
     return Decision(mode, verdict, plan.loader, plan.load_optimizer, plan.load_rng, load_dir, target, report,
                     plan.to_json())
 

@@ -28,7 +28,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus, legacy_load, runtime, verify_rng
 from megatron_preflight.layout import naming
 from megatron_preflight.prove import fingerprint, placement
-from megatron_preflight.reshard.plan.rules import canonical_name, mtp_spellings
+from megatron_preflight.reshard.plan.rules import canonical_name, spellings
 
 log = logging.getLogger("megatron_preflight")
 
@@ -52,7 +52,7 @@ def _by_global_name(plan: Any) -> dict[tuple[int, str], Any]:
 def _live_key(live: dict[str, Any], key: str) -> str:
     """A planned key as the running module names it (an MTP layer's transformer layer may be named otherwise than
     in the checkpoint: renamed at load); ``key`` itself when the chunk has no such entry."""
-    return next((k for k in mtp_spellings(key) if k in live), key)
+    return next((k for k in spellings(key) if k in live), key)
 
 
 def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], name: str) -> dict[str, Any]:
@@ -253,7 +253,7 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
     trust = bool(getattr(args, "preflight_trust_checkpoint", False))
     index = legacy_load.shared_index(load_dir, getattr(args, "ckpt_step", None), trust, False)
     root = index.layout.root or load_dir
-    target = reshard.TargetLayout.from_args(args)
+    target = legacy_load.target_from_args(args)
     r = reshard.open_resharder(index, target, keep_optimizer=False)
     coords = legacy_load.runtime_coordinates(consensus.rank(), consensus.world_size(), r)
     name = naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"], pp_size=r.tgt.pp, ep_size=r.tgt.ep)

@@ -36,7 +36,7 @@ from megatron_preflight.reshard.optimizer.plain import (
     plan_optimizer,
 )
 from megatron_preflight.reshard.plan.consistency import args_problems, complete_problems, raise_first
-from megatron_preflight.reshard.plan.hybrid import gpt_to_hybrid_problem, to_hybrid
+from megatron_preflight.reshard.plan.hybrid import conv_named, gpt_to_hybrid_problem, to_hybrid
 from megatron_preflight.reshard.plan.index import VOCAB_KEYS, GlobalIndex, has_legacy_grouped
 from megatron_preflight.reshard.plan.planner import plan_rank, rewrite_args, target_vocab
 from megatron_preflight.reshard.plan.spec import TE, SpecChange, bridge, spec_change
@@ -338,6 +338,15 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
                         for old in index.tensors
                         if layered.get(renamed_keys.get(old, old), renamed_keys.get(old, old)) != old}
         log.info("a GPT checkpoint loaded as the HybridModel %r", tgt.hybrid_pattern)
+    if target.mamba_conv_name is not None:  # the target Megatron's name of a Mamba mixer's conv (0.19 renamed it)
+        tensors, conv = conv_named(tensors if tensors is not None else index.tensors, target.mamba_conv_name)
+        if conv:
+            renamed_keys = {old: conv.get(renamed_keys.get(old, old), renamed_keys.get(old, old))
+                            for old in index.tensors
+                            if conv.get(renamed_keys.get(old, old), renamed_keys.get(old, old)) != old}
+            log.info("Mamba convs named %s for the target", target.mamba_conv_name)
+        elif tensors is index.tensors:
+            tensors = None
     family = target.optimizer_family or (FUSED if change.target == TE != change.source else None)
     choice = _adapted(choice, index, renamed_keys, family,
                       decoupled=bool(saved_arg(view.saved_args, "decoupled_weight_decay", True)))

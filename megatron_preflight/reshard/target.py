@@ -48,6 +48,9 @@ class TargetLayout:
     optimizer_family: str | None = None
     # HybridModel's layer pattern at the target (None: the source's, re-cut into the target's pipeline segments)
     hybrid_layer_pattern: str | None = None
+    # what the target Megatron names a Mamba mixer's conv (``conv1d_weight`` from megatron-core 0.19, ``conv1d.weight``
+    # before; None: the source's naming)
+    mamba_conv_name: str | None = None
 
     def __post_init__(self) -> None:
         parallel.validate_sizes(self.megatron_sizes())  # a size that enters here is checked here, once
@@ -97,6 +100,8 @@ class TargetLayout:
             moe_grouped_gemm=None if get("moe_grouped_gemm") is None else bool(get("moe_grouped_gemm")),
             optimizer_family=get("optimizer_family"),
             hybrid_layer_pattern=get("hybrid_layer_pattern") or get("hybrid_override_pattern"),
+            mamba_conv_name=args.get("mamba_conv_name") if isinstance(args, dict) else getattr(args, "mamba_conv_name",
+                                                                                               None),
         )
 
     def resolve(self, src: ParallelLayout) -> ParallelLayout:

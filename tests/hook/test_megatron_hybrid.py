@@ -198,3 +198,28 @@ def test_a_legacy_gpt_checkpoint_resumes_in_a_hybrid_run_with_the_gpt_runs_loss(
     assert loss(log, 4, 4) is not None and iteration_losses(log) == iteration_losses(log2)
     if "--mtp-num-layers" in flags:
         assert_trains_alike_with_mtp(log, log2)
+
+
+RELEASE_018 = dict(item.split("=", 1) for item in os.environ.get("MEGATRON_LM_RELEASES", "").split(",")
+                   if "=" in item).get("0.18")
+
+
+def test_a_hybrid_checkpoint_of_megatron_0_18_resumes_through_auto(tmp_path):
+    """core_r0.18.0 wrote its Mamba convs as `mixer.conv1d.weight` (a module after in_proj); this Megatron holds
+    `mixer.conv1d_weight` first. Plain pretrain_hybrid.py loads it non-strictly (the convs stay at init) and then
+    crashes in Adam on moments of other shapes; with --preflight auto the keys are renamed and moved, the Adam state
+    with them, and training continues as 0.18's own resume (where its work tree is given)."""
+    flags = ["--ckpt-format", "torch", "--hybrid-layer-pattern", "M*-", "--tensor-model-parallel-size", "2",
+             "--no-load-rng"]
+    no_moe = ("--num-experts", "--moe-router-topk")  # (this fixture has no MoE layer)
+    rc, log = hybrid(tmp_path, fixture_path("hyb18_tp2_torch"), 2, "--preflight", "auto", *flags, port=29983,
+                     drop=no_moe)
+    assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+    rc0, log0 = hybrid(tmp_path, fixture_path("hyb18_tp2_torch"), 2, *flags, plugin=False, port=29984, verify=False,
+                       drop=no_moe)
+    assert rc0 != 0 and "lm loss" not in log0
+    if RELEASE_018:
+        rc2, log2 = hybrid(tmp_path, fixture_path("hyb18_tp2_torch"), 2, *flags, plugin=False, port=29985,
+                           root=RELEASE_018, verify=False, drop=no_moe)
+        assert rc2 == 0, log2[-3000:]
+        assert loss(log, 4, 4) is not None and iteration_losses(log) == iteration_losses(log2)

@@ -17,7 +17,8 @@ from typing import Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.parallel import MTP_SEPARATOR, hybrid_layers, hybrid_main
-from megatron_preflight.reshard.plan.rules import MTP_INNER, info_of_global, mtp_index
+from megatron_preflight.reshard.plan.rules import MTP_INNER, info_of_global, mamba_conv_name, mtp_index, spellings
+from megatron_preflight.reshard.plan.spec import reordered
 from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey
 
 # the parts of a GPT layer that make the hybrid attention layer (the rest is its MLP / MoE layer)
@@ -133,3 +134,22 @@ def to_hybrid(index: OrderedDict[GlobalKey, GlobalEntry], where: str | None = No
             entry = GlobalEntry(new, info_of_global(*new), entry.rule, entry.pieces, entry.order)
         out[new] = entry
     return out, renamed
+
+
+def conv_named(index: OrderedDict[GlobalKey, GlobalEntry], name: str
+               ) -> tuple[OrderedDict[GlobalKey, GlobalEntry], dict[GlobalKey, GlobalKey]]:
+    """The index with every Mamba mixer's conv under the naming ``name`` (``conv1d_weight``: megatron-core 0.19 and
+    later; ``conv1d.weight`` before) and every layer key at its place in Megatron's module order (the conv moves:
+    parameters of the mixer come before its modules, a module after ``in_proj``); old -> new keys of the renamed ones
+    (the optimizer state follows them, and so the plain optimizer's parameter order)."""
+    renamed: dict[GlobalKey, GlobalKey] = {}
+    out: OrderedDict[GlobalKey, GlobalEntry] = OrderedDict()
+    for key, entry in index.items():
+        found = mamba_conv_name(key.suffix)
+        if found is not None and found != name:
+            new = GlobalKey(key.layer, key.expert, key.style, spellings(key.suffix)[1])
+            renamed[key] = new
+            entry = GlobalEntry(new, info_of_global(*new), entry.rule, entry.pieces, entry.order)
+            key = new
+        out[key] = entry
+    return (reordered(out), renamed) if renamed else (index, {})

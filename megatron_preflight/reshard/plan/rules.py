@@ -225,6 +225,33 @@ def mtp_spellings(key: str) -> tuple[str, ...]:
     return (key, *(f"{m.group(1)}{name}.{m.group(4)}" for name in MTP_LAYER_NAMES if name != m.group(3)))
 
 
+# a Mamba-2 mixer's depthwise conv in a legacy state dict: a module (``mixer.conv1d.weight``) up to megatron-core 0.18,
+# parameters of the mixer (``mixer.conv1d_weight``) from 0.19 (torch_dist keeps the module's names)
+MAMBA_CONV_NAMES = ("conv1d_weight", "conv1d.weight")
+_MAMBA_CONV_RE = re.compile(r"^((?:.*\.)?mixer\.)conv1d[._](weight|bias)$")
+
+
+def mamba_conv_name(key: str) -> str | None:
+    """The naming ``key`` gives a Mamba mixer's conv (one of :data:`MAMBA_CONV_NAMES`; None: no such key)."""
+    m = _MAMBA_CONV_RE.match(key)
+    if not m:
+        return None
+    return MAMBA_CONV_NAMES[0] if key.endswith(("conv1d_weight", "conv1d_bias")) else MAMBA_CONV_NAMES[1]
+
+
+def spellings(key: str) -> tuple[str, ...]:
+    """``key`` as written, then under every other name a Megatron release gives it: an MTP layer's transformer layer
+    (:func:`mtp_spellings`), a Mamba mixer's conv (``conv1d.weight`` / ``conv1d_weight``)."""
+    out = list(mtp_spellings(key))
+    for k in list(out):
+        m = _MAMBA_CONV_RE.match(k)
+        if m:
+            other = f"{m.group(1)}conv1d.{m.group(2)}" if mamba_conv_name(k) == MAMBA_CONV_NAMES[0] else \
+                f"{m.group(1)}conv1d_{m.group(2)}"
+            out.append(other)
+    return tuple(out)
+
+
 def info_of_global(layer: int | None, expert: int | None, style: str, suffix: str) -> KeyInfo:
     """The parsed key of a global name (the inverse of :attr:`KeyInfo.global_suffix`; the layer number only says
     "a decoder layer")."""

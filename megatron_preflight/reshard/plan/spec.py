@@ -296,10 +296,10 @@ def bridge(index: OrderedDict[GlobalKey, GlobalEntry], change: SpecChange, *,
     for key in made:
         if key not in out:
             out[key] = _new_entry(key, swiglu)
-    return _reordered(out), renamed
+    return reordered(out), renamed
 
 
-def _reordered(index: OrderedDict[GlobalKey, GlobalEntry]) -> OrderedDict[GlobalKey, GlobalEntry]:
+def reordered(index: OrderedDict[GlobalKey, GlobalEntry]) -> OrderedDict[GlobalKey, GlobalEntry]:
     """Every layer key at its place in the target spec's module order; the others (embedding, final norm, head) in
     their order, the final norm's extra state after its parameters."""
     out: OrderedDict[GlobalKey, GlobalEntry] = OrderedDict()

@@ -79,3 +79,32 @@ def test_a_gpt_checkpoint_into_another_model_is_refused(tmp_path):
         write_resharded(fixture_path("te_tp2_torch"), str(tmp_path / "x"),
                         TargetLayout(tp=1, hybrid_layer_pattern="*-*-M*-*-"))
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_a_mamba_conv_of_megatron_0_18_is_renamed_and_moved_for_a_newer_megatron(tmp_path):
+    """core_r0.18.0 saved the conv as a module after in_proj (`mixer.conv1d.weight`); 0.19 and later hold it as the
+    mixer's first parameters (`mixer.conv1d_weight`): a newer target gets the new names at the new place, and the plain
+    optimizer's state follows its parameters (its position is the parameter's)."""
+    out = str(tmp_path / "main")
+    write_resharded(fixture_path("hyb18_tp2_torch"), out, TargetLayout(mamba_conv_name="conv1d_weight"), verify=True)
+    old, new = _model(fixture_path("hyb18_tp2_torch")), _model(out)
+    layer0 = [k.split("mixer.", 1)[1] for k in new["model"] if k.startswith("decoder.layers.0.")]
+    assert layer0[:5] == ["conv1d_weight", "conv1d_bias", "dt_bias", "A_log", "D"]
+    assert torch.equal(new["model"]["decoder.layers.0.mixer.conv1d_weight"],
+                       old["model"]["decoder.layers.0.mixer.conv1d.weight"])
+    params = [v for k, v in new["model"].items() if isinstance(v, torch.Tensor) and "_extra_state" not in k]
+    state = new["optimizer"].get("optimizer", new["optimizer"])
+    order = [i for g in state["param_groups"] for i in g["params"]]
+    shapes = sorted(tuple(p.shape) for p in params)
+    assert sorted(tuple(state["state"][i]["exp_avg"].shape) for i in order) == shapes
+    # each group's moments in the model's parameter order (Megatron's groups: weight decay for >1-D non-biases),
+    # so the conv's moments sit at the conv's new place
+    decayed = [tuple(v.shape) for k, v in new["model"].items() if isinstance(v, torch.Tensor)
+               and "_extra_state" not in k and v.dim() > 1 and not k.endswith(".bias")]
+    rest = [tuple(v.shape) for k, v in new["model"].items() if isinstance(v, torch.Tensor)
+            and "_extra_state" not in k and not (v.dim() > 1 and not k.endswith(".bias"))]
+    groups = sorted([tuple(state["state"][i]["exp_avg"].shape) for i in g["params"]] for g in state["param_groups"])
+    assert groups == sorted([decayed, rest]) and (48, 1, 4) in decayed[:2]
+    back = str(tmp_path / "back")
+    write_resharded(out, back, TargetLayout(mamba_conv_name="conv1d.weight"))
+    assert list(_model(back)["model"]) == list(old["model"])  # and back: 0.18's names and order
