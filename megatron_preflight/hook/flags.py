@@ -23,6 +23,11 @@ def add_preflight_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                        help="the device memory each rank may use, in GiB: a layout whose predicted parameters, "
                             "gradients, optimizer state and activations exceed it fails at start (default: the "
                             "device's own memory, when it is a CUDA device)")
+    group.add_argument("--preflight-fingerprint-on-save", choices=("on", "off"),
+                       default=os.environ.get("MEGATRON_PREFLIGHT_FINGERPRINT_ON_SAVE", "on"),
+                       help="with --preflight other than off: after each checkpoint Megatron saves, every rank hashes "
+                            "what it holds and rank 0 writes the checkpoint's fingerprints beside it (what a later "
+                            "--preflight verify, inspect and reshard --verify prove a load or copy against)")
     group.add_argument("--preflight-trust-checkpoint", action="store_true",
                        help="allow pickled types outside the allow-list when reading checkpoint metadata")
     return parser

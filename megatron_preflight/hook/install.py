@@ -25,7 +25,7 @@ from typing import Any
 
 from megatron_preflight.check.verdict import Loader
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.hook import legacy_load, runtime, verify
+from megatron_preflight.hook import legacy_load, runtime, save_fingerprint, verify
 from megatron_preflight.hook import state as state_mod
 from megatron_preflight.hook.flags import add_preflight_arguments
 
@@ -176,5 +176,25 @@ def install() -> None:
         mod, fn = resolved[(module, "load_checkpoint")]
         if not _wrapped(fn):
             mod.load_checkpoint = make_load_wrapper(fn)
+
+    def make_save_wrapper(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def save_checkpoint(iteration, model, optimizer, *a, **k):
+            result = original(iteration, model, optimizer, *a, **k)
+            args = get_args()
+            why = save_fingerprint.skipped(args, k)
+            if why is None:
+                save_fingerprint.fingerprint_after_save(model, optimizer, args, iteration)
+            elif why != "off":
+                runtime._say(f"fingerprints at save (iteration {iteration}): {why}")
+            return result
+
+        return _mark(save_checkpoint)
+
+    for module in ("megatron.training.training", "megatron.training.checkpointing"):
+        mod = importlib.import_module(module)
+        fn = getattr(mod, "save_checkpoint", None)
+        if fn is not None and not _wrapped(fn):
+            mod.save_checkpoint = make_save_wrapper(fn)
     _INSTALLED = True
     log.debug("megatron-preflight hook installed")

@@ -1,0 +1,104 @@
+"""Fingerprints at save (issue 33): after Megatron's ``save_checkpoint`` has finished a checkpoint, every rank hashes
+the model (and optimizer state) it holds — what Megatron just wrote — as boxes of the global tensors, with the digest
+``--preflight verify`` and ``megatron-preflight fingerprint`` use; rank 0 merges them and writes
+``megatron_preflight_fingerprints/iter_N.json`` atomically. No tensor is read back: the checkpoint's metadata is read
+(to place each local tensor in its global tensor), the values are the live ones.
+
+Covered: synchronous saves in the legacy and torch_dist formats, plain and distributed optimizer. Not covered (said in
+the log): asynchronous saves (the checkpoint is completed later, by Megatron's finalize), non-persistent (local)
+checkpoints; for those, ``megatron-preflight fingerprint`` after the save gives the same file from the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from megatron_preflight import dtypes, reshard
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.hook import consensus, legacy_load, verify
+from megatron_preflight.layout import naming
+from megatron_preflight.prove import fingerprint
+from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors
+
+log = logging.getLogger("megatron_preflight")
+
+
+def skipped(args: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why this save is not fingerprinted (None: it is)."""
+    if getattr(args, "preflight", "off") == "off" or getattr(args, "preflight_fingerprint_on_save", "on") == "off":
+        return "off"
+    if kwargs.get("non_persistent_ckpt"):
+        return "a non-persistent checkpoint is not fingerprinted"
+    if getattr(args, "async_save", False):
+        return ("an asynchronous save is not fingerprinted (it completes later); run `megatron-preflight fingerprint` "
+                "on the checkpoint once it is finalized")
+    return None
+
+
+def _document(index: Any, gathered: list[dict[str, Any]], with_optimizer: bool) -> dict[str, Any]:
+    """Rank 0: the fingerprint file of the checkpoint from every rank's partials (each box counted once; replicas
+    that disagree, or a tensor not covered whole, are an error: nothing is written)."""
+    boxes: dict[str, dict[tuple, tuple[str, int]]] = {}
+    for doc in gathered:
+        for name, parts in doc["parts"].items():
+            for offsets, dig, numel in parts:
+                seen = boxes.setdefault(name, {}).setdefault(tuple(offsets), (dig, numel))
+                if seen[0] != dig:
+                    raise PreflightError(f"fingerprint at save: the ranks hold different values for the same slice "
+                                         f"of {name} (offsets {list(offsets)}): its replicas diverged",
+                                         path=index.layout.iter_dir, code="fingerprint",
+                                         fix="the checkpoint is saved; investigate the run (replicas should agree)")
+    g = global_resharder(index, with_optimizer, None)
+    real = g.vocab.real if g.vocab is not None else None
+    tensors: dict[str, Any] = {}
+    for name, tp in named_tensors(global_plan(g), g.writes_optimizer).items():
+        if name.endswith("_extra_state") or name.endswith("#step") or getattr(tp, "shape", None) is None:
+            continue
+        shape = list(tp.shape)
+        if tp.pad_from is not None and real is not None:
+            shape[0] = real
+        held = boxes.get(name)
+        total = 1
+        for s in shape:
+            total *= s
+        if not held or sum(n for _, n in held.values()) != total:
+            raise PreflightError(f"fingerprint at save: the ranks do not hold all of {name}", code="fingerprint",
+                                 path=index.layout.iter_dir,
+                                 fix="run `megatron-preflight fingerprint` on the checkpoint instead")
+        tensors[name] = {"digest": f"{fingerprint.combine([int(d, 16) for d, _ in held.values()]):016x}",
+                         "shape": shape, "dtype": str(dtypes.to_torch(tp.dtype)).removeprefix("torch.")}
+    return {"format": fingerprint.FORMAT, "iteration": index.layout.iteration, "source": index.layout.root,
+            "vocab_rows": real, "optimizer_step": g.plain_step() if g.writes_optimizer else None, "tensors": tensors}
+
+
+def fingerprint_after_save(model: Any, optimizer: Any, args: Any, iteration: int) -> None:
+    """Run by every rank after Megatron's save of ``iteration`` to ``args.save`` returned (collective)."""
+    started = time.perf_counter()
+    save_dir = args.save
+    with_optimizer = optimizer is not None and not getattr(args, "no_save_optim", False)
+    try:  # the checkpoint's metadata only (every rank reads it: the tensors' global places)
+        index = reshard.open_index(save_dir, iteration=iteration, trust_checkpoint=True)
+        target = legacy_load.target_from_args(args)
+        r = reshard.open_resharder(index, target, keep_optimizer=False)
+        coords = legacy_load.runtime_coordinates(consensus.rank(), consensus.world_size(), r)
+        name = naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"], pp_size=r.tgt.pp, ep_size=r.tgt.ep)
+        mine: dict[str, Any] = verify.local_partials(r, model, coords, name)
+        if with_optimizer:
+            mine["parts"].update(verify.optimizer_partials(r, model, optimizer, coords, name))
+        problem = None
+    except PreflightError as exc:
+        index, mine, problem = None, {"parts": {}}, exc.message
+    gathered = consensus.gather_to_rank0({**mine, "problem": problem})
+
+    def write() -> str:
+        problems = [d["problem"] for d in gathered or [] if d.get("problem")]
+        if problems or index is None:
+            return f"not written: {problems[0] if problems else 'the checkpoint could not be indexed'}"
+        doc = _document(index, gathered or [], with_optimizer)
+        path = fingerprint.store(index.layout.root or save_dir, iteration, doc)
+        return f"{len(doc['tensors'])} tensors, {path}"
+
+    said = consensus.decide_on_rank0(write, lambda exc: f"not written: {exc}")
+    verify._say(f"fingerprints at save (iteration {iteration}): {said} ({time.perf_counter() - started:.2f} s)")

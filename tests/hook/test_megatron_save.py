@@ -1,0 +1,67 @@
+"""Fingerprints at save (issue 33), in the REAL Megatron-LM pretrain_gpt.py (skipped unless MEGATRON_LM_ROOT is set):
+a job with --preflight on writes its checkpoint's fingerprints as it saves, from the tensors it holds; they must equal
+what `megatron-preflight fingerprint` computes from the files afterwards, and a later --preflight verify load passes.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.hook.test_megatron_lm import ROOT, TINY, VERIFIED, megatron_env, run
+
+pytestmark = pytest.mark.skipif(not ROOT, reason="MEGATRON_LM_ROOT is not set: no real Megatron-LM checkout here")
+
+
+def save_run(tmp_path, nproc, *flags, port):
+    """pretrain_gpt.py from scratch through the launcher, saving at iteration 2 into tmp_path/saved: (rc, log, dir)."""
+    python, env = megatron_env(ROOT)
+    out = tmp_path / "saved"
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+           "-m", "megatron_preflight.run", "pretrain_gpt.py", *TINY, "--train-iters", "2", "--save-interval", "2",
+           *os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split(), "--save", str(out),
+           "--preflight", "check", "--preflight-allow-missing-checkpoint", *flags]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return r.returncode, r.stdout + r.stderr, out
+
+
+def _tensors(root):
+    with open(os.path.join(root, "megatron_preflight_fingerprints", "iter_0000002.json")) as fh:
+        return json.load(fh)
+
+
+@pytest.mark.parametrize("nproc, flags", [
+    (2, ["--ckpt-format", "torch", "--tensor-model-parallel-size", "2"]),
+    (2, ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]),
+    (2, ["--ckpt-format", "torch", "--use-distributed-optimizer", "--num-experts", "4", "--moe-router-topk", "2",
+         "--expert-model-parallel-size", "2", "--disable-bias-linear"]),
+], ids=["legacy tp2", "torch_dist distributed optimizer dp2", "legacy moe ep2 distributed optimizer"])
+def test_the_job_fingerprints_what_it_saves(tmp_path, nproc, flags):
+    rc, log, saved = save_run(tmp_path, nproc, *flags, port=29860)
+    assert rc == 0, log[-3000:]
+    assert "fingerprints at save (iteration 2):" in log and "tensors" in log, log[-3000:]
+    at_save = _tensors(saved)
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    shutil.rmtree(copy / "megatron_preflight_fingerprints")
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "fingerprint", str(copy)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    from_files = _tensors(copy)
+    assert any("#exp_avg" in k for k in at_save["tensors"])  # the optimizer state too
+    assert at_save["tensors"] == from_files["tensors"]
+    assert (at_save["iteration"], at_save["optimizer_step"]) == (from_files["iteration"], from_files["optimizer_step"])
+    # a later --preflight verify resume of the saved checkpoint is proven against them
+    rc2, log2 = run(tmp_path, str(saved), nproc, "--preflight", "verify", *flags, "--no-load-rng", port=29861)
+    assert rc2 == 0 and VERIFIED.search(log2), log2[-3000:]
+
+
+def test_an_asynchronous_save_says_it_is_not_fingerprinted(tmp_path):
+    rc, log, saved = save_run(tmp_path, 2, "--ckpt-format", "torch_dist", "--async-save",
+                              "--use-persistent-ckpt-worker", "--async-strategy", "mcore", port=29862)
+    assert rc == 0, log[-3000:]
+    assert "an asynchronous save is not fingerprinted" in log
+    assert not os.path.exists(saved / "megatron_preflight_fingerprints")
