@@ -18,7 +18,7 @@ from typing import Any
 from megatron_preflight import dtypes, reshard
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus, legacy_load, verify
-from megatron_preflight.layout import naming
+from megatron_preflight.layout import naming, transport
 from megatron_preflight.prove import fingerprint
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors
 
@@ -73,13 +73,29 @@ def _document(index: Any, gathered: list[dict[str, Any]], with_optimizer: bool) 
             "vocab_rows": real, "optimizer_step": g.plain_step() if g.writes_optimizer else None, "tensors": tensors}
 
 
+def _saved_index(save_dir: str, iteration: int) -> Any:
+    """The index of the checkpoint just saved: rank 0 reads its metadata and sends the layout (collective)."""
+    box: list[Any] = []
+
+    def read() -> tuple[str, Any]:
+        index = reshard.open_index(save_dir, iteration=iteration, trust_checkpoint=True)
+        box.append(index)
+        return "ok", transport.dumps(index.layout)
+
+    kind, payload = consensus.decide_on_rank0(read, lambda exc: ("error", getattr(exc, "message", str(exc))))
+    if kind == "error":
+        raise PreflightError(f"the checkpoint just saved cannot be indexed: {payload}", path=save_dir,
+                             code="fingerprint", fix="run `megatron-preflight fingerprint` on it")
+    return box[0] if box else reshard.CheckpointIndex(transport.loads(payload), trust=True)
+
+
 def fingerprint_after_save(model: Any, optimizer: Any, args: Any, iteration: int) -> None:
     """Run by every rank after Megatron's save of ``iteration`` to ``args.save`` returned (collective)."""
     started = time.perf_counter()
     save_dir = args.save
     with_optimizer = optimizer is not None and not getattr(args, "no_save_optim", False)
-    try:  # the checkpoint's metadata only (every rank reads it: the tensors' global places)
-        index = reshard.open_index(save_dir, iteration=iteration, trust_checkpoint=True)
+    try:  # the checkpoint's metadata only (rank 0 reads it: the tensors' global places)
+        index = _saved_index(save_dir, iteration)
         target = legacy_load.target_from_args(args)
         r = reshard.open_resharder(index, target, keep_optimizer=False)
         coords = legacy_load.runtime_coordinates(consensus.rank(), consensus.world_size(), r)
