@@ -255,9 +255,10 @@ class TorchFile:
     :func:`map_file`: one mapping shared by all the blobs of a ``.distcp`` file) or a mapping of its own."""
 
     def __init__(self, path: str | os.PathLike, *, trust: bool = False, window: tuple[int, int] | None = None,
-                 mapping: mmap.mmap | None = None) -> None:
+                 mapping: mmap.mmap | None = None, check_crc: bool = True) -> None:
         self.path = os.fspath(path)
         self.trust = trust
+        self.check_crc = check_crc  # each storage record's CRC-32, on its first read (:meth:`tensor`)
         self._window = window
         self._zip: zipfile.ZipFile | None = None
         self._mmap: mmap.mmap | None = mapping  # with a window: the file's mapping (map_file), maybe shared
@@ -265,6 +266,7 @@ class TorchFile:
         self._archive = ""
         self._offsets: dict[str, tuple[int, int]] = {}
         self._records: dict[str, Record] = {}
+        self._crc_checked: set[str] = set()  # storage records whose bytes matched their CRC-32
         self._open()
 
     # -- opening -------------------------------------------------------------------------------------------------
@@ -485,9 +487,28 @@ class TorchFile:
         if self._mmap is None:
             assert self._fh is not None
             self._mmap = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        if self.check_crc and ref.storage.key not in self._crc_checked:
+            self._check_crc(ref.storage.key, start, nbytes)
         count = nbytes // dtype.itemsize
         flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
+
+    def _check_crc(self, key: str, start: int, nbytes: int) -> None:
+        """The first time a storage record is read: its bytes against the CRC-32 ``torch.save`` stored for it in the
+        zip directory (computed over the mapping as it is paged in; nothing copied). A flipped bit on disk or in a
+        copy (bit rot) is found here, before any of its values is used."""
+        name = f"{self._archive}data/{key}"
+        want = self._records[name].crc
+        assert self._mmap is not None
+        with memoryview(self._mmap) as whole, whole[self._base + start:self._base + start + nbytes] as data:
+            got = zlib.crc32(data)
+        if got != want:
+            raise CorruptFileError(f"storage record {name} ({nbytes:,} bytes of tensor data) does not match the CRC-32 "
+                                   f"its zip directory holds ({got:08x}, stored {want:08x}): the file changed after "
+                                   "it was saved (bit rot, a damaged copy, or an edit)", path=self.path,
+                                   fix="restore the file from a good copy (or the checkpoint from its source); nothing "
+                                       "was written from it", code="corrupt_file")
+        self._crc_checked.add(key)
 
 
 def release_mapped(mapping: mmap.mmap, start: int, length: int) -> None:

@@ -2,8 +2,11 @@
 
 import pickle
 import struct
+import subprocess
+import sys
 import zipfile
 
+import pytest
 import torch
 
 from megatron_preflight.placeholders import placeholder_class
@@ -227,3 +230,47 @@ def test_a_known_pickle_is_not_unpickled_again_but_its_storage_is_still_checked(
     with pytest.raises(CorruptFileError, match="should hold 8"):
         read_torch_file(short)
     assert ra.file == str(a)
+
+
+def _flip_a_bit_of(path, record_suffix):
+    """Flip one bit inside the data of the zip record named ``...<record_suffix>`` (as bit rot would)."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(record_suffix))
+    with open(path, "r+b") as fh:
+        fh.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", fh.read(4))
+        at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        fh.seek(at)
+        byte = fh.read(1)[0]
+        fh.seek(at)
+        fh.write(bytes([byte ^ 0x10]))
+
+
+def test_a_flipped_bit_in_a_tensor_fails_its_crc_and_names_the_record(real_fixture):
+    """torch.save stores a CRC-32 per record: a tensor read through TorchFile is checked against it the first time its
+    storage is read (a legacy file, or a blob of a torch_dist file)."""
+    from megatron_preflight.errors import PreflightError
+
+    root = real_fixture("tp2_torch")
+    path = f"{root}/iter_0000002/mp_rank_00/model_optim_rng.pt"
+    meta = read_torch_file(path)
+    ref = meta["model"]["decoder.layers.0.mlp.linear_fc1.weight"]
+    with TorchFile(path) as f:
+        good = f.tensor(ref).clone()
+    _flip_a_bit_of(path, f"data/{ref.storage.key}")
+    with TorchFile(path) as f, pytest.raises(PreflightError, match=f"data/{ref.storage.key}.*CRC-32") as err:
+        f.tensor(ref)
+    assert err.value.path == path and "bit rot" in err.value.message
+    assert good.numel() > 0
+
+
+def test_a_reshard_of_a_damaged_file_stops_before_writing(real_fixture, tmp_path):
+    root = real_fixture("tp2_torch")
+    path = f"{root}/iter_0000002/mp_rank_01/model_optim_rng.pt"
+    ref = read_torch_file(path)["model"]["decoder.layers.1.self_attention.linear_qkv.weight"]
+    _flip_a_bit_of(path, f"data/{ref.storage.key}")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", root, str(out), "--tp", "1",
+                        "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "CRC-32" in r.stderr and "mp_rank_01" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()

@@ -36,18 +36,19 @@ class Reader(Protocol):
 
 
 # reference type -> how to open its format's reader (iter dir, trust); the most derived type first
-READERS: list[tuple[type, Callable[[str, bool], Reader]]] = [
-    (RegionRef, lambda iter_dir, trust: dist_reader(iter_dir, trust=trust)),
-    (TensorRef, lambda iter_dir, trust: LegacyReader(iter_dir, trust)),
+READERS: list[tuple[type, Callable[[str, bool, bool], Reader]]] = [
+    (RegionRef, lambda iter_dir, trust, crc: dist_reader(iter_dir, trust=trust, crc=crc)),
+    (TensorRef, lambda iter_dir, trust, crc: LegacyReader(iter_dir, trust, crc=crc)),
 ]
 
 
 class SourceFiles:
     """The readers of one source iteration dir, opened on first use; counts the bytes materialised here."""
 
-    def __init__(self, iter_dir: str, trust: bool = False) -> None:
+    def __init__(self, iter_dir: str, trust: bool = False, crc: bool = True) -> None:
         self.iter_dir = iter_dir
         self.trust = trust
+        self.crc = crc  # check each legacy storage record's CRC-32 on its first read (torch_file.TorchFile)
         self._readers: dict[type, Reader] = {}
         self.bytes_read = 0
 
@@ -55,7 +56,7 @@ class SourceFiles:
         for kind, make in READERS:
             if isinstance(ref, kind):
                 if kind not in self._readers:
-                    self._readers[kind] = make(self.iter_dir, self.trust)
+                    self._readers[kind] = make(self.iter_dir, self.trust, self.crc)
                 return self._readers[kind]
         raise TypeError(f"no source reader for {type(ref).__name__}")
 

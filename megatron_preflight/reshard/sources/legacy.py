@@ -16,16 +16,18 @@ if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costin
 class LegacyReader:
     """Reads :class:`TensorRef` pieces of one legacy iteration dir (a :class:`~.files.Reader`)."""
 
-    def __init__(self, iter_dir: str, trust: bool = False) -> None:
+    def __init__(self, iter_dir: str, trust: bool = False, *, crc: bool = True) -> None:
         self.iter_dir = iter_dir
         self.trust = trust
+        self.crc = crc
         self._files: dict[str, TorchFile] = {}
 
     def file(self, shard: str, name: str = naming.MODEL_FILENAME) -> TorchFile:
         """The open file ``name`` (model_optim_rng.pt, distrib_optim.pt) of shard dir ``shard``."""
         key = shard if name == naming.MODEL_FILENAME else f"{shard}/{name}"
         if key not in self._files:
-            self._files[key] = TorchFile(os.path.join(self.iter_dir, shard, name), trust=self.trust)
+            self._files[key] = TorchFile(os.path.join(self.iter_dir, shard, name), trust=self.trust,
+                                         check_crc=self.crc)
         return self._files[key]
 
     def file_of(self, shard: str, ref: TensorRef) -> TorchFile:

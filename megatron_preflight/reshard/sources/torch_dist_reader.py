@@ -77,7 +77,8 @@ class RegionRef(TensorRef):
 class DistReader:
     """Reads :class:`RegionRef` tensors of one torch_dist iteration dir (chunk blobs opened once, mapped lazily)."""
 
-    def __init__(self, iter_dir: str, chunks: dict[str, list[Chunk]], trust: bool = False) -> None:
+    def __init__(self, iter_dir: str, chunks: dict[str, list[Chunk]], trust: bool = False, crc: bool = True) -> None:
+        self.crc = crc  # each blob's storage records checked against their CRC-32 on first read
         self.iter_dir = iter_dir
         self.chunks = chunks
         self.trust = trust
@@ -100,7 +101,8 @@ class DistReader:
             path = os.path.join(self.iter_dir, chunk.file)
             if chunk.file not in self._maps:
                 self._maps[chunk.file] = map_file(path)
-            f = TorchFile(path, trust=self.trust, window=(chunk.start, chunk.length), mapping=self._maps[chunk.file])
+            f = TorchFile(path, trust=self.trust, window=(chunk.start, chunk.length), mapping=self._maps[chunk.file],
+                          check_crc=self.crc)
             ref = f.load_metadata()
             if not isinstance(ref, TensorRef) or tuple(ref.shape) != chunk.sizes:
                 f.close()
@@ -301,6 +303,6 @@ def chunk_index(md: Any) -> dict[str, list[Chunk]]:
     return out
 
 
-def dist_reader(iter_dir: str, *, trust: bool = False) -> DistReader:
+def dist_reader(iter_dir: str, *, trust: bool = False, crc: bool = True) -> DistReader:
     """A reader for the :class:`RegionRef` tensors of the torch_dist iteration dir ``iter_dir``."""
-    return DistReader(iter_dir, chunk_index(read_dcp_metadata(iter_dir, trust=trust)), trust=trust)
+    return DistReader(iter_dir, chunk_index(read_dcp_metadata(iter_dir, trust=trust)), trust=trust, crc=crc)
