@@ -309,10 +309,8 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
 
     def files() -> tuple[SourceFiles, SourceFiles, LockstepReader]:
         if not hasattr(local, "files"):  # per thread: a pair of readers (their mapped files are not shared), buffers
-            # (no CRC check: a changed byte is a difference diff reports anyway; the check would read every record
-            # whole, doubling the cost of a diff)
-            local.files = (SourceFiles(ga.layout.iter_dir or "", trust=trust, crc=False),
-                           SourceFiles(gb.layout.iter_dir or "", trust=trust, crc=False), LockstepReader())
+            local.files = (SourceFiles(ga.layout.iter_dir or "", trust=trust),
+                           SourceFiles(gb.layout.iter_dir or "", trust=trust), LockstepReader())
             with lock:
                 opened.extend(local.files)
         return local.files

@@ -211,7 +211,7 @@ def fingerprint_checkpoint(root: str, *, iteration: Any = None, trust: bool = Fa
     real = g.vocab.real if g.vocab is not None else None
     tensors: dict[str, Any] = {}
     counts = {"streamed": 0, "read": 0}
-    files = SourceFiles(g.layout.iter_dir or "", trust=trust)
+    files = SourceFiles(g.layout.iter_dir or "", trust=trust, crc=True)  # every byte read: each record's CRC too
     try:
         for name, tp in named_tensors(global_plan(g), g.writes_optimizer).items():
             if name.endswith("_extra_state"):

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costin
 class LegacyReader:
     """Reads :class:`TensorRef` pieces of one legacy iteration dir (a :class:`~.files.Reader`)."""
 
-    def __init__(self, iter_dir: str, trust: bool = False, *, crc: bool = True) -> None:
+    def __init__(self, iter_dir: str, trust: bool = False, *, crc: bool = False) -> None:
         self.iter_dir = iter_dir
         self.trust = trust
         self.crc = crc

@@ -77,7 +77,7 @@ class RegionRef(TensorRef):
 class DistReader:
     """Reads :class:`RegionRef` tensors of one torch_dist iteration dir (chunk blobs opened once, mapped lazily)."""
 
-    def __init__(self, iter_dir: str, chunks: dict[str, list[Chunk]], trust: bool = False, crc: bool = True) -> None:
+    def __init__(self, iter_dir: str, chunks: dict[str, list[Chunk]], trust: bool = False, crc: bool = False) -> None:
         self.crc = crc  # each blob's storage records checked against their CRC-32 on first read
         self.iter_dir = iter_dir
         self.chunks = chunks
@@ -303,6 +303,6 @@ def chunk_index(md: Any) -> dict[str, list[Chunk]]:
     return out
 
 
-def dist_reader(iter_dir: str, *, trust: bool = False, crc: bool = True) -> DistReader:
+def dist_reader(iter_dir: str, *, trust: bool = False, crc: bool = False) -> DistReader:
     """A reader for the :class:`RegionRef` tensors of the torch_dist iteration dir ``iter_dir``."""
     return DistReader(iter_dir, chunk_index(read_dcp_metadata(iter_dir, trust=trust)), trust=trust, crc=crc)
