@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from megatron_preflight import parallel
@@ -147,22 +148,26 @@ def _compare_mamba_conv(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     mixer's parameters (``conv1d_weight``) from 0.19: a Megatron of the other naming misses them."""
     if layout.format != Format.TORCH or rt.mamba_conv_name is None:
         return []
+    ck = _saved_naming(layout, mamba_conv_name)
+    if ck is None or ck == rt.mamba_conv_name:
+        return []
+    return [Finding("mamba_conv_name", ck, rt.mamba_conv_name, RESHARD,
+                    f"the checkpoint names its Mamba mixers' conv `{ck}` and this Megatron `{rt.mamba_conv_name}` "
+                    "(renamed in megatron-core 0.19): its own legacy loader misses them and, after the strict load "
+                    "fails, loads again non-strictly, leaving every Mamba conv at its init; the in-memory resharder "
+                    "loads them under this Megatron's names", "run with --preflight auto")]
+
+
+def _saved_naming(layout: Layout, naming_of: Callable[[str], str | None]) -> str | None:
+    """The first naming ``naming_of`` finds among the model keys of a legacy checkpoint's parsed shards (None: no
+    such key)."""
     for shard in layout.shards:
         for chunk, sd in (shard.meta or {}).items():
-            if not (chunk.startswith("model") and isinstance(sd, dict)):
-                continue
-            ck = next((n for n in map(mamba_conv_name, sd) if n is not None), None)
-            if ck is None:
-                continue
-            if ck == rt.mamba_conv_name:
-                return []
-            return [Finding("mamba_conv_name", ck, rt.mamba_conv_name, RESHARD,
-                            f"the checkpoint names its Mamba mixers' conv `{ck}` and this Megatron "
-                            f"`{rt.mamba_conv_name}` (renamed in megatron-core 0.19): its own legacy loader misses "
-                            "them and, after the strict load fails, loads again non-strictly, leaving every Mamba conv "
-                            "at its init; the in-memory resharder loads them under this Megatron's names",
-                            "run with --preflight auto")]
-    return []
+            if chunk.startswith("model") and isinstance(sd, dict):
+                found = next((n for n in map(naming_of, sd) if n is not None), None)
+                if found is not None:
+                    return found
+    return None
 
 
 def _compare_hybrid(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
@@ -213,21 +218,14 @@ def _compare_mtp_name(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     it. The in-memory resharder hands it over under the running Megatron's names."""
     if layout.format != Format.TORCH or rt.mtp_layer_name is None:
         return []
-    for shard in layout.shards:
-        for chunk, sd in (shard.meta or {}).items():
-            if not (chunk.startswith("model") and isinstance(sd, dict)):
-                continue
-            ck = next((n for n in map(mtp_layer_name, sd) if n is not None), None)
-            if ck is None:
-                continue
-            if ck == rt.mtp_layer_name:
-                return []
-            return [Finding("mtp_layer_name", ck, rt.mtp_layer_name, RESHARD,
-                            f"the checkpoint names its MTP layers' transformer layer `{ck}` and this Megatron "
-                            f"`{rt.mtp_layer_name}` (renamed in megatron-core 0.17): its own legacy loader "
-                            "would miss every key of them; the in-memory resharder loads them under this Megatron's "
-                            "names", "run with --preflight auto")]
-    return []
+    ck = _saved_naming(layout, mtp_layer_name)
+    if ck is None or ck == rt.mtp_layer_name:
+        return []
+    return [Finding("mtp_layer_name", ck, rt.mtp_layer_name, RESHARD,
+                    f"the checkpoint names its MTP layers' transformer layer `{ck}` and this Megatron "
+                    f"`{rt.mtp_layer_name}` (renamed in megatron-core 0.17): its own legacy loader would miss every "
+                    "key of them; the in-memory resharder loads them under this Megatron's names",
+                    "run with --preflight auto")]
 
 
 def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:

@@ -334,16 +334,12 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
                                  f"checkpoint: {problem}", path=view.iter_dir, code="layout",
                                  fix="run pretrain_hybrid.py with that pattern, or pretrain_gpt.py")
         tensors, layered = to_hybrid(tensors if tensors is not None else index.tensors, view.iter_dir)
-        renamed_keys = {old: layered.get(renamed_keys.get(old, old), renamed_keys.get(old, old))
-                        for old in index.tensors
-                        if layered.get(renamed_keys.get(old, old), renamed_keys.get(old, old)) != old}
+        renamed_keys = _then(index.tensors, renamed_keys, layered)
         log.info("a GPT checkpoint loaded as the HybridModel %r", tgt.hybrid_pattern)
     if target.mamba_conv_name is not None:  # the target Megatron's name of a Mamba mixer's conv (0.19 renamed it)
         tensors, conv = conv_named(tensors if tensors is not None else index.tensors, target.mamba_conv_name)
         if conv:
-            renamed_keys = {old: conv.get(renamed_keys.get(old, old), renamed_keys.get(old, old))
-                            for old in index.tensors
-                            if conv.get(renamed_keys.get(old, old), renamed_keys.get(old, old)) != old}
+            renamed_keys = _then(index.tensors, renamed_keys, conv)
             log.info("Mamba convs named %s for the target", target.mamba_conv_name)
         elif tensors is index.tensors:
             tensors = None
@@ -355,6 +351,17 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
     return Resharder(index, target, tgt, vocab, keep_optimizer, distributed, choice, bucket_size(view.saved_args),
                      MappingProxyType(dropped), tensors, change,
                      MappingProxyType({new: old for old, new in renamed_keys.items()}))
+
+
+def _then(keys: Any, first: dict[GlobalKey, GlobalKey], then: dict[GlobalKey, GlobalKey]) -> dict[GlobalKey, GlobalKey]:
+    """Old -> new key of every one of ``keys`` that two renames in turn (``first``, then ``then``) move."""
+    out = {}
+    for old in keys:
+        mid = first.get(old, old)
+        new = then.get(mid, mid)
+        if new != old:
+            out[old] = new
+    return out
 
 
 def _adapted(choice: OptimizerChoice, index: CheckpointIndex, renamed_keys: dict, family: str | None, *,
