@@ -88,7 +88,9 @@ DEFERRABLE = ("torch", "numpy", "megatron.", "yaml", "megatron_preflight.reshard
               # a subcommand's work loads when it runs (the CLI's parser loads none); what a verdict does not need
               # (issue 34): the distributed optimizer's and torch_dist's readers, the executor, the GPT -> hybrid bridge
               "megatron_preflight.check", "megatron_preflight.reshard.optimizer.", "megatron_preflight.reshard.sources.",
-              "megatron_preflight.reshard.execute.", "megatron_preflight.reshard.plan.hybrid")
+              "megatron_preflight.reshard.execute.", "megatron_preflight.reshard.plan.hybrid",
+              # proving a checkpoint's content (fingerprints, diff, the content check) reads every tensor
+              "megatron_preflight.prove.", "megatron_preflight.prove import")
 
 
 @pytest.mark.parametrize("module", sorted(MODS))

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from megatron_preflight.errors import PreflightError
@@ -86,13 +87,30 @@ def _run(ns: argparse.Namespace) -> int:
     summary = write_resharded(ns.src, ns.dst, target, workers=ns.workers, verify=ns.verify,
                               iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                               progress=None if ns.no_progress else progress_bar, drop_optimizer=ns.drop_optimizer,
-                              distributed=True, keep_stale=ns.keep_stale_temp, tapping=tapping)
+                              distributed=True, keep_stale=ns.keep_stale_temp, tapping=tapping,
+                              precheck=_content_check(ns) if ns.verify else None)
     if int(os.environ.get("RANK", "0") or 0) == 0:
         print(summary.render())
         if tapping is not None and tapping.stats:
             print(f"fingerprints: {tapping.stats['streamed']} tensor(s) hashed as written, "
                   f"{tapping.stats['read']} read back")
     return 0
+
+
+def _content_check(ns: argparse.Namespace) -> Callable[[tuple[int, int]], None]:
+    """``--verify``'s first step: the source's content against the fingerprints stored beside it (saved by the job
+    or by ``megatron-preflight fingerprint``), before anything is written."""
+
+    def check(part: tuple[int, int]) -> None:
+        from megatron_preflight.prove.content import check_content  # reads every tensor: only with --verify
+
+        report = check_content(ns.src, iteration=ns.iteration, trust=ns.trust_checkpoint, part=part)
+        if not report.ok:
+            raise report.error()
+        if report.fingerprints is not None and part[0] == 0:
+            print(f"source content: equal to its fingerprints ({report.fingerprints})", file=sys.stderr)
+
+    return check
 
 
 def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
@@ -141,7 +159,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt-format", choices=("torch", "torch_dist"),
                    help="the format to write (default: torch, legacy; torch_dist: Megatron's default, optimizer "
                         "state in model space)")
-    p.add_argument("--verify", action="store_true", help="check every written tensor against its source slices")
+    p.add_argument("--verify", action="store_true",
+                   help="first compare the source with the fingerprints stored beside it (if any: nothing is written "
+                        "when they differ), then check every written tensor against its source slices")
     p.add_argument("--drop-optimizer", action="store_true",
                    help="leave the optimizer state out (then start the new run with --no-load-optim); needed only "
                         "when the state cannot be resharded")

@@ -53,6 +53,7 @@ def _document(index: Any, gathered: list[dict[str, Any]], with_optimizer: bool) 
     g = global_resharder(index, with_optimizer, None)
     real = g.vocab.real if g.vocab is not None else None
     tensors: dict[str, Any] = {}
+    split: dict[str, list[list[Any]]] = {}
     for name, tp in named_tensors(global_plan(g), g.writes_optimizer).items():
         if name.endswith("_extra_state") or name.endswith("#step") or getattr(tp, "shape", None) is None:
             continue
@@ -69,8 +70,9 @@ def _document(index: Any, gathered: list[dict[str, Any]], with_optimizer: bool) 
                                  fix="run `megatron-preflight fingerprint` on the checkpoint instead")
         tensors[name] = {"digest": f"{fingerprint.combine([int(d, 16) for d, _ in held.values()]):016x}",
                          "shape": shape, "dtype": str(dtypes.to_torch(tp.dtype)).removeprefix("torch.")}
-    return {"format": fingerprint.FORMAT, "iteration": index.layout.iteration, "source": index.layout.root,
-            "vocab_rows": real, "optimizer_step": g.plain_step() if g.writes_optimizer else None, "tensors": tensors}
+        if len(held) > 1 and "#" not in name:  # each saved slice's digest: a later check names the shard
+            split[name] = [[list(o), d, n] for o, (d, n) in sorted(held.items())]
+    return fingerprint.document(g, index.layout.iteration, index.layout.root, tensors, split)
 
 
 def _saved_index(save_dir: str, iteration: int) -> Any:

@@ -293,6 +293,8 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
                                             {d for d in differ if "#" in d})
         where = consensus.gather_to_rank0(here)
         if where is not None:
+            changed = {t for t in differ if not any(t in names for names in where)}
+            shards = _changed_shards(root, index.layout.iteration, trust, changed) if changed else {}
             for tensor in sorted(differ):
                 ranks = [i for i, names in enumerate(where) if tensor in names]
                 cause = ("its slice on these ranks is not the checkpoint's (a wrong slice loaded, or the values "
@@ -300,7 +302,7 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
                          "every rank's slice equals a fresh read of the checkpoint: the checkpoint no longer matches "
                          "its fingerprints (changed after they were taken: a bad copy, bit rot, or a converter)")
                 problems.append(f"{tensor}: the loaded values differ from the checkpoint's fingerprint; "
-                                f"ranks {ranks}: {cause}" if ranks else f"{tensor}: {cause}")
+                                f"ranks {ranks}: {cause}" if ranks else f"{tensor}: {cause}{shards.get(tensor, '')}")
     problems = consensus.decide_on_rank0(lambda: problems, lambda exc: [f"internal: {exc}"])
     if problems:
         _stop("verify: the loaded model is not the checkpoint's:\n  " + "\n  ".join(problems[:50])
@@ -310,6 +312,22 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
     rng_said = "; the restored RNG states are each rank's entry" if verify_rng.restores_rng(args, index) else ""
     _say(f"verify: the loaded {what} the checkpoint's fingerprints ({count} tensors{rng_said}; "
          f"{time.perf_counter() - started:.2f} s on rank 0)")
+
+
+def _changed_shards(root: str, iteration: Any, trust: bool, names: set[str]) -> dict[str, str]:
+    """Rank 0: for tensors the checkpoint no longer holds as fingerprinted, where they differ and why (the content
+    check of prove/content.py, on those tensors only)."""
+    from megatron_preflight.prove.content import check_content  # reads the named tensors once more
+
+    try:
+        report = check_content(root, iteration=iteration, trust=trust, names=names)
+    except PreflightError as exc:
+        return {n: f" (not located: {exc.message})" for n in names}
+    out = {}
+    for f in report.findings:
+        where = f" in {', '.join(f.shards)}" if f.shards and f.located else ""
+        out[f.tensor] = f"; {f.problem}{where}; likely cause: {report.cause}"
+    return out
 
 
 def _dp_rank() -> int:

@@ -27,16 +27,18 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight import dtypes
-from megatron_preflight.errors import PreflightError
+from megatron_preflight.errors import PreflightError, environment_error, require_regular_file
 from megatron_preflight.prove import placement
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
 from megatron_preflight.prove.stored import path_for
 from megatron_preflight.reshard.checkpoint_index import open_index
 from megatron_preflight.reshard.optimizer.plain import MASTER
-from megatron_preflight.reshard.plan.types import TensorPlan
+from megatron_preflight.reshard.plan.types import CopyOp, TensorPlan
 from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 
@@ -159,21 +161,78 @@ def combine(partials: list[int]) -> int:
     return sum(partials) & _MASK
 
 
+MAX_FILE_BYTES = 256 << 20  # ~2M tensors' fingerprints: far above any checkpoint's (DeepSeek-V3: ~140k entries)
+_HEX = frozenset("0123456789abcdef")
+_REMAKE = "remove it and run `megatron-preflight fingerprint` on the checkpoint to store them again"
+
+
 def load(root: str, iteration: int | str) -> dict[str, Any] | None:
-    """The stored fingerprints of an iteration, None when there are none; a damaged file is an error naming it."""
+    """The stored fingerprints of an iteration, None when there are none. Read with bounded memory (a file over
+    :data:`MAX_FILE_BYTES` is refused unread), parsed as JSON (nothing executed) and checked entry by entry: a damaged,
+    truncated, edited or foreign file is one error naming it, never a traceback."""
     path = path_for(root, iteration)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
+
+    def bad(what: str) -> PreflightError:
+        return PreflightError(f"this is not a fingerprint file megatron-preflight can use: {what}", path=path,
+                              fix=_REMAKE, code="fingerprint")
+
     try:
-        with open(path) as fh:
-            doc = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise PreflightError(f"the fingerprint file cannot be read ({exc})", path=path,
-                             fix="remove it and run `megatron-preflight fingerprint` again", code="fingerprint") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tensors"), dict):
-        raise PreflightError("the fingerprint file is not one this version writes", path=path,
-                             fix="remove it and run `megatron-preflight fingerprint` again", code="fingerprint")
+        require_regular_file(path)
+        size = os.path.getsize(path)
+        if size > MAX_FILE_BYTES:
+            raise bad(f"{size:,} bytes, more than any checkpoint's fingerprints take ({MAX_FILE_BYTES:,})")
+        with open(path, "rb") as fh:
+            doc = json.loads(fh.read(MAX_FILE_BYTES + 1))
+    except PreflightError:
+        raise
+    except OSError as exc:
+        raise environment_error(exc) from None
+    except (ValueError, RecursionError) as exc:
+        raise bad(f"not valid JSON ({str(exc)[:120]}: truncated or edited?)") from None
+    problem = _malformed(doc)
+    if problem:
+        raise bad(problem)
+    if str(doc["iteration"]) != str(iteration):
+        raise bad(f"it holds the fingerprints of iteration {doc['iteration']}, stored under iteration {iteration}'s "
+                  "name (copied or renamed)")
     return doc
+
+
+def _malformed(doc: Any) -> str | None:
+    """What is wrong with a parsed fingerprint file (None: its structure is sound)."""
+    if not isinstance(doc, dict):
+        return "not a JSON object"
+    if doc.get("format") != FORMAT:
+        return f"format {doc.get('format')!r}, not {FORMAT} (another tool, or another version of this one)"
+    if not isinstance(doc.get("iteration"), (int, str)) or isinstance(doc.get("iteration"), bool):
+        return "no iteration"
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, dict) or not tensors:
+        return "no tensors"
+    for name, e in tensors.items():
+        if not (isinstance(e, dict) and _is_digest(e.get("digest")) and isinstance(e.get("dtype"), str)
+                and _is_shape(e.get("shape"))):
+            return f"the entry of {str(name)[:200]} is not a digest, a dtype and a shape"
+    boxes = doc.get("boxes", {})
+    if not isinstance(boxes, dict):
+        return "its boxes are not an object"
+    for name, parts in boxes.items():
+        if name not in tensors or not isinstance(parts, list) or not all(
+                isinstance(b, list) and len(b) == 3 and _is_shape(b[0]) and _is_digest(b[1]) and isinstance(b[2], int)
+                for b in parts):
+            return f"the slices of {str(name)[:200]} are not (offsets, digest, elements)"
+    return None
+
+
+def _is_digest(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 16 and set(v) <= _HEX
+
+
+def _is_shape(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 8 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                       for x in v)
 
 
 def store(root: str, iteration: int | str, doc: dict[str, Any]) -> str:
@@ -203,44 +262,112 @@ def fingerprint_checkpoint(root: str, *, iteration: Any = None, trust: bool = Fa
     read once, one tensor at a time — except the tensors ``streamed`` covers whole (the partial digests a writer's
     taps took as it wrote them: see :class:`Fingerprinting`), which are not read at all. ``stats`` gets how many
     tensors were taken from ``streamed`` and how many read."""
-    import torch  # noqa: F401 - deferred: loaded before indexing, so the sources make tensors (TE extra state, dtypes)
-
     index = open_index(root, iteration=iteration, trust_checkpoint=trust)
     index.require_readable()
     g = global_resharder(index, not weights_only, None)
-    real = g.vocab.real if g.vocab is not None else None
     tensors: dict[str, Any] = {}
+    boxes: dict[str, list[list[Any]]] = {}
     counts = {"streamed": 0, "read": 0}
     files = SourceFiles(g.layout.iter_dir or "", trust=trust, crc=True)  # every byte read: each record's CRC too
     try:
-        for name, tp in named_tensors(global_plan(g), g.writes_optimizer).items():
-            if name.endswith("_extra_state"):
-                continue  # a TE module's per-rank metadata (FP8 scales), not a tensor of the model: not verified
-            if isinstance(tp, TensorPlan) and tp.shape is not None:
-                shape = list(tp.shape)
-                if tp.pad_from is not None and real is not None:
-                    shape[0] = real  # vocab padding rows left out
-                known = _whole(streamed.get(name), shape) if streamed else None
-                if known is not None:
-                    tensors[name] = {"digest": f"{known:016x}", "shape": shape,
-                                     "dtype": str(dtypes.to_torch(tp.dtype)).removeprefix("torch.")}
-                    counts["streamed"] += 1
-                    continue
-            value = value_of(tp, files)
-            if not hasattr(value, "dtype"):
-                continue  # None extra state: nothing to hash
-            if getattr(tp, "pad_from", None) is not None and real is not None:
-                value = value[:real]  # vocab padding rows left out
-            tensors[name] = {"digest": f"{digest(value):016x}", "shape": list(value.shape),
-                             "dtype": str(value.dtype).removeprefix("torch.")}
-            counts["read"] += 1
+        for printed in each_fingerprint(g, files, streamed):
+            tensors[printed.name] = printed.entry
+            counts[printed.how] += 1
+            if len(printed.boxes) > 1:
+                boxes[printed.name] = [[list(o), f"{d:016x}", n] for o, d, n, _ in printed.boxes]
     finally:
         files.close()
     if stats is not None:
         stats.update(counts)
-    return {"format": FORMAT, "iteration": index.layout.iteration, "source": os.path.abspath(root),
-            "vocab_rows": real, "optimizer_step": g.plain_step() if g.writes_optimizer else None,
-            "tensors": tensors}
+    return document(g, index.layout.iteration, os.path.abspath(root), tensors, boxes)
+
+
+def document(g: Resharder, iteration: Any, source: str, tensors: dict[str, Any],
+             boxes: dict[str, list[list[Any]]] | None = None) -> dict[str, Any]:
+    """A fingerprint file's content (``boxes``: per tensor split over several boxes, each box's partial digest, so a
+    later check names the shard that holds a differing slice)."""
+    doc = {"format": FORMAT, "iteration": iteration, "source": source,
+           "vocab_rows": g.vocab.real if g.vocab is not None else None,
+           "optimizer_step": g.plain_step() if g.writes_optimizer else None, "tensors": tensors}
+    if boxes:
+        doc["boxes"] = boxes
+    return doc
+
+
+@dataclass
+class Printed:
+    """One global tensor's fingerprint as :func:`each_fingerprint` took it: its ``entry`` in the file, whether it was
+    ``streamed`` or ``read``, and (read, split over several source slices) each slice's box: (global offsets, partial
+    digest, elements, the copy that read it — its shard and its replicas')."""
+
+    name: str
+    plan: Any
+    entry: dict[str, Any]
+    how: str
+    boxes: list[tuple[tuple[int, ...], int, int, CopyOp]] = field(default_factory=list)
+
+
+def planned(g: Resharder) -> dict[str, Any]:
+    """Every global tensor ``g`` plans that has a fingerprint, by global name (a TE module's extra state is per-rank
+    metadata, FP8 scales, not a tensor of the model: left out)."""
+    return {name: tp for name, tp in named_tensors(global_plan(g), g.writes_optimizer).items()
+            if not name.endswith("_extra_state")}
+
+
+def each_fingerprint(g: Resharder, files: SourceFiles, streamed: Partials | None = None) -> Iterator[Printed]:
+    """The fingerprint of every global tensor ``g`` plans (values that are not tensors left out), one tensor read
+    at a time."""
+    for name, tp in planned(g).items():
+        printed = fingerprint_of(g, name, tp, files, streamed)
+        if printed is not None:
+            yield printed
+
+
+def fingerprint_of(g: Resharder, name: str, tp: Any, files: SourceFiles, streamed: Partials | None = None
+                   ) -> Printed | None:
+    """One planned tensor's fingerprint (None: not a tensor), from ``streamed`` when it covers the tensor whole,
+    else read."""
+    import torch  # noqa: F401 - deferred: loaded before reading, so the sources make tensors (TE extra state, dtypes)
+
+    real = g.vocab.real if g.vocab is not None else None
+    if isinstance(tp, TensorPlan) and tp.shape is not None:
+        shape = list(tp.shape)
+        if tp.pad_from is not None and real is not None:
+            shape[0] = real  # vocab padding rows left out
+        known = _whole(streamed.get(name), shape) if streamed else None
+        if known is not None:
+            return Printed(name, tp, {"digest": f"{known:016x}", "shape": shape,
+                                      "dtype": str(dtypes.to_torch(tp.dtype)).removeprefix("torch.")}, "streamed")
+    value = value_of(tp, files)
+    if not hasattr(value, "dtype"):
+        return None  # None extra state: nothing to hash
+    if getattr(tp, "pad_from", None) is not None and real is not None:
+        value = value[:real]  # vocab padding rows left out
+    boxes = _op_boxes(tp, value) if isinstance(tp, TensorPlan) else []
+    whole = combine([d for _, d, _, _ in boxes]) if boxes else digest(value)
+    return Printed(name, tp, {"digest": f"{whole:016x}", "shape": list(value.shape),
+                              "dtype": str(value.dtype).removeprefix("torch.")}, "read", boxes)
+
+
+def _op_boxes(tp: TensorPlan, value: Any) -> list[tuple[tuple[int, ...], int, int, CopyOp]]:
+    """The partial digest of each source slice of ``value`` (the box a copy wrote; rows past ``value``'s, vocab
+    padding, left out), when the copies cover it exactly and each along one dim; [] otherwise (one box, or a form
+    these boxes cannot describe)."""
+    shape = tuple(value.shape)
+    if len(tp.ops) < 2 or not shape or any(op.dst is None for op in tp.ops):
+        return []
+    out, covered = [], 0
+    for op in tp.ops:
+        dim, start, length = op.dst
+        if dim == 0:
+            length = min(length, shape[0] - start)
+        if length <= 0:
+            continue
+        piece = value.narrow(dim, start, length)
+        offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
+        out.append((offsets, digest_box(piece, shape, offsets), piece.numel(), op))
+        covered += piece.numel()
+    return out if covered == value.numel() and len({b[0] for b in out}) == len(out) else []
 
 
 def _whole(boxes: dict[tuple, tuple[int, int]] | None, shape: list[int]) -> int | None:

@@ -65,3 +65,34 @@ def test_an_asynchronous_save_says_it_is_not_fingerprinted(tmp_path):
     assert rc == 0, log[-3000:]
     assert "an asynchronous save is not fingerprinted" in log
     assert not os.path.exists(saved / "megatron_preflight_fingerprints")
+
+
+def test_a_saved_checkpoint_changed_afterwards_is_caught_by_every_consumer(tmp_path):
+    """Saved with fingerprints (legacy, TP2), then one tensor of rank 1's file edited (saved again: its CRCs right):
+    `inspect --verify-content`, `reshard --verify` and a --preflight verify resume each stop, naming the tensor and
+    rank 1's file; the untouched checkpoint passes the content check."""
+    from tests.helpers import ckpt_edit
+
+    flags = ["--ckpt-format", "torch", "--tensor-model-parallel-size", "2"]
+    rc, log, saved = save_run(tmp_path, 2, *flags, port=29860)
+    assert rc == 0, log[-3000:]
+    assert "boxes" in _tensors(saved)  # each saved slice's digest: what names the shard later
+    cli = [sys.executable, "-m", "megatron_preflight"]
+    ok = subprocess.run([*cli, "inspect", str(saved), "--verify-content"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "content     OK" in ok.stdout, ok.stdout + ok.stderr
+    bad = tmp_path / "edited"
+    shutil.copytree(saved, bad)
+    shard = bad / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"
+    state = ckpt_edit.load(str(shard))
+    state["model"]["decoder.layers.1.mlp.linear_fc1.weight"].view(-1)[7] += 1.0
+    ckpt_edit.save(state, str(shard))
+    where = os.path.join("mp_rank_01", "model_optim_rng.pt")
+    r = subprocess.run([*cli, "inspect", str(bad), "--verify-content"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "decoder.layers.1.mlp.linear_fc1.weight: 1 of its 2 saved slices differ" in r.stdout \
+        and where in r.stdout, r.stdout + r.stderr
+    out = tmp_path / "resharded"
+    r = subprocess.run([*cli, "reshard", str(bad), str(out), "--tp", "1", "--verify", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and where in r.stderr and not out.exists(), r.stderr
+    rc2, log2 = run(tmp_path, str(bad), 2, "--preflight", "verify", *flags, "--no-load-rng", port=29861)
+    assert rc2 != 0 and "decoder.layers.1.mlp.linear_fc1.weight" in log2 and where in log2, log2[-3000:]

@@ -124,17 +124,20 @@ def _write_shard(name: str, iter_out: str, verify: bool, tapping: Tapping | None
 def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 1, verify: bool = False,
                     iteration: int | str | None = None, trust_checkpoint: bool = False,
                     progress: Progress | None = None, drop_optimizer: bool = False,
-                    distributed: bool = False, keep_stale: bool = False, tapping: Tapping | None = None) -> Summary:
+                    distributed: bool = False, keep_stale: bool = False, tapping: Tapping | None = None,
+                    precheck: Callable[[tuple[int, int]], None] | None = None) -> Summary:
     """Reshard the legacy checkpoint at ``src`` into a new checkpoint root ``dst`` at ``target``. Under torchrun
     (``distributed``), every rank writes its share of the shards (see :mod:`share`). ``progress`` is called after
     each shard (on rank 0); the engine itself never prints. ``tapping`` sees every tensor written and adds its files
-    to the output before the rename (``reshard --fingerprint``)."""
+    to the output before the rename (``reshard --fingerprint``). ``precheck`` runs on every rank, with (rank, world),
+    before anything is written (``reshard --verify``: the source's content against its stored fingerprints, each
+    rank a share); an error it raises stops every rank."""
     t0 = time.perf_counter()
     grp = share.from_env() if distributed else None
     try:
         summary = _write(src, dst, target, workers=workers, verify=verify, iteration=iteration,
                          trust_checkpoint=trust_checkpoint, progress=progress, drop_optimizer=drop_optimizer, grp=grp,
-                         keep_stale=keep_stale, tapping=tapping)
+                         keep_stale=keep_stale, tapping=tapping, precheck=precheck)
     finally:
         if grp is not None:
             grp.close()
@@ -202,7 +205,8 @@ def open_checked(src: str, target: TargetLayout, *, iteration: Any, trust_checkp
 
 def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bool, iteration: int | str | None,
            trust_checkpoint: bool, progress: Progress | None, drop_optimizer: bool,
-           grp: share.Share | None, keep_stale: bool = False, tapping: Tapping | None = None) -> Summary:
+           grp: share.Share | None, keep_stale: bool = False, tapping: Tapping | None = None,
+           precheck: Callable[[tuple[int, int]], None] | None = None) -> Summary:
     dst_abs = os.path.abspath(dst)
     root = grp is None or grp.rank == 0
     error: BaseException | None = None
@@ -216,6 +220,8 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
             r.check_masters(files)
         finally:
             files.close()
+        if precheck is not None:
+            precheck((grp.rank, grp.world) if grp is not None else (0, 1))
     except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
         error = e
     _agree(grp, error)
