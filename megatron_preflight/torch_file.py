@@ -17,11 +17,11 @@ import mmap
 import os
 import struct
 import zipfile
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight import dtypes, libc
+from megatron_preflight.crc import crc32
 from megatron_preflight.errors import CorruptFileError, PreflightError, require_regular_file
 from megatron_preflight.safe_pickle import bounded_load
 from megatron_preflight.zip_directory import Record, read_directory
@@ -431,7 +431,7 @@ class TorchFile:
                 raise CorruptFileError(f"cannot read its {name} record ({exc})", path=self.path,
                                        fix="restore the file from a complete copy", code="corrupt_file") from None
         data = self._read_at(self._data_start(info), info.file_size)
-        if len(data) != info.file_size or zlib.crc32(data) != info.crc:
+        if len(data) != info.file_size or crc32(data) != info.crc:
             raise CorruptFileError(f"its {name} record does not match the checksum in the zip directory (a damaged "
                                    f"or partly written file)", path=self.path,
                                    fix="restore the file from a complete copy", code="corrupt_file")
@@ -497,18 +497,26 @@ class TorchFile:
         """The first time a storage record is read: its bytes against the CRC-32 ``torch.save`` stored for it in the
         zip directory (computed over the mapping as it is paged in; nothing copied). A flipped bit on disk or in a
         copy (bit rot) is found here, before any of its values is used."""
+        problem = self.crc_problem(key, start, nbytes)
+        if problem is not None:
+            raise problem
+        self._crc_checked.add(key)
+
+    def crc_problem(self, key: str, start: int, nbytes: int) -> CorruptFileError | None:
+        """The error a storage record's bytes make against their CRC-32 (None: they match), computed over the
+        mapping as it is paged in (nothing copied)."""
         name = f"{self._archive}data/{key}"
         want = self._records[name].crc
         assert self._mmap is not None
         with memoryview(self._mmap) as whole, whole[self._base + start:self._base + start + nbytes] as data:
-            got = zlib.crc32(data)
-        if got != want:
-            raise CorruptFileError(f"storage record {name} ({nbytes:,} bytes of tensor data) does not match the CRC-32 "
-                                   f"its zip directory holds ({got:08x}, stored {want:08x}): the file changed after "
-                                   "it was saved (bit rot, a damaged copy, or an edit)", path=self.path,
-                                   fix="restore the file from a good copy (or the checkpoint from its source); nothing "
-                                       "was written from it", code="corrupt_file")
-        self._crc_checked.add(key)
+            got = crc32(data)
+        if got == want:
+            return None
+        return CorruptFileError(f"storage record {name} ({nbytes:,} bytes of tensor data) does not match the CRC-32 "
+                                f"its zip directory holds ({got:08x}, stored {want:08x}): the file changed after it "
+                                "was saved (bit rot, a damaged copy, or an edit)", path=self.path,
+                                fix="restore the file from a good copy (or the checkpoint from its source); nothing "
+                                    "was written from it", code="corrupt_file")
 
 
 def release_mapped(mapping: mmap.mmap, start: int, length: int) -> None:

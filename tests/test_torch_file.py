@@ -1,5 +1,6 @@
 """Metadata-only reading: tensor bytes are never read to inspect; single tensors materialise exactly."""
 
+import os
 import pickle
 import struct
 import subprocess
@@ -264,18 +265,34 @@ def test_a_flipped_bit_in_a_tensor_fails_its_crc_and_names_the_record(real_fixtu
     assert good.numel() > 0
 
 
-def test_a_verified_reshard_of_a_damaged_file_stops_before_writing(real_fixture, tmp_path):
-    """`reshard --verify` (and `fingerprint`) check every record's CRC as they read it (a plain reshard does not: it
-    costs 3x its time, measured)."""
+@pytest.mark.parametrize("flags", [[], ["--verify"], ["--ckpt-format", "torch_dist"]],
+                         ids=["plain", "verify", "to torch_dist"])
+def test_a_reshard_of_a_damaged_file_stops_before_writing(real_fixture, tmp_path, flags):
+    """Every reshard checks each record's CRC as it reads it (in a thread beside the reads; confirmed before a shard
+    is kept), `fingerprint` too: a flipped bit stops it, naming the file, and nothing is written."""
     root = real_fixture("tp2_torch")
     path = f"{root}/iter_0000002/mp_rank_01/model_optim_rng.pt"
     ref = read_torch_file(path)["model"]["decoder.layers.1.self_attention.linear_qkv.weight"]
     _flip_a_bit_of(path, f"data/{ref.storage.key}")
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", root, str(out), "--tp", "1",
-                        "--verify", "--no-progress"], capture_output=True, text=True, timeout=300)
+                        "--no-progress", *flags], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "CRC-32" in r.stderr and "mp_rank_01" in r.stderr and "Traceback" not in r.stderr
-    assert not out.exists()
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".out")]
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "fingerprint", root], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 1 and "CRC-32" in r.stderr
+
+
+def test_an_in_memory_build_of_a_damaged_file_stops_before_handing_it_over(real_fixture):
+    """The in-memory load (what the hook hands Megatron) confirms every record's CRC before it returns."""
+    from megatron_preflight.errors import PreflightError
+    from megatron_preflight.reshard import TargetLayout, open_resharder
+
+    root = real_fixture("tp2_torch")
+    path = f"{root}/iter_0000002/mp_rank_00/model_optim_rng.pt"
+    ref = read_torch_file(path)["model"]["decoder.layers.2.mlp.linear_fc2.weight"]
+    _flip_a_bit_of(path, f"data/{ref.storage.key}")
+    r = open_resharder(root, TargetLayout(tp=1))
+    with pytest.raises(PreflightError, match="CRC-32"):
+        r.build(r.plan_for_rank(0, 1))

@@ -288,7 +288,7 @@ def this_rank_parameter_state(r: reshard.Resharder, parts: list[Any] | None = No
                 if moved:
                     log.warning("gradient buffer %d: %d parameters placed where the running optimizer keeps them, "
                                 "not where the checkpoint's rules put them", gbuf, moved)
-    files = reshard.SourceFiles(r.layout.iter_dir or "", trust=r.trust)
+    files = reshard.SourceFiles(r.layout.iter_dir or "", trust=r.trust, )
     try:
         r.check_masters(files, shards=set(plan.sources))  # the masters of the dirs this rank reads
         return reshard.build_tree(plan.dist_optimizer, files)

@@ -309,8 +309,9 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
 
     def files() -> tuple[SourceFiles, SourceFiles, LockstepReader]:
         if not hasattr(local, "files"):  # per thread: a pair of readers (their mapped files are not shared), buffers
-            local.files = (SourceFiles(ga.layout.iter_dir or "", trust=trust),
-                           SourceFiles(gb.layout.iter_dir or "", trust=trust), LockstepReader())
+            local.files = (SourceFiles(ga.layout.iter_dir or "", trust=trust, crc=False),  # a changed byte: a
+                           SourceFiles(gb.layout.iter_dir or "", trust=trust, crc=False),  # difference it reports
+                           LockstepReader())
             with lock:
                 opened.extend(local.files)
         return local.files

@@ -284,7 +284,7 @@ class Resharder:
         """The full legacy state dict for ``plan``: args (rewritten), carried state, and the model chunk(s). The
         replicas the plan reads are sampled first (:func:`check_replicas`)."""
         own = files is None
-        files = files or SourceFiles(self.layout.iter_dir or "", trust=self.trust)
+        files = files or SourceFiles(self.layout.iter_dir or "", trust=self.trust, )
         try:
             # building (not for a plan's cost, which a verdict asks)
             from megatron_preflight.reshard.execute.executor import execute

@@ -80,6 +80,7 @@ class TargetLayout:
             return value if given is None or name in given else None
 
         per_chunk, stages = get("num_layers_per_virtual_pipeline_stage"), get("num_virtual_stages_per_pipeline_rank")
+        pattern = get("hybrid_layer_pattern") or get("hybrid_override_pattern")
         return cls(
             tp=get("tensor_model_parallel_size"), pp=get("pipeline_model_parallel_size"),
             ep=get("expert_model_parallel_size"), etp=get("expert_tensor_parallel_size"),
@@ -96,10 +97,11 @@ class TargetLayout:
             make_vocab_size_divisible_by=get("make_vocab_size_divisible_by"),
             # the output's format only when the run's flags name it (Megatron's default is torch_dist)
             ckpt_format=get("ckpt_format") if given is not None else None,
-            transformer_impl=get("transformer_impl"),
+            # a HybridModel is built from Transformer Engine modules (Megatron's default spec)
+            transformer_impl=get("transformer_impl") or ("transformer_engine" if pattern else None),
             moe_grouped_gemm=None if get("moe_grouped_gemm") is None else bool(get("moe_grouped_gemm")),
             optimizer_family=get("optimizer_family"),
-            hybrid_layer_pattern=get("hybrid_layer_pattern") or get("hybrid_override_pattern"),
+            hybrid_layer_pattern=pattern,
             mamba_conv_name=args.get("mamba_conv_name") if isinstance(args, dict) else getattr(args, "mamba_conv_name",
                                                                                                None),
         )

@@ -78,8 +78,14 @@ def _dist_status(layout: Layout) -> OptimizerStatus | None:
     if not layout.dist_optimizer_sharding:
         return OptimizerStatus("plain", True, detail=f"model space (exp_avg, exp_avg_sq per parameter): {both}")
     sharding = layout.dist_optimizer_sharding
-    if sharding in ("fully_reshardable", "fully_sharded_model_space"):
+    if sharding == "fully_reshardable":
         return OptimizerStatus("distributed", True, detail=f"{sharding} (model space): {both}")
+    if sharding == "fully_sharded_model_space":  # flattened ranges: refused by megatron-core 0.16 and later
+        return OptimizerStatus("distributed", True, detail=f"{sharding} (model space, flattened ranges: the default "
+                               "of megatron-core <= 0.14): Megatron up to megatron-core 0.15 reloads it at any TP/PP "
+                               "(not across an EP change), 0.16 and later cannot load it at all (`--preflight auto` "
+                               "loads it in memory; `megatron-preflight reshard SRC DST --ckpt-format torch_dist` "
+                               "converts it); the resharder converts it to legacy at any layout")
     if sharding == "dp_reshardable":
         return OptimizerStatus("distributed", True, detail="dp_reshardable (flat buckets per DP rank): Megatron reloads "
                                "it only at the same TP/PP (a DP change is fine); the resharder converts it to legacy "

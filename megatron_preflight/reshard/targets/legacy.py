@@ -35,7 +35,7 @@ def write_shard(r: Resharder, name: str, iter_out: str, verify: bool, tapping: T
     coords = naming.shard_writers(r.tgt)[name]
     plan = r.plan_for_coords(coords, name)
     tap = tapping.open(r, coords) if tapping is not None else None
-    files = SourceFiles(r.layout.iter_dir or "", trust=r.trust, crc=verify)
+    files = SourceFiles(r.layout.iter_dir or "", trust=r.trust, )
     try:
         out_dir = os.path.join(iter_out, name)
         os.makedirs(out_dir, exist_ok=True)

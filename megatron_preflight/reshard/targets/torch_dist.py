@@ -373,7 +373,7 @@ def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLa
         raise PreflightError("the optimizer state could not be indexed in the plain form"
                              + (f" ({g.optimizer_problem.message})" if g.optimizer_problem else ""),
                              path=g.layout.iter_dir, fix="pass --drop-optimizer", code="optimizer")
-    files = SourceFiles(g.layout.iter_dir or "", trust=trust, crc=verify)
+    files = SourceFiles(g.layout.iter_dir or "", trust=trust, )
     out = _Writer(os.path.join(iter_out, DATA_FILE))
     optimizer = None
     try:
