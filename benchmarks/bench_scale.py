@@ -13,7 +13,12 @@ reshard cost prediction against the measured run. Prints one table per part.
   E  the hook's full layout read before an in-memory reshard at 1,024 and 8,192 shards: rank 0 alone vs every rank
      parsing its share (gloo, 2 and 4 processes).
 
-Usage: python benchmarks/bench_scale.py [--work DIR] [--parts ABCDE] [--big-shards 8192]
+  F  DeepSeek-V3 671B at its own shape (tests/helpers/synthetic_dsv3.py: 61 layers, 3 dense, MLA, 256 TE-grouped
+     experts + a shared one, MTP; hollow) at TP1·PP16·EP64, 1,024 shard dirs: `inspect` / `check` wall and RSS; the
+     plan for PP16·EP64 -> PP8·EP32 and -> PP16·EP32 (open, every target rank planned and validated: time, memory,
+     tensors); `reshard --dry-run` bytes, files and peak; the in-memory cost per rank `check` reports.
+
+Usage: python benchmarks/bench_scale.py [--work DIR] [--parts ABCDEF] [--big-shards 8192]
 """
 
 from __future__ import annotations
@@ -383,10 +388,86 @@ def part_d(work: str) -> None:
           "(incl. interpreter and torch start-up)")
 
 
+def _plan_all(root: str, flags: list[str]) -> tuple[float, float, float, int, int, int]:
+    """(open s, plan+validate s, peak MiB, target ranks, planned tensors, source tensors) in this process."""
+    import resource
+
+    from megatron_preflight.check.runtime_args import from_cli
+    from megatron_preflight.reshard import TargetLayout, open_index, open_resharder
+
+    t0 = time.perf_counter()
+    index = open_index(root)
+    rt = from_cli(flags)
+    r = open_resharder(index, TargetLayout.from_args(rt, given=rt.given), keep_optimizer=False)
+    t1 = time.perf_counter()
+    tensors = 0
+    for name, coords in naming.shard_writers(r.tgt).items():
+        tensors += len(r.plan_for_coords(coords, name).tensors)  # each plan validated as it is made
+    t2 = time.perf_counter()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return t1 - t0, t2 - t1, peak, len(naming.shard_writers(r.tgt)), tensors, len(r.index)
+
+
+def _plan_worker(root: str, flags: list[str], q) -> None:
+    q.put(_plan_all(root, flags))
+
+
+def part_f(work: str) -> None:
+    import multiprocessing as mp
+
+    from tests.helpers.synthetic_dsv3 import DSV3
+    from tests.helpers.synthetic_dsv3 import write_legacy as write_dsv3
+
+    src = DSV3()
+    root = os.path.join(work, "dsv3_pp16_ep64")
+    if not os.path.exists(root):
+        started = time.perf_counter()
+        write_dsv3(root, src)
+        print(f"\n(wrote the hollow DeepSeek-V3 checkpoint in {time.perf_counter() - started:.1f} s)")
+    disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    version = ["--megatron-version", "0.20"]
+    print("\nF. DeepSeek-V3 671B shape (hollow), TP1 PP16 EP64: 1,024 shard dirs, "
+          f"{disk / MIB:.0f} MiB of metadata on disk (hard links counted per dir)")
+    wi, rss_i, out = median_run(["inspect", root, "--json"])
+    assert json.loads(out)["ok"], out[-2000:]
+    wc, rss_c, out = median_run(["check", root, "--json", *version, "--", *src.flags()])
+    assert json.loads(out)["verdict"] == "load", out[-2000:]
+    print(f"{'verdict':<36} {'wall s':>7} {'RSS MiB':>8}")
+    print(f"{'inspect':<36} {wi:>7.2f} {rss_i / MIB:>8.0f}")
+    print(f"{'check, same layout (load)':<36} {wc:>7.2f} {rss_c / MIB:>8.0f}")
+    targets = {"PP8 EP32": DSV3(pp=8, ep=32, first_stage_layers=5, last_stage_layers=None),
+               "PP16 EP32": DSV3(pp=16, ep=32)}
+    for label, tgt in targets.items():
+        w, rss, out = median_run(["check", root, "--json", *version, "--", *tgt.flags()])
+        doc = json.loads(out)
+        assert doc["verdict"] == "reshard", out[-3000:]
+        print(f"{'check, -> ' + label + ' (reshard)':<36} {w:>7.2f} {rss / MIB:>8.0f}")
+    print(f"\n{'plan (one process)':<22} {'open s':>7} {'plan+validate s':>16} {'peak MiB':>9} {'target ranks':>13} "
+          f"{'planned tensors':>16} {'global tensors':>15} {'us/tensor':>10}")
+    ctx = mp.get_context("spawn")
+    for label, tgt in targets.items():
+        q = ctx.Queue()
+        p = ctx.Process(target=_plan_worker, args=(root, tgt.flags(), q))
+        p.start()
+        t_open, t_plan, peak, ranks, planned, globals_ = q.get(timeout=3600)
+        p.join()
+        print(f"{'-> ' + label:<22} {t_open:>7.2f} {t_plan:>16.2f} {peak:>9.0f} {ranks:>13} {planned:>16} "
+              f"{globals_:>15} {1e6 * t_plan / max(planned, 1):>10.1f}")
+    print(f"\n{'dry run':<22} {'read GiB':>9} {'written GiB':>12} {'files':>7} {'peak RSS GiB':>13} {'wall s':>7}")
+    for label, tgt in targets.items():
+        out_dir = os.path.join(work, "dsv3_dry_" + label.replace(" ", "_"))
+        w, _rss, out = run_cli(["reshard", root, out_dir, "--dry-run", "--json", "--bandwidth", "2000", "--",
+                                *tgt.flags()])
+        doc = json.loads(out)
+        tot = doc.get("total", doc)
+        print(f"{'-> ' + label:<22} {tot.get('bytes_read', 0) / 2**30:>9.1f} {tot.get('bytes_written', 0) / 2**30:>12.1f} "
+              f"{tot.get('files_opened', 0):>7} {tot.get('peak_rss_bytes', 0) / 2**30:>13.2f} {w:>7.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default=None)
-    ap.add_argument("--parts", default="ABCDE")
+    ap.add_argument("--parts", default="ABCDEF")
     ap.add_argument("--big-shards", type=int, default=8192, choices=(1024, 8192))
     ns = ap.parse_args()
     work = ns.work or tempfile.mkdtemp(prefix="bench_scale_")
@@ -403,6 +484,8 @@ def main() -> None:
             part_d(work)
         if "E" in ns.parts:
             part_e(work, [n for n in sizes if n >= 1024])
+        if "F" in ns.parts:
+            part_f(work)
     finally:
         if not ns.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -177,24 +177,54 @@ def install() -> None:
         if not _wrapped(fn):
             mod.load_checkpoint = make_load_wrapper(fn)
 
+    pending: list[Callable[[], None]] = []  # an asynchronous save's fingerprinting, until its request is scheduled
+
     def make_save_wrapper(original: Callable) -> Callable:
         @functools.wraps(original)
         def save_checkpoint(iteration, model, optimizer, *a, **k):
-            result = original(iteration, model, optimizer, *a, **k)
             args = get_args()
             why = save_fingerprint.skipped(args, k)
-            if why is None:
+            asynchronous = why is None and bool(getattr(args, "async_save", False))
+            if asynchronous:  # fingerprinted by the request's last finalize function (see schedule_async_save)
+                with_optimizer = optimizer is not None and not getattr(args, "no_save_optim", False)
+                pending[:] = [lambda: save_fingerprint.fingerprint_after_finalize(args, iteration, with_optimizer)]
+            try:
+                result = original(iteration, model, optimizer, *a, **k)
+            finally:
+                left, pending[:] = list(pending), []
+            if asynchronous and left:
+                runtime._say(f"fingerprints at save (iteration {iteration}): not taken (this Megatron's asynchronous "
+                             "save has no request to finalize them with); run `megatron-preflight fingerprint` on the "
+                             "checkpoint once it is finalized")
+            elif why is None and not asynchronous:
                 save_fingerprint.fingerprint_after_save(model, optimizer, args, iteration)
-            elif why != "off":
+            elif why not in (None, "off"):
                 runtime._say(f"fingerprints at save (iteration {iteration}): {why}")
             return result
 
         return _mark(save_checkpoint)
+
+    def make_schedule_wrapper(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def schedule_async_save(request, *a, **k):
+            if pending and request is not None:  # the checkpoint's request (scheduled first): ours runs last
+                fn = pending.pop()
+                if hasattr(request, "add_finalize_fn"):
+                    request.add_finalize_fn(fn)
+                else:
+                    request.finalize_fns.append(fn)
+            return original(request, *a, **k)
+
+        return _mark(schedule_async_save)
 
     for module in ("megatron.training.training", "megatron.training.checkpointing"):
         mod = importlib.import_module(module)
         fn = getattr(mod, "save_checkpoint", None)
         if fn is not None and not _wrapped(fn):
             mod.save_checkpoint = make_save_wrapper(fn)
+    ckpt = importlib.import_module("megatron.training.checkpointing")
+    fn = getattr(ckpt, "schedule_async_save", None)
+    if fn is not None and not _wrapped(fn):
+        ckpt.schedule_async_save = make_schedule_wrapper(fn)
     _INSTALLED = True
     log.debug("megatron-preflight hook installed")

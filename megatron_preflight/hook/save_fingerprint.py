@@ -4,8 +4,11 @@ the model (and optimizer state) it holds — what Megatron just wrote — as box
 ``megatron_preflight_fingerprints/iter_N.json`` atomically. No tensor is read back: the checkpoint's metadata is read
 (to place each local tensor in its global tensor), the values are the live ones.
 
-Covered: synchronous saves in the legacy and torch_dist formats, plain and distributed optimizer. Not covered (said in
-the log): asynchronous saves (the checkpoint is completed later, by Megatron's finalize), non-persistent (local)
+Covered: synchronous saves in the legacy and torch_dist formats, plain and distributed optimizer; asynchronous saves
+(``--async-save``) once Megatron has finalized them (:func:`fingerprint_after_finalize`, run as the request's last
+finalize function, after the tracker names the iteration: a fingerprint never describes a checkpoint that was not
+completed). The live tensors have moved on by then, so an asynchronous save's fingerprints are read back from the
+files it wrote, each rank hashing a share of the tensors. Not covered (said in the log): non-persistent (local)
 checkpoints; for those, ``megatron-preflight fingerprint`` after the save gives the same file from the bytes.
 """
 
@@ -31,9 +34,6 @@ def skipped(args: Any, kwargs: dict[str, Any]) -> str | None:
         return "off"
     if kwargs.get("non_persistent_ckpt"):
         return "a non-persistent checkpoint is not fingerprinted"
-    if getattr(args, "async_save", False):
-        return ("an asynchronous save is not fingerprinted (it completes later); run `megatron-preflight fingerprint` "
-                "on the checkpoint once it is finalized")
     return None
 
 
@@ -89,6 +89,50 @@ def _saved_index(save_dir: str, iteration: int) -> Any:
         raise PreflightError(f"the checkpoint just saved cannot be indexed: {payload}", path=save_dir,
                              code="fingerprint", fix="run `megatron-preflight fingerprint` on it")
     return box[0] if box else reshard.CheckpointIndex(transport.loads(payload), trust=True)
+
+
+def fingerprint_after_finalize(args: Any, iteration: int, with_optimizer: bool) -> None:
+    """Run by every rank as the last finalize function of an asynchronous save of ``iteration`` (collective): the
+    checkpoint is complete and its tracker written; each rank reads and hashes every world-th tensor of it, rank 0
+    merges and writes the file."""
+    started = time.perf_counter()
+    save_dir = args.save
+    rank, world = consensus.rank(), consensus.world_size()
+    mine: dict[str, Any] = {}
+    try:
+        index = _saved_index(save_dir, iteration)
+        g = global_resharder(index, with_optimizer, None)
+        planned = fingerprint.planned(g)
+        files = reshard.SourceFiles(g.layout.iter_dir or "", trust=True)  # each record's CRC checked as it is read
+        try:
+            for name in sorted(planned)[rank::world]:
+                printed = fingerprint.fingerprint_of(g, name, planned[name], files)
+                if printed is not None:
+                    mine[name] = (printed.entry, [[list(o), f"{d:016x}", n] for o, d, n, _ in printed.boxes])
+        finally:
+            files.close()
+        problem = None
+    except PreflightError as exc:
+        index, problem = None, exc.message
+    gathered = consensus.gather_to_rank0({"entries": mine, "problem": problem})
+
+    def write() -> str:
+        problems = [d["problem"] for d in gathered or [] if d.get("problem")]
+        if problems or index is None:
+            return f"not written: {problems[0] if problems else 'the checkpoint could not be indexed'}"
+        tensors, boxes = {}, {}
+        for doc in gathered or []:
+            for name, (entry, parts) in doc["entries"].items():
+                tensors[name] = entry
+                if len(parts) > 1:
+                    boxes[name] = parts
+        doc = fingerprint.document(g, iteration, index.layout.root or save_dir, tensors, boxes)
+        path = fingerprint.store(index.layout.root or save_dir, iteration, doc)
+        return f"{len(tensors)} tensors, {path}"
+
+    said = consensus.decide_on_rank0(write, lambda exc: f"not written: {exc}")
+    verify._say(f"fingerprints of the asynchronous save (iteration {iteration}, read back once finalized): {said} "
+                f"({time.perf_counter() - started:.2f} s)")
 
 
 def fingerprint_after_save(model: Any, optimizer: Any, args: Any, iteration: int) -> None:

@@ -102,6 +102,8 @@ def check_content(root: str, *, iteration: Any = None, trust: bool = False, part
     """Compare the checkpoint at ``root`` with its stored fingerprints (``part`` = (k, n): only every n-th tensor
     from the k-th, so n processes share the reading; ``names``: only these tensors). Raises
     :class:`PreflightError` for a fingerprint file that cannot be used; findings are in the report."""
+    import torch  # noqa: F401 - deferred: loaded before indexing, so the sources make tensors (TE extra state, dtypes)
+
     started = time.perf_counter()
     index = open_index(root, iteration=iteration, trust_checkpoint=trust)
     layout = index.layout

@@ -262,6 +262,8 @@ def fingerprint_checkpoint(root: str, *, iteration: Any = None, trust: bool = Fa
     read once, one tensor at a time — except the tensors ``streamed`` covers whole (the partial digests a writer's
     taps took as it wrote them: see :class:`Fingerprinting`), which are not read at all. ``stats`` gets how many
     tensors were taken from ``streamed`` and how many read."""
+    import torch  # noqa: F401 - deferred: loaded before indexing, so the sources make tensors (TE extra state, dtypes)
+
     index = open_index(root, iteration=iteration, trust_checkpoint=trust)
     index.require_readable()
     g = global_resharder(index, not weights_only, None)

@@ -59,12 +59,26 @@ def test_the_job_fingerprints_what_it_saves(tmp_path, nproc, flags):
     assert rc2 == 0 and VERIFIED.search(log2), log2[-3000:]
 
 
-def test_an_asynchronous_save_says_it_is_not_fingerprinted(tmp_path):
-    rc, log, saved = save_run(tmp_path, 2, "--ckpt-format", "torch_dist", "--async-save",
-                              "--use-persistent-ckpt-worker", "--async-strategy", "mcore", port=29862)
+def test_an_asynchronous_save_is_fingerprinted_once_finalized(tmp_path):
+    """--async-save: the fingerprints are written by the request's last finalize function (after Megatron's own,
+    which completes the checkpoint and its tracker), read back from the files by every rank's share; they equal
+    `megatron-preflight fingerprint` of the files, and a --preflight verify resume passes against them."""
+    flags = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
+    rc, log, saved = save_run(tmp_path, 2, *flags, "--async-save", "--use-persistent-ckpt-worker",
+                              "--async-strategy", "mcore", port=29862)
     assert rc == 0, log[-3000:]
-    assert "an asynchronous save is not fingerprinted" in log
-    assert not os.path.exists(saved / "megatron_preflight_fingerprints")
+    assert "fingerprints of the asynchronous save (iteration 2, read back once finalized):" in log, log[-3000:]
+    at_save = _tensors(saved)
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    shutil.rmtree(copy / "megatron_preflight_fingerprints")
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "fingerprint", str(copy)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert any("#exp_avg" in k for k in at_save["tensors"])
+    assert at_save["tensors"] == _tensors(copy)["tensors"]
+    rc2, log2 = run(tmp_path, str(saved), 2, "--preflight", "verify", *flags, "--no-load-rng", port=29861)
+    assert rc2 == 0 and VERIFIED.search(log2), log2[-3000:]
 
 
 def test_a_saved_checkpoint_changed_afterwards_is_caught_by_every_consumer(tmp_path):

@@ -251,19 +251,20 @@ class DistReader:
     def _assemble(self, ref: RegionRef) -> torch.Tensor:
         import torch  # reading tensors (the layout itself is metadata: this module loads without torch)
 
+        dtype = dtypes.to_torch(ref.dtype)  # (metadata indexed before torch was loaded names it by a placeholder)
         if len(ref.slabs) == 1 and ref.shape and math.prod(ref.slabs[0].sizes) == math.prod(ref.shape) and \
                 ref.slabs[0].fragment is None:
-            view = self._inside_one_chunk(ref.slabs[0], ref.dtype)
+            view = self._inside_one_chunk(ref.slabs[0], dtype)
             if view is not None:
                 return view.reshape(ref.shape)
         if ref.slabs and all(len(s.sizes) == 1 for s in ref.slabs) and len(ref.shape) != 1:
-            flat = torch.empty(math.prod(ref.shape), dtype=ref.dtype)  # a window of a flat buffer, reshaped
+            flat = torch.empty(math.prod(ref.shape), dtype=dtype)  # a window of a flat buffer, reshaped
             for s in ref.slabs:
-                flat.narrow(0, s.local_start, s.sizes[0]).copy_(self.region(s.fqn, s.offsets, s.sizes, ref.dtype))
+                flat.narrow(0, s.local_start, s.sizes[0]).copy_(self.region(s.fqn, s.offsets, s.sizes, dtype))
             return flat.view(ref.shape)
-        out = torch.empty(ref.shape, dtype=ref.dtype)
+        out = torch.empty(ref.shape, dtype=dtype)
         for s in ref.slabs:
-            box = self._box(s, ref.dtype)
+            box = self._box(s, dtype)
             if not ref.shape:
                 out.copy_(box.reshape(()))
                 continue

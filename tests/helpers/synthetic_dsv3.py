@@ -1,0 +1,218 @@
+"""A synthetic DeepSeek-V3-shaped legacy checkpoint (scale benchmarks and their small-scale test).
+
+The model of DeepSeek-V3 671B as Megatron-Core's Transformer Engine spec saves it: 61 layers (the first 3 dense),
+multi-latent attention (q_lora 1536, kv_lora 512, qk 128 + rope 64, v 128, 128 heads), 256 routed experts of ffn 2048
+(TE-grouped, 8 active) and one shared expert per MoE layer, a router with its expert bias, one MTP layer (MoE),
+RMSNorm, SwiGLU, no biases, untied embeddings of a 129,280-token vocabulary; hidden 7168. Laid out at TP1·PP16·EP64
+(1,024 shard dirs) with 3 layers on the first stage and 2 (plus the MTP layer) on the last, as a 61-layer model is
+cut. Every shard file is a real ``torch.save`` with the full top-level state of a real save (args, RNG, scheduler
+from a fixture Megatron-LM wrote); with ``hollow=True`` every tensor is a stride-0 view of one element (real
+shapes, almost no bytes). Files with the same content (the EP ranks of one stage) are hard links of one file.
+Model only (no optimizer state). ``scale`` divides every width (for a small test of the same structure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_preflight import pickling
+from megatron_preflight.layout import naming
+from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.torch_file import TensorRef, read_torch_file
+from megatron_preflight.tree import map_leaves
+
+TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron-lm", "mtp_moe_te_ep2_torch",
+                        "iter_0000002", "mp_rank_00_000", "model_optim_rng.pt")
+
+
+@dataclass
+class DSV3:
+    tp: int = 1
+    pp: int = 16
+    ep: int = 64
+    scale: int = 1  # widths divided by this (1: the real model)
+    num_layers: int = 61
+    dense_layers: int = 3
+    first_stage_layers: int | None = 3
+    last_stage_layers: int | None = 2
+    experts: int = 256
+    mtp_layers: int = 1
+    vocab: int = 129280
+    seq: int = 4096
+    widths: dict[str, int] = field(default_factory=lambda: dict(
+        hidden=7168, heads=128, ffn=18432, moe_ffn=2048, shared_ffn=2048, q_lora=1536, kv_lora=512, qk=128, rope=64,
+        v=128))
+
+    def w(self, name: str) -> int:
+        return max(1, self.widths[name] // (1 if name == "heads" else self.scale))
+
+    @property
+    def padded_vocab(self) -> int:
+        multiple = 128 * self.tp
+        return -(-self.vocab // multiple) * multiple
+
+    def stage_layers(self) -> list[list[int]]:
+        """The global layers of each pipeline stage."""
+        first = self.first_stage_layers if self.pp > 1 else None
+        last = self.last_stage_layers if self.pp > 1 else None
+        middle = self.num_layers - (first or 0) - (last or 0)
+        inner = self.pp - (first is not None) - (last is not None)
+        sizes = ([first] if first is not None else []) + [middle // inner] * inner + ([last] if last is not None else [])
+        assert sum(sizes) == self.num_layers and len(sizes) == self.pp, sizes
+        out, at = [], 0
+        for n in sizes:
+            out.append(list(range(at, at + n)))
+            at += n
+        return out
+
+    def flags(self) -> list[str]:
+        """The pretrain_gpt.py flags of a run of this model at this layout."""
+        f = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+             "--expert-model-parallel-size", str(self.ep), "--expert-tensor-parallel-size", "1",
+             "--num-layers", str(self.num_layers), "--hidden-size", str(self.w("hidden")),
+             "--num-attention-heads", str(self.w("heads")), "--kv-channels", str(self.w("qk")),
+             "--ffn-hidden-size", str(self.w("ffn")),
+             "--num-experts", str(self.experts), "--moe-ffn-hidden-size", str(self.w("moe_ffn")),
+             "--moe-shared-expert-intermediate-size", str(self.w("shared_ffn")), "--moe-router-topk", "8",
+             "--moe-layer-freq", f"([0]*{self.dense_layers}+[1]*{self.num_layers - self.dense_layers})",
+             "--moe-grouped-gemm", "--moe-router-enable-expert-bias", "--mtp-num-layers", str(self.mtp_layers),
+             "--multi-latent-attention", "--q-lora-rank", str(self.w("q_lora")), "--kv-lora-rank",
+             str(self.w("kv_lora")), "--qk-head-dim", str(self.w("qk")), "--qk-pos-emb-head-dim", str(self.w("rope")),
+             "--v-head-dim", str(self.w("v")), "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+             "--seq-length", str(self.seq), "--max-position-embeddings", str(self.seq), "--vocab-size",
+             str(self.vocab), "--transformer-impl", "transformer_engine", "--ckpt-format", "torch",
+             "--no-load-optim", "--no-load-rng"]
+        if self.pp > 1 and self.first_stage_layers is not None:
+            f += ["--decoder-first-pipeline-num-layers", str(self.first_stage_layers)]
+        if self.pp > 1 and self.last_stage_layers is not None:
+            f += ["--decoder-last-pipeline-num-layers", str(self.last_stage_layers)]
+        return f
+
+
+def _args(m: DSV3, template: argparse.Namespace) -> argparse.Namespace:
+    args = copy.copy(template)
+    values = dict(
+        tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp, expert_model_parallel_size=m.ep,
+        expert_tensor_parallel_size=1, num_layers=m.num_layers, hidden_size=m.w("hidden"), ffn_hidden_size=m.w("ffn"),
+        num_attention_heads=m.w("heads"), num_query_groups=m.w("heads"), kv_channels=m.w("qk"),
+        num_experts=m.experts, moe_ffn_hidden_size=m.w("moe_ffn"), moe_shared_expert_intermediate_size=m.w("shared_ffn"),
+        moe_router_topk=8, moe_layer_freq=[0] * m.dense_layers + [1] * (m.num_layers - m.dense_layers),
+        moe_grouped_gemm=True, moe_router_enable_expert_bias=True, mtp_num_layers=m.mtp_layers,
+        multi_latent_attention=True, q_lora_rank=m.w("q_lora"), kv_lora_rank=m.w("kv_lora"), qk_head_dim=m.w("qk"),
+        qk_pos_emb_head_dim=m.w("rope"), v_head_dim=m.w("v"), normalization="RMSNorm", swiglu=True,
+        add_bias_linear=False, untie_embeddings_and_output_weights=True, position_embedding_type="rope",
+        padded_vocab_size=m.padded_vocab, vocab_size=m.vocab, seq_length=m.seq, max_position_embeddings=m.seq,
+        world_size=m.tp * m.pp * m.ep, data_parallel_size=m.ep, use_distributed_optimizer=False, no_save_optim=True,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        decoder_first_pipeline_num_layers=m.first_stage_layers if m.pp > 1 else None,
+        decoder_last_pipeline_num_layers=m.last_stage_layers if m.pp > 1 else None,
+        transformer_impl="transformer_engine", qk_layernorm=False, group_query_attention=False)
+    for k, v in values.items():
+        setattr(args, k, v)
+    return args
+
+
+def _layer(m: DSV3, p: str, moe: bool, t: Any, extra: Any) -> dict[str, Any]:
+    """One transformer layer's local tensors under prefix ``p`` (TE spec, MLA, a dense MLP or the MoE)."""
+    h, tp, heads = m.w("hidden"), m.tp, m.w("heads")
+    sd: dict[str, Any] = {
+        p + "input_layernorm.weight": t(h), p + "input_layernorm._extra_state": extra(),
+        p + "self_attention.core_attention._extra_state": extra(),
+        p + "self_attention.linear_proj.weight": t(h, heads * m.w("v") // tp),
+        p + "self_attention.linear_proj._extra_state": extra(),
+        p + "self_attention.linear_q_down_proj.weight": t(m.w("q_lora"), h),
+        p + "self_attention.linear_q_down_proj._extra_state": extra(),
+        p + "self_attention.linear_q_up_proj.layer_norm_weight": t(m.w("q_lora")),
+        p + "self_attention.linear_q_up_proj.weight": t(heads * (m.w("qk") + m.w("rope")) // tp, m.w("q_lora")),
+        p + "self_attention.linear_q_up_proj._extra_state": extra(),
+        p + "self_attention.linear_kv_down_proj.weight": t(m.w("kv_lora") + m.w("rope"), h),
+        p + "self_attention.linear_kv_down_proj._extra_state": extra(),
+        p + "self_attention.linear_kv_up_proj.layer_norm_weight": t(m.w("kv_lora")),
+        p + "self_attention.linear_kv_up_proj.weight": t(heads * (m.w("qk") + m.w("v")) // tp, m.w("kv_lora")),
+        p + "self_attention.linear_kv_up_proj._extra_state": extra(),
+    }
+    if not moe:
+        sd.update({p + "mlp.linear_fc1.layer_norm_weight": t(h), p + "mlp.linear_fc1.weight": t(2 * m.w("ffn") // tp, h),
+                   p + "mlp.linear_fc1._extra_state": extra(), p + "mlp.linear_fc2.weight": t(h, m.w("ffn") // tp),
+                   p + "mlp.linear_fc2._extra_state": extra()})
+        return sd
+    sd.update({p + "pre_mlp_layernorm.weight": t(h), p + "pre_mlp_layernorm._extra_state": extra(),
+               p + "mlp.router.weight": t(m.experts, h), p + "mlp.router.expert_bias": t(m.experts)})
+    local = m.experts // m.ep
+    for j in range(local):
+        sd[f"{p}mlp.experts.linear_fc1.weight{j}"] = t(2 * m.w("moe_ffn"), h)
+    sd[p + "mlp.experts.linear_fc1._extra_state"] = extra()
+    for j in range(local):
+        sd[f"{p}mlp.experts.linear_fc2.weight{j}"] = t(h, m.w("moe_ffn"))
+    sd[p + "mlp.experts.linear_fc2._extra_state"] = extra()
+    sd.update({p + "mlp.shared_experts.linear_fc1.weight": t(2 * m.w("shared_ffn") // tp, h),
+               p + "mlp.shared_experts.linear_fc1._extra_state": extra(),
+               p + "mlp.shared_experts.linear_fc2.weight": t(h, m.w("shared_ffn") // tp),
+               p + "mlp.shared_experts.linear_fc2._extra_state": extra()})
+    return sd
+
+
+def stage_state(m: DSV3, pp: int, hollow: bool) -> dict[str, Any]:
+    """The model state dict of one (tp, ep) shard of stage ``pp`` (local layer and expert numbers, as saved)."""
+    def t(*shape: int) -> torch.Tensor:  # (not hollow: values from the shape alone, so replicas agree)
+        if hollow:
+            return torch.zeros(1).expand(*shape)
+        n = 1
+        for s in shape:
+            n *= s
+        return (torch.arange(n, dtype=torch.float32) % 13 / 13).reshape(shape)
+
+    def extra() -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    h, tp = m.w("hidden"), m.tp
+    stages = m.stage_layers()
+    sd: dict[str, Any] = {}
+    if pp == 0 or (pp == m.pp - 1 and m.mtp_layers):
+        sd["embedding.word_embeddings.weight"] = t(m.padded_vocab // tp, h)
+    for i, layer in enumerate(stages[pp]):
+        sd.update(_layer(m, f"decoder.layers.{i}.", layer >= m.dense_layers, t, extra))
+    if pp == m.pp - 1:
+        sd["decoder.final_layernorm.weight"], sd["decoder.final_layernorm._extra_state"] = t(h), extra()
+        for d in range(m.mtp_layers):
+            p = f"mtp.layers.{d}."
+            sd.update({p + "enorm.weight": t(h), p + "enorm._extra_state": extra(), p + "hnorm.weight": t(h),
+                       p + "hnorm._extra_state": extra(), p + "eh_proj.weight": t(h // tp, 2 * h),
+                       p + "eh_proj._extra_state": extra()})
+            sd.update(_layer(m, p + "mtp_model_layer.", True, t, extra))
+            sd[p + "final_layernorm.weight"], sd[p + "final_layernorm._extra_state"] = t(h), extra()
+        sd["output_layer.weight"], sd["output_layer._extra_state"] = t(m.padded_vocab // tp, h), None
+    return sd
+
+
+def write_legacy(root: str, m: DSV3, *, hollow: bool = True, iteration: int = 1000) -> int:
+    """Write the checkpoint under ``root`` (tracker included); returns the number of shard dirs."""
+    meta = read_torch_file(TEMPLATE)
+    template = map_leaves(meta, lambda v, _p: torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, TensorRef) else v)
+    args = _args(m, template["args"])
+    it_dir = os.path.join(root, naming.iteration_dir_name(iteration))
+    os.makedirs(it_dir, exist_ok=True)
+    names = naming.expected_shards(ParallelLayout(tp=m.tp, pp=m.pp, ep=m.ep, etp=1))
+    first: dict[tuple[int, int], str] = {}
+    for name, (tp, pp, _ep) in sorted(names.items()):
+        d = os.path.join(it_dir, name)
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, naming.MODEL_FILENAME)
+        if (tp, pp) in first:
+            os.link(first[(tp, pp)], path)
+            continue
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": stage_state(m, pp, hollow),
+                 "opt_param_scheduler": template.get("opt_param_scheduler"), "rng_state": template["rng_state"],
+                 "num_floating_point_operations_so_far": 0}
+        torch.save(state, path, pickle_module=pickling)
+        first[(tp, pp)] = path
+    with open(os.path.join(root, naming.TRACKER_FILENAME), "w") as fh:
+        fh.write(str(iteration))
+    return len(names)

@@ -1,0 +1,52 @@
+"""The DeepSeek-V3 structure (tests/helpers/synthetic_dsv3.py: MLA, 3 dense + MoE layers with 256 TE-grouped experts,
+a shared expert and the router's expert bias, an MoE MTP layer, uneven first and last pipeline stages), narrowed 64x
+so it runs here (and 32 experts): checked at its own layout (load) and another (reshard), resharded PP4·EP8 -> PP2·EP4 and compared
+tensor by tensor with the source. What bench_scale.py part F times at the real widths."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_preflight.cli.main import main
+from tests.helpers.synthetic_dsv3 import DSV3, write_legacy
+
+SMALL = dict(scale=64, vocab=1024, experts=32)  # (256 experts: ~30k tensors, 80 s here; bench_scale.py part F)
+
+
+@pytest.fixture(scope="module")
+def dsv3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsv3") / "pp4ep8"
+    m = DSV3(pp=4, ep=8, **SMALL)
+    assert write_legacy(str(root), m, hollow=False) == 32
+    return root, m
+
+
+def _check(root, flags):
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "check", str(root), "--json", "--megatron-version",
+                        "0.20", "--", *flags], capture_output=True, text=True, timeout=300)
+    return json.loads(r.stdout)
+
+
+def test_its_own_layout_loads_and_another_is_a_reshard(dsv3):
+    root, m = dsv3
+    assert _check(root, m.flags())["verdict"] == "load"
+    other = _check(root, DSV3(pp=2, ep=4, first_stage_layers=30, last_stage_layers=None, **SMALL).flags())
+    assert other["verdict"] == "reshard"
+    assert {f["field"] for f in other["findings"] if f["severity"] == "fatal"} == set()
+
+
+def test_a_reshard_to_pp2_ep4_holds_every_tensor(dsv3, tmp_path, capsys):
+    root, _ = dsv3
+    out = tmp_path / "pp2ep4"
+    target = DSV3(pp=2, ep=4, first_stage_layers=30, last_stage_layers=None, **SMALL)
+    assert main(["reshard", str(root), str(out), "--no-progress", "--", *target.flags()]) == 0
+    assert _check(out, target.flags())["verdict"] == "load"
+    capsys.readouterr()
+    assert main(["diff", str(root), str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    names = [t["name"] for t in report["tensors"]]
+    assert any(".mlp.experts.linear_fc1.weight31" in n for n in names)  # every routed expert, by its global number
+    assert any(n.startswith("mtp.layers.0.mtp_model_layer.self_attention.linear_kv_up_proj") for n in names)
+    assert any(n.endswith("mlp.router.expert_bias") for n in names)
