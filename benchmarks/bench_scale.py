@@ -18,7 +18,12 @@ reshard cost prediction against the measured run. Prints one table per part.
      plan for PP16·EP64 -> PP8·EP32 and -> PP16·EP32 (open, every target rank planned and validated: time, memory,
      tensors); `reshard --dry-run` bytes, files and peak; the in-memory cost per rank `check` reports.
 
-Usage: python benchmarks/bench_scale.py [--work DIR] [--parts ABCDEF] [--big-shards 8192]
+  G  real bytes: an offline reshard of a DeepSeek-V3-width slice (hidden 7168, MLA, a dense layer and an MoE layer
+     of 16 routed experts + the shared one, bf16; vocabulary 32,768 so it fits here) PP2·EP2 -> PP1·EP1, one process
+     and torchrun with 2, against the I/O floor measured the same way (every source byte read, as many written,
+     fsynced); the projection of a full 671B reshard from the measured per-process throughput.
+
+Usage: python benchmarks/bench_scale.py [--work DIR] [--parts ABCDEFG] [--big-shards 8192]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -464,10 +470,57 @@ def part_f(work: str) -> None:
               f"{tot.get('files_opened', 0):>7} {tot.get('peak_rss_bytes', 0) / 2**30:>13.2f} {w:>7.2f}")
 
 
+def part_g(work: str) -> None:
+    from bench_reshard import dir_bytes, io_floor
+
+    from tests.helpers.synthetic_dsv3 import DSV3
+    from tests.helpers.synthetic_dsv3 import write_legacy as write_dsv3
+
+    kw = dict(num_layers=2, dense_layers=1, experts=16, mtp_layers=0, vocab=32768, dtype="bfloat16",
+              first_stage_layers=None, last_stage_layers=None)
+    src_m, dst_m = DSV3(pp=2, ep=2, **kw), DSV3(pp=1, ep=1, **kw)
+    src = os.path.join(work, "dsv3_slice_pp2_ep2")
+    if not os.path.exists(src):
+        write_dsv3(src, src_m, hollow=False)
+    size = dir_bytes(src)
+    print(f"\nG. real bytes: a DeepSeek-V3-width slice (hidden 7168, MLA, 1 dense + 1 MoE layer of 16 experts, bf16), "
+          f"PP2 EP2 -> PP1 EP1; source {size / 2**30:.2f} GiB")
+    print(f"{'run':<26} {'wall s':>7} {'read GiB':>9} {'written GiB':>12} {'floor s':>8} {'floor/run':>10} "
+          f"{'GiB/s per process':>18}")
+    rows = []
+    for label, launcher in (("1 process", [sys.executable, "-m", "megatron_preflight"]),
+                            ("torchrun, 2 processes", [sys.executable, "-m", "torch.distributed.run",
+                                                       "--nproc-per-node", "2", "--master-port", "29991", "-m",
+                                                       "megatron_preflight"])):
+        dst = os.path.join(work, "dsv3_slice_out")
+        shutil.rmtree(dst, ignore_errors=True)
+        started = time.perf_counter()
+        r = subprocess.run([*launcher, "reshard", src, dst, "--workers", "1", "--no-progress", "--",
+                            *dst_m.flags()], capture_output=True, text=True)
+        wall = time.perf_counter() - started
+        assert r.returncode == 0, r.stderr[-3000:]
+        m_read = re.search(r"read ([\d.]+) (GiB|MiB)", r.stdout)
+        read = float(m_read.group(1)) * (1 if m_read.group(2) == "GiB" else 1 / 1024) if m_read else float("nan")
+        written = dir_bytes(dst) / 2**30
+        floor = io_floor(src, dir_bytes(dst), work)
+        procs = 2 if "2" in label else 1
+        rows.append((label, wall, read, written, floor, procs))
+        print(f"{label:<26} {wall:>7.2f} {read:>9.2f} {written:>12.2f} {floor:>8.2f} {floor / wall:>10.2f} "
+              f"{(read + written) / wall / procs:>18.2f}")
+        shutil.rmtree(dst, ignore_errors=True)
+    best = max((read + written) / wall / procs for _, wall, read, written, _, procs in rows)
+    full = 1.34e12 / 2**30  # DeepSeek-V3 671B in bf16, weights only, one copy (torch_dist; legacy repeats the
+    # dense weights in every EP rank's file: part F's dry run)
+    for nodes, per_node in ((32, 8),):
+        secs = 2 * full / (best * nodes * per_node)  # read once, written once
+        print(f"projection (not a measurement): 671B bf16 weights (~{full:.0f} GiB read and written), {nodes} nodes x "
+              f"{per_node} processes at {best:.2f} GiB/s each: {secs / 60:.1f} min, if the filesystem scales with them")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default=None)
-    ap.add_argument("--parts", default="ABCDEF")
+    ap.add_argument("--parts", default="ABCDEFG")
     ap.add_argument("--big-shards", type=int, default=8192, choices=(1024, 8192))
     ns = ap.parse_args()
     work = ns.work or tempfile.mkdtemp(prefix="bench_scale_")
@@ -486,6 +539,8 @@ def main() -> None:
             part_e(work, [n for n in sizes if n >= 1024])
         if "F" in ns.parts:
             part_f(work)
+        if "G" in ns.parts:
+            part_g(work)
     finally:
         if not ns.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -188,16 +188,18 @@ def install() -> None:
             if asynchronous:  # fingerprinted by the request's last finalize function (see schedule_async_save)
                 with_optimizer = optimizer is not None and not getattr(args, "no_save_optim", False)
                 pending[:] = [lambda: save_fingerprint.fingerprint_after_finalize(args, iteration, with_optimizer)]
+            started = time.perf_counter()
             try:
                 result = original(iteration, model, optimizer, *a, **k)
             finally:
                 left, pending[:] = list(pending), []
+            saved = time.perf_counter() - started
             if asynchronous and left:
                 runtime._say(f"fingerprints at save (iteration {iteration}): not taken (this Megatron's asynchronous "
                              "save has no request to finalize them with); run `megatron-preflight fingerprint` on the "
                              "checkpoint once it is finalized")
             elif why is None and not asynchronous:
-                save_fingerprint.fingerprint_after_save(model, optimizer, args, iteration)
+                save_fingerprint.fingerprint_after_save(model, optimizer, args, iteration, saved)
             elif why not in (None, "off"):
                 runtime._say(f"fingerprints at save (iteration {iteration}): {why}")
             return result

@@ -135,20 +135,25 @@ def fingerprint_after_finalize(args: Any, iteration: int, with_optimizer: bool) 
                 f"({time.perf_counter() - started:.2f} s)")
 
 
-def fingerprint_after_save(model: Any, optimizer: Any, args: Any, iteration: int) -> None:
-    """Run by every rank after Megatron's save of ``iteration`` to ``args.save`` returned (collective)."""
+def fingerprint_after_save(model: Any, optimizer: Any, args: Any, iteration: int, saved_seconds: float | None = None
+                           ) -> None:
+    """Run by every rank after Megatron's save of ``iteration`` to ``args.save`` returned (collective);
+    ``saved_seconds``: how long that save took (said beside the fingerprints' own time and its parts)."""
     started = time.perf_counter()
     save_dir = args.save
     with_optimizer = optimizer is not None and not getattr(args, "no_save_optim", False)
+    parts: dict[str, float] = {}
     try:  # the checkpoint's metadata only (rank 0 reads it: the tensors' global places)
         index = _saved_index(save_dir, iteration)
         target = legacy_load.target_from_args(args)
         r = reshard.open_resharder(index, target, keep_optimizer=False)
         coords = legacy_load.runtime_coordinates(consensus.rank(), consensus.world_size(), r)
         name = naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"], pp_size=r.tgt.pp, ep_size=r.tgt.ep)
+        parts["index"] = time.perf_counter() - started
         mine: dict[str, Any] = verify.local_partials(r, model, coords, name)
         if with_optimizer:
             mine["parts"].update(verify.optimizer_partials(r, model, optimizer, coords, name))
+        parts["hash"] = time.perf_counter() - started - parts["index"]
         problem = None
     except PreflightError as exc:
         index, mine, problem = None, {"parts": {}}, exc.message
@@ -163,4 +168,7 @@ def fingerprint_after_save(model: Any, optimizer: Any, args: Any, iteration: int
         return f"{len(doc['tensors'])} tensors, {path}"
 
     said = consensus.decide_on_rank0(write, lambda exc: f"not written: {exc}")
-    verify._say(f"fingerprints at save (iteration {iteration}): {said} ({time.perf_counter() - started:.2f} s)")
+    total = time.perf_counter() - started
+    where = ", ".join(f"{k} {v:.2f}" for k, v in {**parts, "merge+write": total - sum(parts.values())}.items())
+    save = f"; the save itself {saved_seconds:.2f} s" if saved_seconds is not None else ""
+    verify._say(f"fingerprints at save (iteration {iteration}): {said} ({total:.2f} s on rank 0: {where}{save})")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from typing import Any
@@ -141,6 +142,13 @@ def optimizer_partials(r: reshard.Resharder, model: Any, optimizer: Any, coords:
         chunk, _, key = param_name.partition(":")
         tp = by_key.get((int(chunk), canonical_name(key)))
         if tp is None or values.numel() != end - start:
+            continue
+        if start == 0 and end == math.prod(tp.shape):  # the whole local state (plain optimizer): hashed by box
+            whole = values.cpu().reshape(tuple(tp.shape))
+            for local, gshape, offsets in placement.boxes(r, tp, coords):
+                box = whole[local]
+                parts.setdefault(f"{placement.checkpoint_name(r, tp)}#{field}", []).append(
+                    (offsets, f"{fingerprint.digest_box(box, gshape, offsets):016x}", box.numel()))
             continue
         index = placement.global_indices(tuple(tp.shape), placement.boxes(r, tp, coords), start, end)
         digest, count = fingerprint.digest_indexed(values.cpu(), index)

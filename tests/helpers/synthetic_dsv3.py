@@ -44,6 +44,7 @@ class DSV3:
     experts: int = 256
     mtp_layers: int = 1
     vocab: int = 129280
+    dtype: str = "float32"  # the saved parameters' (a bf16 run's: "bfloat16")
     seq: int = 4096
     widths: dict[str, int] = field(default_factory=lambda: dict(
         hidden=7168, heads=128, ffn=18432, moe_ffn=2048, shared_ffn=2048, q_lora=1536, kv_lora=512, qk=128, rope=64,
@@ -81,7 +82,7 @@ class DSV3:
              "--num-experts", str(self.experts), "--moe-ffn-hidden-size", str(self.w("moe_ffn")),
              "--moe-shared-expert-intermediate-size", str(self.w("shared_ffn")), "--moe-router-topk", "8",
              "--moe-layer-freq", f"([0]*{self.dense_layers}+[1]*{self.num_layers - self.dense_layers})",
-             "--moe-grouped-gemm", "--moe-router-enable-expert-bias", "--mtp-num-layers", str(self.mtp_layers),
+             "--moe-grouped-gemm", "--moe-router-enable-expert-bias",
              "--multi-latent-attention", "--q-lora-rank", str(self.w("q_lora")), "--kv-lora-rank",
              str(self.w("kv_lora")), "--qk-head-dim", str(self.w("qk")), "--qk-pos-emb-head-dim", str(self.w("rope")),
              "--v-head-dim", str(self.w("v")), "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
@@ -89,6 +90,10 @@ class DSV3:
              "--seq-length", str(self.seq), "--max-position-embeddings", str(self.seq), "--vocab-size",
              str(self.vocab), "--transformer-impl", "transformer_engine", "--ckpt-format", "torch",
              "--no-load-optim", "--no-load-rng"]
+        if self.mtp_layers:
+            f += ["--mtp-num-layers", str(self.mtp_layers)]
+        if self.dtype == "bfloat16":
+            f.append("--bf16")
         if self.pp > 1 and self.first_stage_layers is not None:
             f += ["--decoder-first-pipeline-num-layers", str(self.first_stage_layers)]
         if self.pp > 1 and self.last_stage_layers is not None:
@@ -104,12 +109,13 @@ def _args(m: DSV3, template: argparse.Namespace) -> argparse.Namespace:
         num_attention_heads=m.w("heads"), num_query_groups=m.w("heads"), kv_channels=m.w("qk"),
         num_experts=m.experts, moe_ffn_hidden_size=m.w("moe_ffn"), moe_shared_expert_intermediate_size=m.w("shared_ffn"),
         moe_router_topk=8, moe_layer_freq=[0] * m.dense_layers + [1] * (m.num_layers - m.dense_layers),
-        moe_grouped_gemm=True, moe_router_enable_expert_bias=True, mtp_num_layers=m.mtp_layers,
+        moe_grouped_gemm=True, moe_router_enable_expert_bias=True, mtp_num_layers=m.mtp_layers or None,
         multi_latent_attention=True, q_lora_rank=m.w("q_lora"), kv_lora_rank=m.w("kv_lora"), qk_head_dim=m.w("qk"),
         qk_pos_emb_head_dim=m.w("rope"), v_head_dim=m.w("v"), normalization="RMSNorm", swiglu=True,
         add_bias_linear=False, untie_embeddings_and_output_weights=True, position_embedding_type="rope",
         padded_vocab_size=m.padded_vocab, vocab_size=m.vocab, seq_length=m.seq, max_position_embeddings=m.seq,
         world_size=m.tp * m.pp * m.ep, data_parallel_size=m.ep, use_distributed_optimizer=False, no_save_optim=True,
+        bf16=m.dtype == "bfloat16", fp16=m.dtype == "float16", params_dtype=getattr(torch, m.dtype),
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         decoder_first_pipeline_num_layers=m.first_stage_layers if m.pp > 1 else None,
         decoder_last_pipeline_num_layers=m.last_stage_layers if m.pp > 1 else None,
@@ -161,13 +167,15 @@ def _layer(m: DSV3, p: str, moe: bool, t: Any, extra: Any) -> dict[str, Any]:
 
 def stage_state(m: DSV3, pp: int, hollow: bool) -> dict[str, Any]:
     """The model state dict of one (tp, ep) shard of stage ``pp`` (local layer and expert numbers, as saved)."""
+    dtype = getattr(torch, m.dtype)
+
     def t(*shape: int) -> torch.Tensor:  # (not hollow: values from the shape alone, so replicas agree)
         if hollow:
-            return torch.zeros(1).expand(*shape)
+            return torch.zeros(1, dtype=dtype).expand(*shape)
         n = 1
         for s in shape:
             n *= s
-        return (torch.arange(n, dtype=torch.float32) % 13 / 13).reshape(shape)
+        return (torch.arange(n, dtype=torch.float32) % 13 / 13).to(dtype).reshape(shape)
 
     def extra() -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
@@ -205,7 +213,7 @@ def write_legacy(root: str, m: DSV3, *, hollow: bool = True, iteration: int = 10
         d = os.path.join(it_dir, name)
         os.makedirs(d, exist_ok=True)
         path = os.path.join(d, naming.MODEL_FILENAME)
-        if (tp, pp) in first:
+        if (tp, pp) in first and hollow:  # (real bytes: every file written, as a reshard's reads would meet them)
             os.link(first[(tp, pp)], path)
             continue
         state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": stage_state(m, pp, hollow),
