@@ -70,7 +70,7 @@ def _document(index: Any, gathered: list[dict[str, Any]], with_optimizer: bool) 
                                  fix="run `megatron-preflight fingerprint` on the checkpoint instead")
         tensors[name] = {"digest": f"{fingerprint.combine([int(d, 16) for d, _ in held.values()]):016x}",
                          "shape": shape, "dtype": str(dtypes.to_torch(tp.dtype)).removeprefix("torch.")}
-        if len(held) > 1 and "#" not in name:  # each saved slice's digest: a later check names the shard
+        if len(held) > 1:  # each saved slice's digest: a later check names the shard
             split[name] = [[list(o), d, n] for o, (d, n) in sorted(held.items())]
     return fingerprint.document(g, index.layout.iteration, index.layout.root, tensors, split)
 

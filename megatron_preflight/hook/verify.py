@@ -295,12 +295,19 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
                                         lambda exc: ([f"internal: {exc}"], set()))
     problems, differ = verdict
     if differ:  # which ranks hold the differing slices: each rebuilds its part of those tensors from the checkpoint
-        here = _differs_here(r, coords, name, model, {d for d in differ if "#" not in d})
-        if any("#" in d for d in differ):
-            here += _optimizer_differs_here(index, target, coords, name, model, optimizer,
-                                            {d for d in differ if "#" in d})
-        where = consensus.gather_to_rank0(here)
+        unreadable: list[str] = []
+        try:
+            here = _differs_here(r, coords, name, model, {d for d in differ if "#" not in d})
+            if any("#" in d for d in differ):
+                here += _optimizer_differs_here(index, target, coords, name, model, optimizer,
+                                                {d for d in differ if "#" in d})
+        except PreflightError as exc:  # the bytes this rank loaded cannot be read again (a record's CRC fails)
+            here, unreadable = [], [exc.render()]
+        gathered_here = consensus.gather_to_rank0({"names": here, "unreadable": unreadable})
+        where = [d["names"] for d in gathered_here] if gathered_here is not None else None
         if where is not None:
+            for i, d in enumerate(gathered_here or []):
+                problems[:0] = [f"rank {i} cannot read its part of the checkpoint again: {m}" for m in d["unreadable"]]
             changed = {t for t in differ if not any(t in names for names in where)}
             shards = _changed_shards(root, index.layout.iteration, trust, changed) if changed else {}
             for tensor in sorted(differ):
@@ -311,6 +318,12 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
                          "its fingerprints (changed after they were taken: a bad copy, bit rot, or a converter)")
                 problems.append(f"{tensor}: the loaded values differ from the checkpoint's fingerprint; "
                                 f"ranks {ranks}: {cause}" if ranks else f"{tensor}: {cause}{shards.get(tensor, '')}")
+    diverged = {p.split(": ", 1)[0] for p in problems if "hold different values for the same slice" in p}
+    if diverged:  # the ranks loaded different copies: does the checkpoint itself still hold what was saved?
+        said = consensus.decide_on_rank0(lambda: _files_changed(root, index.layout.iteration, trust, diverged),
+                                         lambda exc: "")
+        if said:
+            problems.insert(0, said)  # first: the cause of the many lines after it
     problems = consensus.decide_on_rank0(lambda: problems, lambda exc: [f"internal: {exc}"])
     if problems:
         _stop("verify: the loaded model is not the checkpoint's:\n  " + "\n  ".join(problems[:50])
@@ -336,6 +349,18 @@ def _changed_shards(root: str, iteration: Any, trust: bool, names: set[str]) -> 
         where = f" in {', '.join(f.shards)}" if f.shards and f.located else ""
         out[f.tensor] = f"; {f.problem}{where}; likely cause: {report.cause}"
     return out
+
+
+def _files_changed(root: str, iteration: Any, trust: bool, names: set[str]) -> str:
+    """Rank 0: whether the files hold other values than the fingerprints for ``names`` (copies the ranks loaded
+    differently), said with the file and the likely cause ("" when they hold the saved values)."""
+    from megatron_preflight.prove.content import check_content  # reads the named tensors once more
+
+    report = check_content(root, iteration=iteration, trust=trust, names=names)
+    if report.ok or report.fingerprints is None:
+        return ""
+    return (f"the checkpoint's files no longer hold what was saved ({report.cause}); first: "
+            f"{report.findings[0].render()}")
 
 
 def _dp_rank() -> int:

@@ -260,7 +260,8 @@ def _cause(findings: list[Finding], checked: int, held: Counter) -> str:
     if checked > 4 and len(differing) >= 0.9 * checked and len(located) != 1:
         return "every tensor differs: the fingerprints are of another run (or the checkpoint was replaced)"
     if len(differing) > 1 and len(located) == 1:
-        (shard, n), = located.items()
+        (shard, _), = located.items()
+        n = sum(1 for f in differing if shard in f.shards)  # located there, or held there among others
         if n == len(differing) and n >= held.get(shard, 0) / 2:
             return (f"{n} of the {held.get(shard, n)} tensors of {shard} differ, and nothing else: that file was "
                     "likely spliced in from another run (or restored from another copy)")

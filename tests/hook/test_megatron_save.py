@@ -81,32 +81,75 @@ def test_an_asynchronous_save_is_fingerprinted_once_finalized(tmp_path):
     assert rc2 == 0 and VERIFIED.search(log2), log2[-3000:]
 
 
-def test_a_saved_checkpoint_changed_afterwards_is_caught_by_every_consumer(tmp_path):
-    """Saved with fingerprints (legacy, TP2), then one tensor of rank 1's file edited (saved again: its CRCs right):
-    `inspect --verify-content`, `reshard --verify` and a --preflight verify resume each stop, naming the tensor and
-    rank 1's file; the untouched checkpoint passes the content check."""
+@pytest.fixture(scope="module")
+def saved_tp2(tmp_path_factory):
+    """A legacy TP2 checkpoint saved by a job with fingerprints on (each saved slice's digest stored)."""
+    tmp = tmp_path_factory.mktemp("saved_tp2")
+    rc, log, saved = save_run(tmp, 2, *_TP2, port=29860)
+    assert rc == 0, log[-3000:]
+    return saved
+
+
+_TP2 = ["--ckpt-format", "torch", "--tensor-model-parallel-size", "2"]
+
+
+def _edit(shard, kind):
+    """Change rank 1's file after the save: one element of one tensor (saved again: its CRCs right), every tensor of
+    it (a shard of another run spliced in), or one bit on disk (its record's CRC fails)."""
     from tests.helpers import ckpt_edit
 
-    flags = ["--ckpt-format", "torch", "--tensor-model-parallel-size", "2"]
-    rc, log, saved = save_run(tmp_path, 2, *flags, port=29860)
-    assert rc == 0, log[-3000:]
+    if kind == "flipped bit":
+        from megatron_preflight.torch_file import TorchFile
+
+        with TorchFile(str(shard)) as f:
+            ref = f.load_metadata()["model"]["decoder.layers.1.mlp.linear_fc1.weight"]
+            start, _ = f._record_offset(ref.storage.key)
+        with open(shard, "r+b") as fh:
+            fh.seek(start + 7 * 4 + 1)
+            b = fh.read(1)
+            fh.seek(start + 7 * 4 + 1)
+            fh.write(bytes([b[0] ^ 0x08]))
+        return
+    state = ckpt_edit.load(str(shard))
+    if kind == "edited tensor":
+        state["model"]["decoder.layers.1.mlp.linear_fc1.weight"].view(-1)[7] += 1.0
+    else:  # spliced: every tensor of the model and the optimizer state other values
+
+        def shift(tree):
+            for v in tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else ():
+                if hasattr(v, "is_floating_point") and v.is_floating_point() and v.numel() > 1:
+                    v.add_(1e-3)
+                else:
+                    shift(v)
+
+        shift(state["model"])
+        shift(state["optimizer"])
+    ckpt_edit.save(state, str(shard))
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("edited tensor", "decoder.layers.1.mlp.linear_fc1.weight: 1 of its 2 saved slices differ"),
+    ("spliced shard", "likely spliced in from another run"),
+    ("flipped bit", "CRC-32"),
+])
+def test_a_saved_checkpoint_changed_afterwards_is_caught_by_every_consumer(saved_tp2, tmp_path, kind, said):
+    """Saved with fingerprints (legacy, TP2), then rank 1's file changed: `inspect --verify-content`, `reshard
+    --verify` and a --preflight verify resume each stop, naming rank 1's file (and the tensor, or the cause); the
+    untouched checkpoint passes the content check."""
+    saved = saved_tp2
     assert "boxes" in _tensors(saved)  # each saved slice's digest: what names the shard later
     cli = [sys.executable, "-m", "megatron_preflight"]
     ok = subprocess.run([*cli, "inspect", str(saved), "--verify-content"], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "content     OK" in ok.stdout, ok.stdout + ok.stderr
-    bad = tmp_path / "edited"
+    bad = tmp_path / "changed"
     shutil.copytree(saved, bad)
-    shard = bad / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"
-    state = ckpt_edit.load(str(shard))
-    state["model"]["decoder.layers.1.mlp.linear_fc1.weight"].view(-1)[7] += 1.0
-    ckpt_edit.save(state, str(shard))
+    _edit(bad / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt", kind)
     where = os.path.join("mp_rank_01", "model_optim_rng.pt")
     r = subprocess.run([*cli, "inspect", str(bad), "--verify-content"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "decoder.layers.1.mlp.linear_fc1.weight: 1 of its 2 saved slices differ" in r.stdout \
-        and where in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and said in r.stdout and where in r.stdout, r.stdout + r.stderr
     out = tmp_path / "resharded"
     r = subprocess.run([*cli, "reshard", str(bad), str(out), "--tp", "1", "--verify", "--no-progress"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and where in r.stderr and not out.exists(), r.stderr
-    rc2, log2 = run(tmp_path, str(bad), 2, "--preflight", "verify", *flags, "--no-load-rng", port=29861)
-    assert rc2 != 0 and "decoder.layers.1.mlp.linear_fc1.weight" in log2 and where in log2, log2[-3000:]
+    rc2, log2 = run(tmp_path, str(bad), 2, "--preflight", "verify", *_TP2, "--no-load-rng", port=29861)
+    assert rc2 != 0 and where in log2 and "the job must not train" in log2, log2[-3000:]
