@@ -87,7 +87,8 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
                      "one (as Megatron's own torch_dist reshard)")
     fingerprints = stored(layout.root, layout.iteration)
     if fingerprints:
-        lines.append(f"fingerprints {fingerprints} (--preflight verify compares the loaded model with them)")
+        lines.append(f"fingerprints {fingerprints} (`inspect --verify-content` compares the files with them, "
+                     "--preflight verify the loaded model)")
     if layout.problems and not problems:
         lines.append(f"problems    {len(layout.problems)} (below)")
     elif layout.problems:
