@@ -143,21 +143,6 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     return out
 
 
-def _compare_mamba_conv(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
-    """A Mamba mixer's conv is a module (``conv1d.weight``) in the legacy files of megatron-core up to 0.18 and the
-    mixer's parameters (``conv1d_weight``) from 0.19: a Megatron of the other naming misses them."""
-    if layout.format != Format.TORCH or rt.mamba_conv_name is None:
-        return []
-    ck = _saved_naming(layout, mamba_conv_name)
-    if ck is None or ck == rt.mamba_conv_name:
-        return []
-    return [Finding("mamba_conv_name", ck, rt.mamba_conv_name, RESHARD,
-                    f"the checkpoint names its Mamba mixers' conv `{ck}` and this Megatron `{rt.mamba_conv_name}` "
-                    "(renamed in megatron-core 0.19): its own legacy loader misses them and, after the strict load "
-                    "fails, loads again non-strictly, leaving every Mamba conv at its init; the in-memory resharder "
-                    "loads them under this Megatron's names", "run with --preflight auto")]
-
-
 def _saved_naming(layout: Layout, naming_of: Callable[[str], str | None]) -> str | None:
     """The first naming ``naming_of`` finds among the model keys of a legacy checkpoint's parsed shards (None: no
     such key)."""
@@ -212,20 +197,35 @@ def _reshard_fix(layout: Layout, flag: str) -> str:
             "then --load NEW_DIR")
 
 
+def _renamed(layout: Layout, field: str, running: str | None, naming_of: Any, what: str, release: str,
+             consequence: str) -> list[Finding]:
+    """A legacy checkpoint whose keys name a module as one Megatron release does while the running Megatron names it
+    otherwise (read from the saved keys by ``naming_of``): a reshard (the in-memory resharder loads them under the
+    running names), said with what Megatron's own loader would do."""
+    if layout.format != Format.TORCH or running is None:
+        return []
+    ck = _saved_naming(layout, naming_of)
+    if ck is None or ck == running:
+        return []
+    return [Finding(field, ck, running, RESHARD,
+                    f"the checkpoint names {what} `{ck}` and this Megatron `{running}` (renamed in megatron-core "
+                    f"{release}): {consequence}; the in-memory resharder loads them under this Megatron's names",
+                    "run with --preflight auto")]
+
+
 def _compare_mtp_name(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     """An MTP layer's transformer layer is ``transformer_layer`` in the legacy files of megatron-core before 0.17
-    and ``mtp_model_layer`` after; a Megatron of the other naming loads the file strictly and fails on every key of
-    it. The in-memory resharder hands it over under the running Megatron's names."""
-    if layout.format != Format.TORCH or rt.mtp_layer_name is None:
-        return []
-    ck = _saved_naming(layout, mtp_layer_name)
-    if ck is None or ck == rt.mtp_layer_name:
-        return []
-    return [Finding("mtp_layer_name", ck, rt.mtp_layer_name, RESHARD,
-                    f"the checkpoint names its MTP layers' transformer layer `{ck}` and this Megatron "
-                    f"`{rt.mtp_layer_name}` (renamed in megatron-core 0.17): its own legacy loader would miss every "
-                    "key of them; the in-memory resharder loads them under this Megatron's names",
-                    "run with --preflight auto")]
+    and ``mtp_model_layer`` after; a Megatron of the other naming loads the file strictly and fails on every key."""
+    return _renamed(layout, "mtp_layer_name", rt.mtp_layer_name, mtp_layer_name,
+                    "its MTP layers' transformer layer", "0.17", "its own legacy loader would miss every key of them")
+
+
+def _compare_mamba_conv(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    """A Mamba mixer's conv is a module (``conv1d.weight``) in the legacy files of megatron-core up to 0.18 and the
+    mixer's parameters (``conv1d_weight``) from 0.19: a Megatron of the other naming misses them."""
+    return _renamed(layout, "mamba_conv_name", rt.mamba_conv_name, mamba_conv_name, "its Mamba mixers' conv", "0.19",
+                    "its own legacy loader misses them and, after the strict load fails, loads again non-strictly, "
+                    "leaving every Mamba conv at its init")
 
 
 def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
