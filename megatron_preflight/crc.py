@@ -1,7 +1,7 @@
 """CRC-32 (the zip / zlib polynomial) of bytes, as fast as this machine allows: ISA-L's (``isal``, ~15 GiB/s with
 PCLMUL; ``pip install 'megatron-preflight[fast-crc]'``) where it is installed, zlib's (~3 GiB/s) otherwise. Every
 storage record a reshard, an in-memory load or a fingerprint reads is checked with it (torch_file.TorchFile):
-measured in benchmarks/bench_crc.py. Chosen on first use: a verdict, which reads no bytes, never loads it."""
+measured in benchmarks/bench_crc.py. Chosen on first use of a large record: a verdict, which reads only small pickles, never loads it."""
 
 from __future__ import annotations
 
@@ -28,8 +28,13 @@ def implementation() -> str:
     return _chosen[0][0]
 
 
+_SMALL = 1 << 20  # below this zlib's CRC costs less than loading ISA-L (a verdict's pickles are all small)
+
+
 def crc32(data: Any) -> int:
     """The CRC-32 of a bytes-like object (a memoryview of a mapping: nothing copied)."""
+    if len(data) < _SMALL:
+        return zlib.crc32(data) & 0xFFFFFFFF
     if not _chosen:
         _chosen.append(_fastest())
     return _chosen[0][1](data) & 0xFFFFFFFF

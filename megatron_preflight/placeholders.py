@@ -84,7 +84,11 @@ class Record(Placeholder):
     it hashes by value (``MetadataIndex`` keys a dict)."""
 
     def __setstate__(self, state: Any) -> None:
-        super().__setstate__(state)
+        self._state = state
+        if type(state) is dict and all(type(k) is str for k in state):  # the common case (a torch_dist .metadata
+            self.__dict__.update(state)  # holds thousands of records): nothing to convert
+            return
+        self._called = getattr(self, "_called", False)
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
             state = {**(state[0] or {}), **state[1]}
         if isinstance(state, dict):

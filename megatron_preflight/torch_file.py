@@ -9,22 +9,25 @@ shard costs what a 1 MB shard costs. :meth:`TorchFile.tensor` maps one storage r
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import io
 import math
 import mmap
 import os
 import struct
-import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megatron_preflight import dtypes, libc
+from megatron_preflight import dtypes
 from megatron_preflight.crc import crc32
 from megatron_preflight.errors import CorruptFileError, PreflightError, require_regular_file
 from megatron_preflight.safe_pickle import bounded_load
 from megatron_preflight.zip_directory import Record, read_directory
+
+if TYPE_CHECKING:
+    import zipfile
+
+_STORED = 0  # zipfile.ZIP_STORED (zipfile itself is loaded only for a layout read_directory leaves to it)
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,8 @@ class TorchFile:
         """The records as :mod:`zipfile` reads them (a layout :func:`read_directory` leaves to it), or a clear
         error."""
         assert self._fh is not None
+        import zipfile  # deferred: torch.save's own layout never needs it
+
         try:
             self._zip = zipfile.ZipFile(self._fh)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError):
@@ -398,7 +403,7 @@ class TorchFile:
         info = self._records.get(name)
         if info is None:
             raise CorruptFileError(f"storage record {name} is missing", path=self.path, code="corrupt_file")
-        if info.compress_type != zipfile.ZIP_STORED:
+        if info.compress_type != _STORED:
             raise CorruptFileError(f"storage record {name} is compressed", path=self.path, code="corrupt_file")
         self._offsets[key] = (self._data_start(info), info.file_size)
         return self._offsets[key]
@@ -422,7 +427,9 @@ class TorchFile:
     def _record_bytes(self, name: str) -> bytes:
         """A small record's bytes (``data.pkl``), checked against the CRC-32 the directory holds for it."""
         info = self._records[name]
-        if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores; another writer may have compressed it
+        if info.compress_type != _STORED:  # torch.save stores; another writer may have compressed it
+            import zipfile  # deferred: torch.save's own layout never needs it
+
             try:
                 if self._zip is None:
                     self._zip = zipfile.ZipFile(self._fh)
@@ -530,6 +537,10 @@ def release_mapped(mapping: mmap.mmap, start: int, length: int) -> None:
     hi = min(len(mapping), start + length)
     if hi <= lo:
         return
+    import ctypes  # deferred: a verdict releases no pages
+
+    from megatron_preflight import libc  # deferred, as ctypes (which it loads)
+
     if libc.HAS_MADVISE:
         try:
             anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address (a transient buffer export)

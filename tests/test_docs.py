@@ -11,11 +11,13 @@ import glob
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from megatron_preflight.cli.main import build_parser
 from megatron_preflight.hook.flags import add_preflight_arguments
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,8 +111,12 @@ def _run(line: str, cwd: str, expected: int) -> None:
 
 @pytest.mark.parametrize("page", [p for p in PAGES if commands(p)], ids=rel)
 def test_every_command_of_a_page_runs(page, tmp_path):
-    for name in ("tests", "patches", "examples"):  # the built-in examples, under the paths the docs use
+    for name in ("patches", "examples"):  # the built-in examples, under the paths the docs use
         os.symlink(os.path.join(REPO, name), tmp_path / name)
+    # the fixtures as real dirs of linked files: a command that writes beside a checkpoint (`fingerprint`) writes
+    # into this copy, never into the repo's fixtures
+    shutil.copytree(os.path.join(REPO, "tests"), tmp_path / "tests", copy_function=os.symlink,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     for line in commands(page):
         m = _EXIT.search(line)
         expected = int(m.group(1)) if m else 0
@@ -138,3 +144,65 @@ def test_the_demo_runs():
                        env=env, timeout=900)
     assert r.returncode == 0 and "demo finished: OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
     assert "$ megatron-preflight reshard" in r.stdout  # every step ran (none skipped)
+
+
+# Commands quoted inline in prose (`megatron-preflight reshard SRC DST ... --dry-run`, `python benchmarks/x.py --parts
+# F`): they name placeholders or run for minutes, so they are checked, not run whole: the CLI's own parser knows the
+# subcommand and every flag, a benchmark's parser takes its flags (`--help` runs the script's argument
+# parsing), a benchmark without flags compiles, a script exists and is executable.
+_INLINE = re.compile(r"`((?:megatron-preflight|python3? benchmarks/|torchrun |\./scripts/)[^`]*)`")
+
+
+def inline_commands(page: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", open(page, encoding="utf-8").read(), flags=re.S)
+    return _INLINE.findall(text)
+
+
+def _words(line: str) -> list[str]:
+    """The command's words without the optional brackets and the ``...`` that stand for the rest."""
+    return [w for w in shlex.split(line.replace("[", " ").replace("]", " ")) if w not in ("...", "|")]
+
+
+def _cli_parses(words: list[str]) -> None:
+    """``megatron-preflight SUB ...``: SUB is a subcommand and every ``--flag`` is one of its flags (those after ``--``
+    are the run's Megatron flags)."""
+    words = words[:words.index("--")] if "--" in words else words
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert words[0] in sub.choices, f"no subcommand {words[0]!r}"
+    known = {o for a in sub.choices[words[0]]._actions for o in a.option_strings}
+    unknown = [w.split("=")[0] for w in words[1:] if w.startswith("--") and w.split("=")[0] not in known]
+    assert not unknown, f"`megatron-preflight {words[0]}` has no flag {unknown}"
+
+
+def _benchmark_parses(words: list[str]) -> None:
+    script = os.path.join(REPO, words[0])
+    assert os.path.isfile(script), f"no benchmark {words[0]}"
+    flags = [w.split("=")[0] for w in words[1:] if w.startswith("--")]
+    source = open(script, encoding="utf-8").read()
+    if "argparse" not in source:
+        assert not flags, f"{words[0]} takes no flags, the docs give {flags}"
+        compile(source, script, "exec")
+        return
+    r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    missing = [f for f in flags if f not in r.stdout]
+    assert not missing, f"{words[0]} has no flag {missing}"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if inline_commands(p)], ids=rel)
+def test_every_command_quoted_in_prose_parses(page):
+    for line in inline_commands(page):
+        words = _words(line)
+        if words[0] == "megatron-preflight":
+            if len(words) > 1:  # a bare name (`megatron-preflight fingerprint`) is checked with its flags below
+                _cli_parses(words[1:])
+        elif words[0] in ("python", "python3"):
+            _benchmark_parses(words[1:])
+        elif words[0] == "torchrun":
+            if len(words) == 1:  # the launcher's name
+                continue
+            assert "megatron_preflight" in words, line
+            _cli_parses(words[words.index("megatron_preflight") + 1:])
+        else:
+            _script(line)

@@ -65,3 +65,13 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     out = [None] * d.get_world_size() if d.get_rank() == 0 else None
     d.gather_object(obj, out, dst=0)
     return out
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, on every rank. Collective."""
+    d = _dist()
+    if d is None:
+        return [obj]
+    out: list[Any] = [None] * d.get_world_size()
+    d.all_gather_object(out, obj)
+    return out

@@ -188,6 +188,8 @@ def install() -> None:
             if asynchronous:  # fingerprinted by the request's last finalize function (see schedule_async_save)
                 with_optimizer = optimizer is not None and not getattr(args, "no_save_optim", False)
                 pending[:] = [lambda: save_fingerprint.fingerprint_after_finalize(args, iteration, with_optimizer)]
+            during = save_fingerprint.start_during_save(model, optimizer, args) if why is None and not asynchronous \
+                else None
             started = time.perf_counter()
             try:
                 result = original(iteration, model, optimizer, *a, **k)
@@ -199,8 +201,10 @@ def install() -> None:
                              "save has no request to finalize them with); run `megatron-preflight fingerprint` on the "
                              "checkpoint once it is finalized")
             elif why is None and not asynchronous:
-                save_fingerprint.fingerprint_after_save(model, optimizer, args, iteration, saved)
-            elif why not in (None, "off"):
+                save_fingerprint.fingerprint_after_save(model, optimizer, args, iteration, saved, during)
+            elif why == "off":  # the save's own time: what fingerprints would add to, measured the same way
+                runtime._say(f"fingerprints at save (iteration {iteration}): off (the save itself {saved:.2f} s)")
+            elif why not in (None, "disabled"):
                 runtime._say(f"fingerprints at save (iteration {iteration}): {why}")
             return result
 

@@ -15,7 +15,9 @@ checkpoints; for those, ``megatron-preflight fingerprint`` after the save gives 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight import dtypes, reshard
@@ -29,8 +31,10 @@ log = logging.getLogger("megatron_preflight")
 
 
 def skipped(args: Any, kwargs: dict[str, Any]) -> str | None:
-    """Why this save is not fingerprinted (None: it is)."""
-    if getattr(args, "preflight", "off") == "off" or getattr(args, "preflight_fingerprint_on_save", "on") == "off":
+    """Why this save is not fingerprinted (None: it is; "disabled": the plugin is off, and silent)."""
+    if getattr(args, "preflight", "off") == "off":
+        return "disabled"
+    if getattr(args, "preflight_fingerprint_on_save", "on") == "off":
         return "off"
     if kwargs.get("non_persistent_ckpt"):
         return "a non-persistent checkpoint is not fingerprinted"
@@ -135,28 +139,117 @@ def fingerprint_after_finalize(args: Any, iteration: int, with_optimizer: bool) 
                 f"({time.perf_counter() - started:.2f} s)")
 
 
-def fingerprint_after_save(model: Any, optimizer: Any, args: Any, iteration: int, saved_seconds: float | None = None
-                           ) -> None:
+@dataclass
+class _Placed:
+    """What the first save of a run learnt, for the next ones (same model, same layout: the same plan): the plan that
+    places this rank's tensors in the global ones, and this rank's share of the items its replica group holds."""
+
+    r: Any
+    coords: dict[str, int]
+    name: str
+    share: verify.Share
+
+
+_placed: dict[tuple, _Placed] = {}  # by (save dir, with optimizer, format)
+
+
+def _key(args: Any, with_optimizer: bool) -> tuple:
+    return (args.save, with_optimizer, getattr(args, "ckpt_format", None))
+
+
+def _share(coords: dict[str, int] | None, legacy: bool) -> verify.Share:
+    """This rank's place among the ranks that hold the same slices (the same TP/PP/EP/ETP coordinates: data- and
+    context-parallel replicas; a rank that could not place its tensors is in no group). Collective."""
+    mine = sorted(coords.items()) if coords is not None else None
+    everyone = consensus.all_gather(mine)
+    group = [i for i, c in enumerate(everyone) if c is not None and c == mine]
+    me = consensus.rank()
+    return verify.Share(group.index(me), len(group), spare_first=legacy) if me in group else verify.Share(0, 1)
+
+
+def _hash(p: _Placed, model: Any, optimizer: Any, with_optimizer: bool) -> dict[str, Any]:
+    mine: dict[str, Any] = verify.local_partials(p.r, model, p.coords, p.name, p.share)
+    if with_optimizer:
+        mine["parts"].update(verify.optimizer_partials(p.r, model, optimizer, p.coords, p.name, p.share))
+    return mine
+
+
+class DuringSave:
+    """This rank's share hashed in a background thread while Megatron writes the checkpoint (the tensors do not
+    change until the save returns; numpy's hashing releases the GIL), from the plan an earlier save of the run made."""
+
+    def __init__(self, placed: _Placed, model: Any, optimizer: Any, with_optimizer: bool) -> None:
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+        def run() -> None:
+            started = time.perf_counter()
+            try:
+                self.result = _hash(placed, model, optimizer, with_optimizer)
+            except BaseException as exc:  # noqa: BLE001 - reported by the save's merge, on every rank
+                self.error = exc
+            self.seconds = time.perf_counter() - started
+
+        self.thread = threading.Thread(target=run, name="preflight-fingerprint", daemon=True)
+        self.thread.start()
+
+    def join(self) -> dict[str, Any]:
+        self.thread.join()
+        if self.error is not None:
+            if isinstance(self.error, PreflightError):
+                raise self.error
+            raise PreflightError(f"fingerprint at save: hashing failed ({type(self.error).__name__}: {self.error})",
+                                 code="fingerprint", fix="run `megatron-preflight fingerprint` on the checkpoint")
+        assert self.result is not None
+        return self.result
+
+
+def start_during_save(model: Any, optimizer: Any, args: Any) -> DuringSave | None:
+    """Before Megatron's save: when an earlier save of this run placed the same tensors, start hashing this rank's
+    share now, beside the save (None: hashed after it, as the first save of a run is)."""
+    with_optimizer = optimizer is not None and not getattr(args, "no_save_optim", False)
+    placed = _placed.get(_key(args, with_optimizer))
+    return DuringSave(placed, model, optimizer, with_optimizer) if placed is not None else None
+
+
+def fingerprint_after_save(model: Any, optimizer: Any, args: Any, iteration: int, saved_seconds: float | None = None,
+                           during: DuringSave | None = None) -> None:
     """Run by every rank after Megatron's save of ``iteration`` to ``args.save`` returned (collective);
-    ``saved_seconds``: how long that save took (said beside the fingerprints' own time and its parts)."""
+    ``saved_seconds``: how long that save took (said beside the fingerprints' own time and its parts); ``during``:
+    the hashing started beside the save (:func:`start_during_save`), else this rank hashes now. Each rank hashes
+    its share of what its replica group holds alike."""
     started = time.perf_counter()
     save_dir = args.save
     with_optimizer = optimizer is not None and not getattr(args, "no_save_optim", False)
     parts: dict[str, float] = {}
+    mine: dict[str, Any] = {"parts": {}}
+    index, problem, hashed, placed = None, None, "", None
     try:  # the checkpoint's metadata only (rank 0 reads it: the tensors' global places)
         index = _saved_index(save_dir, iteration)
-        target = legacy_load.target_from_args(args)
-        r = reshard.open_resharder(index, target, keep_optimizer=False)
-        coords = legacy_load.runtime_coordinates(consensus.rank(), consensus.world_size(), r)
-        name = naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"], pp_size=r.tgt.pp, ep_size=r.tgt.ep)
         parts["index"] = time.perf_counter() - started
-        mine: dict[str, Any] = verify.local_partials(r, model, coords, name)
-        if with_optimizer:
-            mine["parts"].update(verify.optimizer_partials(r, model, optimizer, coords, name))
-        parts["hash"] = time.perf_counter() - started - parts["index"]
-        problem = None
+        if during is not None:
+            mine = during.join()
+            parts["wait for the hashing"] = time.perf_counter() - started - parts["index"]
+            hashed = f"; hashed beside the save in {during.seconds:.2f} s"
+        else:
+            r = reshard.open_resharder(index, legacy_load.target_from_args(args), keep_optimizer=False)
+            coords = legacy_load.runtime_coordinates(consensus.rank(), consensus.world_size(), r)
+            name = naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"], pp_size=r.tgt.pp,
+                                         ep_size=r.tgt.ep)
+            placed = _Placed(r, coords, name, verify.Share(0, 1))
     except PreflightError as exc:
-        index, mine, problem = None, {"parts": {}}, exc.message
+        problem = exc.message
+    if during is None:  # every rank enters the collective, placed or not
+        share = _share(placed.coords if placed else None, getattr(args, "ckpt_format", "torch") == "torch")
+        if placed is not None and problem is None:
+            placed.share = share
+            try:
+                mine = _hash(placed, model, optimizer, with_optimizer)
+                _placed[_key(args, with_optimizer)] = placed
+            except PreflightError as exc:
+                problem = exc.message
+            parts["hash"] = time.perf_counter() - started - parts["index"]
     gathered = consensus.gather_to_rank0({**mine, "problem": problem})
 
     def write() -> str:
@@ -168,7 +261,10 @@ def fingerprint_after_save(model: Any, optimizer: Any, args: Any, iteration: int
         return f"{len(doc['tensors'])} tensors, {path}"
 
     said = consensus.decide_on_rank0(write, lambda exc: f"not written: {exc}")
+    if said.startswith("not written"):
+        _placed.pop(_key(args, with_optimizer), None)  # the next save places its tensors again
     total = time.perf_counter() - started
     where = ", ".join(f"{k} {v:.2f}" for k, v in {**parts, "merge+write": total - sum(parts.values())}.items())
     save = f"; the save itself {saved_seconds:.2f} s" if saved_seconds is not None else ""
-    verify._say(f"fingerprints at save (iteration {iteration}): {said} ({total:.2f} s on rank 0: {where}{save})")
+    verify._say(f"fingerprints at save (iteration {iteration}): {said} ({total:.2f} s on rank 0 after the save: "
+                f"{where}{hashed}{save})")

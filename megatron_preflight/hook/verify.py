@@ -56,13 +56,33 @@ def _live_key(live: dict[str, Any], key: str) -> str:
     return next((k for k in spellings(key) if k in live), key)
 
 
-def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], name: str) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """Which of the items every rank of a replica group holds alike (the model's boxes, a plain optimizer's state)
+    this rank hashes: item k goes to member ``k % size``, or, with ``spare_first`` (a legacy save: the group's first
+    rank writes the files), to the other members only, so the hashing overlaps that write."""
+
+    member: int
+    size: int
+    spare_first: bool = False
+
+    def mine(self, k: int) -> bool:
+        if self.size <= 1:
+            return True
+        if self.spare_first:
+            return 1 + k % (self.size - 1) == self.member
+        return k % self.size == self.member
+
+
+def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], name: str,
+                   share: Share | None = None) -> dict[str, Any]:
     """This rank's partial digests: {global name: [(offsets, digest, numel)]}, and the live parameters the checkpoint
-    has no data for."""
+    has no data for. With ``share``, only this rank's share of the boxes (the group's other ranks hash the rest)."""
     plan = r.plan_for_coords(coords, name)
     live = _live(model)
     parts: dict[str, list[tuple[tuple, str, int]]] = {}
     planned: set[tuple[int, str]] = set()
+    k = -1
     for tp in plan.tensors:
         if tp.gkey is None or tp.shape is None or tp.key.endswith("_extra_state"):
             continue
@@ -72,9 +92,12 @@ def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], nam
         value = live[chunk].get(key) if chunk < len(live) else None
         if value is None:
             continue
-        t = value.detach().cpu()
+        t = value.detach()
         for local, gshape, offsets in placement.boxes(r, tp, coords):
-            box = t[local]
+            k += 1
+            if share is not None and not share.mine(k):
+                continue
+            box = t[local].cpu()
             parts.setdefault(placement.checkpoint_name(r, tp), []).append(
                 (offsets, f"{fingerprint.digest_box(box, gshape, offsets):016x}", box.numel()))
     unplanned = [f"{'model' if len(live) == 1 else f'model{c}'}:{k}" for c, sd in enumerate(live) for k, v in sd.items()
@@ -132,21 +155,30 @@ def live_optimizer_states(optimizer: Any, model: Any) -> list[tuple[str, str, An
 
 
 def optimizer_partials(r: reshard.Resharder, model: Any, optimizer: Any, coords: dict[str, int],
-                       name: str) -> dict[str, list[tuple[tuple, str, int]]]:
+                       name: str, share: Share | None = None) -> dict[str, list[tuple[tuple, str, int]]]:
     """This rank's partial digests of the optimizer state, {global name#field: [(box id, digest, numel)]}: each
-    state range hashed at the global indices of its parameter's elements."""
+    state range hashed at the global indices of its parameter's elements. With ``share``, a plain optimizer's state
+    (the same on every rank of the group) only in this rank's share; a distributed optimizer's shard (this rank's
+    own) always."""
     plan = r.plan_for_coords(coords, name)
     by_key = _by_global_name(plan)
     parts: dict[str, list[tuple[tuple, str, int]]] = {}
+    if any(hasattr(part, "_get_main_param_and_optimizer_states")
+           for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+        share = None  # a distributed optimizer's state is this rank's own (a whole parameter's too): no replicas
+    k = -1
     for param_name, field, values, start, end, _master in live_optimizer_states(optimizer, model):
         chunk, _, key = param_name.partition(":")
         tp = by_key.get((int(chunk), canonical_name(key)))
         if tp is None or values.numel() != end - start:
             continue
         if start == 0 and end == math.prod(tp.shape):  # the whole local state (plain optimizer): hashed by box
-            whole = values.cpu().reshape(tuple(tp.shape))
+            whole = values.reshape(tuple(tp.shape))
             for local, gshape, offsets in placement.boxes(r, tp, coords):
-                box = whole[local]
+                k += 1
+                if share is not None and not share.mine(k):
+                    continue
+                box = whole[local].cpu()
                 parts.setdefault(f"{placement.checkpoint_name(r, tp)}#{field}", []).append(
                     (offsets, f"{fingerprint.digest_box(box, gshape, offsets):016x}", box.numel()))
             continue

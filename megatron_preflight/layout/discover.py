@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megatron_preflight import parallel
@@ -53,6 +52,8 @@ ShardReader = Callable[[list[Shard], bool], list[tuple[Shard, Exception | None]]
 
 def read_shards(shards: list[Shard], trust: bool) -> list[tuple[Shard, Exception | None]]:
     """Parse each shard's model file (metadata only), a few at a time; the default :data:`ShardReader`."""
+    from concurrent.futures import ThreadPoolExecutor  # deferred: a torch_dist verdict reads no shard files
+
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(shards)))) as pool:
         return list(pool.map(lambda s: (s, None) if s.meta is not None else read_shard(s, trust), shards))
 
@@ -298,6 +299,8 @@ def _each(fn: Any, items: list[Any]) -> list[Any]:
     would cost more in hand-offs than a local filesystem's syscalls)."""
     if len(items) <= 64 or IO_THREADS == 1:
         return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor  # deferred: most checkpoints have few files
+
     runs = [items[i:i + 256] for i in range(0, len(items), 256)]
     with ThreadPoolExecutor(max_workers=min(IO_THREADS, len(runs))) as pool:
         return [y for run in pool.map(lambda r: [fn(x) for x in r], runs) for y in run]

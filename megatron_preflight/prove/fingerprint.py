@@ -102,13 +102,83 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
     return list(reversed(out))
 
 
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_DEVICE_CHUNK = 1 << 22  # elements per pass on a device: 3 int64 temporaries of 32 MiB
+
+
+def _device_sum(words: Any, index: Any) -> int:
+    """Σ mix(bits XOR index·K) mod 2^64 with torch ops on the tensors' own device (a GPU: at memory bandwidth, no
+    copy to the host). The same arithmetic as :class:`_Hasher` in int64 (wrapping multiplies; logical shifts as
+    arithmetic shifts masked); the sum is taken in two 32-bit halves, so no int64 sum overflows."""
+    import torch  # deferred: hashing reads tensors
+
+    z = index.to(torch.int64).mul_(_signed(_K))
+    z.bitwise_xor_(words.to(torch.int64))
+    tmp = torch.empty_like(z)
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        z.bitwise_xor_(tmp.bitwise_and_((1 << (64 - shift)) - 1))
+        if mult is not None:
+            z.mul_(_signed(mult))
+    low = int(torch.bitwise_and(z, 0xFFFFFFFF, out=tmp).sum().item())
+    high = int(z.bitwise_right_shift_(32).bitwise_and_(0xFFFFFFFF).sum().item())
+    return (low + (high << 32)) & _MASK
+
+
+def _device_words(t: Any) -> Any:
+    import torch  # deferred: hashing reads tensors
+
+    t = t.contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def digest_box_on_device(t: Any, global_shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
+    """:func:`digest_box` computed where ``t`` lives (used for a GPU tensor; on a CPU the numpy path is ~6x faster),
+    in passes of :data:`_DEVICE_CHUNK` elements: the same value."""
+    import torch  # deferred: hashing reads tensors
+
+    shape = tuple(t.shape)
+    words = _device_words(t)
+    if not shape:
+        return _device_sum(words, torch.zeros(1, dtype=torch.int64, device=t.device))
+    if words.numel() == 0:
+        return 0
+    strides = _strides(tuple(global_shape))
+    row = torch.zeros((), dtype=torch.int64, device=t.device)  # global flat index of each element of one row
+    for d in range(1, len(shape)):
+        row = row[..., None] + (torch.arange(shape[d], dtype=torch.int64, device=t.device) + offsets[d]) * strides[d]
+    row = row.reshape(-1)
+    inner = row.numel()
+    first = (torch.arange(shape[0], dtype=torch.int64, device=t.device) + offsets[0]) * strides[0]
+    total = 0
+    if inner >= _DEVICE_CHUNK:  # long rows: each row in pieces
+        for r in range(shape[0]):
+            for c0 in range(0, inner, _DEVICE_CHUNK):
+                c1 = min(inner, c0 + _DEVICE_CHUNK)
+                total += _device_sum(words[r * inner + c0:r * inner + c1], row[c0:c1] + first[r])
+        return total & _MASK
+    rows_per = _DEVICE_CHUNK // inner
+    for r0 in range(0, shape[0], rows_per):
+        r1 = min(shape[0], r0 + rows_per)
+        total += _device_sum(words[r0 * inner:r1 * inner], (first[r0:r1, None] + row[None, :]).reshape(-1))
+    return total & _MASK
+
+
 def digest_box(t: Any, global_shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
-    """The partial digest of ``t``, a box of a global tensor of ``global_shape`` at ``offsets``."""
+    """The partial digest of ``t``, a box of a global tensor of ``global_shape`` at ``offsets`` (a tensor on a GPU
+    is hashed there: :func:`digest_box_on_device`)."""
     import numpy as np  # deferred: hashing reads tensors
 
     shape = tuple(t.shape)
     if len(shape) != len(global_shape) or len(offsets) != len(shape):
         raise ValueError(f"a box of shape {shape} at {offsets} does not fit a global tensor of {global_shape}")
+    if getattr(getattr(t, "device", None), "type", "cpu") != "cpu":
+        return digest_box_on_device(t, global_shape, offsets)
     h = _Hasher()
     words = _words(t)
     if not shape:
@@ -140,7 +210,16 @@ def digest_box(t: Any, global_shape: tuple[int, ...], offsets: tuple[int, ...]) 
 
 
 def digest_indexed(values: Any, indices: Any) -> tuple[int, int]:
-    """(partial digest, elements hashed) of flat ``values`` at global flat ``indices`` (negative: not hashed)."""
+    """(partial digest, elements hashed) of flat ``values`` at global flat ``indices`` (negative: not hashed); values
+    on a GPU are hashed there."""
+    if getattr(getattr(values, "device", None), "type", "cpu") != "cpu":
+        words, index = _device_words(values), indices.to(values.device)
+        keep = index >= 0
+        words, index = words[keep], index[keep]
+        total = 0
+        for s in range(0, words.numel(), _DEVICE_CHUNK):
+            total += _device_sum(words[s:s + _DEVICE_CHUNK], index[s:s + _DEVICE_CHUNK])
+        return total & _MASK, int(words.numel())
     words, index = _words(values), indices.numpy()
     keep = index >= 0
     if not keep.all():

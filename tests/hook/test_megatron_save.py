@@ -54,11 +54,18 @@ def _equals_fingerprints_of_the_files(saved, tmp_path):
     (2, ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]),
     (2, ["--ckpt-format", "torch", "--use-distributed-optimizer", "--num-experts", "4", "--moe-router-topk", "2",
          "--expert-model-parallel-size", "2", "--disable-bias-linear"]),
-], ids=["legacy tp2", "torch_dist distributed optimizer dp2", "legacy moe ep2 distributed optimizer"])
+    # saved at iterations 1 and 2: the second save hashes beside Megatron's write (the plan of the first), and the
+    # two data-parallel replicas each hash a share (the writing rank none)
+    (2, ["--ckpt-format", "torch", "--save-interval", "1"]),
+    (2, ["--ckpt-format", "torch_dist", "--save-interval", "1"]),
+], ids=["legacy tp2", "torch_dist distributed optimizer dp2", "legacy moe ep2 distributed optimizer",
+        "legacy dp2 plain optimizer every iteration", "torch_dist dp2 plain optimizer every iteration"])
 def test_the_job_fingerprints_what_it_saves(tmp_path, nproc, flags):
     rc, log, saved = save_run(tmp_path, nproc, *flags, port=29860)
     assert rc == 0, log[-3000:]
     assert "fingerprints at save (iteration 2):" in log and "tensors" in log, log[-3000:]
+    if "--save-interval" in flags:
+        assert "fingerprints at save (iteration 1):" in log and "hashed beside the save" in log, log[-3000:]
     _equals_fingerprints_of_the_files(saved, tmp_path)
     # a later --preflight verify resume of the saved checkpoint is proven against them
     rc2, log2 = run(tmp_path, str(saved), nproc, "--preflight", "verify", *flags, "--no-load-rng", port=29861)

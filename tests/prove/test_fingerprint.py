@@ -54,6 +54,27 @@ def test_any_slicing_gives_the_same_digest(dtype, seed):
     assert fp.combine([fp.digest_box(flat[a:b], (flat.numel(),), (a,)) for a, b in parts]) == whole
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_device_digest_equals_the_host_one(dtype, seed, monkeypatch):
+    """The torch-op digest a GPU tensor is hashed with (at save and in verify: no copy to the host) gives exactly the
+    numpy digest. Run here on CPU tensors (no GPU in CI): the same torch ops, the same int64 arithmetic; with a small
+    pass size, so boxes span several passes and rows longer than one pass are cut."""
+    monkeypatch.setattr(fp, "_DEVICE_CHUNK", 7)
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(0, 3)))
+    t = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 1e4).to(dtype)
+    for o, s in random_boxes(shape, rng) if shape else [((), ())]:
+        box = piece(t, o, s) if shape else t
+        assert fp.digest_box_on_device(box, shape, o) == fp.digest_box(box, shape, o), (o, s)
+    flat = t.reshape(-1)
+    index = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed)) * 3
+    index[::4] = -1  # not hashed
+    assert fp.digest_indexed(flat, index) == (
+        sum(fp._device_sum(fp._device_words(flat[i:i + 1]), index[i:i + 1]) for i in range(flat.numel())
+            if index[i] >= 0) % (1 << 64), int((index >= 0).sum()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_every_single_bit_change_changes_the_digest(dtype):
     t = torch.randn(4, 6, generator=torch.Generator().manual_seed(3)).to(dtype)

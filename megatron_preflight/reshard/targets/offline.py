@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as WaitTimedOut  # the builtin from 3.11; its own class in 3.10
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -341,6 +342,17 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         proc.join(timeout=5)
 
 
+def _result(fut: Any) -> Any:
+    """A worker's result, waited for in half-second slices. A Ctrl-C the kernel hands to another thread of this
+    process (this main process has a native thread that does not block SIGINT) only sets Python's flag: a wait
+    without a timeout returns to Python code, and acts on it, only when that worker's shard is done."""
+    while True:
+        try:
+            return fut.result(timeout=0.5)
+        except WaitTimedOut:
+            continue
+
+
 def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, target: TargetLayout, *, workers: int,
                   verify: bool, iteration: Any, trust: bool, progress: Progress | None,
                   keep_optimizer: bool, tapping: Tapping | None = None) -> list[ShardResult]:
@@ -361,7 +373,7 @@ def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, targe
             finally:
                 _restore_mask(old_mask)
             for i, fut in enumerate(futures, 1):
-                results.append(fut.result())
+                results.append(_result(fut))
                 if progress:
                     progress(i, len(names), futures[fut])
         except BaseException:  # an error, Ctrl-C or SIGTERM: stop the workers now, not after their shards

@@ -136,7 +136,11 @@ def test_destination_reached_through_a_symlink_into_the_source_is_refused(tmp_pa
 # The CLI with the slow stand-in: Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM (to
 # the main process, as a scheduler does) while the workers are busy.
 CLI_CHILD = r"""
-import sys
+import signal, sys
+# as a terminal's shell starts it: Ctrl-C at its default (a suite run as a background job of a non-interactive shell
+# inherits SIGINT ignored, as POSIX says, and so would this child: it then never hears the Ctrl-C this test sends)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 from megatron_preflight.reshard.targets import offline as writer
 from megatron_preflight.cli.main import main
 from tests.helpers import slow_shard
