@@ -85,13 +85,17 @@ class _Hasher:
 def _words(t: Any) -> Any:
     """The elements' raw bits, flattened, as a numpy array of integers of their width (1-byte elements as uint8,
     wider ones as signed ints: the sign extension to 64 bits is injective)."""
+    return _int_view(t).numpy()
+
+
+def _int_view(t: Any) -> Any:
+    """The elements' raw bits, flattened, as a tensor of integers of their width, where ``t`` lives."""
     import torch  # deferred: hashing reads tensors
 
     t = t.contiguous().reshape(-1)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.view(width).numpy()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
@@ -128,22 +132,13 @@ def _device_sum(words: Any, index: Any) -> int:
     return (low + (high << 32)) & _MASK
 
 
-def _device_words(t: Any) -> Any:
-    import torch  # deferred: hashing reads tensors
-
-    t = t.contiguous().reshape(-1)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def digest_box_on_device(t: Any, global_shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
     """:func:`digest_box` computed where ``t`` lives (used for a GPU tensor; on a CPU the numpy path is ~6x faster),
     in passes of :data:`_DEVICE_CHUNK` elements: the same value."""
     import torch  # deferred: hashing reads tensors
 
     shape = tuple(t.shape)
-    words = _device_words(t)
+    words = _int_view(t)
     if not shape:
         return _device_sum(words, torch.zeros(1, dtype=torch.int64, device=t.device))
     if words.numel() == 0:
@@ -213,7 +208,7 @@ def digest_indexed(values: Any, indices: Any) -> tuple[int, int]:
     """(partial digest, elements hashed) of flat ``values`` at global flat ``indices`` (negative: not hashed); values
     on a GPU are hashed there."""
     if getattr(getattr(values, "device", None), "type", "cpu") != "cpu":
-        words, index = _device_words(values), indices.to(values.device)
+        words, index = _int_view(values), indices.to(values.device)
         keep = index >= 0
         words, index = words[keep], index[keep]
         total = 0

@@ -71,7 +71,7 @@ def test_the_device_digest_equals_the_host_one(dtype, seed, monkeypatch):
     index = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed)) * 3
     index[::4] = -1  # not hashed
     assert fp.digest_indexed(flat, index) == (
-        sum(fp._device_sum(fp._device_words(flat[i:i + 1]), index[i:i + 1]) for i in range(flat.numel())
+        sum(fp._device_sum(fp._int_view(flat[i:i + 1]), index[i:i + 1]) for i in range(flat.numel())
             if index[i] >= 0) % (1 << 64), int((index >= 0).sum()))
 
 
