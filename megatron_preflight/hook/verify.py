@@ -97,7 +97,7 @@ def local_partials(r: reshard.Resharder, model: Any, coords: dict[str, int], nam
             k += 1
             if share is not None and not share.mine(k):
                 continue
-            box = t[local].cpu()
+            box = t[local]  # hashed where it lives (a GPU tensor on the GPU: no copy to the host)
             parts.setdefault(placement.checkpoint_name(r, tp), []).append(
                 (offsets, f"{fingerprint.digest_box(box, gshape, offsets):016x}", box.numel()))
     unplanned = [f"{'model' if len(live) == 1 else f'model{c}'}:{k}" for c, sd in enumerate(live) for k, v in sd.items()
@@ -178,12 +178,12 @@ def optimizer_partials(r: reshard.Resharder, model: Any, optimizer: Any, coords:
                 k += 1
                 if share is not None and not share.mine(k):
                     continue
-                box = whole[local].cpu()
+                box = whole[local]
                 parts.setdefault(f"{placement.checkpoint_name(r, tp)}#{field}", []).append(
                     (offsets, f"{fingerprint.digest_box(box, gshape, offsets):016x}", box.numel()))
             continue
         index = placement.global_indices(tuple(tp.shape), placement.boxes(r, tp, coords), start, end)
-        digest, count = fingerprint.digest_indexed(values.cpu(), index)
+        digest, count = fingerprint.digest_indexed(values, index)
         kept = index[index >= 0]
         box = (int(kept.min()), int(kept.max()), count) if count else (start, end, 0)
         parts.setdefault(f"{placement.checkpoint_name(r, tp)}#{field}", []).append((box, f"{digest:016x}", count))
