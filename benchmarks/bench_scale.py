@@ -23,7 +23,7 @@ reshard cost prediction against the measured run. Prints one table per part.
      and torchrun with 2, against the I/O floor measured the same way (every source byte read, as many written,
      fsynced); the projection of a full 671B reshard from the measured per-process throughput.
 
-Usage: python benchmarks/bench_scale.py [--work DIR] [--parts ABCDEFG] [--big-shards 8192]
+Usage: python benchmarks/bench_scale.py [--work DIR] [--parts ABCDEFG] [--big-shards 8192] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -470,7 +471,7 @@ def part_f(work: str) -> None:
               f"{tot.get('files_opened', 0):>7} {tot.get('peak_rss_bytes', 0) / 2**30:>13.2f} {w:>7.2f}")
 
 
-def part_g(work: str) -> None:
+def part_g(work: str, repeat: int) -> None:
     from bench_reshard import dir_bytes, io_floor
 
     from tests.helpers.synthetic_dsv3 import DSV3
@@ -485,29 +486,37 @@ def part_g(work: str) -> None:
     size = dir_bytes(src)
     print(f"\nG. real bytes: a DeepSeek-V3-width slice (hidden 7168, MLA, 1 dense + 1 MoE layer of 16 experts, bf16), "
           f"PP2 EP2 -> PP1 EP1; source {size / 2**30:.2f} GiB")
-    print(f"{'run':<26} {'wall s':>7} {'read GiB':>9} {'written GiB':>12} {'floor s':>8} {'floor/run':>10} "
-          f"{'GiB/s per process':>18}")
+    print(f"{'run (median of ' + str(repeat) + ')':<26} {'wall s':>7} {'read GiB':>9} {'written GiB':>12} "
+          f"{'floor s':>8} {'floor/run':>10} {'GiB/s per process':>18}")
+    launchers = {"1 process": [sys.executable, "-m", "megatron_preflight"],
+                 "torchrun, 2 processes": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                           "--master-port", "29991", "-m", "megatron_preflight"]}
+    runs: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label in launchers}
+    for _ in range(repeat):  # interleaved, each run followed by its floor: the VM's disk speed drifts
+        for label, launcher in launchers.items():
+            dst = os.path.join(work, "dsv3_slice_out")
+            shutil.rmtree(dst, ignore_errors=True)
+            started = time.perf_counter()
+            r = subprocess.run([*launcher, "reshard", src, dst, "--workers", "1", "--no-progress", "--",
+                                *dst_m.flags()], capture_output=True, text=True)
+            wall = time.perf_counter() - started
+            assert r.returncode == 0, r.stderr[-3000:]
+            m_read = re.search(r"read ([\d.]+) (GiB|MiB)", r.stdout)
+            assert m_read, r.stdout[-2000:]
+            read = float(m_read.group(1)) * (1 if m_read.group(2) == "GiB" else 1 / 1024)
+            written = dir_bytes(dst)
+            shutil.rmtree(dst, ignore_errors=True)
+            floor = io_floor(src, written, work, read_bytes=int(read * 2**30))  # the bytes this run read
+            runs[label].append((wall, read, written / 2**30, floor))
     rows = []
-    for label, launcher in (("1 process", [sys.executable, "-m", "megatron_preflight"]),
-                            ("torchrun, 2 processes", [sys.executable, "-m", "torch.distributed.run",
-                                                       "--nproc-per-node", "2", "--master-port", "29991", "-m",
-                                                       "megatron_preflight"])):
-        dst = os.path.join(work, "dsv3_slice_out")
-        shutil.rmtree(dst, ignore_errors=True)
-        started = time.perf_counter()
-        r = subprocess.run([*launcher, "reshard", src, dst, "--workers", "1", "--no-progress", "--",
-                            *dst_m.flags()], capture_output=True, text=True)
-        wall = time.perf_counter() - started
-        assert r.returncode == 0, r.stderr[-3000:]
-        m_read = re.search(r"read ([\d.]+) (GiB|MiB)", r.stdout)
-        read = float(m_read.group(1)) * (1 if m_read.group(2) == "GiB" else 1 / 1024) if m_read else float("nan")
-        written = dir_bytes(dst) / 2**30
-        floor = io_floor(src, dir_bytes(dst), work)
+    for label, measured in runs.items():
+        wall, read, written, floor = (statistics.median(m[i] for m in measured) for i in range(4))
         procs = 2 if "2" in label else 1
         rows.append((label, wall, read, written, floor, procs))
         print(f"{label:<26} {wall:>7.2f} {read:>9.2f} {written:>12.2f} {floor:>8.2f} {floor / wall:>10.2f} "
               f"{(read + written) / wall / procs:>18.2f}")
-        shutil.rmtree(dst, ignore_errors=True)
+    print("floor: read as many source bytes as the run read, write as many as it wrote, fsync; plain file I/O in one "
+          "process, measured after each run. wall: the whole process (interpreter and torch start-up included).")
     best = max((read + written) / wall / procs for _, wall, read, written, _, procs in rows)
     full = 1.34e12 / 2**30  # DeepSeek-V3 671B in bf16, weights only, one copy (torch_dist; legacy repeats the
     # dense weights in every EP rank's file: part F's dry run)
@@ -522,6 +531,7 @@ def main() -> None:
     ap.add_argument("--work", default=None)
     ap.add_argument("--parts", default="ABCDEFG")
     ap.add_argument("--big-shards", type=int, default=8192, choices=(1024, 8192))
+    ap.add_argument("--repeat", type=int, default=3, help="part G: runs per case (medians)")
     ns = ap.parse_args()
     work = ns.work or tempfile.mkdtemp(prefix="bench_scale_")
     os.makedirs(work, exist_ok=True)
@@ -540,7 +550,7 @@ def main() -> None:
         if "F" in ns.parts:
             part_f(work)
         if "G" in ns.parts:
-            part_g(work)
+            part_g(work, ns.repeat)
     finally:
         if not ns.work:
             shutil.rmtree(work, ignore_errors=True)

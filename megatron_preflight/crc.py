@@ -31,10 +31,11 @@ def implementation() -> str:
 _SMALL = 1 << 20  # below this zlib's CRC costs less than loading ISA-L (a verdict's pickles are all small)
 
 
-def crc32(data: Any) -> int:
-    """The CRC-32 of a bytes-like object (a memoryview of a mapping: nothing copied)."""
+def crc32(data: Any, value: int = 0) -> int:
+    """The CRC-32 of a bytes-like object (a memoryview of a mapping: nothing copied); ``value``: the CRC of the bytes
+    before it (a record taken in pieces)."""
     if len(data) < _SMALL:
-        return zlib.crc32(data) & 0xFFFFFFFF
+        return zlib.crc32(data, value) & 0xFFFFFFFF
     if not _chosen:
         _chosen.append(_fastest())
-    return _chosen[0][1](data) & 0xFFFFFFFF
+    return _chosen[0][1](data, value) & 0xFFFFFFFF

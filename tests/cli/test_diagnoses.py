@@ -135,7 +135,7 @@ def test_disk_full_read_only_and_permission_say_what_the_system_did(tmp_path, mo
     def failing_open(self, name, size):
         raise OSError(code, os.strerror(code), str(tmp_path / "out"))
 
-    monkeypatch.setattr(zip_writer.TorchZipWriter, "open", failing_open)
+    monkeypatch.setattr(zip_writer.TorchZipWriter, "begin", failing_open)
     rc = main(["reshard", fixture_path("tp2_torch"), str(tmp_path / "out"), "--tp", "1", "--no-progress",
                "--workers", "1"])
     err = capsys.readouterr().err

@@ -22,6 +22,7 @@ from megatron_preflight.reshard.execute.executor import build_rows
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets.unit import Tap
+from megatron_preflight.reshard.targets.write_behind import WriteBehind
 from megatron_preflight.reshard.targets.zip_writer import TorchZipWriter, zip_size
 from megatron_preflight.tree import map_leaves
 
@@ -129,22 +130,25 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
     tensor data written."""
     data, pending = _records(tree)
     written = 0
-    with TorchZipWriter(path, _archive(path)) as zw:
-        zw.write("data.pkl", data)
-        zw.write(".format_version", _FORMAT_VERSION)
-        zw.write("byteorder", _BYTEORDER)
+    # the file is written by a second thread while this one builds the next piece (write_behind: both release the
+    # GIL); every call on the archive goes through it, in order
+    with TorchZipWriter(path, _archive(path)) as zw, WriteBehind() as behind:
+        behind.submit(zw.write, "data.pkl", data)
+        behind.submit(zw.write, ".format_version", _FORMAT_VERSION)
+        behind.submit(zw.write, "byteorder", _BYTEORDER)
         for storage, source in pending:
             nbytes = storage.numel * storage.dtype.itemsize
-            with zw.open(f"data/{storage.key}", nbytes) as fh:
-                for plan, r0, part in _pieces(source, files):
-                    fh.write(part.reshape(-1).view(torch.uint8).numpy().data)
-                    if tap is not None and plan is not None:
-                        tap.tensor(plan, r0, part)
-                    del part
-                    files.release_pages()
+            behind.submit(zw.begin, f"data/{storage.key}", nbytes)
+            for plan, r0, part in _pieces(source, files):
+                behind.submit(zw.append, part.reshape(-1).view(torch.uint8).numpy())  # holds the piece till written
+                if tap is not None and plan is not None:
+                    tap.tensor(plan, r0, part)
+                del part
+                files.release_pages()
+            behind.submit(zw.end)
             written += nbytes
-        zw.write("version", _VERSION)
-        zw.write(".data/serialization_id", _serialization_id(path, written).encode())
+        behind.submit(zw.write, "version", _VERSION)
+        behind.submit(zw.write, ".data/serialization_id", _serialization_id(path, written).encode())
     return written
 
 

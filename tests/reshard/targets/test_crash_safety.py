@@ -30,7 +30,7 @@ def step(fn):
             os.kill(os.getpid(), signal.SIGKILL)
         return fn(*a, **k)
     return wrapped
-zip_writer.TorchZipWriter.open = step(zip_writer.TorchZipWriter.open)
+zip_writer.TorchZipWriter.begin = step(zip_writer.TorchZipWriter.begin)
 durable.fsync_dir = step(durable.fsync_dir)
 durable.write_text = step(durable.write_text)
 writer.os.rename = step(os.rename)

@@ -1,0 +1,107 @@
+"""The streaming zip writer: byte for byte what Python's zipfile writes for the same stored records (zip64 paths
+included, by lowering the limits in both), data aligned, sizes as zip_size predicts, CRCs that zipfile verifies."""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+
+import pytest
+
+from megatron_preflight.reshard.targets import zip_writer
+from megatron_preflight.reshard.targets.zip_writer import ALIGN, TorchZipWriter, zip_size
+
+
+def _payload(name: str, size: int) -> bytes:
+    return bytes((i * 7 + len(name)) % 251 for i in range(size))
+
+
+def _ours(path: str, records: list[tuple[str, int]], piece: int = 97) -> None:
+    with TorchZipWriter(path, "arch") as zw:
+        for name, size in records:
+            data = _payload(name, size)
+            zw.begin(name, size)
+            for at in range(0, size, piece):
+                zw.append(data[at:at + piece])
+            zw.end()
+
+
+def _zipfile(path: str, records: list[tuple[str, int]]) -> None:
+    """The same records through zipfile, padded as torch pads them."""
+    with open(path, "wb") as raw, zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, size in records:
+            info = zipfile.ZipInfo(f"arch/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+            info.file_size = size
+            zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
+            start = raw.tell() + 30 + len(info.filename) + (20 if zip64 else 0) + 4
+            pad = (-start) % ALIGN
+            info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+            with zf.open(info, "w", force_zip64=zip64) as fh:
+                fh.write(_payload(name, size))
+
+
+RECORDS = [("data.pkl", 300), (".format_version", 1), ("byteorder", 6), ("data/0", 5000), ("data/1", 0),
+           ("data/2", 1234), ("version", 2)]
+
+
+@pytest.mark.parametrize("limit", [None, 4000, 1100, 700], ids=["plain", "zip64-offsets", "zip64-sizes", "tight"])
+def test_same_bytes_as_zipfile(tmp_path, monkeypatch, limit):
+    if limit is not None:  # zip64 local headers, central fields and end records at small sizes, in both writers
+        monkeypatch.setattr(zipfile, "ZIP64_LIMIT", limit)
+        monkeypatch.setattr(zip_writer, "ZIP64_LIMIT", limit)
+    ours, theirs = str(tmp_path / "ours.pt"), str(tmp_path / "theirs.pt")
+    _ours(ours, RECORDS)
+    _zipfile(theirs, RECORDS)
+    with open(ours, "rb") as a, open(theirs, "rb") as b:
+        assert a.read() == b.read()
+    assert os.path.getsize(ours) == zip_size(RECORDS, "arch")
+    with zipfile.ZipFile(ours) as zf:
+        assert zf.testzip() is None  # every CRC right
+        for info in zf.infolist():
+            with open(ours, "rb") as fh:
+                fh.seek(info.header_offset + 26)
+                name_len, extra_len = struct.unpack("<HH", fh.read(4))
+            assert (info.header_offset + 30 + name_len + extra_len) % ALIGN == 0, info.filename
+            assert zf.read(info) == _payload(info.filename.split("/", 1)[1], info.file_size)
+
+
+def test_many_records_take_the_zip64_end_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 3)
+    monkeypatch.setattr(zip_writer, "FILECOUNT_LIMIT", 3)
+    ours, theirs = str(tmp_path / "ours.pt"), str(tmp_path / "theirs.pt")
+    _ours(ours, RECORDS)
+    _zipfile(theirs, RECORDS)
+    with open(ours, "rb") as a, open(theirs, "rb") as b:
+        assert a.read() == b.read()
+    assert os.path.getsize(ours) == zip_size(RECORDS, "arch")
+
+
+def test_the_window_below_the_limit_stays_aligned(tmp_path, monkeypatch):
+    """A record just below the limit (over limit/1.05) has zip64 sizes in its local header: the padding counts them
+    (a 2.05-2.15 GB tensor, e.g. a Llama-3-70B TP1 embedding in bf16, at the real limit)."""
+    monkeypatch.setattr(zip_writer, "ZIP64_LIMIT", 2000)
+    monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 2000)
+    records = [("data.pkl", 10), ("data/0", 1950)]  # 1950 * 1.05 > 2000 > 1950 + 1024 - 2000
+    path = str(tmp_path / "w.pt")
+    _ours(path, records)
+    assert os.path.getsize(path) == zip_size(records, "arch")
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("arch/data/0")
+        with open(path, "rb") as fh:
+            fh.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", fh.read(4))
+        assert (info.header_offset + 30 + name_len + extra_len) % ALIGN == 0
+        assert zf.read(info) == _payload("data/0", 1950)
+
+
+def test_a_record_must_be_its_declared_size(tmp_path):
+    with TorchZipWriter(str(tmp_path / "a.pt")) as zw:
+        zw.begin("x", 4)
+        with pytest.raises(ValueError, match="longer than its declared 4"):
+            zw.append(b"12345")
+    with TorchZipWriter(str(tmp_path / "b.pt")) as zw:
+        zw.begin("x", 4)
+        zw.append(b"12")
+        with pytest.raises(ValueError, match="2 bytes short"):
+            zw.end()
