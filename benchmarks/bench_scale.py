@@ -471,6 +471,42 @@ def part_f(work: str) -> None:
               f"{tot.get('files_opened', 0):>7} {tot.get('peak_rss_bytes', 0) / 2**30:>13.2f} {w:>7.2f}")
 
 
+def part_f_optimizer(work: str) -> None:
+    """Part F with the distributed optimizer's files (a chained dense + expert optimizer, overlapped buckets)."""
+    from tests.helpers.synthetic_dsv3 import DSV3
+    from tests.helpers.synthetic_dsv3 import write_legacy as write_dsv3
+
+    def with_optimizer(flags: list[str]) -> list[str]:
+        return [f for f in flags if f != "--no-load-optim"] + ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+
+    src = DSV3()
+    root = os.path.join(work, "dsv3_pp16_ep64_distopt")
+    if not os.path.exists(root):
+        started = time.perf_counter()
+        write_dsv3(root, src, optimizer=True)
+        print(f"\n(wrote the hollow DeepSeek-V3 checkpoint with distrib_optim.pt in {time.perf_counter() - started:.1f} s)")
+    version = ["--megatron-version", "0.20"]
+    print("\nF (optimizer). The same, with the distributed optimizer's distrib_optim.pt in every dir")
+    print(f"{'verdict':<36} {'wall s':>7} {'RSS MiB':>8}")
+    wc, rss_c, out = median_run(["check", root, "--json", *version, "--", *with_optimizer(src.flags())])
+    doc = json.loads(out)
+    assert doc["verdict"] == "load" and doc["load_optimizer"], out[-2000:]
+    print(f"{'check, same layout (load)':<36} {wc:>7.2f} {rss_c / MIB:>8.0f}")
+    tgt = DSV3(pp=8, ep=32, first_stage_layers=5, last_stage_layers=None)
+    w, rss, out = median_run(["check", root, "--json", *version, "--", *with_optimizer(tgt.flags())])
+    doc = json.loads(out)
+    assert doc["verdict"] == "reshard" and doc["load_optimizer"], out[-3000:]
+    print(f"{'check, -> PP8 EP32 (reshard)':<36} {w:>7.2f} {rss / MIB:>8.0f}")
+    out_dir = os.path.join(work, "dsv3_dry_distopt")
+    w, _rss, out = run_cli(["reshard", root, out_dir, "--dry-run", "--json", "--bandwidth", "2000", "--",
+                            *with_optimizer(tgt.flags())])
+    tot = json.loads(out)
+    tot = tot.get("total", tot)
+    print(f"dry run -> PP8 EP32 with the optimizer: {tot.get('bytes_read', 0) / 2**30:.1f} GiB read, "
+          f"{tot.get('bytes_written', 0) / 2**30:.1f} GiB written, {tot.get('files_opened', 0)} files, peak "
+          f"{tot.get('peak_rss_bytes', 0) / 2**30:.2f} GiB, {w:.2f} s")
+
+
 def part_g(work: str, repeat: int) -> None:
     from bench_reshard import dir_bytes, io_floor
 
@@ -549,6 +585,7 @@ def main() -> None:
             part_e(work, [n for n in sizes if n >= 1024])
         if "F" in ns.parts:
             part_f(work)
+            part_f_optimizer(work)
         if "G" in ns.parts:
             part_g(work, ns.repeat)
     finally:

@@ -8,7 +8,9 @@ RMSNorm, SwiGLU, no biases, untied embeddings of a 129,280-token vocabulary; hid
 cut. Every shard file is a real ``torch.save`` with the full top-level state of a real save (args, RNG, scheduler
 from a fixture Megatron-LM wrote); with ``hollow=True`` every tensor is a stride-0 view of one element (real
 shapes, almost no bytes). Files with the same content (the EP ranks of one stage) are hard links of one file.
-Model only (no optimizer state). ``scale`` divides every width (for a small test of the same structure).
+Model only, or with ``optimizer=True`` the distributed optimizer's state as a run with ``--use-distributed-optimizer
+--overlap-grad-reduce`` saves it (:func:`write_dist_optimizer`). ``scale`` divides every width (for a small test of
+the same structure).
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.torch_file import TensorRef, read_torch_file
 from megatron_preflight.tree import map_leaves
 
-TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron-lm", "mtp_moe_te_ep2_torch",
-                        "iter_0000002", "mp_rank_00_000", "model_optim_rng.pt")
+_FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron-lm")
+TEMPLATE = os.path.join(_FIXTURES, "mtp_moe_te_ep2_torch", "iter_0000002", "mp_rank_00_000", "model_optim_rng.pt")
+# a chained (dense + expert) distributed optimizer's param groups, as Megatron-LM saved them
+OPTIMIZER_TEMPLATE = os.path.join(_FIXTURES, "distopt_moe_ep2dp2_torch", "iter_0000002", "mp_rank_00_000",
+                                  "model_optim_rng.pt")
 
 
 @dataclass
@@ -101,7 +106,7 @@ class DSV3:
         return f
 
 
-def _args(m: DSV3, template: argparse.Namespace) -> argparse.Namespace:
+def _args(m: DSV3, template: argparse.Namespace, optimizer: bool = False) -> argparse.Namespace:
     args = copy.copy(template)
     values = dict(
         tensor_model_parallel_size=m.tp, pipeline_model_parallel_size=m.pp, expert_model_parallel_size=m.ep,
@@ -114,7 +119,8 @@ def _args(m: DSV3, template: argparse.Namespace) -> argparse.Namespace:
         qk_pos_emb_head_dim=m.w("rope"), v_head_dim=m.w("v"), normalization="RMSNorm", swiglu=True,
         add_bias_linear=False, untie_embeddings_and_output_weights=True, position_embedding_type="rope",
         padded_vocab_size=m.padded_vocab, vocab_size=m.vocab, seq_length=m.seq, max_position_embeddings=m.seq,
-        world_size=m.tp * m.pp * m.ep, data_parallel_size=m.ep, use_distributed_optimizer=False, no_save_optim=True,
+        world_size=m.tp * m.pp * m.ep, data_parallel_size=m.ep, use_distributed_optimizer=optimizer,
+        overlap_grad_reduce=optimizer, ddp_bucket_size=None, no_save_optim=None if optimizer else True,
         bf16=m.dtype == "bfloat16", fp16=m.dtype == "float16", params_dtype=getattr(torch, m.dtype),
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         decoder_first_pipeline_num_layers=m.first_stage_layers if m.pp > 1 else None,
@@ -200,11 +206,12 @@ def stage_state(m: DSV3, pp: int, hollow: bool) -> dict[str, Any]:
     return sd
 
 
-def write_legacy(root: str, m: DSV3, *, hollow: bool = True, iteration: int = 1000) -> int:
-    """Write the checkpoint under ``root`` (tracker included); returns the number of shard dirs."""
+def write_legacy(root: str, m: DSV3, *, hollow: bool = True, iteration: int = 1000, optimizer: bool = False) -> int:
+    """Write the checkpoint under ``root`` (tracker included, with the distributed optimizer's state when
+    ``optimizer``); returns the number of shard dirs."""
     meta = read_torch_file(TEMPLATE)
     template = map_leaves(meta, lambda v, _p: torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, TensorRef) else v)
-    args = _args(m, template["args"])
+    args = _args(m, template["args"], optimizer)
     it_dir = os.path.join(root, naming.iteration_dir_name(iteration))
     os.makedirs(it_dir, exist_ok=True)
     names = naming.expected_shards(ParallelLayout(tp=m.tp, pp=m.pp, ep=m.ep, etp=1))
@@ -219,8 +226,66 @@ def write_legacy(root: str, m: DSV3, *, hollow: bool = True, iteration: int = 10
         state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": stage_state(m, pp, hollow),
                  "opt_param_scheduler": template.get("opt_param_scheduler"), "rng_state": template["rng_state"],
                  "num_floating_point_operations_so_far": 0}
+        if optimizer:
+            state["optimizer"] = read_torch_file(OPTIMIZER_TEMPLATE)["optimizer"]  # the parts' param groups
         torch.save(state, path, pickle_module=pickling)
         first[(tp, pp)] = path
+    if optimizer:
+        write_dist_optimizer(it_dir, m, hollow)
     with open(os.path.join(root, naming.TRACKER_FILENAME), "w") as fh:
         fh.write(str(iteration))
     return len(names)
+
+
+def write_dist_optimizer(it_dir: str, m: DSV3, hollow: bool) -> None:
+    """Every shard dir's ``distrib_optim.pt``, laid out by megatron-preflight's own model of Megatron's gradient
+    buffers (reshard/optimizer/distributed.py, proven on files Megatron-LM wrote; here it only gives the scale run
+    files of the right sizes). The data-parallel size equals EP (expert data-parallel size 1): the dense part is
+    saved by the EP rank 0 of each (tp, pp), the expert part by every rank. Not hollow: ``param`` holds each
+    weight's values at its offset (the fp32 master of the saved weight), ``exp_avg`` / ``exp_avg_sq`` that times
+    0.5 / 0.25; hollow: each world tensor a stride-0 view of one zero."""
+    from megatron_preflight.reshard import open_index
+    from megatron_preflight.reshard.optimizer.distributed import (
+        Slot,
+        bucket_size,
+        buffers_of,
+        source_params,
+        world_offsets,
+    )
+
+    ci = open_index(os.path.dirname(it_dir), iteration=int(os.path.basename(it_dir)[len("iter_"):]))
+    layout, src = ci.view, ci.topology
+    size = bucket_size(layout.saved_args)
+    params = source_params(layout, src)
+    coords = naming.expected_shards(ParallelLayout(tp=m.tp, pp=m.pp, ep=m.ep, etp=1))
+    written: dict[tuple[int, bool], str] = {}  # (pp, holds the dense part) -> the first file (hollow: linked)
+    for shard in layout.shards:
+        path = os.path.join(shard.path, naming.DISTRIB_OPTIM_FILENAME)
+        _tp, pp, ep = coords[shard.name]
+        key = (pp, ep == 0)
+        if hollow and key in written:
+            os.link(written[key], path)
+            continue
+        weights = None if hollow else stage_state(m, pp, hollow=False)  # the values the model file holds
+        parts: list[Any] = []
+        for expert in (False, True):
+            if not expert and ep != 0:
+                parts.append(None)  # saved by the dense part's data-parallel rank 0 (EP rank 0's dir)
+                continue
+            state: dict[Any, Any] = {"buckets_coalesced": True}
+            for gbuf, (dtype, members) in enumerate(buffers_of(params[shard.name], expert)):
+                offsets, buckets = world_offsets([Slot(p.name, p.numel, p.shared_embedding) for p in members], size)
+                numel = sum(buckets)
+                if hollow:
+                    world = {k: torch.zeros(1, dtype=torch.float32).expand(numel)
+                             for k in ("param", "exp_avg", "exp_avg_sq")}
+                else:
+                    master = torch.zeros(numel, dtype=torch.float32)
+                    for p in members:
+                        w = weights[p.key]
+                        master[offsets[p.name]:offsets[p.name] + p.numel] = w.reshape(-1).float()
+                    world = {"param": master, "exp_avg": master * 0.5, "exp_avg_sq": master * 0.25}
+                state[gbuf] = {(dtype, torch.float32): {**world, "numel_unpadded": numel}}
+            parts.append(state)
+        torch.save(parts, path, pickle_module=pickling)
+        written[key] = path

@@ -1,7 +1,8 @@
 """The DeepSeek-V3 structure (tests/helpers/synthetic_dsv3.py: MLA, 3 dense + MoE layers with 256 TE-grouped experts,
 a shared expert and the router's expert bias, an MoE MTP layer, uneven first and last pipeline stages), narrowed 64x
 so it runs here (and 32 experts): checked at its own layout (load) and another (reshard), resharded PP4·EP8 -> PP2·EP4 and compared
-tensor by tensor with the source. What bench_scale.py part F times at the real widths."""
+tensor by tensor with the source; the same with the distributed optimizer's files (a chained dense + expert optimizer,
+overlapped gradient buckets). What bench_scale.py part F times at the real widths."""
 
 import json
 import subprocess
@@ -50,3 +51,39 @@ def test_a_reshard_to_pp2_ep4_holds_every_tensor(dsv3, tmp_path, capsys):
     assert any(".mlp.experts.linear_fc1.weight31" in n for n in names)  # every routed expert, by its global number
     assert any(n.startswith("mtp.layers.0.mtp_model_layer.self_attention.linear_kv_up_proj") for n in names)
     assert any(n.endswith("mlp.router.expert_bias") for n in names)
+
+
+def _with_dist_optimizer(flags):
+    return [f for f in flags if f not in ("--no-load-optim", "--no-load-rng")] + [
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--no-load-rng"]
+
+
+@pytest.fixture(scope="module")
+def dsv3_optimizer(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsv3o") / "pp4ep8"
+    m = DSV3(pp=4, ep=8, **SMALL)
+    write_legacy(str(root), m, hollow=False, optimizer=True)
+    return root, m
+
+
+def test_the_distributed_optimizer_is_resharded_with_the_weights(dsv3_optimizer, tmp_path, capsys):
+    root, m = dsv3_optimizer
+    own = _check(root, _with_dist_optimizer(m.flags()))
+    assert own["verdict"] == "load" and own["load_optimizer"], own
+    target = DSV3(pp=2, ep=4, first_stage_layers=30, last_stage_layers=None, **SMALL)
+    flags = _with_dist_optimizer(target.flags())
+    other = _check(root, flags)
+    assert other["verdict"] == "reshard" and other["load_optimizer"], other
+    assert ("optimizer", "reshard") in {(f["field"], f["severity"]) for f in other["findings"]}
+    out = tmp_path / "pp2ep4"
+    assert main(["reshard", str(root), str(out), "--no-progress", "--", *flags]) == 0
+    assert all((out / "iter_0001000" / d / "distrib_optim.pt").is_file() for d in
+               ("mp_rank_00_000_000", "mp_rank_00_001_003"))
+    assert _check(out, flags)["verdict"] == "load"
+    capsys.readouterr()
+    assert main(["diff", str(root), str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    names = {t["name"] for t in report["tensors"]}
+    assert report["equal"] and report["optimizer_step"] == [2, 2]
+    assert {"embedding.word_embeddings.weight#exp_avg_sq", "decoder.layers.60.mlp.experts.linear_fc2.weight31#exp_avg",
+            "mtp.layers.0.mtp_model_layer.mlp.router.weight#exp_avg"} <= names
