@@ -41,6 +41,25 @@ def _zipfile(path: str, records: list[tuple[str, int]]) -> None:
                 fh.write(_payload(name, size))
 
 
+def _data_offset(path: str, info: zipfile.ZipInfo) -> int:
+    """Where a record's data starts (from its local header's name and extra lengths)."""
+    with open(path, "rb") as fh:
+        fh.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", fh.read(4))
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _same_as_zipfile(tmp_path, records: list[tuple[str, int]]) -> str:
+    """Our archive of ``records``, asserted identical to zipfile's and of the size zip_size predicts."""
+    ours, theirs = str(tmp_path / "ours.pt"), str(tmp_path / "theirs.pt")
+    _ours(ours, records)
+    _zipfile(theirs, records)
+    with open(ours, "rb") as a, open(theirs, "rb") as b:
+        assert a.read() == b.read()
+    assert os.path.getsize(ours) == zip_size(records, "arch")
+    return ours
+
+
 RECORDS = [("data.pkl", 300), (".format_version", 1), ("byteorder", 6), ("data/0", 5000), ("data/1", 0),
            ("data/2", 1234), ("version", 2)]
 
@@ -50,31 +69,18 @@ def test_same_bytes_as_zipfile(tmp_path, monkeypatch, limit):
     if limit is not None:  # zip64 local headers, central fields and end records at small sizes, in both writers
         monkeypatch.setattr(zipfile, "ZIP64_LIMIT", limit)
         monkeypatch.setattr(zip_writer, "ZIP64_LIMIT", limit)
-    ours, theirs = str(tmp_path / "ours.pt"), str(tmp_path / "theirs.pt")
-    _ours(ours, RECORDS)
-    _zipfile(theirs, RECORDS)
-    with open(ours, "rb") as a, open(theirs, "rb") as b:
-        assert a.read() == b.read()
-    assert os.path.getsize(ours) == zip_size(RECORDS, "arch")
+    ours = _same_as_zipfile(tmp_path, RECORDS)
     with zipfile.ZipFile(ours) as zf:
         assert zf.testzip() is None  # every CRC right
         for info in zf.infolist():
-            with open(ours, "rb") as fh:
-                fh.seek(info.header_offset + 26)
-                name_len, extra_len = struct.unpack("<HH", fh.read(4))
-            assert (info.header_offset + 30 + name_len + extra_len) % ALIGN == 0, info.filename
+            assert _data_offset(ours, info) % ALIGN == 0, info.filename
             assert zf.read(info) == _payload(info.filename.split("/", 1)[1], info.file_size)
 
 
 def test_many_records_take_the_zip64_end_record(tmp_path, monkeypatch):
     monkeypatch.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 3)
     monkeypatch.setattr(zip_writer, "FILECOUNT_LIMIT", 3)
-    ours, theirs = str(tmp_path / "ours.pt"), str(tmp_path / "theirs.pt")
-    _ours(ours, RECORDS)
-    _zipfile(theirs, RECORDS)
-    with open(ours, "rb") as a, open(theirs, "rb") as b:
-        assert a.read() == b.read()
-    assert os.path.getsize(ours) == zip_size(RECORDS, "arch")
+    _same_as_zipfile(tmp_path, RECORDS)
 
 
 def test_the_window_below_the_limit_stays_aligned(tmp_path, monkeypatch):
@@ -88,10 +94,7 @@ def test_the_window_below_the_limit_stays_aligned(tmp_path, monkeypatch):
     assert os.path.getsize(path) == zip_size(records, "arch")
     with zipfile.ZipFile(path) as zf:
         info = zf.getinfo("arch/data/0")
-        with open(path, "rb") as fh:
-            fh.seek(info.header_offset + 26)
-            name_len, extra_len = struct.unpack("<HH", fh.read(4))
-        assert (info.header_offset + 30 + name_len + extra_len) % ALIGN == 0
+        assert _data_offset(path, info) % ALIGN == 0
         assert zf.read(info) == _payload("data/0", 1950)
 
 
