@@ -507,6 +507,55 @@ def part_f_optimizer(work: str) -> None:
           f"{tot.get('peak_rss_bytes', 0) / 2**30:.2f} GiB, {w:.2f} s")
 
 
+def _unpickle_floor(path: str, n: int = 3) -> float:
+    """Seconds torch's own classes take to unpickle a DCP ``.metadata`` (what any reader of the checkpoint pays,
+    Megatron's dist loader included), median of ``n``, in a fresh interpreter each time."""
+    code = ("import pickle, sys, time, torch.distributed.checkpoint\n"
+            "data = open(sys.argv[1], 'rb').read()\nt = time.perf_counter()\npickle.loads(data)\n"
+            "print(time.perf_counter() - t)")
+    return statistics.median(float(subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                                                  check=True).stdout) for _ in range(n))
+
+
+def part_f_torch_dist(work: str) -> None:
+    """Part F's checkpoints in torch_dist form (Megatron's default format), hollow: sparse data files per saving rank
+    (tests/helpers/synthetic_dsv3.py write_torch_dist), the optimizer's in the fully_reshardable form."""
+    from tests.helpers.synthetic_dsv3 import DSV3, dist_flags
+    from tests.helpers.synthetic_dsv3 import write_legacy as write_dsv3
+    from tests.helpers.synthetic_dsv3 import write_torch_dist as write_dsv3_dist
+
+    src = DSV3()
+    tgt = DSV3(pp=8, ep=32, first_stage_layers=5, last_stage_layers=None)
+    version = ["--megatron-version", "0.20"]
+    print("\nF (torch_dist). The same model saved as torch_dist at PP16 EP64 (hollow: sparse data files, one per "
+          "saving rank)")
+    print(f"{'verdict':<52} {'wall s':>7} {'RSS MiB':>8}")
+    for optimizer in (False, True):
+        legacy = os.path.join(work, "dsv3_pp16_ep64" + ("_distopt" if optimizer else ""))
+        root = legacy + "_torch_dist"
+        if not os.path.exists(legacy):
+            write_dsv3(legacy, src, optimizer=optimizer)
+        if not os.path.exists(root):
+            started = time.perf_counter()
+            files = write_dsv3_dist(root, src, legacy, optimizer=optimizer)
+            md = os.path.getsize(os.path.join(root, "iter_0001000", ".metadata"))
+            print(f"(wrote it{' with the optimizer' if optimizer else ''}: {files} data files, .metadata "
+                  f"{md / MIB:.1f} MiB, in {time.perf_counter() - started:.1f} s)")
+        floor = _unpickle_floor(os.path.join(root, "iter_0001000", ".metadata"))
+        print(f"{'(floor: torch unpickles its .metadata)' + (' (optimizer)' if optimizer else ''):<52} {floor:>7.2f}")
+        label = " (optimizer)" if optimizer else ""
+        if not optimizer:
+            w, rss, out = median_run(["inspect", root, "--json"])
+            assert json.loads(out)["ok"], out[-2000:]
+            print(f"{'inspect':<52} {w:>7.2f} {rss / MIB:>8.0f}")
+        for m, want, what in ((src, "load", "same layout"), (tgt, "reshard" if optimizer else "load", "-> PP8 EP32")):
+            w, rss, out = median_run(["check", root, "--json", *version, "--", *dist_flags(m.flags(), optimizer)])
+            doc = json.loads(out)
+            assert doc["verdict"] == want, out[-3000:]
+            print(f"{'check' + label + ', ' + what + ' (' + want + ', ' + str(doc['loader']) + ')':<52} {w:>7.2f} "
+                  f"{rss / MIB:>8.0f}")
+
+
 def part_g(work: str, repeat: int) -> None:
     from bench_reshard import dir_bytes, io_floor
 
@@ -565,7 +614,7 @@ def part_g(work: str, repeat: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default=None)
-    ap.add_argument("--parts", default="ABCDEFG")
+    ap.add_argument("--parts", default="ABCDEFTG", help="T: part F's model in torch_dist form")
     ap.add_argument("--big-shards", type=int, default=8192, choices=(1024, 8192))
     ap.add_argument("--repeat", type=int, default=3, help="part G: runs per case (medians)")
     ns = ap.parse_args()
@@ -586,6 +635,8 @@ def main() -> None:
         if "F" in ns.parts:
             part_f(work)
             part_f_optimizer(work)
+        if "T" in ns.parts:
+            part_f_torch_dist(work)
         if "G" in ns.parts:
             part_g(work, ns.repeat)
     finally:

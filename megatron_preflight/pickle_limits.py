@@ -56,6 +56,15 @@ def _refuse(source: str, why: str) -> UnsafePickleError:
     return UnsafePickleError(f"refused to load: its pickle {why}", path=source, fix=_FIX, code="unsafe_pickle")
 
 
+# opcode -> the bytes of its argument, for the opcodes that need nothing else checked (-1: see the full rules)
+_SKIP = [-1] * 256
+for _op in _NO_ARG - {_MARK, 46} - _POPS_MARK:
+    _SKIP[_op] = 0
+for _op, _size in _FIXED.items():
+    if _op != _PUT4:
+        _SKIP[_op] = _size
+
+
 def scan(data: bytes, source: str) -> int:
     """Walk the opcodes of ``data`` without building anything; return the opcode count. Raises
     :class:`UnsafePickleError` for a stream that would make the unpickler allocate or loop beyond its own size."""
@@ -64,10 +73,15 @@ def scan(data: bytes, source: str) -> int:
     i = ops = marks = 0
     unpack4 = struct.Struct("<I").unpack_from
     unpack8 = struct.Struct("<Q").unpack_from
+    skip = _SKIP
     while i < n:
         op = data[i]
         i += 1
         ops += 1
+        size = skip[op]
+        if size >= 0:  # most opcodes of a checkpoint's pickle: nothing to check (each one byte or more of the
+            i += size  # stream, so their count is bounded by its size)
+            continue
         if op in _NO_ARG:
             if op == _MARK:
                 marks += 1
@@ -171,7 +185,10 @@ def _children(value: Any) -> Any:
     if isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
         return list(vars(value).values())
     if isinstance(value, Placeholder):
-        return (value._args, value._state, value._new_args)
+        state = value._state
+        if type(state) is dict and not value._args and not value._new_args:  # a DCP record (a .metadata holds
+            return [*state, *state.values()]  # ~10^5): its fields' names and values, one level
+        return (value._args, state, value._new_args)
     return None
 
 

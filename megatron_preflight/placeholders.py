@@ -85,8 +85,8 @@ class Record(Placeholder):
 
     def __setstate__(self, state: Any) -> None:
         self._state = state
-        if type(state) is dict and all(type(k) is str for k in state):  # the common case (a torch_dist .metadata
-            self.__dict__.update(state)  # holds thousands of records): nothing to convert
+        if type(state) is dict:  # the common case (a torch_dist .metadata holds ~10^5 records): the fields as they
+            self.__dict__.update(state)  # are (a name that is not a string is no attribute, and harms nothing)
             return
         self._called = getattr(self, "_called", False)
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)

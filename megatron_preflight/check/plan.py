@@ -444,7 +444,7 @@ def _predict_cost(plan: Plan) -> None:
     try:
         r = reshard.open_resharder(plan.index, reshard.TargetLayout.from_args(plan.runtime, given=plan.runtime.given),
                            keep_optimizer=plan.load_optimizer)
-        plan.cost = reshard.predict_in_memory(r)
+        plan.cost = reshard.predict_in_memory(r, sample=True)
     except PreflightError as exc:
         plan.notes.append(f"reshard cost not predicted: {exc.message}")
     except Exception as exc:  # noqa: BLE001 - the prediction is advice: it never changes or blocks a verdict

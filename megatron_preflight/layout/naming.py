@@ -14,6 +14,7 @@ Facts (Megatron-LM ``checkpointing.get_checkpoint_name`` / ``parallel_state.Rank
 
 from __future__ import annotations
 
+import functools
 import re
 
 from megatron_preflight.parallel import ParallelLayout
@@ -127,15 +128,20 @@ def shard_writers(sizes: ParallelLayout, world: int | None = None) -> dict[str, 
     """Shard dir name -> the coordinates (tp, pp, ep, etp, ...) of the first rank that writes it, for every dir a
     legacy save at ``sizes`` writes (ranks with dp == 0 or edp == 0).
 
-    The set does not depend on the data-parallel size, so ``world`` defaults to the smallest valid one.
+    The set does not depend on the data-parallel size, so ``world`` defaults to the smallest valid one. (Worked out
+    once per layout: a fresh copy for each caller.)
     """
-    world = world or sizes.min_world()
+    return {name: dict(c) for name, c in _shard_writers(sizes, world or sizes.min_world())}
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_writers(sizes: ParallelLayout, world: int) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
     out: dict[str, dict[str, int]] = {}
     for rank in range(world):
         c = rank_coordinates(rank, world, sizes)
         if c["dp"] == 0 or c["edp"] == 0:
             out.setdefault(shard_dir_name(c["tp"], c["pp"], c["ep"], pp_size=sizes.pp, ep_size=sizes.ep), c)
-    return dict(sorted(out.items()))
+    return tuple((name, tuple(c.items())) for name, c in sorted(out.items()))
 
 
 def expected_shards(sizes: ParallelLayout, world: int | None = None) -> dict[str, tuple[int, int, int]]:

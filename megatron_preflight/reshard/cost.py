@@ -68,6 +68,7 @@ class Prediction:
     startup_seconds: float = 0.0  # interpreter, torch and the metadata: paid by the main process and each worker
     workers: list[WorkerCost] = field(default_factory=list)  # offline
     ranks: list[ShardCost] = field(default_factory=list)  # in memory: one per target shard dir (its DP replicas alike)
+    of_ranks: int = 0  # in memory, when ``ranks`` are a sample (see representative_ranks): how many dirs they stand for
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -88,9 +89,12 @@ class Prediction:
             time = ("" if self.estimated_seconds is None or not self.bandwidth_bytes_per_s else
                     f"; about {self.estimated_seconds:.1f} s at {self.bandwidth_bytes_per_s / mib:.0f} MiB/s "
                     f"({self.bandwidth_from})")
-            return (f"reshard cost: {self.bytes_read / mib:.1f} MiB read in all; each rank reads at most "
+            total = (f"{self.bytes_read / mib:.1f} MiB read in all; " if not self.of_ranks else "")
+            sample = (f" ({len(self.ranks)} of {self.of_ranks} rank coordinates planned: each stage's first and last "
+                      "tensor-parallel ranks stand for the rest)" if self.of_ranks else "")
+            return (f"reshard cost: {total}each rank reads at most "
                     f"{worst.bytes_read / mib:.1f} MiB from {max(r.files_opened for r in self.ranks)} file(s) and "
-                    f"holds at most {self.peak_rss_bytes / mib:.1f} MiB of resharded state{time}")
+                    f"holds at most {self.peak_rss_bytes / mib:.1f} MiB of resharded state{time}{sample}")
         lines = [f"dry run: nothing written. Predicted: read {self.bytes_read / mib:.1f} MiB, write "
                  f"{self.bytes_written / mib:.1f} MiB, {self.files_opened} source file(s) opened, peak RSS "
                  f"{self.peak_rss_bytes / mib:.0f} MiB (all processes), about {self.estimated_seconds:.1f} s "
@@ -269,17 +273,35 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
                       startup_seconds=startup_seconds)
 
 
-def predict_in_memory(r: Any, *, bandwidth: float | None = None, names: list[str] | None = None) -> Prediction:
+SAMPLE_ABOVE = 16  # a target with more shard dirs is predicted from representative_ranks
+
+
+def representative_ranks(tgt: Any) -> list[str]:
+    """The target shard dirs whose costs stand for all: in each pipeline stage, the first and last rank of tensor
+    (and expert tensor) parallelism at expert and data rank 0. The ranks between hold slices of the same tensors of
+    the same sizes (experts divide evenly over EP ranks; only the last TP rank's vocab rows may differ)."""
+    dirs = naming.shard_writers(tgt)
+    last = {k: max(c[k] for c in dirs.values()) for k in ("tp", "etp")}
+    return [n for n, c in dirs.items() if all(c[k] in (0, last[k]) for k in last)
+            and all(v == 0 for k, v in c.items() if k not in ("pp", "tp", "etp"))]
+
+
+def predict_in_memory(r: Any, *, bandwidth: float | None = None, names: list[str] | None = None,
+                      sample: bool = False) -> Prediction:
     """The cost of loading through the in-memory resharder: per target shard dir (every runtime rank with those
     coordinates reads the same), what the rank reads and the state it builds; the time only with a ``bandwidth``
-    (nothing is probed: the check reads metadata only)."""
-    costs = [shard_cost(r, n, r.plan_for_coords(naming.shard_writers(r.tgt)[n], n), None)
-             for n in (names or list(naming.shard_writers(r.tgt)))]
+    (nothing is probed: the check reads metadata only). ``sample``: a target of more than :data:`SAMPLE_ABOVE` dirs
+    is planned at :func:`representative_ranks` only (the worst rank's figures hold; the totals are left out)."""
+    every = naming.shard_writers(r.tgt)
+    if names is None and sample and len(every) > SAMPLE_ABOVE:
+        names = representative_ranks(r.tgt)
+    costs = [shard_cost(r, n, r.plan_for_coords(every[n], n), None) for n in (names or list(every))]
     worst = max(costs, key=lambda c: c.bytes_read, default=None)
     seconds = worst.bytes_read / bandwidth if worst and bandwidth else (0.0 if bandwidth else None)
     return Prediction("in_memory", sum(c.bytes_read for c in costs), 0, max((c.bytes_built for c in costs), default=0),
                       seconds, bandwidth, "given" if bandwidth else "none",
-                      len({s for c in costs for s in c.sources}), ranks=costs)
+                      len({s for c in costs for s in c.sources}), ranks=costs,
+                      of_ranks=len(every) if len(costs) < len(every) else 0)
 
 
 DIST_CHUNK_OVERHEAD = 1200  # a torch_dist chunk's torch.save wrapper and .metadata entry, bytes (measured ~1 KB)

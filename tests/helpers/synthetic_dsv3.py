@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,3 +291,107 @@ def write_dist_optimizer(it_dir: str, m: DSV3, hollow: bool) -> None:
             parts.append(state)
         torch.save(parts, path, pickle_module=pickling)
         written[key] = path
+
+
+def dist_flags(flags: list[str], optimizer: bool) -> list[str]:
+    """A run's flags with ``--ckpt-format torch_dist`` (and the distributed optimizer, loaded, when ``optimizer``)."""
+    out = [f for f in flags if not (optimizer and f == "--no-load-optim")]
+    out[out.index("--ckpt-format") + 1] = "torch_dist"
+    return out + (["--use-distributed-optimizer", "--overlap-grad-reduce"] if optimizer else [])
+
+
+def write_torch_dist(root: str, m: DSV3, legacy_root: str, *, iteration: int = 1000, optimizer: bool = False,
+                     hollow: bool = True) -> int:
+    """The torch_dist form of ``legacy_root`` (written by :func:`write_legacy` for ``m``, with ``optimizer`` when the
+    optimizer state is wanted: the distributed optimizer's ``fully_reshardable`` form), as a run at ``m``'s layout
+    saves it, through megatron-preflight's own torch_dist writer: every global tensor chunked as Megatron shards it
+    (experts one chunk each; layers keyed per layer, as DeepSeek-V3's dense + MoE layers are), ``.metadata``,
+    ``common.pt`` and ``metadata.json``. ``hollow``: each chunk placed in the data file of the rank that saves it
+    (``__<rank>_0.distcp``: a routed expert's in its EP rank's, a replicated tensor's in turn among its stage's ranks),
+    no tensor bytes made or written (sparse data files of the right sizes); else one real data file. Returns the
+    number of data files."""
+    from megatron_preflight.check.runtime_args import from_cli
+    from megatron_preflight.reshard import TargetLayout
+    from megatron_preflight.reshard.targets.torch_dist import ChunkWriter
+    from megatron_preflight.reshard.targets.torch_dist import write_torch_dist as convert
+
+    rt = from_cli(dist_flags(m.flags(), optimizer))
+    it_dir = os.path.join(root, naming.iteration_dir_name(iteration))
+    os.makedirs(it_dir, exist_ok=True)
+    made: list[ChunkWriter] = []
+
+    def writer(d: str) -> ChunkWriter:
+        made.append(_hollow_writer(d, m) if hollow else ChunkWriter(d))
+        return made[-1]
+
+    kw = dict(build=_hollow_values) if hollow else {}
+    convert(legacy_root, it_dir, TargetLayout.from_args(rt, given=rt.given), keep_optimizer=optimizer, writer=writer,
+            **kw)
+    with open(os.path.join(root, naming.TRACKER_FILENAME), "w") as fh:
+        fh.write(str(iteration))
+    return len({it.file for it in made[0].items})
+
+
+def _saved(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf, pickle_module=pickling)
+    return buf.getvalue()
+
+
+def _hollow_values(tp: Any, _files: Any) -> torch.Tensor:
+    return torch.zeros(1, dtype=tp.dtype).expand(tp.shape)
+
+
+_OPTIMIZER_STATE = re.compile(r"^optimizer\.state\.[^.]+\.")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _hollow_writer(iter_dir: str, m: DSV3) -> Any:
+    from megatron_preflight.reshard.targets.torch_dist import ChunkWriter, Item
+
+    assert m.tp == 1, "the hollow torch_dist places chunks for TP1"
+    stage_of = {g: s for s, layers in enumerate(m.stage_layers()) for g in layers}
+    per_expert_rank = m.experts // m.ep
+    header: dict[torch.dtype, int] = {}
+
+    class HollowChunks(ChunkWriter):
+        """Each chunk in its saving rank's data file; no bytes written (the files are made sparse at close)."""
+
+        def __init__(self) -> None:
+            super().__init__(iter_dir)
+            self.ends: dict[str, int] = {}  # data file -> its size so far
+            self.turn: dict[int, int] = {}  # stage -> the rank within it that saves the next replicated chunk
+
+        def put(self, fqn: str, offsets: tuple[int, ...] | None, value: Any) -> Item:
+            name = _OPTIMIZER_STATE.sub("", fqn)
+            layer = _LAYER.match(name)
+            stage = stage_of[int(layer.group(1))] if layer else 0 if name.startswith("embedding.") else m.pp - 1
+            if offsets is not None and ".experts.experts." in name:
+                within = offsets[0] // per_expert_rank  # the expert's EP rank
+            else:
+                within = self.turn.get(stage, 0)
+                self.turn[stage] = (within + 1) % m.ep
+            rank = stage * m.ep + within
+            file = f"__{rank}_0.distcp"
+            start = self.ends.get(file, 0)
+            if offsets is None:  # an object (extra state, a few hundred bytes): written, as readers open them
+                blob = _saved(value)
+                with open(os.path.join(iter_dir, file), "ab") as fh:
+                    fh.truncate(start)
+                    fh.write(blob)
+                length = len(blob)
+            else:
+                if value.dtype not in header:
+                    header[value.dtype] = len(_saved(torch.zeros(0, dtype=value.dtype)))
+                length = value.numel() * value.element_size() + header[value.dtype]
+            self.ends[file] = start + length
+            self.bytes_written += length
+            return Item(fqn, offsets, start, length, file)
+
+        def close(self) -> None:
+            super().close()
+            for file, end in self.ends.items():
+                with open(os.path.join(iter_dir, file), "ab") as fh:
+                    fh.truncate(end)
+
+    return HollowChunks()

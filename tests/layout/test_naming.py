@@ -71,3 +71,12 @@ def test_planning_huge_layout_is_fast():
     shards = expected_shards(ParallelLayout(tp=8, pp=16, ep=64, etp=1))
     assert len(shards) == 64 * 16  # every EP rank has an expert-DP-rank-0 writer; tp = ep % 8 (EP folded into TP x DP)
     assert time.perf_counter() - t < 5
+
+
+def test_shard_writers_gives_each_caller_its_own_copy():
+    sizes = ParallelLayout(tp=2, pp=2, ep=2, etp=1)
+    first = naming.shard_writers(sizes)
+    kept = {name: dict(c) for name, c in first.items()}
+    next(iter(first.values()))["tp"] = 99
+    first.clear()
+    assert naming.shard_writers(sizes) == kept and len(kept) == 4  # (ETP1: EP2 spans the TP2 ranks)

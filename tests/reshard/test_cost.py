@@ -118,3 +118,20 @@ def test_zip_size_is_the_written_size(tmp_path, sizes):
         for name, n in records:
             zw.write(name, b"\1" * n)
     assert zip_size(records, "x") == os.path.getsize(path)
+
+
+def test_a_check_plans_the_representative_ranks_of_a_large_target(monkeypatch):
+    """Above SAMPLE_ABOVE target dirs the check plans each stage's first and last TP rank at EP rank 0: the worst
+    rank's read and built bytes are the full prediction's (the ranks between hold slices of the same sizes)."""
+    r = open_resharder(fixture_path("moe_shared_tp2pp2ep2_torch"), TargetLayout(tp=2, pp=2, ep=4))
+    full = cost.predict_in_memory(r)
+    assert len(full.ranks) == 16 and full.of_ranks == 0 and "read in all" in full.render()
+    monkeypatch.setattr(cost, "SAMPLE_ABOVE", 4)
+    sampled = cost.predict_in_memory(r, sample=True)
+    coords = naming.shard_writers(r.tgt)
+    assert sorted((coords[c.name]["pp"], coords[c.name]["tp"], coords[c.name]["ep"]) for c in sampled.ranks) == [
+        (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    assert sampled.of_ranks == 16 and "4 of 16 rank coordinates planned" in sampled.render()
+    assert max(c.bytes_read for c in sampled.ranks) == max(c.bytes_read for c in full.ranks)
+    assert sampled.peak_rss_bytes == full.peak_rss_bytes
+    assert cost.predict_in_memory(r).of_ranks == 0  # (not asked to sample: every rank)

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from megatron_preflight.cli.main import main
-from tests.helpers.synthetic_dsv3 import DSV3, write_legacy
+from megatron_preflight.layout.dist import read_dcp_metadata
+from tests.helpers.synthetic_dsv3 import DSV3, dist_flags, write_legacy, write_torch_dist
 
 SMALL = dict(scale=64, vocab=1024, experts=32)  # (256 experts: ~30k tensors, 80 s here; bench_scale.py part F)
 
@@ -87,3 +88,26 @@ def test_the_distributed_optimizer_is_resharded_with_the_weights(dsv3_optimizer,
     assert report["equal"] and report["optimizer_step"] == [2, 2]
     assert {"embedding.word_embeddings.weight#exp_avg_sq", "decoder.layers.60.mlp.experts.linear_fc2.weight31#exp_avg",
             "mtp.layers.0.mtp_model_layer.mlp.router.weight#exp_avg"} <= names
+
+
+def test_the_hollow_torch_dist_form_indexes_what_the_real_one_holds(dsv3_optimizer, tmp_path, capsys):
+    """bench_scale.py part F's torch_dist DeepSeek-V3 is hollow (sparse data files); here, narrowed, its ``.metadata``
+    is the real conversion's (every global tensor, chunk and storage key; lengths within a record header's
+    alignment), each routed expert's chunk lies in its EP rank's file, and the check says the same of both."""
+    root, m = dsv3_optimizer
+    real, hollow = tmp_path / "real", tmp_path / "hollow"
+    assert write_torch_dist(str(real), m, str(root), optimizer=True, hollow=False) == 1
+    assert write_torch_dist(str(hollow), m, str(root), optimizer=True) == m.pp * m.ep
+    a, b = (read_dcp_metadata(str(d / "iter_0001000")) for d in (real, hollow))
+    assert a.state_dict_metadata == b.state_dict_metadata and a.storage_data.keys() == b.storage_data.keys()
+    assert all(abs(a.storage_data[k].length - b.storage_data[k].length) <= 128 for k in a.storage_data)
+    per_rank = m.experts // m.ep
+    for key, info in b.storage_data.items():
+        if key.fqn == "optimizer.state.exp_avg.decoder.layers.60.mlp.experts.experts.linear_fc1.weight":
+            assert info.relative_path == f"__{(m.pp - 1) * m.ep + key.offset[0] // per_rank}_0.distcp"
+    assert {p.name for p in (hollow / "iter_0001000").glob("*.distcp")} == {f"__{r}_0.distcp" for r in range(32)}
+    flags = dist_flags(DSV3(pp=2, ep=4, first_stage_layers=30, last_stage_layers=None, **SMALL).flags(), True)
+    verdicts = [_check(d, flags) for d in (real, hollow)]
+    assert [(v["verdict"], v["loader"], v["load_optimizer"]) for v in verdicts] == [("reshard", "reshard", True)] * 2
+    assert main(["diff", str(root), str(real), "--json"]) == 0  # the real form holds the legacy checkpoint's values
+    assert json.loads(capsys.readouterr().out)["equal"]

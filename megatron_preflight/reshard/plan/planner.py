@@ -23,7 +23,6 @@ from megatron_preflight.reshard.plan.types import (
     GlobalEntry,
     GlobalKey,
     RankPlan,
-    SourcePiece,
     TensorPlan,
     VocabPlan,
 )
@@ -159,10 +158,6 @@ def _own_extra_state(src: ParallelLayout, tgt: ParallelLayout, coords: dict[str,
     return pick
 
 
-def _replicas(replicas: list[SourcePiece]) -> tuple[tuple[str, TensorRef], ...]:
-    return tuple((p.shard, p.ref) for p in replicas[1:] if isinstance(p.ref, TensorRef))
-
-
 def plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int], tgt: ParallelLayout,
                 vocab: VocabPlan | None) -> TensorPlan:
     """The copy ops that build the target rank's piece of ``entry``: its target segments along the split dim,
@@ -174,7 +169,7 @@ def plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int]
         if isinstance(first.ref, TensorRef):  # replicated (or TE extra state held as a tensor): one whole copy
             # a TE extra state is per rank (FP8 scales from each rank's own amax): its copies are not replicas that
             # must agree
-            replicas = () if rule.kind == "extra" else _replicas(entry.pieces[main_rank])
+            replicas = () if rule.kind == "extra" else entry.replicas(main_rank)
             op = CopyOp(first.shard, first.ref, None, None, replicas)
             return TensorPlan(chunk, key, tuple(first.ref.shape), first.ref.dtype, [op], gkey=entry.key)
         return TensorPlan(chunk, key, None, None, [], value=first.ref, gkey=entry.key)
@@ -198,14 +193,13 @@ def plan_tensor(entry: GlobalEntry, chunk: str, key: str, coords: dict[str, int]
     for tg, tn, tl in segments(t_rule, t_global, t_size, t_rank):
         covered: list[tuple[int, int]] = []
         for grank in sorted(entry.pieces):
-            replicas = entry.pieces[grank]
-            piece = replicas[0]
+            piece = entry.pieces[grank][0]
             for sg, sn, sl in segments(t_rule, g_len, piece.group_size, piece.group_rank):
                 lo, hi = max(tg, sg), min(tg + tn, sg + sn)
                 if lo >= hi:
                     continue
                 ops.append(CopyOp(piece.shard, piece.ref, (dim, sl + lo - sg, hi - lo), (dim, tl + lo - tg, hi - lo),
-                                  _replicas(replicas)))
+                                  entry.replicas(grank)))
                 covered.append((lo, hi))
         pos = tg
         for lo, hi in sorted(covered):

@@ -57,11 +57,23 @@ class GlobalEntry:
     rule: Rule
     pieces: dict[int, list[SourcePiece]] = field(default_factory=dict)
     order: tuple[int, int] = (0, 0)  # where the key sits in its layer (or section), as Megatron's modules order it
+    _replicas: dict[int, tuple[tuple[str, TensorRef], ...]] = field(default_factory=dict, init=False, repr=False,
+                                                                    compare=False)
 
     def add(self, piece: SourcePiece) -> None:
         # kept in shard-name order as pieces arrive (a layernorm has one replica per TP x EP rank: sorting the whole
         # list on every arrival was quadratic in them)
         bisect.insort(self.pieces.setdefault(piece.group_rank, []), piece, key=_by_shard)
+        self._replicas.pop(piece.group_rank, None)
+
+    def replicas(self, group_rank: int) -> tuple[tuple[str, TensorRef], ...]:
+        """(shard, ref) of every copy of ``group_rank``'s piece after the main one (tensors only), made once: every
+        target rank's plan lists them (a DeepSeek-V3 layernorm has 64, planned for each of hundreds of ranks)."""
+        found = self._replicas.get(group_rank)
+        if found is None:
+            found = self._replicas[group_rank] = tuple(
+                (p.shard, p.ref) for p in self.pieces[group_rank][1:] if isinstance(p.ref, TensorRef))
+        return found
 
     def main(self, group_rank: int) -> SourcePiece:
         return self.pieces[group_rank][0]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
-from megatron_preflight.layout.dist import object_index, read_dcp_metadata, read_object
+from megatron_preflight.layout.dist import ObjectReader, object_index, read_dcp_metadata
 from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
@@ -114,11 +114,15 @@ class _Builder:
         self.position = {fqn: i for i, fqn in enumerate(md.state_dict_metadata)}
         self.iter_dir = layout.iter_dir or ""
         self.objects = object_index(md)  # indexed once: a model has thousands of extra-state items
+        self.reader = ObjectReader(self.iter_dir, trust=trust)
         self.trust = trust
+        self._by_place: dict[tuple[int | None, int | None], list[tuple[str, dict[str, int]]]] = {}
+        for n, c in self.dirs.items():  # (a DeepSeek-V3 view: 1,024 dirs asked for ~100k times)
+            for place in ((None, None), (c["pp"], None), (None, c["ep"]), (c["pp"], c["ep"])):
+                self._by_place.setdefault(place, []).append((n, c))
 
     def _shards(self, stage: int | None, ep: int | None = None) -> list[tuple[str, dict[str, int]]]:
-        return [(n, c) for n, c in self.dirs.items() if (stage is None or c["pp"] == stage)
-                and (ep is None or c["ep"] == ep)]
+        return self._by_place.get((stage, ep), [])
 
     def _ref(self, fqn: str, dtype: torch.dtype, lead: tuple[int, ...], shape: tuple[int, ...], key: str,
              rank: int, size: int) -> RegionRef:
@@ -218,9 +222,11 @@ class _Builder:
             first = fqn.startswith("embedding.")
             stage, chunk = (0, 0) if first else (self.par.pp - 1, self.par.chunks - 1)
             key = canonical_name(fqn)  # torch_dist's `transformer_layer` of an MTP layer: the newer legacy name
+            sort, refs = self._top_sort(key, pos), {}
             for name, c in self._shards(stage):
-                ref = self._ref(fqn, dtype, (), shape, key, c["tp"], self.par.tp)
-                self._add(name, chunk, self._top_sort(key, pos), key, ref)
+                if c["tp"] not in refs:  # (the same piece for every EP rank of the stage: made once)
+                    refs[c["tp"]] = self._ref(fqn, dtype, (), shape, key, c["tp"], self.par.tp)
+                self._add(name, chunk, sort, key, refs[c["tp"]])
             return
         layers, rest = self._layers_of(fqn, shape[0])
         for g, lead in layers:
@@ -231,15 +237,20 @@ class _Builder:
                 for ge in range(inner[0]):
                     ep_rank, le = self.par.place_expert(ge)
                     key = f"{LAYERS}{local}.mlp.experts" + self._expert_key(suffix, le)
+                    sort, refs = self._layer_sort(g, EXPERTS + suffix, ge, pos), {}
                     for name, c in self._shards(stage, ep_rank):
-                        ref = self._ref(fqn, dtype, lead + (ge,), inner[1:], key, c["etp"], self.par.etp_eff)
-                        self._add(name, chunk, self._layer_sort(g, EXPERTS + suffix, ge, pos), key, ref)
+                        if c["etp"] not in refs:
+                            refs[c["etp"]] = self._ref(fqn, dtype, lead + (ge,), inner[1:], key, c["etp"],
+                                                       self.par.etp_eff)
+                        self._add(name, chunk, sort, key, refs[c["etp"]])
             else:
                 suffix = legacy_suffix(rest, self.local_spec)
                 key = f"{LAYERS}{local}.{suffix}"
+                sort, refs = self._layer_sort(g, suffix, 0, pos), {}
                 for name, c in self._shards(stage):
-                    ref = self._ref(fqn, dtype, lead, inner, key, c["tp"], self.par.tp)
-                    self._add(name, chunk, self._layer_sort(g, suffix, 0, pos), key, ref)
+                    if c["tp"] not in refs:  # (the same piece for every EP rank of the stage: made once)
+                        refs[c["tp"]] = self._ref(fqn, dtype, lead, inner, key, c["tp"], self.par.tp)
+                    self._add(name, chunk, sort, key, refs[c["tp"]])
 
     def _top_sort(self, key: str, pos: int, expert: int = 0) -> tuple:
         """A non-layer legacy key's place in its model chunk: embedding, final norm, MTP layers (layer by layer, each
@@ -314,13 +325,15 @@ class _Builder:
             key = self._extra_expert_key(f"{LAYERS}{local}.mlp.experts", suffix, le)
             if key is None:
                 return
+            sort = self._layer_sort(g, EXPERTS + suffix, index[0], pos)
             for name, _c in self._shards(stage, ep_rank):
-                self._add(name, chunk, self._layer_sort(g, EXPERTS + suffix, index[0], pos), key, value)
+                self._add(name, chunk, sort, key, value)
             return
         suffix = legacy_suffix(rest, self.local_spec)
         key = f"{LAYERS}{local}.{suffix}"
+        sort = self._layer_sort(g, suffix, 0, pos)
         for name, _c in self._shards(stage):
-            self._add(name, chunk, self._layer_sort(g, suffix, 0, pos), key, value)
+            self._add(name, chunk, sort, key, value)
 
     def tied_output(self, tied: bool) -> None:
         """With tied embeddings and PP > 1 the last stage's legacy file holds its copy of the word embeddings as
@@ -386,8 +399,8 @@ class _Builder:
         if info is None:
             return None
         if dtypes.torch_loaded():
-            return read_object(self.iter_dir, fqn, info, trust=self.trust, tensors=True)
-        return described(read_object(self.iter_dir, fqn, info, trust=self.trust))
+            return self.reader.read(fqn, info, tensors=True)
+        return described(self.reader.read(fqn, info))
 
 
 def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool]:
@@ -402,28 +415,31 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
     md = read_dcp_metadata(layout.iter_dir, trust=trust)
     par = layout.parallel
     b = _Builder(layout, par, md, trust)
-    has_optimizer = False
-    sectioned: dict[str, list[tuple[str, Any]]] = {}
-    for fqn, tm in md.state_dict_metadata.items():
-        if fqn.startswith("optimizer.") or (fqn.startswith("chained_") and ".optimizer." in fqn):
-            has_optimizer = True
-            continue
-        if "/shard_" in fqn and fqn.split("/")[0].endswith("_extra_state"):
-            b.extra_state(fqn)
-            continue
-        if not hasattr(tm, "size") or fqn.startswith(("rng_state", "rerun_state")):
-            continue
-        section = section_of(fqn)
-        if section is not None:
-            sectioned.setdefault(section[0], []).append((fqn, tm))
-            continue
-        b.tensor(fqn, tm)
-    for parent, parts in sectioned.items():
-        b.sectioned(parent, parts)
-    b.tied_output(not bool(getattr(layout.saved_args, "untie_embeddings_and_output_weights", False)))
-    b.mtp_embedding()
-    b.output_extra_state()
-    b.attention_extra_state()
+    try:
+        has_optimizer = False
+        sectioned: dict[str, list[tuple[str, Any]]] = {}
+        for fqn, tm in md.state_dict_metadata.items():
+            if fqn.startswith("optimizer.") or (fqn.startswith("chained_") and ".optimizer." in fqn):
+                has_optimizer = True
+                continue
+            if "/shard_" in fqn and fqn.split("/")[0].endswith("_extra_state"):
+                b.extra_state(fqn)
+                continue
+            if not hasattr(tm, "size") or fqn.startswith(("rng_state", "rerun_state")):
+                continue
+            section = section_of(fqn)
+            if section is not None:
+                sectioned.setdefault(section[0], []).append((fqn, tm))
+                continue
+            b.tensor(fqn, tm)
+        for parent, parts in sectioned.items():
+            b.sectioned(parent, parts)
+        b.tied_output(not bool(getattr(layout.saved_args, "untie_embeddings_and_output_weights", False)))
+        b.mtp_embedding()
+        b.output_extra_state()
+        b.attention_extra_state()
+    finally:
+        b.reader.close()
     common = layout.common_state or {}
     head = {k: common[k] for k in REWRITTEN + FROM_TORCH_DIST if k in common}  # what a legacy file holds at top level
     shards: list[Shard] = []

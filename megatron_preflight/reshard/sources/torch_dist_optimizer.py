@@ -134,6 +134,8 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
         if settings.get("is_expert_parallel"):
             out.expert_groups.add(sig)
     tied = is_tied(virtual)
+    memo: dict[tuple[Slab, str], tuple[Slab, Any] | None] = {}  # a replicated parameter's slabs recur in each replica
+    refs: dict[tuple[int, str], RegionRef | None] = {}  # (and the view shares one region among a stage's EP ranks)
     for sk in iter_source_keys(virtual, src):
         if not is_param(sk.key, sk.value) or not isinstance(sk.value, RegionRef):
             continue
@@ -141,7 +143,10 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
             continue  # the tied head copy: served by the embedding
         fields = out.fields.setdefault(sk.gkey, OrderedDict())
         for state, name in FIELDS.items():
-            ref = _state_ref(sk.value, state, saved)
+            at = (id(sk.value), state)  # (the view holds every region while this runs: ids stay unique)
+            if at not in refs:
+                refs[at] = _state_ref(sk.value, state, saved, memo)
+            ref = refs[at]
             if ref is None:
                 continue
             entry = fields.get(name)
@@ -169,31 +174,43 @@ def fragments(state_shape: tuple[int, ...], param_shape: tuple[int, ...], dims: 
     return frag if math.prod(frag) == state_shape[-1] else None
 
 
-def _state_ref(param: RegionRef, state: str, saved: dict[str, Any]) -> RegionRef | None:
+def _state_ref(param: RegionRef, state: str, saved: dict[str, Any],
+               memo: dict[tuple[Slab, str], tuple[Slab, Any] | None]) -> RegionRef | None:
     """The optimizer tensor ``state`` of a parameter, at the parameter's own region: the same global shape
     (``fully_reshardable``, the plain optimizer), or flattened by fragments (``fully_sharded_model_space``)."""
     slabs = []
     dtype = None
     for s in param.slabs:
-        fqn = f"optimizer.state.{state}.{s.fqn}"
-        tm = saved.get(fqn)
-        if tm is None or not hasattr(tm, "size"):
+        key = (s, state)
+        if key not in memo:
+            memo[key] = _state_slab(s, state, saved, len(param.shape))
+        found = memo[key]
+        if found is None:
             return None
-        state_shape = tuple(int(d) for d in tm.size)
-        param_shape = tuple(int(d) for d in saved[s.fqn].size)
-        frag = None
-        if state_shape != param_shape:
-            frag = fragments(state_shape, param_shape, len(param.shape))
-            if frag is None:
-                raise OptimizerNotReshardable(f"{fqn} has shape {state_shape}, its parameter {param_shape}: neither "
-                                              "the parameter's shape nor its fragments flattened (the "
-                                              "fully_sharded_model_space form)", fix=FIX, code="optimizer")
-        dtype = tm.properties.dtype
-        slabs.append(dataclasses.replace(s, fqn=fqn, fragment=frag))
+        slab, dtype = found
+        slabs.append(slab)
     assert dtype is not None
     numel = param.storage.numel
     return RegionRef(param.file, StorageRef(slabs[0].fqn, dtype, numel), 0, param.shape, param.stride,
                      slabs=tuple(slabs))
+
+
+def _state_slab(s: Slab, state: str, saved: dict[str, Any], dims: int) -> tuple[Slab, Any] | None:
+    """A parameter's slab as the optimizer tensor ``state``'s slab, and that tensor's dtype (None: not saved)."""
+    fqn = f"optimizer.state.{state}.{s.fqn}"
+    tm = saved.get(fqn)
+    if tm is None or not hasattr(tm, "size"):
+        return None
+    state_shape = tuple(int(d) for d in tm.size)
+    param_shape = tuple(int(d) for d in saved[s.fqn].size)
+    frag = None
+    if state_shape != param_shape:
+        frag = fragments(state_shape, param_shape, dims)
+        if frag is None:
+            raise OptimizerNotReshardable(f"{fqn} has shape {state_shape}, its parameter {param_shape}: neither "
+                                          "the parameter's shape nor its fragments flattened (the "
+                                          "fully_sharded_model_space form)", fix=FIX, code="optimizer")
+    return dataclasses.replace(s, fqn=fqn, fragment=frag), tm.properties.dtype
 
 
 # -- dp_reshardable: the distributed optimizer's flat buckets, per model-parallel domain -----------------------------

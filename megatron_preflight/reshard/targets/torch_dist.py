@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,13 @@ log = logging.getLogger(__name__)
 
 DATA_FILE = "__0_0.distcp"
 
+# how a planned tensor's values are made: from its source slices (a hollow benchmark checkpoint passes its own)
+Build = Callable[[TensorPlan, SourceFiles], torch.Tensor]
+
+
+def from_sources(tp: TensorPlan, files: SourceFiles) -> torch.Tensor:
+    return build_tensor(tp, files, release=True)
+
 
 @dataclass
 class Item:
@@ -57,6 +65,7 @@ class Item:
     offsets: tuple[int, ...] | None  # None: a bytes item (an object)
     start: int
     length: int
+    file: str = DATA_FILE  # the data file, relative to the iteration dir
 
 
 def _homogeneous(args: Any) -> bool:
@@ -72,9 +81,11 @@ def _homogeneous(args: Any) -> bool:
         getattr(args, "heterogeneous_layers_config_encoded_json", None) is None
 
 
-class _Writer:
-    def __init__(self, path: str) -> None:
-        self.fh = open(path, "wb")  # noqa: SIM115 - closed by close()
+class ChunkWriter:
+    """The data file of a torch_dist iteration dir, chunk by chunk, and the ``.metadata`` that indexes it."""
+
+    def __init__(self, iter_dir: str) -> None:
+        self.fh = open(os.path.join(iter_dir, DATA_FILE), "wb")  # noqa: SIM115 - closed by close()
         self.items: list[Item] = []
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
         self.objects: set[str] = set()
@@ -91,20 +102,25 @@ class _Writer:
         self.bytes_written += length
         return start, length
 
+    def put(self, fqn: str, offsets: tuple[int, ...] | None, value: Any) -> Item:
+        """Store one chunk (a tensor) or object (``offsets`` None); returns where its bytes are."""
+        if offsets is not None:
+            whole = (value.is_contiguous() and value.storage_offset() == 0
+                     and value.untyped_storage().nbytes() == value.numel() * value.element_size())
+            value = value if whole else value.contiguous().clone()  # never a bigger storage
+        start, length = self._blob(value)
+        return Item(fqn, offsets, start, length)
+
     def chunk(self, fqn: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], tensor: torch.Tensor,
               plan: TensorPlan | None = None, as_float: bool = False, rows: tuple[int, int] | None = None) -> None:
-        whole = (tensor.is_contiguous() and tensor.storage_offset() == 0
-                 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
-        start, length = self._blob(tensor if whole else tensor.contiguous().clone())  # never a bigger storage
-        self.items.append(Item(fqn, offsets, start, length))
+        self.items.append(self.put(fqn, offsets, tensor))
         known = self.tensors.setdefault(fqn, (global_shape, tensor.dtype, []))
         known[2].append((offsets, tuple(tensor.shape)))
         if plan is not None:
             self.planned.append((fqn, offsets, tuple(tensor.shape), plan, as_float, rows))
 
     def obj(self, fqn: str, value: Any) -> None:
-        start, length = self._blob([value])  # Megatron saves a sharded object wrapped in a one-element list
-        self.items.append(Item(fqn, None, start, length))
+        self.items.append(self.put(fqn, None, [value]))  # Megatron saves a sharded object in a one-element list
         self.objects.add(fqn)
 
     def close(self) -> None:
@@ -125,7 +141,7 @@ class _Writer:
         for fqn in self.objects:
             state[fqn] = md.BytesStorageMetadata()
         storage = {md.MetadataIndex(it.fqn, torch.Size(it.offsets) if it.offsets is not None else None):
-                   _StorageInfo(DATA_FILE, it.start, it.length) for it in self.items}
+                   _StorageInfo(it.file, it.start, it.length) for it in self.items}
         return md.Metadata(state_dict_metadata=state, planner_data=None, storage_data=storage)
 
 
@@ -207,8 +223,8 @@ def dist_places(tp: TensorPlan, *, local_spec: bool, stacked: bool, num_layers: 
 Placement = dict[Any, tuple[list[DistPlace], TensorPlan]]
 
 
-def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_layers: int,
-                       num_experts: int, tap: Tap | None = None) -> Placement:
+def write_global_state(g: Resharder, files: SourceFiles, out: ChunkWriter, *, num_layers: int,
+                       num_experts: int, tap: Tap | None = None, build: Build = from_sources) -> Placement:
     """Every global tensor of the checkpoint (planned as the one rank of TP1·PP1·EP1), chunk by chunk, each shown to
     ``tap``, and every module's extra state as the sharded objects Megatron saves. Returns where each parameter went
     (its optimizer state goes to the same places)."""
@@ -227,13 +243,13 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
                              num_experts=num_experts, hybrid=hybrid,
                              parts=rule.parts if rule is not None and rule.kind == "sections" else ())
         if tp.key.endswith("_extra_state"):  # a sharded object per layer (and expert), as Megatron saves it
-            value = tp.value if tp.shape is None else build_tensor(tp, files, release=True)
+            value = tp.value if tp.shape is None else build(tp, files)
             for at in places:
                 out.obj(object_fqn(at.fqn, at.lead, at.lead_shape), value)
             continue
         if tp.shape is None or not places:
             continue
-        t = build_tensor(tp, files, release=True)
+        t = build(tp, files)
         for at in places:
             piece = at.part(t)
             out.chunk(at.fqn, at.lead_shape + tuple(piece.shape), at.lead + (0,) * piece.dim(),
@@ -244,8 +260,8 @@ def write_global_state(g: Resharder, files: SourceFiles, out: _Writer, *, num_la
     return placed
 
 
-def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: SourceFiles, out: _Writer,
-                          placed: Placement, tap: Tap | None = None) -> Any:
+def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: SourceFiles, out: ChunkWriter,
+                          placed: Placement, tap: Tap | None = None, build: Build = from_sources) -> Any:
     """The optimizer state in model space — the distributed optimizer's ``fully_reshardable`` form (``param``, the
     fp32 master; ``exp_avg``; ``exp_avg_sq``) or the plain optimizer's (``exp_avg``, ``exp_avg_sq``, ``fp32_param``
     for a bf16/fp16 run) — each tensor chunked like its parameter; returns the common state's ``optimizer`` entry
@@ -276,7 +292,7 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
                                      fix="pass --drop-optimizer", code="optimizer")
             plan = plan_tensor(entry, "optimizer", f"{fqn}#{name}", coords, g.tgt, g.vocab)
             plan.param = param
-            t = build_tensor(plan, files, release=True)
+            t = build(plan, files)
             if distributed and name == "param":
                 t = t.float()  # the fp32 master (an fp32 run's weight is its own master)
             for at in places:
@@ -319,13 +335,13 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
     return {i: p for i, p in enumerate(parts)} if len(parts) > 1 else parts[0]
 
 
-def verify_written(iter_out: str, out: _Writer, files: SourceFiles) -> int:
+def verify_written(iter_out: str, out: ChunkWriter, files: SourceFiles) -> int:
     """Re-read every written chunk through the torch_dist reader and compare it with its source slices, read again
     (crc32 of the bytes). Returns the number of chunks checked; raises on any difference."""
     reader = dist_reader(iter_out)
     try:
         for fqn, offsets, sizes, plan, as_float, rows in out.planned:
-            want = build_tensor(plan, files, release=True)
+            want = from_sources(plan, files)
             if as_float:
                 want = want.float()
             if rows is not None:
@@ -360,10 +376,12 @@ def global_resharders(src: str | CheckpointIndex, target: TargetLayout, *, itera
 
 def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLayout, *, iteration: Any = None,
                      trust: bool = False, keep_optimizer: bool = True, verify: bool = False,
-                     tapping: Tapping | None = None) -> tuple[int, int, int, Any]:
+                     tapping: Tapping | None = None, writer: Callable[[str], ChunkWriter] = ChunkWriter,
+                     build: Build = from_sources) -> tuple[int, int, int, Any]:
     """Write the torch_dist form of ``src`` into the iteration dir ``iter_out`` (made by the caller, inside its
     temp destination). ``target`` sets the args (and so the vocab padding and the optimizer's kind and parts) the
-    checkpoint records. Returns (bytes read, bytes written, chunks verified, the tap's result)."""
+    checkpoint records; ``writer`` and ``build`` say where chunks go and how their values are made (a hollow
+    benchmark checkpoint changes both). Returns (bytes read, bytes written, chunks verified, the tap's result)."""
     r, g, carry = global_resharders(src, target, iteration=iteration, trust=trust, keep_optimizer=keep_optimizer)
     tap = tapping.open(g, next(iter(naming.shard_writers(g.tgt).values()))) if tapping is not None else None
     if g.layout.saved_args is None:
@@ -373,14 +391,14 @@ def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLa
         raise PreflightError("the optimizer state could not be indexed in the plain form"
                              + (f" ({g.optimizer_problem.message})" if g.optimizer_problem else ""),
                              path=g.layout.iter_dir, fix="pass --drop-optimizer", code="optimizer")
-    files = SourceFiles(g.layout.iter_dir or "", trust=trust, )
-    out = _Writer(os.path.join(iter_out, DATA_FILE))
+    files = SourceFiles(g.layout.iter_dir or "", trust=trust)
+    out = writer(iter_out)
     optimizer = None
     try:
         placed = write_global_state(g, files, out, num_layers=g.src.num_layers or 0,
-                                    num_experts=g.src.num_experts or 0, tap=tap)
+                                    num_experts=g.src.num_experts or 0, tap=tap, build=build)
         if carry:
-            optimizer = write_optimizer_state(g, r.tgt, r.target_distributed, files, out, placed, tap)
+            optimizer = write_optimizer_state(g, r.tgt, r.target_distributed, files, out, placed, tap, build)
     finally:
         out.close()
     with open(os.path.join(iter_out, ".metadata"), "wb") as fh:

@@ -126,7 +126,7 @@ def test_verify_catches_a_damaged_chunk(tmp_path, monkeypatch):
     """--verify re-reads every written chunk: one byte flipped in the data file after it was written is caught."""
     from megatron_preflight.reshard.targets import torch_dist as dist_target
 
-    original = dist_target._Writer.close
+    original = dist_target.ChunkWriter.close
 
     def close_and_flip(self):
         original(self)
@@ -137,7 +137,7 @@ def test_verify_catches_a_damaged_chunk(tmp_path, monkeypatch):
             fh.seek(-1, 1)
             fh.write(bytes([byte[0] ^ 0xFF]))
 
-    monkeypatch.setattr(dist_target._Writer, "close", close_and_flip)
+    monkeypatch.setattr(dist_target.ChunkWriter, "close", close_and_flip)
     with pytest.raises(PreflightError, match="verify"):
         write_resharded(fixture_path("tp2_torch"), str(tmp_path / "td"), TargetLayout(ckpt_format="torch_dist"),
                         verify=True)
