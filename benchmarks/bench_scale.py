@@ -520,6 +520,8 @@ def _unpickle_floor(path: str, n: int = 3) -> float:
 def part_f_torch_dist(work: str) -> None:
     """Part F's checkpoints in torch_dist form (Megatron's default format), hollow: sparse data files per saving rank
     (tests/helpers/synthetic_dsv3.py write_torch_dist), the optimizer's in the fully_reshardable form."""
+    import multiprocessing as mp
+
     from tests.helpers.synthetic_dsv3 import DSV3, dist_flags
     from tests.helpers.synthetic_dsv3 import write_legacy as write_dsv3
     from tests.helpers.synthetic_dsv3 import write_torch_dist as write_dsv3_dist
@@ -554,6 +556,26 @@ def part_f_torch_dist(work: str) -> None:
             assert doc["verdict"] == want, out[-3000:]
             print(f"{'check' + label + ', ' + what + ' (' + want + ', ' + str(doc['loader']) + ')':<52} {w:>7.2f} "
                   f"{rss / MIB:>8.0f}")
+        if optimizer:
+            continue
+        # the resharder on a torch_dist source: plans (every target rank, one process) and the dry run of a
+        # conversion to legacy shards at PP8 EP32
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_plan_worker, args=(root, dist_flags(tgt.flags(), False), q))
+        p.start()
+        t_open, t_plan, peak, ranks, planned, globals_ = q.get(timeout=3600)
+        p.join()
+        print(f"plan -> PP8 EP32 (one process): open {t_open:.2f} s, plan+validate {t_plan:.2f} s for {ranks} target "
+              f"ranks ({planned} planned tensors, {1e6 * t_plan / max(planned, 1):.0f} us each), peak {peak:.0f} MiB")
+        out_dir = os.path.join(work, "dsv3_dry_from_torch_dist")
+        w, _rss, out = run_cli(["reshard", root, out_dir, "--dry-run", "--json", "--bandwidth", "2000", "--",
+                                *tgt.flags()])
+        tot = json.loads(out)
+        tot = tot.get("total", tot)
+        print(f"dry run -> legacy PP8 EP32: {tot.get('bytes_read', 0) / 2**30:.1f} GiB read, "
+              f"{tot.get('bytes_written', 0) / 2**30:.1f} GiB written, {tot.get('files_opened', 0)} files, peak "
+              f"{tot.get('peak_rss_bytes', 0) / 2**30:.2f} GiB, {w:.2f} s")
 
 
 def part_g(work: str, repeat: int) -> None:
