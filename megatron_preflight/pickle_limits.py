@@ -178,17 +178,19 @@ _ATOMS = frozenset((str, bytes, int, float, bool, type(None)))
 def _children(value: Any) -> Any:
     """The objects a container holds (None: not a container this walk descends into)."""
     kind = type(value)
-    if kind is dict or isinstance(value, dict):
+    if kind is dict:
+        return [*value.keys(), *value.values()]
+    if isinstance(value, Placeholder):  # (first: a torch_dist .metadata holds ~10^5 DCP records)
+        state = value._state
+        if type(state) is dict and not value._args and not value._new_args:  # a record: its fields' names and
+            return [*state, *state.values()]  # values, one level
+        return (value._args, state, value._new_args)
+    if isinstance(value, dict):
         return [*value.keys(), *value.values()]
     if kind is tuple or kind is list or isinstance(value, (list, tuple, set, frozenset)):
         return value
     if isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
         return list(vars(value).values())
-    if isinstance(value, Placeholder):
-        state = value._state
-        if type(state) is dict and not value._args and not value._new_args:  # a DCP record (a .metadata holds
-            return [*state, *state.values()]  # ~10^5): its fields' names and values, one level
-        return (value._args, state, value._new_args)
     return None
 
 

@@ -24,6 +24,7 @@ from megatron_preflight.reshard.optimizer.plain import (
     SubOptimizer,
     _candidates,
     _signature,
+    group_traits,
 )
 from megatron_preflight.reshard.plan.types import GlobalEntry, GlobalKey, SourcePiece
 
@@ -99,6 +100,8 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
             settings = {**g, "is_expert_parallel": False}
             plain.settings[sig] = dict(sorted(settings.items(), key=lambda kv: key_order.get(kv[0], len(key_order))))
     tied = any(p.key == "output_layer.weight" and p.shared_embedding for p in params)
+    sigs = [_signature(g) for g in groups]
+    chosen: dict[tuple[bool, bool, bool], list[tuple[int, int]]] = {}  # group traits -> candidates (DSV3: ~31k params)
     for p in params:
         sk = p.source
         assert sk is not None
@@ -106,12 +109,15 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
             continue
         if sk.gkey in plain.membership:
             continue
-        cands = _candidates([template], sk, expert_parallel)
-        if len({_signature(groups[c[1]]) for c in cands}) != 1:  # (the dense and expert parts' twins are one)
+        traits = group_traits(sk, expert_parallel)
+        if traits not in chosen:
+            chosen[traits] = _candidates([template], sk, expert_parallel)
+        cands = chosen[traits]
+        if len({sigs[c[1]] for c in cands}) != 1:  # (the dense and expert parts' twins are one)
             raise OptimizerNotReshardable(f"cannot tell which param group holds {sk.key} ({len(cands)} candidates) "
                                           "in the plain optimizer: the groups do not follow Megatron's default rules",
                                           fix=FIX, code="optimizer")
-        sig = _signature(groups[cands[0][1]])
+        sig = sigs[cands[0][1]]
         plain.membership[sk.gkey] = sig
         (plain.expert if sk.info.expert is not None else plain.dense).add(sig)
         fields = dist.fields.get(sk.gkey)

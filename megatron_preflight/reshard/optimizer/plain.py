@@ -154,10 +154,15 @@ def _decoupled(settings: dict[str, Any]) -> bool:
     return bool(settings.get("is_decoupled_lr")) or settings.get("default_config") is False
 
 
+def group_traits(sk: SourceKey, expert_parallel: bool) -> tuple[bool, bool, bool]:
+    """What decides a parameter's param group by Megatron's default rules: (expert-parallel, no weight decay,
+    decoupled LR) — all :func:`_candidates` reads of it."""
+    return (sk.info.expert is not None and expert_parallel, sk.key.endswith(".bias") or len(sk.value.shape) == 1,
+            sk.info.suffix in _DECOUPLED)
+
+
 def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) -> list[tuple[int, int]]:
-    shape = sk.value.shape
-    expert = sk.info.expert is not None and expert_parallel
-    no_wd = sk.key.endswith(".bias") or len(shape) == 1
+    expert, no_wd, decoupled = group_traits(sk, expert_parallel)
     decoupled_any = any(_decoupled(g) for sub in subs for g in sub.groups)
     out = []
     for s, sub in enumerate(subs):
@@ -167,7 +172,7 @@ def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) 
             wd = st.get("wd_mult", st.get("weight_decay"))
             if wd is not None and (float(wd) == 0.0) != no_wd:
                 continue
-            if decoupled_any and _decoupled(st) != (sk.info.suffix in _DECOUPLED):
+            if decoupled_any and _decoupled(st) != decoupled:
                 continue
             out.append((s, g))
     if len({s for s, _ in out}) > 1 and len(subs) == 2:  # old chained dense + expert parts without the flag
