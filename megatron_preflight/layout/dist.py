@@ -99,6 +99,10 @@ def _load_object(f: TorchFile, path: str, fqn: str, tensors: bool) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
+MAX_DISTINCT_OBJECTS = 4096  # blobs an ObjectReader keeps parsed
+_MISSING = object()
+
+
 class ObjectReader:
     """Many sharded objects of one iteration dir, as :func:`read_object` reads them: each data file opened once, each
     distinct blob parsed once (the extra states of a model's thousands of modules are mostly the same bytes; a
@@ -120,12 +124,14 @@ class ObjectReader:
         if len(raw) != length or length <= 0:  # truncated or malformed: the plain reader says what is wrong
             return read_object(self.iter_dir, fqn, info, trust=self.trust, tensors=tensors)
         key = (raw, tensors)
-        if key not in self._parsed:
+        value = self._parsed.get(key, _MISSING)
+        if value is _MISSING:
             with warnings.catch_warnings():  # (torch.frombuffer on read-only bytes: copied at once)
                 warnings.simplefilter("ignore", UserWarning)
-                self._parsed[key] = _load_object(TorchFile(path, trust=self.trust, window=(0, length),
-                                                           mapping=raw), path, fqn, tensors)  # type: ignore[arg-type]
-        value = self._parsed[key]
+                value = _load_object(TorchFile(path, trust=self.trust, window=(0, length), mapping=raw),  # type: ignore[arg-type]
+                                     path, fqn, tensors)
+            if len(self._parsed) < MAX_DISTINCT_OBJECTS:  # (FP8 extra states differ: a bounded cache)
+                self._parsed[key] = value
         return map_leaves(value, lambda v, _p: v.clone() if _is_tensor(v) else v) if tensors else value
 
     def close(self) -> None:

@@ -90,7 +90,7 @@ class Prediction:
                     f"; about {self.estimated_seconds:.1f} s at {self.bandwidth_bytes_per_s / mib:.0f} MiB/s "
                     f"({self.bandwidth_from})")
             total = (f"{self.bytes_read / mib:.1f} MiB read in all; " if not self.of_ranks else "")
-            sample = (f" ({len(self.ranks)} of {self.of_ranks} rank coordinates planned: each stage's first and last "
+            sample = (f" ({len(self.ranks)} of {self.of_ranks} shard dirs planned: each stage's first and last "
                       "tensor-parallel ranks stand for the rest)" if self.of_ranks else "")
             return (f"reshard cost: {total}each rank reads at most "
                     f"{worst.bytes_read / mib:.1f} MiB from {max(r.files_opened for r in self.ranks)} file(s) and "
@@ -277,13 +277,17 @@ SAMPLE_ABOVE = 16  # a target with more shard dirs is predicted from representat
 
 
 def representative_ranks(tgt: Any) -> list[str]:
-    """The target shard dirs whose costs stand for all: in each pipeline stage, the first and last rank of tensor
-    (and expert tensor) parallelism at expert and data rank 0. The ranks between hold slices of the same tensors of
-    the same sizes (experts divide evenly over EP ranks; only the last TP rank's vocab rows may differ)."""
+    """The target shard dirs whose costs stand for all: in each pipeline stage, one dir for each of the first and
+    last rank of tensor (and expert tensor) parallelism — the first such dir, at the lowest expert rank. The ranks
+    between hold slices of the same tensors of the same sizes (experts divide evenly over EP ranks; only the last TP
+    rank's vocab rows may differ)."""
     dirs = naming.shard_writers(tgt)
     last = {k: max(c[k] for c in dirs.values()) for k in ("tp", "etp")}
-    return [n for n, c in dirs.items() if all(c[k] in (0, last[k]) for k in last)
-            and all(v == 0 for k, v in c.items() if k not in ("pp", "tp", "etp"))]
+    picked: dict[tuple[int, int, int], str] = {}
+    for name, c in sorted(dirs.items(), key=lambda kv: (kv[1]["ep"], kv[0])):
+        if all(c[k] in (0, last[k]) for k in last):
+            picked.setdefault((c["pp"], c["tp"], c["etp"]), name)
+    return [n for n in dirs if n in picked.values()]
 
 
 def predict_in_memory(r: Any, *, bandwidth: float | None = None, names: list[str] | None = None,

@@ -131,7 +131,17 @@ def test_a_check_plans_the_representative_ranks_of_a_large_target(monkeypatch):
     coords = naming.shard_writers(r.tgt)
     assert sorted((coords[c.name]["pp"], coords[c.name]["tp"], coords[c.name]["ep"]) for c in sampled.ranks) == [
         (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
-    assert sampled.of_ranks == 16 and "4 of 16 rank coordinates planned" in sampled.render()
+    assert sampled.of_ranks == 16 and "4 of 16 shard dirs planned" in sampled.render()
     assert max(c.bytes_read for c in sampled.ranks) == max(c.bytes_read for c in full.ranks)
     assert sampled.peak_rss_bytes == full.peak_rss_bytes
     assert cost.predict_in_memory(r).of_ranks == 0  # (not asked to sample: every rank)
+
+
+def test_representative_ranks_keep_the_last_tp_rank_where_ep_spans_the_tp_ranks():
+    """TP2·EP2 with ETP1: the TP rank 1 dir is at EP rank 1 (expert ranks run over the TP ranks); it is kept."""
+    from megatron_preflight.parallel import ParallelLayout
+
+    sizes = ParallelLayout(tp=2, pp=2, ep=2, etp=1)
+    coords = naming.shard_writers(sizes)
+    picked = cost.representative_ranks(sizes)
+    assert sorted((coords[n]["pp"], coords[n]["tp"]) for n in picked) == [(0, 0), (0, 1), (1, 0), (1, 1)]
