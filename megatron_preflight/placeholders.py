@@ -17,14 +17,17 @@ class Placeholder:
 
     _module = "?"
     _name = "?"
+    # defaults, set on the instance only when they differ (a torch_dist .metadata builds ~2*10^5 of these)
+    _new_args: tuple[Any, ...] = ()
+    _args: tuple[Any, ...] = ()
+    _kwargs: dict[str, Any] = {}  # never mutated: __init__ replaces it
+    _state: Any = None
+    _called = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Placeholder":
         obj = super().__new__(cls)
-        obj._new_args = args  # NEWOBJ: cls.__new__(cls, *args), no __init__
-        obj._args = ()
-        obj._kwargs = {}
-        obj._state = None
-        obj._called = False
+        if args:
+            obj._new_args = args  # NEWOBJ: cls.__new__(cls, *args), no __init__
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # REDUCE: cls(*args)
@@ -40,7 +43,6 @@ class Placeholder:
 
     def __setstate__(self, state: Any) -> None:
         self._state = state
-        self._called = getattr(self, "_called", False)
 
     @property
     def value(self) -> Any:
@@ -88,7 +90,6 @@ class Record(Placeholder):
         if type(state) is dict:  # the common case (a torch_dist .metadata holds ~10^5 records): the fields as they
             self.__dict__.update(state)  # are (a name that is not a string is no attribute, and harms nothing)
             return
-        self._called = getattr(self, "_called", False)
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
             state = {**(state[0] or {}), **state[1]}
         if isinstance(state, dict):
@@ -98,7 +99,10 @@ class Record(Placeholder):
 
     def __hash__(self) -> int:
         state = self._state if isinstance(self._state, dict) else {}
-        return hash((self._name, tuple(sorted((k, v) for k, v in state.items() if isinstance(v, Hashable)))))
+        try:  # fields in any order, as dict equality has them
+            return hash((self._name, frozenset(state.items())))
+        except TypeError:  # an unhashable field value: hash by the others (equal records still hash equal)
+            return hash((self._name, frozenset((k, v) for k, v in state.items() if isinstance(v, Hashable))))
 
 
 def record_class(module: str, name: str) -> type:

@@ -20,6 +20,7 @@ import _compat_pickle
 import argparse
 import codecs
 import collections
+import gc
 import io
 import pickle
 import signal
@@ -229,7 +230,14 @@ def bounded_load(data: bytes, *, source: str, trust: bool = False, **kwargs: Any
     the stream is scanned first, allow-listed builders are charged to a budget, and the result's shape is checked."""
     pickle_limits.scan(data, source)
     budget = pickle_limits.CallBudget(len(data), source)
-    obj = SafeUnpickler(io.BytesIO(data), source=source, trust=trust, budget=budget, **kwargs).load()
+    collecting = gc.isenabled()
+    if collecting:  # building ~10^6 objects (a large .metadata) sets off collections that walk all of them again
+        gc.disable()  # and again, finding nothing: all are reachable until the load returns
+    try:
+        obj = SafeUnpickler(io.BytesIO(data), source=source, trust=trust, budget=budget, **kwargs).load()
+    finally:
+        if collecting:
+            gc.enable()
     pickle_limits.check_shape(obj, len(data), source)
     return obj
 

@@ -276,22 +276,29 @@ def _check_data_files(layout: Layout, iter_dir: str, md: Any) -> None:
 MAX_CHUNK_PROBLEMS = 5
 
 
+def _inside(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    for o, n, g in zip(offsets, sizes, shape):  # noqa: B905 - the lengths are checked first
+        if o < 0 or n < 0 or o + n > g:
+            return False
+    return True
+
+
 def _check_chunks(layout: Layout, path: str, md: Any) -> None:
     """Every tensor in ``.metadata`` is covered by its chunks: each chunk inside the global shape, their volumes adding
     up to the whole tensor, and each chunk's bytes listed in the storage index. (Volume and bounds: overlapping chunks
     that also leave a gap of the same size are not told apart from a clean tiling; torch's own check is no stronger.)"""
-    stored = {(getattr(i, "fqn", None), tuple(getattr(i, "offset", None) or ())) for i in getattr(md, "storage_data", {})}
+    stored = {(getattr(i, "fqn", None), tuple(map(int, getattr(i, "offset", None) or ())))
+              for i in getattr(md, "storage_data", {})}
     found = 0
     for key, value in md.state_dict_metadata.items():
         size, chunks = getattr(value, "size", None), getattr(value, "chunks", None)
         if size is None or chunks is None:
             continue
-        shape = tuple(int(d) for d in size)
+        shape = tuple(map(int, size))
         total, covered, why = math.prod(shape), 0, ""
         for c in chunks:
-            off, sz = tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes)
-            if len(off) != len(shape) or len(sz) != len(shape) or any(
-                    o < 0 or n < 0 or o + n > g for o, n, g in zip(off, sz, shape, strict=True)):
+            off, sz = tuple(map(int, c.offsets)), tuple(map(int, c.sizes))
+            if len(off) != len(shape) or len(sz) != len(shape) or not _inside(off, sz, shape):
                 why = f"a chunk at offset {off} of size {sz} lies outside its global shape {shape}"
                 break
             if stored and (key, off) not in stored:
