@@ -12,6 +12,7 @@ from collections.abc import Callable
 from megatron_preflight.cli import check_cmd, diff_cmd, fingerprint_cmd, inspect_cmd, reshard_cmd
 from megatron_preflight.cli.common import EXIT_PROBLEMS, EXIT_USAGE
 from megatron_preflight.errors import PreflightError, environment_error
+from megatron_preflight.gc_budget import fewer_collections
 
 log = logging.getLogger("megatron_preflight")
 
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()  # signals can only be set there
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        return func(ns)
+        with fewer_collections():
+            return func(ns)
     except Terminated:
         print("megatron-preflight: terminated (SIGTERM); nothing was left at the destination", file=sys.stderr)
         return 143

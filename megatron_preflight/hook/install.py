@@ -25,6 +25,7 @@ from typing import Any
 
 from megatron_preflight.check.verdict import Loader
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.gc_budget import fewer_collections
 from megatron_preflight.hook import legacy_load, runtime, save_fingerprint, verify
 from megatron_preflight.hook import state as state_mod
 from megatron_preflight.hook.flags import add_preflight_arguments
@@ -124,7 +125,8 @@ def install() -> None:
     if not _wrapped(setup):
         @functools.wraps(setup)
         def setup_model_and_optimizer(*a, **k):
-            runtime.preflight(get_args())
+            with fewer_collections():
+                runtime.preflight(get_args())
             return setup(*a, **k)
 
         training_mod.setup_model_and_optimizer = _mark(setup_model_and_optimizer)
@@ -145,8 +147,9 @@ def install() -> None:
                 # Megatron-LM is optional: present only inside a Megatron job
                 from megatron.training.checkpointing import CheckpointType
 
-                state, name, release = legacy_load.resharded_state_dict(load_dir, args, rank0=rank0,
-                                                                        optimizer=optimizer, model=ddp_model)
+                with fewer_collections():
+                    state, name, release = legacy_load.resharded_state_dict(load_dir, args, rank0=rank0,
+                                                                            optimizer=optimizer, model=ddp_model)
                 return state, name, release, CheckpointType.LEGACY
 
             ckpt_mod._load_base_checkpoint = reshard_base

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.gc_budget import collect_rarely
 from megatron_preflight.layout import naming, transport
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
@@ -102,6 +103,7 @@ def _init_worker(layout: bytes, target: TargetLayout, trust: bool, keep_optimize
     global _WORKER
     lifeline.die_with_parent(parent_pid)  # a killed main process takes its workers with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (and to stop us)
+    collect_rarely()
     _WORKER = open_resharder(CheckpointIndex(transport.loads(layout), trust=trust), target,
                              keep_optimizer=keep_optimizer)
 
