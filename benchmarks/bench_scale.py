@@ -593,12 +593,12 @@ def part_g(work: str, repeat: int) -> None:
     size = dir_bytes(src)
     print(f"\nG. real bytes: a DeepSeek-V3-width slice (hidden 7168, MLA, 1 dense + 1 MoE layer of 16 experts, bf16), "
           f"PP2 EP2 -> PP1 EP1; source {size / 2**30:.2f} GiB")
-    print(f"{'run (median of ' + str(repeat) + ')':<26} {'wall s':>7} {'read GiB':>9} {'written GiB':>12} "
-          f"{'floor s':>8} {'floor/run':>10} {'GiB/s per process':>18}")
+    print(f"{'run (median of ' + str(repeat) + ')':<26} {'wall s':>7} {'in-process s':>13} {'read GiB':>9} "
+          f"{'written GiB':>12} {'floor s':>8} {'floor/wall':>11} {'floor/in-process':>17} {'GiB/s per process':>18}")
     launchers = {"1 process": [sys.executable, "-m", "megatron_preflight"],
                  "torchrun, 2 processes": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                            "--master-port", "29991", "-m", "megatron_preflight"]}
-    runs: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label in launchers}
+    runs: dict[str, list[tuple[float, float, float, float, float]]] = {label: [] for label in launchers}
     for _ in range(repeat):  # interleaved, each run followed by its floor: the VM's disk speed drifts
         for label, launcher in launchers.items():
             dst = os.path.join(work, "dsv3_slice_out")
@@ -611,20 +611,26 @@ def part_g(work: str, repeat: int) -> None:
             m_read = re.search(r"read ([\d.]+) (GiB|MiB)", r.stdout)
             assert m_read, r.stdout[-2000:]
             read = float(m_read.group(1)) * (1 if m_read.group(2) == "GiB" else 1 / 1024)
+            m_secs = re.search(r"wrote [\d.]+ (?:GiB|MiB) in ([\d.]+) s", r.stdout)
+            assert m_secs, r.stdout[-2000:]
+            inner = float(m_secs.group(1))  # the reshard itself: open, plan, check, write, fsync, rename
             written = dir_bytes(dst)
             shutil.rmtree(dst, ignore_errors=True)
             floor = io_floor(src, written, work, read_bytes=int(read * 2**30))  # the bytes this run read
-            runs[label].append((wall, read, written / 2**30, floor))
+            runs[label].append((wall, inner, read, written / 2**30, floor))
     rows = []
     for label, measured in runs.items():
-        wall, read, written, floor = (statistics.median(m[i] for m in measured) for i in range(4))
+        wall, inner, read, written, floor = (statistics.median(m[i] for m in measured) for i in range(5))
         procs = 2 if "2" in label else 1
-        rows.append((label, wall, read, written, floor, procs))
-        print(f"{label:<26} {wall:>7.2f} {read:>9.2f} {written:>12.2f} {floor:>8.2f} {floor / wall:>10.2f} "
-              f"{(read + written) / wall / procs:>18.2f}")
+        rows.append((label, wall, inner, read, written, floor, procs))
+        print(f"{label:<26} {wall:>7.2f} {inner:>13.2f} {read:>9.2f} {written:>12.2f} {floor:>8.2f} "
+              f"{floor / wall:>11.2f} {floor / inner:>17.2f} {(read + written) / inner / procs:>18.2f}")
     print("floor: read as many source bytes as the run read, write as many as it wrote, fsync; plain file I/O in one "
-          "process, measured after each run. wall: the whole process (interpreter and torch start-up included).")
-    best = max((read + written) / wall / procs for _, wall, read, written, _, procs in rows)
+          "process, measured after each run, in that process (no start-up). wall: the whole command (interpreter and "
+          "torch start-up included: a fixed cost per process). in-process: the time the reshard reports for itself "
+          "(open, plan, replica check, write, fsync, rename; rank 0's under torchrun). GiB/s per process: read + "
+          "written over the in-process time, per process.")
+    best = max((read + written) / inner / procs for _, _, inner, read, written, _, procs in rows)
     full = 1.34e12 / 2**30  # DeepSeek-V3 671B in bf16, weights only, one copy (torch_dist; legacy repeats the
     # dense weights in every EP rank's file: part F's dry run)
     for nodes, per_node in ((32, 8),):

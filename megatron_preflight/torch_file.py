@@ -270,6 +270,7 @@ class TorchFile:
         self._offsets: dict[str, tuple[int, int]] = {}
         self._records: dict[str, Record] = {}
         self._crc_checked: set[str] = set()  # storage records whose bytes matched their CRC-32
+        self._crc_chain: dict[str, tuple[int, int]] = {}  # record -> (bytes read in order so far, their CRC-32)
         self._open()
 
     # -- opening -------------------------------------------------------------------------------------------------
@@ -483,22 +484,92 @@ class TorchFile:
         self._fh.seek(start + ref.offset * size)
         return _item(self._fh.read(size), name)
 
-    def tensor(self, ref: TensorRef) -> Any:
-        """The tensor ``ref`` points at, as a view of a copy-on-write mmap (lazy: pages are read on access)."""
+    def tensor(self, ref: TensorRef, verify: bool = True) -> Any:
+        """The tensor ``ref`` points at, as a view of a copy-on-write mmap (lazy: pages are read on access).
+        ``verify=False``: its record's CRC-32 is not taken now (a caller that reads a few elements, and checks the
+        record later or not at all)."""
         import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
         start, nbytes = self._record_offset(ref.storage.key)
         dtype = dtypes.to_torch(ref.dtype)
         if ref.numel == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        if self._mmap is None:
-            assert self._fh is not None
-            self._mmap = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        if self.check_crc and ref.storage.key not in self._crc_checked:
+        self._map()
+        if verify and self.check_crc and ref.storage.key not in self._crc_checked:
+            self._crc_chain.pop(ref.storage.key, None)
             self._check_crc(ref.storage.key, start, nbytes)
         count = nbytes // dtype.itemsize
         flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
+
+    def read_rows(self, ref: TensorRef, row0: int, out: Any) -> bool:
+        """Read rows ``row0 .. row0 + len(out) / row bytes`` (dim 0) of ``ref`` into the writable buffer ``out`` with
+        plain file I/O (one ``pread``: no mapping, no page faults, the GIL released) when those rows are one
+        contiguous run of the file; False (nothing read) when they are not. The record's CRC-32 is taken over the
+        bytes as they are read when the reads go through it in order, and checked once the last byte has been read
+        (or by :meth:`finish_crc`, which reads the rest); any other order checks the whole record first."""
+        pitch = row_pitch(ref.shape, ref.stride)
+        if pitch is None or ref.numel == 0 or self._window is not None or self._fh is None:
+            return False
+        size = ref.dtype.itemsize
+        row = math.prod(ref.shape[1:])
+        with memoryview(out) as view, view.cast("B") as data:
+            n = len(data)
+            if n % (row * size) or (n > row * size and pitch != row):
+                return False  # strided rows: several runs
+            start, nbytes = self._record_offset(ref.storage.key)
+            first = (ref.offset + row0 * pitch) * size
+            if first < 0 or first + n > nbytes:
+                return False  # outside the record: the mapped path raises the clear error
+            done = 0
+            while done < n:
+                got = os.preadv(self._fh.fileno(), [data[done:]], self._base + start + first + done)
+                if got <= 0:
+                    raise CorruptFileError(f"storage record data/{ref.storage.key} ends early (the file is shorter "
+                                           "than its zip directory says: truncated)", path=self.path,
+                                           code="corrupt_file", fix="restore the file from a complete copy")
+                done += got
+            if self.check_crc and ref.storage.key not in self._crc_checked:
+                self._chain_crc(ref.storage.key, start, nbytes, first, data)
+        return True
+
+    def _chain_crc(self, key: str, start: int, nbytes: int, first: int, data: Any) -> None:
+        at, value = self._crc_chain.get(key, (0, 0))
+        if first != at:  # not the next bytes of the record: check it whole now (as a mapped read would)
+            self._crc_chain.pop(key, None)
+            self._map()
+            self._check_crc(key, start, nbytes)
+            return
+        at, value = at + len(data), crc32(data, value)
+        if at < nbytes:
+            self._crc_chain[key] = (at, value)
+            return
+        self._crc_chain.pop(key, None)
+        self._crc_verdict(key, nbytes, value)
+
+    def finish_crc(self) -> None:
+        """Check the records :meth:`read_rows` read only in part: the CRC-32 over the bytes not read yet, chained to
+        the bytes that were (raises :class:`CorruptFileError` on a mismatch)."""
+        for key, (at, value) in list(self._crc_chain.items()):
+            start, nbytes = self._record_offset(key)
+            self._map()
+            assert self._mmap is not None
+            with memoryview(self._mmap) as whole, whole[self._base + start + at:self._base + start + nbytes] as rest:
+                value = crc32(rest, value)
+            release_mapped(self._mmap, self._base + start + at, nbytes - at)
+            del self._crc_chain[key]
+            self._crc_verdict(key, nbytes, value)
+
+    def _map(self) -> None:
+        if self._mmap is None:
+            assert self._fh is not None
+            self._mmap = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def _crc_verdict(self, key: str, nbytes: int, got: int) -> None:
+        problem = self._crc_error(key, nbytes, got)
+        if problem is not None:
+            raise problem
+        self._crc_checked.add(key)
 
     def _check_crc(self, key: str, start: int, nbytes: int) -> None:
         """The first time a storage record is read: its bytes against the CRC-32 ``torch.save`` stored for it in the
@@ -512,11 +583,14 @@ class TorchFile:
     def crc_problem(self, key: str, start: int, nbytes: int) -> CorruptFileError | None:
         """The error a storage record's bytes make against their CRC-32 (None: they match), computed over the
         mapping as it is paged in (nothing copied)."""
-        name = f"{self._archive}data/{key}"
-        want = self._records[name].crc
         assert self._mmap is not None
         with memoryview(self._mmap) as whole, whole[self._base + start:self._base + start + nbytes] as data:
             got = crc32(data)
+        return self._crc_error(key, nbytes, got)
+
+    def _crc_error(self, key: str, nbytes: int, got: int) -> CorruptFileError | None:
+        name = f"{self._archive}data/{key}"
+        want = self._records[name].crc
         if got == want:
             return None
         return CorruptFileError(f"storage record {name} ({nbytes:,} bytes of tensor data) does not match the CRC-32 "

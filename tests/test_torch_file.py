@@ -296,3 +296,62 @@ def test_an_in_memory_build_of_a_damaged_file_stops_before_handing_it_over(real_
     r = open_resharder(root, TargetLayout(tp=1))
     with pytest.raises(PreflightError, match="CRC-32"):
         r.build(r.plan_for_rank(0, 1))
+
+
+def _a_matrix(tmp_path, rows: int = 64, cols: int = 48):
+    """A torch.save file holding one contiguous bf16 matrix (and a column slice of it), with its ref."""
+    path = str(tmp_path / "m.pt")
+    t = torch.randn(rows, cols).to(torch.bfloat16)
+    torch.save({"w": t, "cols": t[:, :8]}, path)
+    return path, t, read_torch_file(path)
+
+
+def _rows_into(f: TorchFile, ref: TensorRef, row0: int, rows: int) -> torch.Tensor | None:
+    out = torch.empty(rows, *ref.shape[1:], dtype=torch.bfloat16)
+    return out if f.read_rows(ref, row0, out.view(-1).view(torch.uint8).numpy()) else None
+
+
+def test_rows_read_with_plain_io_equal_the_mapped_tensor(tmp_path):
+    path, t, meta = _a_matrix(tmp_path)
+    with TorchFile(path) as f:
+        for row0, rows in ((0, 64), (0, 20), (20, 30), (63, 1)):
+            got = _rows_into(f, meta["w"], row0, rows)
+            assert got is not None and torch.equal(got, t[row0:row0 + rows])
+        assert _rows_into(f, meta["cols"], 0, 4) is None  # strided rows: several runs, left to the mapped path
+        one = _rows_into(f, meta["cols"], 5, 1)  # one row of it is one run
+        assert one is not None and torch.equal(one, t[5:6, :8])
+        f.finish_crc()
+
+
+def test_rows_read_in_order_check_the_crc_when_the_record_is_complete(tmp_path):
+    """A flipped bit in the second half: the in-order reads of the first half pass, the read that completes the
+    record raises, naming it."""
+    from megatron_preflight.errors import PreflightError
+
+    path, _, meta = _a_matrix(tmp_path)
+    ref = meta["w"]
+    _flip_a_bit_of(path, f"data/{ref.storage.key}")  # the middle byte of the record (row 32 of 64)
+    with TorchFile(path) as f:
+        assert _rows_into(f, ref, 0, 16) is not None
+        assert _rows_into(f, ref, 16, 16) is not None
+        with pytest.raises(PreflightError, match=f"data/{ref.storage.key}.*CRC-32"):
+            _rows_into(f, ref, 32, 32)
+
+
+def test_rows_read_in_part_are_checked_by_finish_which_reads_the_rest(tmp_path):
+    from megatron_preflight.errors import PreflightError
+
+    path, _, meta = _a_matrix(tmp_path)
+    ref = meta["w"]
+    with TorchFile(path) as f:  # an intact record read in part: finish reads the rest and passes
+        assert _rows_into(f, ref, 0, 10) is not None
+        f.finish_crc()
+        assert ref.storage.key in f._crc_checked
+    _flip_a_bit_of(path, f"data/{ref.storage.key}")
+    with TorchFile(path) as f:  # the flipped bit lies in the part not read: finish finds it
+        assert _rows_into(f, ref, 0, 10) is not None
+        with pytest.raises(PreflightError, match="CRC-32"):
+            f.finish_crc()
+    with TorchFile(path) as f:  # read out of order: the record is checked whole at once
+        with pytest.raises(PreflightError, match="CRC-32"):
+            _rows_into(f, ref, 10, 4)

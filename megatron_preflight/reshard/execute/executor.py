@@ -28,29 +28,50 @@ def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> t
     return build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, release)
 
 
-def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False) -> torch.Tensor:
-    """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time."""
+def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time.
+
+    With ``out`` (a flat uint8 buffer of at least the rows' bytes, reused by the caller) the rows are built in it,
+    and a source slice that is one contiguous run of a file is read straight into place with plain file I/O
+    (:meth:`SourceFiles.read_rows`); the caller then owes :meth:`SourceFiles.finish` before trusting the bytes."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     assert tp.shape is not None
     whole = not tp.shape or (r0 == 0 and r1 == tp.shape[0])
     shape = tp.shape if whole else (r1 - r0, *tp.shape[1:])
     dtype = dtypes.to_torch(tp.dtype)
-    dst = torch.zeros(shape, dtype=dtype) if tp.zero_fill else torch.empty(shape, dtype=dtype)  # planned padding
+    if out is None:
+        dst = torch.zeros(shape, dtype=dtype) if tp.zero_fill else torch.empty(shape, dtype=dtype)  # planned padding
+    else:
+        n = 1
+        for size in shape:
+            n *= size
+        dst = out[:n * dtype.itemsize].view(dtype).view(shape)
+        if tp.zero_fill:
+            dst.zero_()
     for op in tp.ops:
-        src = files.tensor(op.shard, op.ref)
         if whole:
-            s, d = _narrow(src, op.src), _narrow(dst, op.dst)
+            d, rows = _narrow(dst, op.dst), _rows(op.src, getattr(op.ref, "shape", None))
         elif op.dst is None or op.dst[0] != 0:  # whole tensor, or split along another dim: rows line up
-            s, d = _narrow(src.narrow(0, r0, r1 - r0), op.src), _narrow(dst, op.dst)
+            d, rows = _narrow(dst, op.dst), (r0, r1 - r0) if op.src is None else None
         else:  # split along dim 0: the part of this op that falls in r0:r1
             assert op.src is not None
             _, d_start, n = op.dst
             lo, hi = max(d_start, r0), min(d_start + n, r1)
             if lo >= hi:
                 continue
-            s = src.narrow(0, op.src[1] + lo - d_start, hi - lo)
-            d = dst.narrow(0, lo - r0, hi - lo)
+            d, rows = dst.narrow(0, lo - r0, hi - lo), (op.src[1] + lo - d_start, hi - lo)
+        if out is not None and rows is not None and _read_direct(op, files, d, rows):
+            continue
+        src = files.tensor(op.shard, op.ref)
+        if whole:
+            s = _narrow(src, op.src)
+        elif op.dst is None or op.dst[0] != 0:
+            s = _narrow(src.narrow(0, r0, r1 - r0), op.src)
+        else:
+            assert rows is not None
+            s = src.narrow(0, *rows)
         if s.shape != d.shape:
             raise RuntimeError(f"plan error for {tp.key}: source slice {tuple(s.shape)} vs target {tuple(d.shape)}")
         d.copy_(s)
@@ -59,6 +80,26 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
             del s, src
             files.release(op.shard, op.ref)
     return dst
+
+
+def _rows(spec: tuple[int, int, int] | None, shape: tuple[int, ...] | None) -> tuple[int, int] | None:
+    """(first row, rows) of a source piece of ``shape`` narrowed by ``spec`` when the narrowing keeps whole rows."""
+    if not shape:
+        return None
+    if spec is None:
+        return 0, shape[0]
+    return (spec[1], spec[2]) if spec[0] == 0 else None
+
+
+def _read_direct(op: Any, files: SourceFiles, d: torch.Tensor, rows: tuple[int, int]) -> bool:
+    """Read the op's source rows straight into ``d`` when they are one run of a file, of ``d``'s shape and dtype."""
+    import torch  # deferred, as above
+
+    ref = op.ref
+    if not d.is_contiguous() or d.numel() == 0 or tuple(d.shape) != (rows[1], *ref.shape[1:]) or \
+            dtypes.name_of(ref.dtype) != dtypes.name_of(d.dtype):
+        return False
+    return files.read_rows(op.shard, ref, rows[0], d.reshape(-1).view(torch.uint8).numpy())
 
 
 def build_flat(fp: Any, files: SourceFiles) -> torch.Tensor:

@@ -20,13 +20,18 @@ if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costin
 
 
 class Reader(Protocol):
-    """What a source format provides: tensors for its references, pages dropped, files closed."""
+    """What a source format provides: tensors for its references (or their rows read into a buffer), pages dropped, files
+    closed."""
 
-    def tensor(self, shard: str, ref: Any) -> torch.Tensor: ...
+    def tensor(self, shard: str, ref: Any, verify: bool = True) -> torch.Tensor: ...
 
     def item(self, shard: str, ref: Any) -> Any: ...
 
     def extent(self, shard: str, ref: Any) -> tuple[str, int, int] | None: ...
+
+    def read_rows(self, shard: str, ref: Any, row0: int, out: Any) -> bool: ...
+
+    def finish(self) -> None: ...
 
     def release(self, shard: str, ref: Any) -> None: ...
 
@@ -62,15 +67,30 @@ class SourceFiles:
                 return self._readers[kind]
         raise TypeError(f"no source reader for {type(ref).__name__}")
 
-    def tensor(self, shard: str, ref: TensorRef) -> torch.Tensor:
-        """The tensor ``ref`` points at (a lazy mmap view; a torch_dist piece is assembled from its chunks)."""
-        return self.reader(ref).tensor(shard, ref)
+    def tensor(self, shard: str, ref: TensorRef, verify: bool = True) -> torch.Tensor:
+        """The tensor ``ref`` points at (a lazy mmap view; a torch_dist piece is assembled from its chunks).
+        ``verify=False``: a legacy record's CRC-32 is left for later (a sampled look at a few elements)."""
+        return self.reader(ref).tensor(shard, ref, verify)
 
     def extent(self, shard: str, ref: TensorRef) -> tuple[str, int, int] | None:
         """(file, byte offset, row pitch in bytes): where the piece ``ref`` (``ref.shape``, ``ref.dtype``) lies when
         each of its rows (dim 0) is one contiguous row-major run of bytes, ``pitch`` apart, so that it can be read
         with plain file I/O; None when it cannot (other strides, or assembled from several chunks)."""
         return self.reader(ref).extent(shard, ref)
+
+    def read_rows(self, shard: str, ref: Any, row0: int, out: Any) -> bool:
+        """Read rows from ``row0`` (dim 0) of the piece ``ref`` into the writable buffer ``out`` (as many rows as it
+        holds) with plain file I/O, when its format's reader can and the rows are one contiguous run of bytes; False
+        (nothing read) otherwise: read :meth:`tensor` instead. Call :meth:`finish` before trusting what was read."""
+        if not self.reader(ref).read_rows(shard, ref, row0, out):
+            return False
+        self.bytes_read += memoryview(out).nbytes
+        return True
+
+    def finish(self) -> None:
+        """The checks :meth:`read_rows` leaves to the end (each partly read record's CRC-32); raises on a mismatch."""
+        for r in self._readers.values():
+            r.finish()
 
     def item(self, shard: str, ref: TensorRef) -> Any:
         """A one-element tensor as a number."""

@@ -34,14 +34,23 @@ class LegacyReader:
         """The file of shard dir ``shard`` that ``ref`` was found in."""
         return self.file(shard, os.path.basename(ref.file) or naming.MODEL_FILENAME)
 
-    def tensor(self, shard: str, ref: TensorRef) -> torch.Tensor:
-        return self.file_of(shard, ref).tensor(ref)
+    def tensor(self, shard: str, ref: TensorRef, verify: bool = True) -> torch.Tensor:
+        return self.file_of(shard, ref).tensor(ref, verify)
 
     def extent(self, shard: str, ref: TensorRef) -> tuple[str, int, int] | None:
         """(file, byte offset, row pitch in bytes) of ``ref`` when each of its rows is stored contiguously."""
         f = self.file_of(shard, ref)
         at = f.byte_extent(ref)
         return None if at is None else (f.path, *at)
+
+    def read_rows(self, shard: str, ref: TensorRef, row0: int, out: Any) -> bool:
+        """Rows of ``ref`` from ``row0`` into ``out`` with plain file I/O (:meth:`TorchFile.read_rows`)."""
+        return self.file_of(shard, ref).read_rows(ref, row0, out)
+
+    def finish(self) -> None:
+        """Check the CRC-32 of every record :meth:`read_rows` read only in part."""
+        for f in self._files.values():
+            f.finish_crc()
 
     def item(self, shard: str, ref: TensorRef) -> Any:
         """A one-element tensor as a number, from its bytes (no torch)."""

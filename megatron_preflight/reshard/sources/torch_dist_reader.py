@@ -233,13 +233,22 @@ class DistReader:
         self.bytes_read += math.prod(s.sizes) * t.element_size()
         return t[tuple(slice(o - co, o - co + n) for o, n, co in zip(s.offsets, s.sizes, c.offsets, strict=True))]
 
-    def tensor(self, shard: str, ref: RegionRef) -> torch.Tensor:
-        """The piece ``ref`` (its shard is in the slabs), assembled once: row-chunked writers ask again and again."""
+    def tensor(self, shard: str, ref: RegionRef, verify: bool = True) -> torch.Tensor:
+        """The piece ``ref`` (its shard is in the slabs), assembled once: row-chunked writers ask again and again.
+        Its chunks' CRC-32s are checked on their first read whatever ``verify`` says (a chunk is read whole)."""
         if self._last is not None and self._last[0] is ref:
             return self._last[1]
         t = self._assemble(ref)
         self._last = (ref, t)
         return t
+
+    def read_rows(self, shard: str, ref: RegionRef, row0: int, out: Any) -> bool:
+        """Never: a piece is read through :meth:`tensor` (its chunks' mappings), whose first read checks each chunk's
+        CRC-32."""
+        return False
+
+    def finish(self) -> None:
+        """Nothing left to check (see :meth:`read_rows`)."""
 
     def item(self, shard: str, ref: RegionRef) -> Any:
         return self.tensor(shard, ref).item()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import zlib
 from collections import OrderedDict
 from typing import Any
@@ -136,53 +137,85 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
         behind.submit(zw.write, "data.pkl", data)
         behind.submit(zw.write, ".format_version", _FORMAT_VERSION)
         behind.submit(zw.write, "byteorder", _BYTEORDER)
+        buffers = _Buffers(behind)
         for storage, source in pending:
             nbytes = storage.numel * storage.dtype.itemsize
             behind.submit(zw.begin, f"data/{storage.key}", nbytes)
-            for plan, r0, part in _pieces(source, files):
+            for plan, r0, part, buf in _pieces(source, files, buffers):
                 behind.submit(zw.append, part.reshape(-1).view(torch.uint8).numpy())  # holds the piece till written
                 if tap is not None and plan is not None:
                     tap.tensor(plan, r0, part)
-                del part
+                if buf is not None:
+                    behind.submit(buffers.give_back, buf)  # after its bytes are written
+                del part, buf
                 files.release_pages()
             behind.submit(zw.end)
             written += nbytes
+        files.finish()  # the CRC-32 of each source record read only in part, before the file is complete
         behind.submit(zw.write, "version", _VERSION)
         behind.submit(zw.write, ".data/serialization_id", _serialization_id(path, written).encode())
     return written
 
 
-def _pieces(source: Any, files: SourceFiles) -> Any:
-    """A target tensor in row chunks of about CHUNK_BYTES, each as (its plan, its first row, the rows) — a carried
-    tensor: whole, no plan; a flat world tensor: its parameters' states one after the other (flattened), zeros
-    between, no plan."""
+class _Buffers:
+    """The piece buffers of one file, reused: one is filled while the others wait for the writer thread, which hands
+    each back once its bytes are written (no fresh pages to fault in and zero for every piece)."""
+
+    def __init__(self, behind: WriteBehind, count: int = 4) -> None:
+        self._behind = behind
+        self._free: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()
+        for _ in range(count):
+            self._free.put(None)  # allocated on first use
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        while True:
+            try:
+                buf = self._free.get(timeout=0.5)
+                break
+            except queue.Empty:
+                self._behind.check()  # the writer failed: it hands nothing back
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        return buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        self._free.put(buf)
+
+
+def _pieces(source: Any, files: SourceFiles, buffers: _Buffers) -> Any:
+    """A target tensor in row chunks of about CHUNK_BYTES, each as (its plan, its first row, the rows, the buffer
+    to hand back once they are written) — a carried tensor: whole, no plan; a flat world tensor: its parameters'
+    states one after the other (flattened), zeros between, no plan."""
     if isinstance(source, FlatPlan):
         pos = 0
         for start, tp in sorted(source.parts, key=lambda x: x[0]):
             if start > pos:
-                yield None, 0, torch.zeros(start - pos, dtype=source.dtype)
+                yield None, 0, torch.zeros(start - pos, dtype=source.dtype), None
             pos = start
-            for plan, r0, piece in _pieces(tp, files):
+            for plan, r0, piece, buf in _pieces(tp, files, buffers):
                 piece = piece.to(source.dtype)
                 pos += piece.numel()
-                yield plan, r0, piece
+                yield plan, r0, piece, buf
         if pos < source.numel:
-            yield None, 0, torch.zeros(source.numel - pos, dtype=source.dtype)
+            yield None, 0, torch.zeros(source.numel - pos, dtype=source.dtype), None
         return
     if not isinstance(source, TensorPlan):
-        yield None, 0, source.contiguous()
+        yield None, 0, source.contiguous(), None
         return
     shape = source.shape
     assert shape is not None
-    if not shape or shape[0] == 0:
-        yield source, 0, build_rows(source, files, 0, shape[0] if shape else 1, release=True)
-        return
     row = source.dtype.itemsize
     for s in shape[1:]:
         row *= s
+    if not shape or shape[0] == 0:
+        buf = buffers.take(row)
+        yield source, 0, build_rows(source, files, 0, shape[0] if shape else 1, release=True, out=buf), buf
+        return
     step = max(1, CHUNK_BYTES // max(row, 1))
     for r0 in range(0, shape[0], step):
-        yield source, r0, build_rows(source, files, r0, min(r0 + step, shape[0]), release=True)
+        r1 = min(r0 + step, shape[0])
+        buf = buffers.take((r1 - r0) * row)
+        yield source, r0, build_rows(source, files, r0, r1, release=True, out=buf), buf
 
 
 def _serialization_id(path: str, nbytes: int) -> str:

@@ -39,29 +39,30 @@ class WriteBehind:
             finally:
                 self._queue.task_done()
 
-    def _raise(self) -> None:
+    def check(self) -> None:
+        """Raise the thread's failure, if it had one."""
         if self._error is not None:
             raise self._error
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` after what was submitted before (``args`` must not change until it has run)."""
-        self._raise()
+        self.check()
         while True:
             try:
                 self._queue.put((fn, args), timeout=_POLL)
                 return
             except queue.Full:
-                self._raise()
+                self.check()
 
     def drain(self) -> None:
         """Wait until everything submitted has run; raise the thread's failure, if any."""
         done = threading.Event()
         self.submit(done.set)
         while not done.wait(_POLL):
-            self._raise()
+            self.check()
             if not self._thread.is_alive():
                 break
-        self._raise()
+        self.check()
 
     def close(self) -> None:
         """Stop the thread (what is still queued is not run) and wait for it."""

@@ -143,3 +143,21 @@ def test_replica_diverged_between_samples_is_found_by_verify(tmp_path):
     write_resharded(str(src), str(tmp_path / "sampled"), TargetLayout(tp=1))  # the sampled check misses it
     with pytest.raises(ReplicaMismatch, match="embedding.position_embeddings.weight"):
         write_resharded(str(src), str(tmp_path / "verified"), TargetLayout(tp=1), verify=True)
+
+
+def test_a_damaged_replica_is_named_as_damage_not_divergence(tmp_path):
+    """The sampled check reads a few elements without taking the records' CRC-32s (a replica's bytes are not used; the
+    main copy's CRC is taken as it is read); when the samples differ, both records' CRCs are taken first, so bit rot
+    in a copy is reported as a damaged file, not as ranks that diverged."""
+    from megatron_preflight.torch_file import read_torch_file
+    from tests.test_torch_file import _flip_a_bit_of
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("tp2_torch"), src)
+    path = str(src / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt")
+    ref = read_torch_file(path)["model"]["decoder.layers.1.input_layernorm.weight"]
+    _flip_a_bit_of(path, f"data/{ref.storage.key}")  # its middle byte: inside the middle sample
+    with pytest.raises(PreflightError, match="CRC-32") as exc:
+        write_resharded(str(src), str(tmp_path / "out"), TargetLayout(tp=1))
+    assert not isinstance(exc.value, ReplicaMismatch) and exc.value.path == path
+    assert not (tmp_path / "out").exists()
