@@ -502,35 +502,38 @@ class TorchFile:
         flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
 
-    def read_rows(self, ref: TensorRef, row0: int, out: Any) -> bool:
+    def read_rows(self, ref: TensorRef, row0: int, out: Any, fd: int | None = None) -> bool:
         """Read rows ``row0 .. row0 + len(out) / row bytes`` (dim 0) of ``ref`` into the writable buffer ``out`` with
-        plain file I/O (one ``pread``: no mapping, no page faults, the GIL released) when those rows are one
-        contiguous run of the file; False (nothing read) when they are not. The record's CRC-32 is taken over the
-        bytes as they are read when the reads go through it in order, and checked once the last byte has been read
-        (or by :meth:`finish_crc`, which reads the rest); any other order checks the whole record first."""
-        pitch = row_pitch(ref.shape, ref.stride)
-        if pitch is None or ref.numel == 0 or self._window is not None or self._fh is None:
+        plain file I/O (one ``pread`` on ``fd``, this file's own descriptor by default: no mapping, no page faults,
+        the GIL released) when those rows are one contiguous run of the file; False (nothing read) when they are not.
+        The record's CRC-32 is taken over the bytes as they are read when the reads go through it in order, and
+        checked once its last byte has been read (or by :meth:`finish_crc`, which reads the rest); any other order
+        checks the whole record first. A window (a blob of a bigger file) reads only through the file's ``fd``."""
+        if fd is None:
+            if self._window is not None or self._fh is None:
+                return False
+            fd = self._fh.fileno()
+        at = self.byte_extent(ref)
+        if at is None:
             return False
-        size = ref.dtype.itemsize
-        row = math.prod(ref.shape[1:])
+        offset, pitch = at
+        row = math.prod(ref.shape[1:]) * ref.dtype.itemsize
         with memoryview(out) as view, view.cast("B") as data:
             n = len(data)
-            if n % (row * size) or (n > row * size and pitch != row):
-                return False  # strided rows: several runs
-            start, nbytes = self._record_offset(ref.storage.key)
-            first = (ref.offset + row0 * pitch) * size
-            if first < 0 or first + n > nbytes:
-                return False  # outside the record: the mapped path raises the clear error
-            done = 0
+            rows = n // row if row else 0
+            if not rows or n % row or row0 < 0 or row0 + rows > ref.shape[0] or (rows > 1 and pitch != row):
+                return False  # not whole rows of it, or strided rows (several runs)
+            first, done = offset + row0 * pitch, 0
             while done < n:
-                got = os.preadv(self._fh.fileno(), [data[done:]], self._base + start + first + done)
+                got = os.preadv(fd, [data[done:]], first + done)
                 if got <= 0:
                     raise CorruptFileError(f"storage record data/{ref.storage.key} ends early (the file is shorter "
                                            "than its zip directory says: truncated)", path=self.path,
                                            code="corrupt_file", fix="restore the file from a complete copy")
                 done += got
             if self.check_crc and ref.storage.key not in self._crc_checked:
-                self._chain_crc(ref.storage.key, start, nbytes, first, data)
+                start, nbytes = self._record_offset(ref.storage.key)
+                self._chain_crc(ref.storage.key, start, nbytes, first - self._base - start, data)
         return True
 
     def _chain_crc(self, key: str, start: int, nbytes: int, first: int, data: Any) -> None:

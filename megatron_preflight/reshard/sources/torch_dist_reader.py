@@ -86,6 +86,7 @@ class DistReader:
         self._last: tuple[RegionRef, torch.Tensor] | None = None
         self._touched: set[tuple[str, int]] = set()  # chunks mapped since the last release (only they hold pages)
         self._maps: dict[str, mmap.mmap] = {}  # one mapping per .distcp file, shared by its chunks
+        self._fds: dict[str, int] = {}  # one descriptor per .distcp file, for reads into a buffer (read_rows)
         self._leads: dict[str, tuple[dict[tuple[int, ...], list[Chunk]], int]] = {}  # see _candidates
         self.bytes_read = 0
 
@@ -196,6 +197,16 @@ class DistReader:
         """(file, byte offset, row pitch in bytes) of the piece ``ref`` when it lies inside one saved chunk with each
         of its rows contiguous (a legacy-shaped piece that is a chunk, whole rows of one, or a column block of one);
         None when it is assembled from several chunks or otherwise strided (it is then read through :meth:`tensor`)."""
+        run = self._run(ref)
+        if run is None:
+            return None
+        f, view, _ = run
+        at = f.byte_extent(view)
+        return None if at is None else (f.path, *at)
+
+    def _run(self, ref: RegionRef) -> tuple[TorchFile, TensorRef, Chunk] | None:
+        """The piece as a view (offset, strides) of the one chunk that holds it, when each of its rows is contiguous
+        there; with the chunk's blob and the chunk."""
         if len(ref.slabs) != 1 or not ref.shape:
             return None
         s = ref.slabs[0]
@@ -214,12 +225,11 @@ class DistReader:
         if [n for n, _ in kept] != [n for n in ref.shape if n != 1]:
             return None  # the piece reshapes the box (merges or splits its dims)
         it = iter(kept)
-        pitch = row_pitch(tuple(ref.shape), tuple(next(it)[1] if n != 1 else 0 for n in ref.shape))
-        if pitch is None:
+        stride = tuple(next(it)[1] if n != 1 else 0 for n in ref.shape)
+        if row_pitch(tuple(ref.shape), stride) is None:
             return None
         first = sum((o - co) * st for o, co, st in zip(s.offsets, c.offsets, strides, strict=True))
-        size = cref.dtype.itemsize
-        return f.path, at[0] + first * size, pitch * size
+        return f, TensorRef(cref.file, cref.storage, cref.offset + first, tuple(ref.shape), stride), c
 
     def _inside_one_chunk(self, s: Slab, dtype: torch.dtype) -> torch.Tensor | None:
         """The box as a view of the one chunk that holds it whole (the usual case: a legacy piece is a saved chunk):
@@ -243,12 +253,20 @@ class DistReader:
         return t
 
     def read_rows(self, shard: str, ref: RegionRef, row0: int, out: Any) -> bool:
-        """Never: a piece is read through :meth:`tensor` (its chunks' mappings), whose first read checks each chunk's
-        CRC-32."""
-        return False
+        """Rows of ``ref`` from ``row0`` into ``out`` with plain file I/O when the piece lies in one chunk with its rows
+        contiguous (:meth:`TorchFile.read_rows`, through one descriptor per ``.distcp`` file); False otherwise."""
+        run = self._run(ref)
+        if run is None:
+            return False
+        f, view, c = run
+        if c.file not in self._fds:
+            self._fds[c.file] = os.open(f.path, os.O_RDONLY)
+        return f.read_rows(view, row0, out, fd=self._fds[c.file])
 
     def finish(self) -> None:
-        """Nothing left to check (see :meth:`read_rows`)."""
+        """Check the CRC-32 of every chunk :meth:`read_rows` read only in part."""
+        for f, _ in self._files.values():
+            f.finish_crc()
 
     def item(self, shard: str, ref: RegionRef) -> Any:
         return self.tensor(shard, ref).item()
@@ -297,6 +315,9 @@ class DistReader:
         self._files.clear()
         self._touched.clear()
         self._maps.clear()  # a mapping with live tensor views is released with the last of them
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def chunk_index(md: Any) -> dict[str, list[Chunk]]:
