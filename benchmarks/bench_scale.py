@@ -579,7 +579,7 @@ def part_f_torch_dist(work: str) -> None:
 
 
 def part_g(work: str, repeat: int) -> None:
-    from bench_reshard import dir_bytes, io_floor
+    from bench_reshard import dir_bytes, io_floor, io_floor_overlapped
 
     from tests.helpers.synthetic_dsv3 import DSV3
     from tests.helpers.synthetic_dsv3 import write_legacy as write_dsv3
@@ -594,11 +594,12 @@ def part_g(work: str, repeat: int) -> None:
     print(f"\nG. real bytes: a DeepSeek-V3-width slice (hidden 7168, MLA, 1 dense + 1 MoE layer of 16 experts, bf16), "
           f"PP2 EP2 -> PP1 EP1; source {size / 2**30:.2f} GiB")
     print(f"{'run (median of ' + str(repeat) + ')':<26} {'wall s':>7} {'in-process s':>13} {'read GiB':>9} "
-          f"{'written GiB':>12} {'floor s':>8} {'floor/wall':>11} {'floor/in-process':>17} {'GiB/s per process':>18}")
+          f"{'written GiB':>12} {'floor s':>8} {'floor/wall':>11} {'floor/in-process':>17} {'2-thread floor s':>17} "
+          f"{'2-thread floor/in-process':>26} {'GiB/s per process':>18}")
     launchers = {"1 process": [sys.executable, "-m", "megatron_preflight"],
                  "torchrun, 2 processes": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                            "--master-port", "29991", "-m", "megatron_preflight"]}
-    runs: dict[str, list[tuple[float, float, float, float, float]]] = {label: [] for label in launchers}
+    runs: dict[str, list[tuple[float, ...]]] = {label: [] for label in launchers}
     for _ in range(repeat):  # interleaved, each run followed by its floor: the VM's disk speed drifts
         for label, launcher in launchers.items():
             dst = os.path.join(work, "dsv3_slice_out")
@@ -617,16 +618,19 @@ def part_g(work: str, repeat: int) -> None:
             written = dir_bytes(dst)
             shutil.rmtree(dst, ignore_errors=True)
             floor = io_floor(src, written, work, read_bytes=int(read * 2**30))  # the bytes this run read
-            runs[label].append((wall, inner, read, written / 2**30, floor))
+            both = io_floor_overlapped(src, written, work, read_bytes=int(read * 2**30))
+            runs[label].append((wall, inner, read, written / 2**30, floor, both))
     rows = []
     for label, measured in runs.items():
-        wall, inner, read, written, floor = (statistics.median(m[i] for m in measured) for i in range(5))
+        wall, inner, read, written, floor, both = (statistics.median(m[i] for m in measured) for i in range(6))
         procs = 2 if "2" in label else 1
         rows.append((label, wall, inner, read, written, floor, procs))
         print(f"{label:<26} {wall:>7.2f} {inner:>13.2f} {read:>9.2f} {written:>12.2f} {floor:>8.2f} "
-              f"{floor / wall:>11.2f} {floor / inner:>17.2f} {(read + written) / inner / procs:>18.2f}")
+              f"{floor / wall:>11.2f} {floor / inner:>17.2f} {both:>17.2f} {both / inner:>26.2f} "
+              f"{(read + written) / inner / procs:>18.2f}")
     print("floor: read as many source bytes as the run read, write as many as it wrote, fsync; plain file I/O in one "
-          "process, measured after each run, in that process (no start-up). wall: the whole command (interpreter and "
+          "process, measured after each run, in that process (no start-up); 2-thread floor: the same bytes read in one "
+          "thread and written in another at the same time, as the reshard overlaps them. wall: the whole command (interpreter and "
           "torch start-up included: a fixed cost per process). in-process: the time the reshard reports for itself "
           "(open, plan, replica check, write, fsync, rename; rank 0's under torchrun). GiB/s per process: read + "
           "written over the in-process time, per process.")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_preflight import dtypes, pickling
+from megatron_preflight import crc, dtypes, pickling
 from megatron_preflight.reshard.execute.executor import build_rows
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -141,13 +141,18 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
         for storage, source in pending:
             nbytes = storage.numel * storage.dtype.itemsize
             behind.submit(zw.begin, f"data/{storage.key}", nbytes)
+            value = 0
             for plan, r0, part, buf in _pieces(source, files, buffers):
-                behind.submit(zw.append, part.reshape(-1).view(torch.uint8).numpy())  # holds the piece till written
+                data = part.reshape(-1).view(torch.uint8).numpy()
+                # the record's CRC-32 is taken here, over the bytes just read (the writer thread, which waits on the
+                # file system, only writes)
+                value = crc.crc32(data, value)
+                behind.submit(zw.append, data, value)  # holds the piece till written
                 if tap is not None and plan is not None:
                     tap.tensor(plan, r0, part)
                 if buf is not None:
                     behind.submit(buffers.give_back, buf)  # after its bytes are written
-                del part, buf
+                del part, buf, data
                 files.release_pages()
             behind.submit(zw.end)
             written += nbytes

@@ -123,14 +123,16 @@ class TorchZipWriter:
         self._left = size
         self._fh.write(self._current.local_header())  # its CRC is rewritten once the data is through
 
-    def append(self, data: Any) -> None:
-        """The next bytes of the current record (any buffer: a numpy array's memory is written without a copy)."""
+    def append(self, data: Any, running_crc: int | None = None) -> None:
+        """The next bytes of the current record (any buffer: a numpy array's memory is written without a copy).
+        ``running_crc``: the CRC-32 of the record's bytes so far, ``data`` included, when the caller took it (on
+        another thread, say); it is then not taken here."""
         entry = self._current
         assert entry is not None, "append() outside a record"
         view = memoryview(data).cast("B")
         if view.nbytes > self._left:
             raise ValueError(f"record {entry.name.decode()} is longer than its declared {entry.size} bytes")
-        entry.crc = crc.crc32(view, entry.crc)
+        entry.crc = crc.crc32(view, entry.crc) if running_crc is None else running_crc
         self._fh.write(view)
         self._left -= view.nbytes
 
