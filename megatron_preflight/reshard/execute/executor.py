@@ -1,4 +1,5 @@
-"""Execute a rank plan: read only the planned source slices (lazily, via mmap) into freshly allocated tensors."""
+"""Execute a rank plan: read only the planned source slices into freshly allocated tensors (a contiguous run of a
+file with plain file I/O, anything else through the file's mapping)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,19 @@ def _narrow(t: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
     return t.narrow(dim, start, length)
 
 
-def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> torch.Tensor:
+def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False, direct: bool = False) -> torch.Tensor:
     """One planned target tensor, filled from its source slices (``release``: drop each source's mapped pages right
-    after its slice is copied, so the resident set stays near the target tensor)."""
+    after its slice is copied, so the resident set stays near the target tensor; ``direct``: see :func:`build_rows`)."""
     assert tp.shape is not None
-    return build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, release)
+    return build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, release, direct=direct)
 
 
 def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, direct: bool = False) -> torch.Tensor:
     """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time.
 
-    With ``out`` (a flat uint8 buffer of at least the rows' bytes, reused by the caller) the rows are built in it,
-    and a source slice that is one contiguous run of a file is read straight into place with plain file I/O
+    With ``out`` (a flat uint8 buffer of at least the rows' bytes, reused by the caller) the rows are built in it.
+    ``direct``: a source slice that is one contiguous run of a file is read straight into place with plain file I/O
     (:meth:`SourceFiles.read_rows`); the caller then owes :meth:`SourceFiles.finish` before trusting the bytes."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
@@ -62,7 +63,7 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
             if lo >= hi:
                 continue
             d, rows = dst.narrow(0, lo - r0, hi - lo), (op.src[1] + lo - d_start, hi - lo)
-        if out is not None and rows is not None and _read_direct(op, files, d, rows):
+        if direct and rows is not None and _read_direct(op, files, d, rows):
             continue
         src = files.tensor(op.shard, op.ref)
         if whole:
@@ -102,28 +103,29 @@ def _read_direct(op: Any, files: SourceFiles, d: torch.Tensor, rows: tuple[int, 
     return files.read_rows(op.shard, ref, rows[0], d.reshape(-1).view(torch.uint8).numpy())
 
 
-def build_flat(fp: Any, files: SourceFiles) -> torch.Tensor:
+def build_flat(fp: Any, files: SourceFiles, direct: bool = False) -> torch.Tensor:
     """A distributed optimizer's world tensor (:class:`~megatron_preflight.reshard.plan.types.FlatPlan`): each planned state flattened at its
     offset, zeros between."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     out = torch.zeros(fp.numel, dtype=fp.dtype)
     for start, tp in fp.parts:
-        t = build_tensor(tp, files).reshape(-1)
+        t = build_tensor(tp, files, direct=direct).reshape(-1)
         out[start:start + t.numel()] = t
     return out
 
 
-def build_tree(tree: Any, files: SourceFiles) -> Any:
-    """A copy of ``tree`` with every :class:`TensorPlan` (and world tensor plan) inside built into its tensor."""
+def build_tree(tree: Any, files: SourceFiles, direct: bool = False) -> Any:
+    """A copy of ``tree`` with every :class:`TensorPlan` (and world tensor plan) inside built into its tensor
+    (``direct``: see :func:`build_rows`)."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
 
     def leaf(v: Any, _p: tuple) -> Any:
         if isinstance(v, FlatPlan):
-            return build_flat(v, files)
+            return build_flat(v, files, direct)
         if isinstance(v, TensorPlan):
-            return v.value if v.shape is None else build_tensor(v, files)
+            return v.value if v.shape is None else build_tensor(v, files, direct=direct)
         if isinstance(v, torch.Tensor):  # a value the plan carries: every state dict gets its own copy (torch's
             return v.clone()  # optimizers update their state in place)
         return v
@@ -135,8 +137,9 @@ def execute(plan: RankPlan, files: SourceFiles) -> dict[str, Any]:
     """The model state dicts (``model`` or ``model0..N``) of the planned rank, and its ``optimizer`` state when the
     plan carries one."""
     out: dict[str, Any] = {c: OrderedDict() for c in plan.chunks}
-    for tp in plan.tensors:
-        out[tp.chunk][tp.key] = tp.value if tp.shape is None else build_tensor(tp, files)
+    for tp in plan.tensors:  # each contiguous source run read into its tensor with plain file I/O
+        out[tp.chunk][tp.key] = tp.value if tp.shape is None else build_tensor(tp, files, direct=True)
     if plan.optimizer is not None:
-        out["optimizer"] = build_tree(plan.optimizer, files)
+        out["optimizer"] = build_tree(plan.optimizer, files, direct=True)
+    files.finish()  # the CRC-32 of each record read only in part, before the state is handed over
     return out

@@ -214,13 +214,13 @@ def _pieces(source: Any, files: SourceFiles, buffers: _Buffers) -> Any:
         row *= s
     if not shape or shape[0] == 0:
         buf = buffers.take(row)
-        yield source, 0, build_rows(source, files, 0, shape[0] if shape else 1, release=True, out=buf), buf
+        yield source, 0, build_rows(source, files, 0, shape[0] if shape else 1, release=True, out=buf, direct=True), buf
         return
     step = max(1, CHUNK_BYTES // max(row, 1))
     for r0 in range(0, shape[0], step):
         r1 = min(r0 + step, shape[0])
         buf = buffers.take((r1 - r0) * row)
-        yield source, r0, build_rows(source, files, r0, r1, release=True, out=buf), buf
+        yield source, r0, build_rows(source, files, r0, r1, release=True, out=buf, direct=True), buf
 
 
 def _serialization_id(path: str, nbytes: int) -> str:
