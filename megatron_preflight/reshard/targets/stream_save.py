@@ -3,8 +3,9 @@
 ``torch.save`` needs every tensor in memory at once; a resharded TP1 shard of a big model would then cost its whole
 size in RAM. Here the object tree is pickled first with small stubs in place of tensors (exactly the records
 ``torch.save`` would write: ``_rebuild_tensor_v2`` over a persistent storage id), then each tensor is built from its
-source slices, written as its storage record, and freed. Peak memory ≈ the largest target tensor. ``torch.load``
-(and Megatron) read the result like any other checkpoint.
+source slices about CHUNK_BYTES of whole rows at a time, in a few reused buffers (a contiguous source run read
+straight into place with ``pread``), and written as its storage record by a second thread. Peak memory ≈ four
+pieces. ``torch.load`` (and Megatron) read the result like any other checkpoint.
 """
 
 from __future__ import annotations
