@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -45,6 +46,16 @@ def _terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush does not fail on the closed pipe again."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -70,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("megatron-preflight: interrupted; nothing was left at the destination", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # whoever read stdout stopped (`| head`): end as a Unix tool killed by SIGPIPE, quietly
+        _drop_stdout()
+        return 141
     except OSError as exc:  # the environment (disk, filesystem, permissions), not this tool
         print(f"megatron-preflight: {environment_error(exc)}", file=sys.stderr)
         return EXIT_PROBLEMS
