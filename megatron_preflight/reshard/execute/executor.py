@@ -1,8 +1,9 @@
 """Execute a rank plan: read only the planned source slices into freshly allocated tensors (through the files'
-mappings; a streaming writer's reused buffers take contiguous runs with plain file I/O: ``direct``)."""
+mappings; a streaming writer's reused buffers take contiguous runs with plain file I/O: ``build_rows(out=)``)."""
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -22,19 +23,19 @@ def _narrow(t: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
     return t.narrow(dim, start, length)
 
 
-def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False, direct: bool = False) -> torch.Tensor:
+def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> torch.Tensor:
     """One planned target tensor, filled from its source slices (``release``: drop each source's mapped pages right
-    after its slice is copied, so the resident set stays near the target tensor; ``direct``: see :func:`build_rows`)."""
+    after its slice is copied, so the resident set stays near the target tensor)."""
     assert tp.shape is not None
-    return build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, release, direct=direct)
+    return build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, release)
 
 
 def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False,
-               out: torch.Tensor | None = None, direct: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time.
 
-    With ``out`` (a flat uint8 buffer of at least the rows' bytes, reused by the caller) the rows are built in it.
-    ``direct``: a source slice that is one contiguous run of a file is read straight into place with plain file I/O
+    With ``out`` (a flat uint8 buffer of at least the rows' bytes, reused by the caller) the rows are built in it, and
+    a source slice that is one contiguous run of a file is read straight into place with plain file I/O
     (:meth:`SourceFiles.read_rows`); the caller then owes :meth:`SourceFiles.finish` before trusting the bytes."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
@@ -52,10 +53,14 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
         if tp.zero_fill:
             dst.zero_()
     for op in tp.ops:
+        # d: where the op's part of rows r0:r1 goes; rows: the source rows it takes when it takes whole rows of one
+        # run; pick: that part of the source tensor
         if whole:
             d, rows = _narrow(dst, op.dst), _rows(op.src, getattr(op.ref, "shape", None))
+            pick = functools.partial(_narrow, spec=op.src)
         elif op.dst is None or op.dst[0] != 0:  # whole tensor, or split along another dim: rows line up
             d, rows = _narrow(dst, op.dst), (r0, r1 - r0) if op.src is None else None
+            pick = functools.partial(_rows_then, r0=r0, n=r1 - r0, spec=op.src)
         else:  # split along dim 0: the part of this op that falls in r0:r1
             assert op.src is not None
             _, d_start, n = op.dst
@@ -63,16 +68,11 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
             if lo >= hi:
                 continue
             d, rows = dst.narrow(0, lo - r0, hi - lo), (op.src[1] + lo - d_start, hi - lo)
-        if direct and rows is not None and _read_direct(op, files, d, rows):
+            pick = functools.partial(_rows_then, r0=rows[0], n=rows[1], spec=None)
+        if out is not None and rows is not None and _read_direct(op, files, d, rows):
             continue
         src = files.tensor(op.shard, op.ref)
-        if whole:
-            s = _narrow(src, op.src)
-        elif op.dst is None or op.dst[0] != 0:
-            s = _narrow(src.narrow(0, r0, r1 - r0), op.src)
-        else:
-            assert rows is not None
-            s = src.narrow(0, *rows)
+        s = pick(src)
         if s.shape != d.shape:
             raise RuntimeError(f"plan error for {tp.key}: source slice {tuple(s.shape)} vs target {tuple(d.shape)}")
         d.copy_(s)
@@ -81,6 +81,10 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
             del s, src
             files.release(op.shard, op.ref)
     return dst
+
+
+def _rows_then(t: torch.Tensor, r0: int, n: int, spec: tuple[int, int, int] | None) -> torch.Tensor:
+    return _narrow(t.narrow(0, r0, n), spec)
 
 
 def _rows(spec: tuple[int, int, int] | None, shape: tuple[int, ...] | None) -> tuple[int, int] | None:
@@ -103,29 +107,28 @@ def _read_direct(op: Any, files: SourceFiles, d: torch.Tensor, rows: tuple[int, 
     return files.read_rows(op.shard, ref, rows[0], d.reshape(-1).view(torch.uint8).numpy())
 
 
-def build_flat(fp: Any, files: SourceFiles, direct: bool = False) -> torch.Tensor:
+def build_flat(fp: Any, files: SourceFiles) -> torch.Tensor:
     """A distributed optimizer's world tensor (:class:`~megatron_preflight.reshard.plan.types.FlatPlan`): each planned state flattened at its
     offset, zeros between."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     out = torch.zeros(fp.numel, dtype=fp.dtype)
     for start, tp in fp.parts:
-        t = build_tensor(tp, files, direct=direct).reshape(-1)
+        t = build_tensor(tp, files).reshape(-1)
         out[start:start + t.numel()] = t
     return out
 
 
-def build_tree(tree: Any, files: SourceFiles, direct: bool = False) -> Any:
-    """A copy of ``tree`` with every :class:`TensorPlan` (and world tensor plan) inside built into its tensor
-    (``direct``: see :func:`build_rows`)."""
+def build_tree(tree: Any, files: SourceFiles) -> Any:
+    """A copy of ``tree`` with every :class:`TensorPlan` (and world tensor plan) inside built into its tensor."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
 
     def leaf(v: Any, _p: tuple) -> Any:
         if isinstance(v, FlatPlan):
-            return build_flat(v, files, direct)
+            return build_flat(v, files)
         if isinstance(v, TensorPlan):
-            return v.value if v.shape is None else build_tensor(v, files, direct=direct)
+            return v.value if v.shape is None else build_tensor(v, files)
         if isinstance(v, torch.Tensor):  # a value the plan carries: every state dict gets its own copy (torch's
             return v.clone()  # optimizers update their state in place)
         return v

@@ -75,8 +75,8 @@ def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, sa
                 if key in seen:
                     continue
                 seen.add(key)
-                # sampled: the records' CRC-32s are not taken for a few elements (the main copy's is taken when it is
-                # read; a replica's bytes are not used), unless the samples differ (bit rot, not divergence?)
+                # sampled: no CRC-32 is taken for a few elements (the main copy's is taken when its data is read; a
+                # replica's bytes are not used) unless the samples differ: then a damaged record is named as damage
                 a, b = files.tensor(op.shard, op.ref, verify=full), files.tensor(shard, ref, verify=full)
                 same = torch.equal(_bytes(a), _bytes(b)) if full else torch.equal(_sample(a), _sample(b))
                 del a, b
@@ -84,7 +84,7 @@ def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, sa
                     files.release_pages()
                 compared += 1
                 if not same:
-                    files.tensor(op.shard, op.ref)  # a damaged record is named as such (CorruptFileError)
+                    files.tensor(op.shard, op.ref)  # raises CorruptFileError on a CRC mismatch
                     files.tensor(shard, ref)
                     raise _mismatch(tp.key, op.shard, shard, full, files.iter_dir, expected_divergence(saved_args))
     return compared

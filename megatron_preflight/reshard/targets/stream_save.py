@@ -144,16 +144,16 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
             behind.submit(zw.begin, f"data/{storage.key}", nbytes)
             value = 0
             for plan, r0, part, buf in _pieces(source, files, buffers):
-                data = part.reshape(-1).view(torch.uint8).numpy()
+                raw = part.reshape(-1).view(torch.uint8).numpy()
                 # the record's CRC-32 is taken here, over the bytes just read (the writer thread, which waits on the
                 # file system, only writes)
-                value = crc.crc32(data, value)
-                behind.submit(zw.append, data, value)  # holds the piece till written
+                value = crc.crc32(raw, value)
+                behind.submit(zw.append, raw, value)  # holds the piece till written
                 if tap is not None and plan is not None:
                     tap.tensor(plan, r0, part)
                 if buf is not None:
                     behind.submit(buffers.give_back, buf)  # after its bytes are written
-                del part, buf, data
+                del part, buf, raw
                 files.release_pages()
             behind.submit(zw.end)
             written += nbytes
@@ -215,13 +215,13 @@ def _pieces(source: Any, files: SourceFiles, buffers: _Buffers) -> Any:
         row *= s
     if not shape or shape[0] == 0:
         buf = buffers.take(row)
-        yield source, 0, build_rows(source, files, 0, shape[0] if shape else 1, release=True, out=buf, direct=True), buf
+        yield source, 0, build_rows(source, files, 0, shape[0] if shape else 1, release=True, out=buf), buf
         return
     step = max(1, CHUNK_BYTES // max(row, 1))
     for r0 in range(0, shape[0], step):
         r1 = min(r0 + step, shape[0])
         buf = buffers.take((r1 - r0) * row)
-        yield source, r0, build_rows(source, files, r0, r1, release=True, out=buf, direct=True), buf
+        yield source, r0, build_rows(source, files, r0, r1, release=True, out=buf), buf
 
 
 def _serialization_id(path: str, nbytes: int) -> str:

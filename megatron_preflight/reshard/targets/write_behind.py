@@ -2,8 +2,8 @@
 
 A streamed shard alternates between building a piece of a tensor (reading the source into a buffer, the CRC-32s of
 what was read and of the output record) and writing it (the copy into the page cache, waits on writeback). Both
-release the GIL, so a second thread that writes while the first builds overlaps them. At most ``depth`` pieces wait (memory: ``depth`` pieces of
-``stream_save.CHUNK_BYTES``). A failure in the thread is raised in the caller at its next call; a failure in the
+release the GIL, so a second thread that writes while the first builds overlaps them. At most ``depth`` pieces wait
+(memory: ``depth`` pieces of ``stream_save.CHUNK_BYTES``). A failure in the thread is raised in the caller at its next call; a failure in the
 caller stops the thread without writing what is still queued.
 """
 
