@@ -599,10 +599,15 @@ def part_g(work: str, repeat: int) -> None:
     launchers = {"1 process": [sys.executable, "-m", "megatron_preflight"],
                  "torchrun, 2 processes": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                            "--master-port", "29991", "-m", "megatron_preflight"]}
+    def floors(read: int, written: int) -> tuple[float, float]:
+        return io_floor(src, written, work, read_bytes=read), io_floor_overlapped(src, written, work, read_bytes=read)
+
     runs: dict[str, list[tuple[float, ...]]] = {label: [] for label in launchers}
-    for _ in range(repeat):  # interleaved, each run followed by its floor: the VM's disk speed drifts
+    for i in range(repeat):  # interleaved, each run beside its floors, the order flipped every round: the VM's memory
+        # and disk speed drift, and a write right after a 3.7 GiB delete meets other free pages than one before it
         for label, launcher in launchers.items():
             dst = os.path.join(work, "dsv3_slice_out")
+            before = floors(*runs[label][-1][6:8]) if i % 2 and runs[label] else None
             shutil.rmtree(dst, ignore_errors=True)
             started = time.perf_counter()
             r = subprocess.run([*launcher, "reshard", src, dst, "--workers", "1", "--no-progress", "--",
@@ -617,19 +622,22 @@ def part_g(work: str, repeat: int) -> None:
             inner = float(m_secs.group(1))  # the reshard itself: open, plan, check, write, fsync, rename
             written = dir_bytes(dst)
             shutil.rmtree(dst, ignore_errors=True)
-            floor = io_floor(src, written, work, read_bytes=int(read * 2**30))  # the bytes this run read
-            both = io_floor_overlapped(src, written, work, read_bytes=int(read * 2**30))
-            runs[label].append((wall, inner, read, written / 2**30, floor, both))
+            floor, both = before or floors(int(read * 2**30), written)  # the bytes this run read and wrote
+            runs[label].append((wall, inner, read, written / 2**30, floor, both, int(read * 2**30), written))
     rows = []
     for label, measured in runs.items():
         wall, inner, read, written, floor, both = (statistics.median(m[i] for m in measured) for i in range(6))
+        ratios = sorted(m[4] / m[1] for m in measured)  # each run against the floor measured beside it
         procs = 2 if "2" in label else 1
         rows.append((label, wall, inner, read, written, floor, procs))
         print(f"{label:<26} {wall:>7.2f} {inner:>13.2f} {read:>9.2f} {written:>12.2f} {floor:>8.2f} "
               f"{floor / wall:>11.2f} {floor / inner:>17.2f} {both:>17.2f} {both / inner:>26.2f} "
               f"{(read + written) / inner / procs:>18.2f}")
+        print(f"{'':<26} floor/in-process run by run (each against its own floor): median "
+              f"{statistics.median(ratios):.2f}, {ratios[0]:.2f}-{ratios[-1]:.2f}")
     print("floor: read as many source bytes as the run read, write as many as it wrote, fsync; plain file I/O in one "
-          "process, measured after each run, in that process (no start-up); 2-thread floor: the same bytes read in one "
+          "process, measured beside each run (after it, and before it every other round), in that process (no "
+          "start-up); 2-thread floor: the same bytes read in one "
           "thread and written in another at the same time, as the reshard overlaps them. wall: the whole command (interpreter and "
           "torch start-up included: a fixed cost per process). in-process: the time the reshard reports for itself "
           "(open, plan, replica check, write, fsync, rename; rank 0's under torchrun). GiB/s per process: read + "

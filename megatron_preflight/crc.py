@@ -9,16 +9,16 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-_chosen: list[tuple[str, Callable[[Any], int]]] = []
+_chosen: list[tuple[str, Callable[[Any, int], int], Callable[[int, int, int], int]]] = []
 
 
-def _fastest() -> tuple[str, Callable[[Any], int]]:
+def _fastest() -> tuple[str, Callable[[Any, int], int], Callable[[int, int, int], int]]:
     try:
         from isal import isal_zlib  # deferred, optional: ISA-L's CRC-32, the same values as zlib's
 
-        return "isal", isal_zlib.crc32
+        return "isal", isal_zlib.crc32, isal_zlib.crc32_combine
     except ImportError:
-        return "zlib", zlib.crc32
+        return "zlib", zlib.crc32, _combine  # Python's zlib module has no crc32_combine
 
 
 def implementation() -> str:
@@ -39,3 +39,46 @@ def crc32(data: Any, value: int = 0) -> int:
     if not _chosen:
         _chosen.append(_fastest())
     return _chosen[0][1](data, value) & 0xFFFFFFFF
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of bytes ``A + B`` from ``crc1`` (of A), ``crc2`` (of B) and ``len(B)``, without the bytes: a
+    record read in pieces is checked and written with one pass over each piece (each piece's own CRC, combined)."""
+    if not _chosen:
+        _chosen.append(_fastest())
+    return _chosen[0][2](crc1, crc2, len2) & 0xFFFFFFFF
+
+
+# CRC-32 as polynomial arithmetic over GF(2) modulo the zip polynomial, bit-reflected (the top bit holds x^0): the
+# CRC of A + B is (CRC(A) * x^(8 len B) mod P) xor CRC(B). _POWERS[k] = x^(2^k) mod P, for len B's binary digits.
+_POLY = 0xEDB88320
+_ONE = 1 << 31  # x^0
+
+
+def _mul(a: int, b: int) -> int:
+    """a * b mod P."""
+    product = 0
+    bit = _ONE
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+_POWERS = [_ONE >> 1]  # x^1
+for _ in range(31):
+    _POWERS.append(_mul(_POWERS[-1], _POWERS[-1]))
+
+
+def _combine(crc1: int, crc2: int, len2: int) -> int:
+    """:func:`combine` without ISA-L: x^(8 len2) mod P from the powers of len2's set bits (~32 products)."""
+    shift, k = _ONE, 3  # 8 = 2^3 bits per byte
+    while len2:
+        if len2 & 1:
+            shift = _mul(_POWERS[k & 31], shift)
+        len2 >>= 1
+        k += 1
+    return _mul(shift, crc1) ^ crc2

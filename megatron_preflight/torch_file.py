@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
-from megatron_preflight.crc import crc32
+from megatron_preflight.crc import combine, crc32
 from megatron_preflight.errors import CorruptFileError, PreflightError, require_regular_file
 from megatron_preflight.safe_pickle import bounded_load
 from megatron_preflight.zip_directory import Record, read_directory
@@ -502,27 +502,28 @@ class TorchFile:
         flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
 
-    def read_rows(self, ref: TensorRef, row0: int, out: Any, fd: int | None = None) -> bool:
+    def read_rows(self, ref: TensorRef, row0: int, out: Any, fd: int | None = None) -> int | None:
         """Read rows ``row0 .. row0 + len(out) / row bytes`` (dim 0) of ``ref`` into the writable buffer ``out`` with
         plain file I/O (one ``pread`` on ``fd``, this file's own descriptor by default: no mapping, no page faults,
-        the GIL released) when those rows are one contiguous run of the file; False (nothing read) when they are not.
-        The record's CRC-32 is taken over the bytes as they are read when the reads go through it in order, and
-        checked once its last byte has been read (or by :meth:`finish_crc`, which reads the rest); any other order
-        checks the whole record first. A window (a blob of a bigger file) reads only through the file's ``fd``."""
+        the GIL released) when those rows are one contiguous run of the file, and return the CRC-32 of the bytes read
+        (a writer of them needs no second pass); None (nothing read) when they are not one run.
+        The record's CRC-32 is chained from those of the reads when they go through it in order, and checked once
+        its last byte has been read (or by :meth:`finish_crc`, which reads the rest); any other order checks the
+        whole record first. A window (a blob of a bigger file) reads only through the file's ``fd``."""
         if fd is None:
             if self._window is not None or self._fh is None:
-                return False
+                return None
             fd = self._fh.fileno()
         at = self.byte_extent(ref)
         if at is None:
-            return False
+            return None
         offset, pitch = at
         row = math.prod(ref.shape[1:]) * ref.dtype.itemsize
         with memoryview(out) as view, view.cast("B") as data:
             n = len(data)
             rows = n // row if row else 0
             if not rows or n % row or row0 < 0 or row0 + rows > ref.shape[0] or (rows > 1 and pitch != row):
-                return False  # not whole rows of it, or strided rows (several runs)
+                return None  # not whole rows of it, or strided rows (several runs)
             first, done = offset + row0 * pitch, 0
             while done < n:
                 got = os.preadv(fd, [data[done:]], first + done)
@@ -531,19 +532,21 @@ class TorchFile:
                                            "than its zip directory says: truncated)", path=self.path,
                                            code="corrupt_file", fix="restore the file from a complete copy")
                 done += got
+            value = crc32(data)
             if self.check_crc and ref.storage.key not in self._crc_checked:
                 start, nbytes = self._record_offset(ref.storage.key)
-                self._chain_crc(ref.storage.key, start, nbytes, first - self._base - start, data)
-        return True
+                self._chain_crc(ref.storage.key, start, nbytes, first - self._base - start, n, value)
+        return value
 
-    def _chain_crc(self, key: str, start: int, nbytes: int, first: int, data: Any) -> None:
+    def _chain_crc(self, key: str, start: int, nbytes: int, first: int, n: int, piece: int) -> None:
+        """Bytes ``first .. first + n`` of a record, whose CRC-32 is ``piece``, were read."""
         at, value = self._crc_chain.get(key, (0, 0))
         if first != at:  # not the next bytes of the record: check it whole now (as a mapped read would)
             self._crc_chain.pop(key, None)
             self._map()
             self._check_crc(key, start, nbytes)
             return
-        at, value = at + len(data), crc32(data, value)
+        at, value = at + n, combine(value, piece, n)
         if at < nbytes:
             self._crc_chain[key] = (at, value)
             return

@@ -6,6 +6,7 @@ import struct
 import subprocess
 import sys
 import zipfile
+import zlib
 
 import pytest
 import torch
@@ -308,7 +309,12 @@ def _a_matrix(tmp_path, rows: int = 64, cols: int = 48):
 
 def _rows_into(f: TorchFile, ref: TensorRef, row0: int, rows: int) -> torch.Tensor | None:
     out = torch.empty(rows, *ref.shape[1:], dtype=torch.bfloat16)
-    return out if f.read_rows(ref, row0, out.view(-1).view(torch.uint8).numpy()) else None
+    raw = out.view(-1).view(torch.uint8).numpy()
+    value = f.read_rows(ref, row0, raw)
+    if value is None:
+        return None
+    assert value == zlib.crc32(raw.tobytes()), "the CRC-32 returned is not that of the bytes read"
+    return out
 
 
 def test_rows_read_with_plain_io_equal_the_mapped_tensor(tmp_path):

@@ -56,6 +56,14 @@ def _drop_stdout() -> None:
         pass
 
 
+def _missing_dependency(exc: BaseException) -> str | None:
+    """The top-level package a failed import of another project names (torch, numpy, yaml...), else None."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    top = exc.name.split(".")[0]
+    return None if top == __name__.split(".")[0] else top
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -90,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # never a raw traceback for the user
         if ns.debug:
             raise
+        missing = _missing_dependency(exc)
+        if missing:  # a broken install, not a bug
+            print(f"megatron-preflight: {ns.command} needs the Python package {missing!r}, which this environment "
+                  f"({sys.executable}) does not have. Fix: install megatron-preflight with its dependencies (pip "
+                  "install -e . in its checkout; pip install torch==2.13.0 for torch's CPU build).", file=sys.stderr)
+            return EXIT_PROBLEMS
         print(f"megatron-preflight: internal error ({type(exc).__name__}: {exc}). This is a bug in megatron-preflight, "
               "not in your checkpoint; rerun with --debug and report the traceback.", file=sys.stderr)
         return 3

@@ -16,3 +16,23 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
     p.stderr.close()
     assert p.wait(timeout=120) == 141, err
     assert err == "", err
+
+
+def test_a_missing_dependency_is_named_with_its_fix_not_called_a_bug(tmp_path):
+    """torch hidden from the interpreter (a broken install): reshard names the package and the fix, exit 1."""
+    blocker = tmp_path / "sitecustomize.py"  # a meta path finder that refuses torch, for this subprocess only
+    blocker.write_text("import sys\n"
+                       "class _NoTorch:\n"
+                       "    def find_spec(self, name, path=None, target=None):\n"
+                       "        if name == 'torch' or name.startswith('torch.'):\n"
+                       "            raise ModuleNotFoundError(\"No module named 'torch'\", name=name)\n"
+                       "sys.meta_path.insert(0, _NoTorch())\n")
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    p = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path("tp2_torch"),
+                        str(tmp_path / "out"), "--no-progress", "--", "--tensor-model-parallel-size", "1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 1, p.stderr
+    assert "needs the Python package 'torch'" in p.stderr and "internal error" not in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

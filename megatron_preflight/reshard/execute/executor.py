@@ -7,7 +7,7 @@ import functools
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from megatron_preflight import dtypes
+from megatron_preflight import crc, dtypes
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.tree import map_leaves
@@ -31,12 +31,14 @@ def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> t
 
 
 def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, spans: list[Span] | None = None) -> torch.Tensor:
     """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time.
 
     With ``out`` (a flat uint8 buffer of at least the rows' bytes, reused by the caller) the rows are built in it, and
     a source slice that is one contiguous run of a file is read straight into place with plain file I/O
-    (:meth:`SourceFiles.read_rows`); the caller then owes :meth:`SourceFiles.finish` before trusting the bytes."""
+    (:meth:`SourceFiles.read_rows`); the caller then owes :meth:`SourceFiles.finish` before trusting the bytes.
+    ``spans`` (with ``out``) gets a :data:`Span` per op: where its bytes went and their CRC-32 when they were read
+    that way (:func:`tiled_crc` makes the rows' CRC-32 from them)."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     assert tp.shape is not None
@@ -69,8 +71,14 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
                 continue
             d, rows = dst.narrow(0, lo - r0, hi - lo), (op.src[1] + lo - d_start, hi - lo)
             pick = functools.partial(_rows_then, r0=rows[0], n=rows[1], spec=None)
-        if out is not None and rows is not None and _read_direct(op, files, d, rows):
-            continue
+        if out is not None and rows is not None:
+            value = _read_direct(op, files, d, rows)
+            if spans is not None:
+                spans.append((d.data_ptr() - dst.data_ptr(), d.numel() * d.element_size(), value))
+            if value is not None:
+                continue
+        elif spans is not None:
+            spans.append((0, 0, None))  # copied through the mapping: no CRC-32 taken
         src = files.tensor(op.shard, op.ref)
         s = pick(src)
         if s.shape != d.shape:
@@ -96,15 +104,32 @@ def _rows(spec: tuple[int, int, int] | None, shape: tuple[int, ...] | None) -> t
     return (spec[1], spec[2]) if spec[0] == 0 else None
 
 
-def _read_direct(op: Any, files: SourceFiles, d: torch.Tensor, rows: tuple[int, int]) -> bool:
-    """Read the op's source rows straight into ``d`` when they are one run of a file, of ``d``'s shape and dtype."""
+def _read_direct(op: Any, files: SourceFiles, d: torch.Tensor, rows: tuple[int, int]) -> int | None:
+    """Read the op's source rows straight into ``d`` when they are one run of a file, of ``d``'s shape and dtype:
+    the CRC-32 of the bytes read; None when not read."""
     import torch  # deferred, as above
 
     ref = op.ref
     if not d.is_contiguous() or d.numel() == 0 or tuple(d.shape) != (rows[1], *ref.shape[1:]) or \
             dtypes.name_of(ref.dtype) != dtypes.name_of(d.dtype):
-        return False
+        return None
     return files.read_rows(op.shard, ref, rows[0], d.reshape(-1).view(torch.uint8).numpy())
+
+
+# (byte offset in the built rows, bytes, their CRC-32 or None when none was taken): where one op's bytes went
+Span = tuple[int, int, "int | None"]
+
+
+def tiled_crc(spans: list[Span], nbytes: int) -> int | None:
+    """The CRC-32 of built rows of ``nbytes`` bytes when ``spans`` (from :func:`build_rows`) cover them end to end,
+    each with its CRC-32 (combined: no pass over the bytes); None otherwise (planned padding, a piece copied through
+    a mapping): take it from the bytes."""
+    value, at = 0, 0
+    for start, n, piece in sorted(spans, key=lambda s: s[0]):
+        if piece is None or start != at:
+            return None
+        value, at = crc.combine(value, piece, n), at + n
+    return value if at == nbytes else None
 
 
 def build_flat(fp: Any, files: SourceFiles) -> torch.Tensor:

@@ -29,7 +29,7 @@ class Reader(Protocol):
 
     def extent(self, shard: str, ref: Any) -> tuple[str, int, int] | None: ...
 
-    def read_rows(self, shard: str, ref: Any, row0: int, out: Any) -> bool: ...
+    def read_rows(self, shard: str, ref: Any, row0: int, out: Any) -> int | None: ...
 
     def finish(self) -> None: ...
 
@@ -78,14 +78,15 @@ class SourceFiles:
         with plain file I/O; None when it cannot (other strides, or assembled from several chunks)."""
         return self.reader(ref).extent(shard, ref)
 
-    def read_rows(self, shard: str, ref: Any, row0: int, out: Any) -> bool:
+    def read_rows(self, shard: str, ref: Any, row0: int, out: Any) -> int | None:
         """Read rows from ``row0`` (dim 0) of the piece ``ref`` into the writable buffer ``out`` (as many rows as it
-        holds) with plain file I/O, when its format's reader can and the rows are one contiguous run of bytes; False
-        (nothing read) otherwise: read :meth:`tensor` instead. Call :meth:`finish` before trusting what was read."""
-        if not self.reader(ref).read_rows(shard, ref, row0, out):
-            return False
-        self.bytes_read += memoryview(out).nbytes
-        return True
+        holds) with plain file I/O, when its format's reader can and the rows are one contiguous run of bytes, and
+        return the CRC-32 of the bytes read; None (nothing read) otherwise: read :meth:`tensor` instead. Call
+        :meth:`finish` before trusting what was read."""
+        value = self.reader(ref).read_rows(shard, ref, row0, out)
+        if value is not None:
+            self.bytes_read += memoryview(out).nbytes
+        return value
 
     def finish(self) -> None:
         """The checks :meth:`read_rows` leaves to the end (each partly read record's CRC-32); raises on a mismatch."""

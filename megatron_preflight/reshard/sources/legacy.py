@@ -43,8 +43,9 @@ class LegacyReader:
         at = f.byte_extent(ref)
         return None if at is None else (f.path, *at)
 
-    def read_rows(self, shard: str, ref: TensorRef, row0: int, out: Any) -> bool:
-        """Rows of ``ref`` from ``row0`` into ``out`` with plain file I/O (:meth:`TorchFile.read_rows`)."""
+    def read_rows(self, shard: str, ref: TensorRef, row0: int, out: Any) -> int | None:
+        """Rows of ``ref`` from ``row0`` into ``out`` with plain file I/O (:meth:`TorchFile.read_rows`): their CRC-32,
+        None when not read."""
         return self.file_of(shard, ref).read_rows(ref, row0, out)
 
     def finish(self) -> None:

@@ -252,12 +252,13 @@ class DistReader:
         self._last = (ref, t)
         return t
 
-    def read_rows(self, shard: str, ref: RegionRef, row0: int, out: Any) -> bool:
+    def read_rows(self, shard: str, ref: RegionRef, row0: int, out: Any) -> int | None:
         """Rows of ``ref`` from ``row0`` into ``out`` with plain file I/O when the piece lies in one chunk with its rows
-        contiguous (:meth:`TorchFile.read_rows`, through one descriptor per ``.distcp`` file); False otherwise."""
+        contiguous (:meth:`TorchFile.read_rows`, through one descriptor per ``.distcp`` file): their CRC-32; None
+        (nothing read) otherwise."""
         run = self._run(ref)
         if run is None:
-            return False
+            return None
         f, view, c = run
         if c.file not in self._fds:
             self._fds[c.file] = os.open(f.path, os.O_RDONLY)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from megatron_preflight import crc, dtypes, pickling
-from megatron_preflight.reshard.execute.executor import build_rows
+from megatron_preflight.reshard.execute.executor import Span, build_rows, tiled_crc
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets.unit import Tap
@@ -143,11 +143,11 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
             nbytes = storage.numel * storage.dtype.itemsize
             behind.submit(zw.begin, f"data/{storage.key}", nbytes)
             value = 0
-            for plan, r0, part, buf in _pieces(source, files, buffers):
+            for plan, r0, part, buf, piece_crc in _pieces(source, files, buffers):
                 raw = part.reshape(-1).view(torch.uint8).numpy()
-                # the record's CRC-32 is taken here, over the bytes just read (the writer thread, which waits on the
-                # file system, only writes)
-                value = crc.crc32(raw, value)
+                # the record's CRC-32 is taken here (the writer thread, which waits on the file system, only writes):
+                # from the CRC-32s the reads took of the piece's bytes, or over the bytes when they were not all read so
+                value = crc.crc32(raw, value) if piece_crc is None else crc.combine(value, piece_crc, raw.nbytes)
                 behind.submit(zw.append, raw, value)  # holds the piece till written
                 if tap is not None and plan is not None:
                     tap.tensor(plan, r0, part)
@@ -190,23 +190,25 @@ class _Buffers:
 
 def _pieces(source: Any, files: SourceFiles, buffers: _Buffers) -> Any:
     """A target tensor in row chunks of about CHUNK_BYTES, each as (its plan, its first row, the rows, the buffer
-    to hand back once they are written) — a carried tensor: whole, no plan; a flat world tensor: its parameters'
-    states one after the other (flattened), zeros between, no plan."""
+    to hand back once they are written, the rows' CRC-32 when the reads that built them took it, else None) — a
+    carried tensor: whole, no plan; a flat world tensor: its parameters' states one after the other (flattened),
+    zeros between, no plan."""
     if isinstance(source, FlatPlan):
         pos = 0
         for start, tp in sorted(source.parts, key=lambda x: x[0]):
             if start > pos:
-                yield None, 0, torch.zeros(start - pos, dtype=source.dtype), None
+                yield None, 0, torch.zeros(start - pos, dtype=source.dtype), None, None
             pos = start
-            for plan, r0, piece, buf in _pieces(tp, files, buffers):
-                piece = piece.to(source.dtype)
+            for plan, r0, piece, buf, piece_crc in _pieces(tp, files, buffers):
+                if piece.dtype != source.dtype:  # other bytes than those read
+                    piece, piece_crc = piece.to(source.dtype), None
                 pos += piece.numel()
-                yield plan, r0, piece, buf
+                yield plan, r0, piece, buf, piece_crc
         if pos < source.numel:
-            yield None, 0, torch.zeros(source.numel - pos, dtype=source.dtype), None
+            yield None, 0, torch.zeros(source.numel - pos, dtype=source.dtype), None, None
         return
     if not isinstance(source, TensorPlan):
-        yield None, 0, source.contiguous(), None
+        yield None, 0, source.contiguous(), None, None
         return
     shape = source.shape
     assert shape is not None
@@ -214,14 +216,15 @@ def _pieces(source: Any, files: SourceFiles, buffers: _Buffers) -> Any:
     for s in shape[1:]:
         row *= s
     if not shape or shape[0] == 0:
-        buf = buffers.take(row)
-        yield source, 0, build_rows(source, files, 0, shape[0] if shape else 1, release=True, out=buf), buf
-        return
-    step = max(1, CHUNK_BYTES // max(row, 1))
-    for r0 in range(0, shape[0], step):
-        r1 = min(r0 + step, shape[0])
-        buf = buffers.take((r1 - r0) * row)
-        yield source, r0, build_rows(source, files, r0, r1, release=True, out=buf), buf
+        bounds = [(0, shape[0] if shape else 1)]
+    else:
+        step = max(1, CHUNK_BYTES // max(row, 1))
+        bounds = [(r0, min(r0 + step, shape[0])) for r0 in range(0, shape[0], step)]
+    for r0, r1 in bounds:
+        buf = buffers.take(max(r1 - r0, 1) * row)
+        spans: list[Span] = []
+        rows = build_rows(source, files, r0, r1, release=True, out=buf, spans=spans)
+        yield source, r0, rows, buf, tiled_crc(spans, rows.numel() * rows.element_size())
 
 
 def _serialization_id(path: str, nbytes: int) -> str:

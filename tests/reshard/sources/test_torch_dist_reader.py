@@ -23,7 +23,7 @@ def _spy_direct_reads(monkeypatch) -> list[str]:
 
     def spy(self, ref, row0, out, fd=None):
         done = original(self, ref, row0, out, fd)
-        if done and fd is not None:
+        if done is not None and fd is not None:
             read.append(f"{os.path.basename(self.path)}@{self._base}")
         return done
 
