@@ -34,6 +34,20 @@ def pad_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return ((vocab + m - 1) // m) * m
 
 
+def divisor_keeping(vocab: int, padded: int, tp: int) -> int | None:
+    """A ``--make-vocab-size-divisible-by`` under which ``vocab`` pads to ``padded`` at ``tp``: the smallest power of
+    two that does (as Megatron's default, 128, is), else the smallest number; None when none does (``padded`` is not a
+    multiple of ``tp``)."""
+    if tp < 1 or padded % tp:
+        return None
+    per_rank = padded // tp
+    small = [d for d in range(1, int(per_rank ** 0.5) + 1) if per_rank % d == 0]
+    for d in sorted({*small, *(per_rank // d for d in small)}, key=lambda d: (d & (d - 1) != 0, d)):
+        if pad_vocab(vocab, d, tp) == padded:
+            return d
+    return None
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """How one model is laid out over ranks. ``etp`` None follows TP (Megatron's default); ``vpp`` is None or ≥ 2."""

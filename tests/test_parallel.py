@@ -4,7 +4,7 @@ virtual stages, expert placement, ETP defaulting, vocab padding."""
 import pytest
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.parallel import LayoutError, ParallelLayout, derive_vpp, from_args, pad_vocab
+from megatron_preflight.parallel import LayoutError, ParallelLayout, derive_vpp, divisor_keeping, from_args, pad_vocab
 
 
 def test_from_args_defaults_and_etp_follows_tp():
@@ -106,3 +106,17 @@ def test_vpp_args_round_trip_through_the_builder(kw):
             "account_for_embedding_in_pipeline_split": lay.embedding_in_split,
             "decoder_first_pipeline_num_layers": lay.first_stage_layers, **lay.vpp_args()}
     assert from_args(args).vpp == lay.vpp
+
+
+@pytest.mark.parametrize("vocab, padded, tp, want", [
+    (4200, 4352, 1, 256),  # saved at TP2 with the default 128: keep it at TP1 with 256
+    (4200, 4352, 4, 64),
+    (100, 256, 1, 256),
+    (4200, 4352, 3, None),  # 4352 rows cannot be split over 3 ranks
+    (151655, 151936, 2, 1187),  # no power of two pads to it at TP2: the smallest number that does
+])
+def test_the_divisor_that_keeps_a_saved_padded_vocab(vocab, padded, tp, want):
+    got = divisor_keeping(vocab, padded, tp)
+    assert got == want
+    if got is not None:
+        assert pad_vocab(vocab, got, tp) == padded

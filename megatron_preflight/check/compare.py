@@ -10,7 +10,7 @@ from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.parallel import LayoutError, pad_vocab
+from megatron_preflight.parallel import LayoutError, divisor_keeping, pad_vocab
 from megatron_preflight.reshard.plan.rules import mamba_conv_name, mtp_layer_name
 
 FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
@@ -322,9 +322,14 @@ def _compare_vocab(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     run_padded = rt.padded_vocab_size
     if ck_padded is not None and run_padded is not None and ck_padded != run_padded:
         sev = RESHARD if layout.format == Format.TORCH else INFO
+        keep = divisor_keeping(rt.vocab_size, ck_padded, rt.tp)
+        fix = (f"to resume the saved model's function exactly, add --make-vocab-size-divisible-by {keep} (the vocab "
+               f"then pads to {ck_padded} at TP{rt.tp}, as saved)") if keep else ""
         out.append(Finding("padded_vocab_size", ck_padded, run_padded, sev,
                            "the padded vocab differs (padding follows make-vocab-size-divisible-by × TP); the real "
-                           f"{rt.vocab_size} rows are kept and the padding is re-made", ""))
+                           f"{rt.vocab_size} rows are kept and the padding is re-made, so the first losses after the "
+                           "resume differ a little from the saved model's (the padding rows' logits are part of the "
+                           "softmax)", fix))
     return out
 
 
