@@ -39,6 +39,12 @@ MOE_SHARED = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expe
               "--moe-layer-freq", "([0]+[1]*3)", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
               "--disable-bias-linear", "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
 
+# tests/fixtures/megatron-lm/LOCAL_FIXTURES.md: the model flags of vppmoe_distopt_tp2pp2ep2 (its parallel sizes apart)
+VPPMOE = ("--group-query-attention --num-query-groups 2 --swiglu --add-qkv-bias --disable-bias-linear "
+          "--untie-embeddings-and-output-weights --position-embedding-type learned_absolute --num-experts 4 "
+          "--moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-layer-freq [1,0,1,1] --moe-router-load-balancing-type "
+          "aux_loss --moe-aux-loss-coeff 0.01 --use-distributed-optimizer").split()
+
 
 # The CPU stand-in for Transformer Engine 2.17.1 (../shared/tools/megatron-lm-cpu/te_cpu; NOT Transformer Engine:
 # checkpoint-visible facts, plain torch math, no FP8). The TE-spec tests below run only when it is given.
@@ -1108,6 +1114,11 @@ def assert_same_files(ours, theirs):
     ("moe_shared_tp2pp2ep2_torch", "moe_shared_tp2pp2ep2_torch_dist", 8, {"tp": 2, "pp": 2, "ep": 2, "etp": 2},
      MOE_SHARED + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                    "--expert-tensor-parallel-size", "2"]),  # ETP1 -> ETP2: the experts split by ETP, 8 ranks
+    # VPP + MoE + the distributed optimizer, to TP1 PP1 (VPP gone) EP2 and to TP2 PP1 EP2: distrib_optim.pt included
+    ("vppmoe_distopt_tp2pp2ep2_torch", "vppmoe_distopt_tp2pp2ep2_torch_dist", 2, {"tp": 1, "pp": 1, "ep": 2, "etp": 1},
+     VPPMOE + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
+    ("vppmoe_distopt_tp2pp2ep2_torch", "vppmoe_distopt_tp2pp2ep2_torch_dist", 2, {"tp": 2, "pp": 1, "ep": 2, "etp": 1},
+     VPPMOE + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
     pytest.param("te_tp2_torch", "te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC, marks=te_only, id="te-fused-adam"),
     pytest.param("mla_te_tp2_torch", "mla_te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC + MLA, marks=te_only,
                  id="te-mla"),  # multi-latent attention: column up projections, duplicated down projections

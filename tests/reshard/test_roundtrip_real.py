@@ -110,6 +110,9 @@ SOURCES = {
     "mtp_te_tp2pp2_torch": (TargetLayout(tp=2, pp=2, embedding_in_split=False), dict(num_experts=None)),
     # an MoE MTP layer (TE-grouped experts, EP2: the MTP layer's experts split over EP as the decoder's)
     "mtp_moe_te_ep2_torch": (TargetLayout(tp=1, pp=1, ep=2, etp=1), dict(num_experts=4)),
+    # VPP + MoE + the distributed optimizer at once (qkv bias, learned positions, untied head, aux loss)
+    "vppmoe_distopt_tp2pp2ep2_torch": (TargetLayout(tp=2, pp=2, vpp=2, ep=2, etp=1, embedding_in_split=False),
+                                       dict(num_experts=4)),
 }
 
 
@@ -133,6 +136,8 @@ SOURCES = {
     ("mtp_te_tp2pp2_torch", TargetLayout(tp=1, pp=1)), ("mtp_te_tp2pp2_torch", TargetLayout(tp=4, pp=4, vpp=None)),
     ("mtp_te_tp2pp2_torch", TargetLayout(tp=1, pp=2, vpp=2)),
     ("mtp_moe_te_ep2_torch", TargetLayout(ep=1)), ("mtp_moe_te_ep2_torch", TargetLayout(ep=4, pp=2)),
+    ("vppmoe_distopt_tp2pp2ep2_torch", TargetLayout(tp=1, pp=1, ep=2, etp=1)),
+    ("vppmoe_distopt_tp2pp2ep2_torch", TargetLayout(tp=1, pp=4, vpp=None, ep=1)),
     ("mtp_moe_te_ep2_torch", TargetLayout(tp=2, ep=1, etp=2)),
 ])
 def test_fixture_roundtrip_bit_exact(tmp_path, name, target):

@@ -34,7 +34,9 @@ from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.optimizer.plain import (
     OptimizerNotReshardable,
     add_settings,
+    is_decoupled_group,
     is_param,
+    no_weight_decay,
     packed_params,
     unpacked,
 )
@@ -396,7 +398,7 @@ def plan_dist_optimizer(index: DistOptimizerIndex, plan: RankPlan, tgt: Parallel
             state[gbuf] = {(dtype, index.grad_dtype.get(dtype, dtype)): world}
         files.append(state)
         sigs = index.order if not split or not expert else [s for s in index.order if s in index.expert_groups] \
-            or index.order
+            or _expert_groups(index, [p for p in params if p.expert]) or index.order
         groups = [{**index.settings[s], "is_expert_parallel": expert} for s in sigs]
         entry: OrderedDict[str, Any] = OrderedDict([("optimizer", {"param_groups": groups})])
         entry.update(index.outer)
@@ -405,6 +407,20 @@ def plan_dist_optimizer(index: DistOptimizerIndex, plan: RankPlan, tgt: Parallel
         return entries[0], files[0]
     holds = (plan.coords.get("dp", 0) == 0, plan.coords.get("edp", 0) == 0)
     return entries, [f if held else None for f, held in zip(files, holds, strict=True)]
+
+
+def _expert_groups(index: DistOptimizerIndex, experts: list[Param]) -> list[str]:
+    """The expert part's groups when the source recorded none (saved with its experts in the dense groups: EP1): the
+    groups Megatron's default rules put an expert parameter in (weight decay or not; a decoupled LR is the embedding's
+    and head's), as Megatron gives that part only the groups its parameters need (aligned over all ranks)."""
+    kinds = {no_weight_decay(p.key, p.shape) for p in experts}
+    out = []
+    for s in index.order:
+        st = index.settings[s]
+        wd = st.get("wd_mult", st.get("weight_decay"))
+        if not is_decoupled_group(st) and (wd is None or (float(wd) == 0.0) in kinds):
+            out.append(s)
+    return out
 
 
 def _chunks(params: list[Param]) -> list[list[Param]]:

@@ -148,22 +148,27 @@ class OptimizerIndex:
     per_rank_order: bool = False
 
 
-def _decoupled(settings: dict[str, Any]) -> bool:
+def is_decoupled_group(settings: dict[str, Any]) -> bool:
     """A --decoupled-lr group (the embedding and head): flagged by older Megatron-LM; Megatron-LM main marks it only
     as a group whose LR schedule is not the default one."""
     return bool(settings.get("is_decoupled_lr")) or settings.get("default_config") is False
 
 
+def no_weight_decay(key: str, shape: tuple[int, ...]) -> bool:
+    """Megatron's default rule: biases and 1-D tensors (norms) are in a group without weight decay."""
+    return key.endswith(".bias") or len(shape) == 1
+
+
 def group_traits(sk: SourceKey, expert_parallel: bool) -> tuple[bool, bool, bool]:
     """What decides a parameter's param group by Megatron's default rules: (expert-parallel, no weight decay,
     decoupled LR) — all :func:`_candidates` reads of it."""
-    return (sk.info.expert is not None and expert_parallel, sk.key.endswith(".bias") or len(sk.value.shape) == 1,
+    return (sk.info.expert is not None and expert_parallel, no_weight_decay(sk.key, tuple(sk.value.shape)),
             sk.info.suffix in _DECOUPLED)
 
 
 def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) -> list[tuple[int, int]]:
     expert, no_wd, decoupled = group_traits(sk, expert_parallel)
-    decoupled_any = any(_decoupled(g) for sub in subs for g in sub.groups)
+    decoupled_any = any(is_decoupled_group(g) for sub in subs for g in sub.groups)
     out = []
     for s, sub in enumerate(subs):
         for g, st in enumerate(sub.groups):
@@ -172,7 +177,7 @@ def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) 
             wd = st.get("wd_mult", st.get("weight_decay"))
             if wd is not None and (float(wd) == 0.0) != no_wd:
                 continue
-            if decoupled_any and _decoupled(st) != decoupled:
+            if decoupled_any and is_decoupled_group(st) != decoupled:
                 continue
             out.append((s, g))
     if len({s for s, _ in out}) > 1 and len(subs) == 2:  # old chained dense + expert parts without the flag
