@@ -310,7 +310,8 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
         if problems:
             _stop("verify: the loaded run is not the checkpoint's:\n  " + "\n  ".join(problems[:50]))
         _say(f"verify: no fingerprints stored for {root} (iteration {index.layout.iteration}): nothing to compare "
-             "the loaded model with; run `megatron-preflight fingerprint` on the checkpoint to enable it"
+             f"the loaded model with; run `megatron-preflight fingerprint {root} --iteration "
+             f"{index.layout.iteration}` to enable it"
              + ("; the restored RNG states are each rank's checkpoint entry" if verify_rng.restores_rng(args, index)
                 else ""))
         return

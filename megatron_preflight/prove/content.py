@@ -70,7 +70,8 @@ class ContentReport:
     def render(self) -> str:
         if self.fingerprints is None:
             return (f"content     not verified: no fingerprints stored for iteration {self.iteration} (a job run with "
-                    "--preflight stores them at save; `megatron-preflight fingerprint` stores them now)")
+                    f"--preflight stores them at save; `megatron-preflight fingerprint {self.root} --iteration "
+                    f"{self.iteration}` stores them now)")
         if self.ok:
             return (f"content     OK: all {self.checked} tensors equal the fingerprints in {self.fingerprints} "
                     f"({self.seconds:.2f} s)")

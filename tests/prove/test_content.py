@@ -49,9 +49,22 @@ def test_an_untouched_copy_equals_its_fingerprints(tmp_path):
     assert "OK: all" in report.render()
 
 
-def test_a_checkpoint_without_fingerprints_says_it_is_not_verified():
-    report = check_content(fixture_path("tp2_torch"))
-    assert report.ok and report.fingerprints is None and "not verified" in report.render()
+def test_a_checkpoint_without_fingerprints_says_it_is_not_verified_and_the_command_it_names_fixes_that(tmp_path):
+    import shlex
+    import shutil
+
+    from megatron_preflight.cli.main import main
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(fixture_path("tp2_torch"), root)
+    report = check_content(str(root))
+    text = report.render()
+    assert report.ok and report.fingerprints is None and "not verified" in text
+    command = text.split("`")[1]  # the command quoted in the message, for the iteration it names
+    assert command == f"megatron-preflight fingerprint {root} --iteration 2"
+    assert main(shlex.split(command)[1:]) == 0
+    again = check_content(str(root))
+    assert again.ok and again.fingerprints is not None and again.checked > 0
 
 
 def test_a_shard_spliced_in_from_another_run_is_named_as_such(tmp_path):
