@@ -95,6 +95,16 @@ class ParallelLayout:
         """The smallest world size valid for both rank grids (dense TP·CP·DP·PP, expert ETP·EP·EDP·PP)."""
         return math.lcm(self.tp * self.cp, self.etp_eff * self.ep) * self.pp
 
+    def world_problem(self, world: int) -> LayoutError | None:
+        """Why ``world`` ranks cannot hold this layout (Megatron's ``initialize_model_parallel`` raises), or None."""
+        dense, expert = self.tp * self.pp * self.cp, self.etp_eff * self.ep * self.pp
+        for size, what, fix in ((dense, "TP·PP·CP", "change the number of GPUs or the parallel sizes"),
+                                (expert, "ETP·EP·PP", "change the number of GPUs, EP or ETP")):
+            if world % size:
+                return LayoutError(f"world size {world} is not divisible by {what} = {size} ({self.describe()})",
+                                   field="world_size", fix=fix)
+        return None
+
     def sizes(self) -> dict[str, int | None]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp_eff, "vpp": self.vpp, "cp": self.cp}
 

@@ -158,15 +158,16 @@ class _TensorType:
 
 
 def _overrides(file: str) -> dict[tuple[str, str], Any]:
-    hooks = dict(_static_overrides())
+    hooks = dict(_static_overrides(dtypes.torch_loaded()))
     hooks[("torch._utils", "_rebuild_tensor_v2")] = hooks[("torch._utils", "_rebuild_tensor")] = \
         _rebuild_tensor_hook(file)
     return hooks
 
 
-@functools.lru_cache(maxsize=1)
-def _static_overrides() -> dict[tuple[str, str], Any]:
-    """The hooks that do not name the file (made once: a torch_dist checkpoint opens one blob per chunk)."""
+@functools.lru_cache(maxsize=2)
+def _static_overrides(torch_loaded: bool) -> dict[tuple[str, str], Any]:
+    """The hooks that do not name the file (made once per form of dtype, ``torch_loaded``: torch's, or named ones;
+    a torch_dist checkpoint opens one blob per chunk)."""
     hooks: dict[tuple[str, str], Any] = {
         ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
         ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
@@ -181,7 +182,8 @@ def _static_overrides() -> dict[tuple[str, str], Any]:
 
 # the pickle bytes of a file that held one tensor -> that tensor's ref (a torch_dist checkpoint's chunks of one shape
 # pickle the same bytes: a hit skips the unpickler; the storage record is still checked against each file)
-_ONE_TENSOR: dict[bytes, TensorRef] = {}
+# (keyed with whether torch is loaded: its dtypes are torch's then, named ones before)
+_ONE_TENSOR: dict[tuple[bool, bytes], TensorRef] = {}
 
 
 class _MappedWindow(io.RawIOBase):
@@ -366,7 +368,7 @@ class TorchFile:
             return self._storage(StorageRef(str(key), dtype, numel))
 
         if not self.trust:  # a torch_dist chunk blob: its pickle is the same bytes as many others' (same shape)
-            known = _ONE_TENSOR.get(data)
+            known = _ONE_TENSOR.get((dtypes.torch_loaded(), data))
             if known is not None:
                 return TensorRef(self.path, self._storage(known.storage), known.offset, known.shape, known.stride)
         try:
@@ -380,7 +382,7 @@ class TorchFile:
         if type(out) is TensorRef and not self.trust:
             if len(_ONE_TENSOR) >= 1024:
                 _ONE_TENSOR.clear()
-            _ONE_TENSOR[data] = out
+            _ONE_TENSOR[(dtypes.torch_loaded(), data)] = out
         return out
 
     def _storage(self, ref: StorageRef) -> StorageRef:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_preflight import parallel
+from megatron_preflight.check import advice
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.errors import PreflightError
@@ -177,7 +178,7 @@ def _compare_hybrid(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                         "a GPT checkpoint into a HybridModel run: each GPT layer i is hybrid layers 2i (attention) and "
                         "2i+1 (MLP / MoE), the same tensors renumbered (Megatron's legacy loader cannot; the "
                         "resharder renames them, with the optimizer state)",
-                        _reshard_fix(layout, f"--hybrid-layer-pattern '{run}'"))]
+                        _reshard_fix(layout, rt))]
     try:
         parallel.repipe(ck, run, rt.pp, rt.vpp, keep=False)
     except PreflightError as e:
@@ -187,14 +188,13 @@ def _compare_hybrid(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         return [Finding("hybrid_layer_pattern", ck, run, RESHARD if legacy else INFO,
                         "the pattern's '|' cuts moved: layers change pipeline stage"
                         + ("" if legacy else " (Megatron's dist loader places them)"),
-                        _reshard_fix(layout, f"--hybrid-layer-pattern '{run}'") if legacy else "")]
+                        _reshard_fix(layout, rt) if legacy else "")]
     return []
 
 
-def _reshard_fix(layout: Layout, flag: str) -> str:
-    return ("megatron-preflight renames them in memory at load (--preflight auto), or offline: megatron-preflight "
-            f"reshard {layout.root or layout.path} NEW_DIR -- <the run's pretrain_gpt.py flags, {flag} included>, "
-            "then --load NEW_DIR")
+def _reshard_fix(layout: Layout, rt: RuntimeArgs) -> str:
+    return ("megatron-preflight renames them in memory at load (--preflight auto), or offline: "
+            + advice.offline_fix(layout, rt))
 
 
 def _renamed(layout: Layout, field: str, running: str | None, naming_of: Any, what: str, release: str,
@@ -241,15 +241,14 @@ def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             out.append(Finding("transformer_impl", ck_impl, run_impl, RESHARD,
                                "a legacy file names layer norms and extra state by its layer spec (local "
                                "`input_layernorm.weight` vs Transformer Engine `linear_qkv.layer_norm_weight`); the "
-                               "tensors are the same", _reshard_fix(layout, f"--transformer-impl {run_impl}")))
+                               "tensors are the same", _reshard_fix(layout, rt)))
         elif ck_impl == "local" and run_impl == "transformer_engine":
             out.append(Finding("transformer_impl", ck_impl, run_impl, RESHARD,
                                "torch_dist maps the layer norms' names, but the Transformer Engine modules' extra "
                                "state is not in a local-spec checkpoint: Megatron's dist loader fails ('Missing key "
                                "in checkpoint state_dict: decoder.final_layernorm._extra_state/shard_0_1'); the "
                                "in-memory resharder loads it (extra state made empty, as a fresh TE module's)",
-                               "run with --preflight auto; or " + _reshard_fix(layout, "--transformer-impl "
-                                                                               "transformer_engine").split(", or ", 1)[1]))
+                               "run with --preflight auto; or offline: " + advice.offline_fix(layout, rt)))
         else:
             out.append(Finding("transformer_impl", ck_impl, run_impl, INFO,
                                "torch_dist maps Transformer Engine names to the local spec's (dense models): "
@@ -272,7 +271,7 @@ def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             why = " and this Megatron's local spec builds sequential experts (it has no GroupedMLP)" if same else ""
             out.append(Finding("moe_grouped_gemm", "legacy GroupedMLP", "sequential experts" if same else run_gg,
                                RESHARD, f"{packed}{why}: the resharder reads them as each expert's weights ({carried})",
-                               _reshard_fix(layout, "--moe-grouped-gemm" if run_gg else "no --moe-grouped-gemm")))
+                               _reshard_fix(layout, rt)))
         return out
     if ck_gg != run_gg:
         if not legacy:
@@ -287,8 +286,7 @@ def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             out.append(Finding("moe_grouped_gemm", ck_gg, run_gg, RESHARD,
                                "grouped experts (Transformer Engine: experts.linear_fc1.weight{j}) and sequential ones "
                                "(local_experts.{j}.linear_fc1.weight) hold the same tensors under other names in a "
-                               "legacy file", _reshard_fix(layout, "--moe-grouped-gemm" if run_gg else
-                                                           "no --moe-grouped-gemm")))
+                               "legacy file", _reshard_fix(layout, rt)))
     return out
 
 
@@ -369,11 +367,7 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
     if ep > 1 and not rt.num_experts:
         bad("expert_model_parallel_size", ep, "expert parallelism without --num-experts",
             "remove --expert-model-parallel-size or add --num-experts")
-    if rt.world_size:
-        if rt.world_size % (tp * pp * cp):
-            bad("world_size", rt.world_size, f"world size {rt.world_size} is not divisible by TP·PP·CP = {tp * pp * cp}",
-                "change the number of GPUs or the parallel sizes")
-        elif rt.world_size % (etp * ep * pp):
-            bad("world_size", rt.world_size, f"world size {rt.world_size} is not divisible by ETP·EP·PP = {etp * ep * pp}",
-                "change the number of GPUs, EP or ETP")
+    problem = sizes.world_problem(rt.world_size) if rt.world_size else None
+    if problem is not None:
+        bad("world_size", rt.world_size, problem.message, problem.fix or "")
     return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
+from megatron_preflight.check import advice
 from megatron_preflight.check.batches import batch_findings
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
 from megatron_preflight.check.data import data_findings
@@ -22,7 +23,7 @@ from megatron_preflight.check.tokenizer import tokenizer_findings
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.parallel import LayoutError
+from megatron_preflight.reshard.plan import drift
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,7 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
                        "loader cannot load it (it fails with an assert, a size mismatch, or exits 0 with "
                        "'could not load the checkpoint')")
                 fix = ("megatron-preflight reshards it in memory at load (--preflight auto), or offline: "
-                       f"megatron-preflight reshard {layout.root or layout.path} NEW_DIR -- <the run's "
-                       "pretrain_gpt.py flags> (the same flags give the same layout, spec and optimizer form: "
-                       f"{_layout_flags(rt)}), then --load NEW_DIR")
+                       + advice.offline_fix(layout, rt))
             else:
                 msg = (f"the parallel layout differs ({name}: checkpoint {ck}, run {run}); "
                        f"{layout.format.value if layout.format else 'the'} format reshards model weights at load")
@@ -173,9 +172,8 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                                    "the distributed optimizer's state (distrib_optim.pt) follows a layout change "
                                    "offline, not yet in memory: Megatron would look for distrib_optim.pt of the "
                                    "run's layout",
-                                   f"reshard offline first (it carries the state): megatron-preflight reshard "
-                                   f"{layout.root or layout.path} NEW_DIR -- <the run's flags>, then --load NEW_DIR; or "
-                                   "add --no-load-optim (and keep the weights)"))
+                                   "reshard offline first (it carries the state): " + advice.offline_fix(layout, rt)
+                                   + "; or add --no-load-optim (and keep the weights)"))
             elif problem is None:
                 kind = status.kind if status is not None else "plain"
                 what = ("the distributed optimizer's state (distrib_optim.pt: fp32 masters, exp_avg, exp_avg_sq) is "
@@ -195,14 +193,14 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                                                        bool(getattr(saved, "num_experts", None)))
             if tp_pp_change and sharding not in FULLY_RESHARDABLE:
                 out.append(_megatron_refuses(
-                    index, sharding, f"TP{rt.tp} PP{rt.pp}",
+                    index, rt, sharding, f"TP{rt.tp} PP{rt.pp}",
                     f"Megatron fails here with '(TP, PP) mismatch after resume ... not supported for "
                     f"DistributedOptimizer with sharding type {sharding}'", readable=sharding == "dp_reshardable",
                     other="add --no-load-optim; or re-save at the old layout with "
                           "--dist-ckpt-optim-fully-reshardable and load that"))
             elif ep_change:
                 out.append(_megatron_refuses(
-                    index, f"EP{layout.ep}", f"EP{rt.ep}",
+                    index, rt, f"EP{layout.ep}", f"EP{rt.ep}",
                     "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
                     "('Could not find parameter group with key ...')",
                     readable=layout.format == Format.TORCH_DIST and sharding in READABLE_DIST_OPTIMIZER,
@@ -211,7 +209,7 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
             ep_change = (layout.ep or 1) != rt.ep
             if ep_change and has_optim:
                 out.append(_megatron_refuses(
-                    index, f"EP{layout.ep}", f"EP{rt.ep}",
+                    index, rt, f"EP{layout.ep}", f"EP{rt.ep}",
                     "an expert-parallel change with a torch_dist optimizer state fails in Megatron "
                     "('Could not find parameter group with key ...')", readable=layout.format == Format.TORCH_DIST,
                     other="add --no-load-optim"))
@@ -222,6 +220,12 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                            "history, per rank); the tensors are re-split, so every rank gets TP rank 0's, as "
                            "Megatron's own torch_dist reshard gives it; TE's delayed scaling replaces it from the "
                            "next steps' amax history", ""))
+    drifting = drift.causes(saved) if changed and layout.format == Format.TORCH else []
+    if drifting:
+        out.append(Finding("replicas", "drift", "TP rank 0's copy", INFO,
+                           f"Megatron lets some TP copies of this model differ ({'; '.join(drifting)}); the reshard "
+                           "uses TP rank 0's copy of them, as Megatron's own torch_dist save does, and reports the "
+                           "drift it measures. Any other copy that disagrees stops it", ""))
     if changed and load_rng:
         out.append(Finding("rng_state", f"TP{layout.tp} PP{layout.pp}", f"TP{rt.tp} PP{rt.pp}", INFO,
                            "RNG states are per (TP, PP) rank and cannot be mapped to another layout: they are not "
@@ -239,9 +243,8 @@ def _flattened_range(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> Finding
     megatron-core >= 0.16 refuses it inside load_checkpoint, at any layout. The resharder reads it: in a Megatron that
     cannot, ``--preflight auto`` loads it in memory (a reshard finding); offline, converting it once carries it."""
     layout = index.layout
-    convert = (f"convert it once: megatron-preflight reshard {layout.root or layout.path} NEW_DIR --ckpt-format "
-               "torch_dist -- <the run's flags> (the fully_reshardable form, which it loads at any TP/PP; or "
-               "--ckpt-format torch for the legacy format), then --load NEW_DIR")
+    convert = ("convert it once to the fully_reshardable form, which it loads at any TP/PP: "
+               + advice.offline_fix(layout, rt, "--ckpt-format", "torch_dist", load_flags="--ckpt-format torch_dist"))
     why = ("the distributed optimizer's state is saved in the fully_sharded_model_space form (flattened ranges: the "
            "default of megatron-core <= 0.14)")
     fails = ("load_checkpoint fails after the model and optimizer are built ('ShardedTensor.flattened_range is not "
@@ -287,24 +290,8 @@ def _family_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[Fi
                         "add --no-load-optim (and keep the weights)")]
     return [Finding("optimizer_family", ck, rt.optimizer_family, RESHARD,
                     f"{why}; the resharder converts it (exp_avg, exp_avg_sq and masters as they are, the step kept)",
-                    "run with --preflight auto (converted in memory); or offline: megatron-preflight reshard "
-                    f"{layout.root or layout.path} NEW_DIR --optimizer-family {rt.optimizer_family} -- <the run's "
-                    "flags>, then --load NEW_DIR")]
-
-
-def _layout_flags(rt: RuntimeArgs) -> str:
-    """The run's parallel layout as the flags that set it (what the printed fixes name)."""
-    try:
-        sizes = rt.layout().to_args() if rt.num_layers else {}
-    except LayoutError:  # an impossible split is a finding of its own
-        sizes = {}
-    flags = [f"--tensor-model-parallel-size {rt.tp}", f"--pipeline-model-parallel-size {rt.pp}"]
-    if rt.ep > 1 or rt.num_experts:
-        flags += [f"--expert-model-parallel-size {rt.ep}", f"--expert-tensor-parallel-size {rt.etp}"]
-    per_chunk = sizes.get("num_layers_per_virtual_pipeline_stage")
-    if per_chunk:
-        flags.append(f"--num-layers-per-virtual-pipeline-stage {per_chunk}")
-    return " ".join(flags)
+                    "run with --preflight auto (converted in memory); or offline: "
+                    + advice.offline_fix(layout, rt, "--optimizer-family", rt.optimizer_family))]
 
 
 def _convertible(index: reshard.CheckpointIndex) -> bool:
@@ -442,7 +429,7 @@ def _predict_cost(plan: Plan) -> None:
         plan.notes.append("reshard cost not predicted: the shards were sampled (--all-shards predicts it)")
         return
     try:
-        r = reshard.open_resharder(plan.index, reshard.TargetLayout.from_args(plan.runtime, given=plan.runtime.given),
+        r = reshard.open_resharder(plan.index, reshard.TargetLayout.from_args(plan.runtime, named=plan.runtime.given),
                            keep_optimizer=plan.load_optimizer)
         plan.cost = reshard.predict_in_memory(r, sample=True)
     except PreflightError as exc:
@@ -468,7 +455,8 @@ def make_plan(checkpoint: str, args: RuntimeArgs | argparse.Namespace | dict, *,
     return plan_from_layout(index, rt, t0)
 
 
-def _megatron_refuses(index: reshard.CheckpointIndex, ckpt: Any, run: Any, why: str, *, readable: bool, other: str) -> Finding:
+def _megatron_refuses(index: reshard.CheckpointIndex, rt: RuntimeArgs, ckpt: Any, run: Any, why: str, *,
+                      readable: bool, other: str) -> Finding:
     """A torch_dist optimizer state Megatron's own loader refuses at the run's layout: when the resharder reads its
     form, ``--preflight auto`` loads it in memory instead (a reshard finding, and the reshard loader); else fatal."""
     problem = None
@@ -478,14 +466,14 @@ def _megatron_refuses(index: reshard.CheckpointIndex, ckpt: Any, run: Any, why: 
         return Finding("optimizer", ckpt, run, RESHARD,
                        f"{why}; the in-memory resharder reads this form, so --preflight auto loads the weights and the "
                        "optimizer state through it instead of Megatron's dist loader",
-                       f"run with --preflight auto; or {_dist_to_legacy_fix(index.layout)}")
+                       f"run with --preflight auto; or {_dist_to_legacy_fix(index.layout, rt)}")
     if problem is not None:
         why += f"; the in-memory resharder cannot serve it either ({problem})"
     return Finding("optimizer", ckpt, run, FATAL, why, other)
 
 
-def _dist_to_legacy_fix(layout: Layout) -> str:
+def _dist_to_legacy_fix(layout: Layout, rt: RuntimeArgs) -> str:
     """Its optimizer state is saved in model space, which the resharder reads: converting offline carries it."""
-    return (f"convert offline to a legacy checkpoint at the run's layout, optimizer state included: megatron-preflight "
-            f"reshard {layout.root or layout.path} NEW_DIR --ckpt-format torch -- <the run's flags>, then "
-            "--ckpt-format torch --load NEW_DIR; or add --no-load-optim")
+    return ("convert offline to a legacy checkpoint at the run's layout, optimizer state included: "
+            + advice.offline_fix(layout, rt, "--ckpt-format", "torch", load_flags="--ckpt-format torch")
+            + "; or add --no-load-optim")

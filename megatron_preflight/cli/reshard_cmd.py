@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 
 if TYPE_CHECKING:
@@ -28,14 +29,24 @@ def _int(v: str | None, flag: str = "a size") -> int | None:
 
 
 def target_from(ns: argparse.Namespace) -> TargetLayout:
-    """The target the command line asks for: the new run's flags after ``--``, or the size flags."""
+    """The target the command line asks for: the new run's flags after ``--`` (they mean what they mean to Megatron:
+    a size they leave out is Megatron's default, as ``check`` reads them), or the size flags (a size not given keeps
+    the source's)."""
     # loaded when reshard runs
     from megatron_preflight.check.runtime_args import from_cli
     from megatron_preflight.reshard import TargetLayout
 
     if ns.megatron_args:
-        rt = from_cli(ns.megatron_args)
-        return TargetLayout.from_args(rt, given=rt.given)
+        # under torchrun, WORLD_SIZE is this command's own ranks, not the new run's
+        env = {} if "LOCAL_RANK" in os.environ else None
+        rt = from_cli(ns.megatron_args, env)
+        if rt.world_size:
+            grid = parallel.ParallelLayout(tp=rt.tp, pp=rt.pp, ep=rt.ep, etp=rt.etp, cp=rt.cp)
+            problem = grid.world_problem(rt.world_size)
+            if problem is not None:
+                raise PreflightError(f"the run's flags ask for a layout its {rt.world_size} ranks cannot hold: "
+                                     f"{problem.message}", fix=problem.fix, code="usage")
+        return TargetLayout.from_args(rt, named=rt.given)
     size = {name: _int(getattr(ns, name), "--" + name.replace("_", "-")) for name in _SIZE_FLAGS}
     return TargetLayout(
         tp=size["tensor_model_parallel_size"], pp=size["pipeline_model_parallel_size"],
@@ -141,7 +152,11 @@ def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("reshard", help="write a legacy checkpoint at another TP/PP/EP/ETP/VPP layout",
                        description="Sizes not given keep the source's; ETP follows the target TP unless given; no "
-                                   "virtual pipeline unless given. Or give the new run's pretrain_gpt.py flags after --.")
+                                   "virtual pipeline unless given. Or give the new run's pretrain_gpt.py flags after "
+                                   "--: they mean what they mean to Megatron (a size they leave out is Megatron's "
+                                   "default: TP = PP = EP = 1, ETP = TP, no virtual pipeline, even stages), exactly "
+                                   "the layout `check` compares; the run's world size (--world-size, --nproc-per-node "
+                                   "or WORLD_SIZE) must hold it.")
     p.add_argument("src", help="source checkpoint root (never written to)")
     p.add_argument("dst", help="new checkpoint root (must not exist, or be empty)")
     p.add_argument("--tensor-model-parallel-size", "--tp")

@@ -15,6 +15,7 @@ import types
 import warnings
 from typing import Any
 
+from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError, require_regular_file
 from megatron_preflight.layout import completeness, optimizer_entry
 from megatron_preflight.layout.model import Format, Layout
@@ -28,7 +29,8 @@ DCP_METADATA = ".metadata"
 COMMON_PT = "common.pt"
 
 
-_METADATA_CACHE: dict[tuple[str, int, int, bool], Any] = {}
+# keyed by the file's version, the trust mode and whether torch is loaded (its dtypes are torch's then, named before)
+_METADATA_CACHE: dict[tuple[str, int, int, bool, bool], Any] = {}
 
 
 def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
@@ -38,7 +40,7 @@ def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
     require_regular_file(path)
     try:
         st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, trust)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, trust, dtypes.torch_loaded())
     except OSError:
         key = None
     if key is not None and key in _METADATA_CACHE:

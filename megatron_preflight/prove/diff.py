@@ -69,14 +69,18 @@ class DiffReport:
     args: list[tuple[str, Any, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     steps: tuple[float | None, float | None] = (None, None)
+    # the common state a resume reads that differs (iteration, the LR scheduler, the param groups' settings):
+    # (what, a, b)
+    common: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     @property
     def equal(self) -> bool:
-        return all(t.status == "equal" for t in self.tensors) and self.steps[0] == self.steps[1]
+        return all(t.status == "equal" for t in self.tensors) and self.steps[0] == self.steps[1] and not self.common
 
     def to_json(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "equal": self.equal, "tensors": [t.to_json() for t in self.tensors],
-                "optimizer_step": list(self.steps), "args": [{"field": f, "a": repr(x), "b": repr(y)}
+                "optimizer_step": list(self.steps),
+                "common": [{"field": f, "a": repr(x), "b": repr(y)} for f, x, y in self.common], "args": [{"field": f, "a": repr(x), "b": repr(y)}
                                                              for f, x, y in self.args], "notes": self.notes}
 
     def render(self) -> str:
@@ -98,6 +102,9 @@ class DiffReport:
                 else:
                     detail = {"shape": f"{t.shape} vs {t.other_shape}", "dtype": f"{t.dtype} vs {t.other_dtype}"}
                     lines.append(f"{t.name:<60} {t.status:<12} {detail.get(t.status, '')}")
+        if self.common:
+            lines.append(f"common state that differs ({len(self.common)}: a resume reads it):")
+            lines += [f"  {f}: a {x!r}, b {y!r}" for f, x, y in self.common]
         if self.args:
             lines.append(f"saved args that differ ({len(self.args)}; layout and run-environment fields left out):")
             lines += [f"  {f}: a {x!r}, b {y!r}" for f, x, y in self.args[:40]]
@@ -258,6 +265,50 @@ def _args_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
     return out
 
 
+# a param group's settings that change what a step does (the family's own flags, e.g. fused Adam's bias_correction
+# or AdamW's decoupled_weight_decay, are bridged when the state is converted, and not compared)
+GROUP_SETTINGS = ("lr", "max_lr", "min_lr", "weight_decay", "betas", "eps", "wd_mult", "lr_mult")
+
+
+def _common_differences(ia: Any, ib: Any, with_optimizer: bool) -> list[tuple[str, Any, Any]]:
+    """The iteration and (with the optimizer state) the LR scheduler's state, where they differ."""
+    out: list[tuple[str, Any, Any]] = []
+    if ia.layout.iteration != ib.layout.iteration:
+        out.append(("iteration", ia.layout.iteration, ib.layout.iteration))
+    if with_optimizer:
+        sa, sb = (_meta(i).get("opt_param_scheduler") for i in (ia, ib))
+        if isinstance(sa, dict) and isinstance(sb, dict):
+            out += [(f"opt_param_scheduler.{k}", sa.get(k), sb.get(k)) for k in sorted(set(sa) | set(sb))
+                    if repr(sa.get(k)) != repr(sb.get(k))]
+        elif (sa is None) != (sb is None):
+            out.append(("opt_param_scheduler", "saved" if sa is not None else None, "saved" if sb is not None else None))
+    return out
+
+
+def _meta(index: Any) -> dict[str, Any]:
+    shards = index.view.shards
+    meta = shards[0].meta if shards else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def _group_differences(pa: Any, pb: Any) -> list[tuple[str, Any, Any]]:
+    """Each parameter's group settings (:data:`GROUP_SETTINGS`) on both sides: one line per setting and pair of
+    values that differ, naming the first parameter where they do."""
+    if pa is None or pb is None:
+        return []
+    found: dict[tuple[str, str, str], tuple[str, Any, Any]] = {}
+    for gkey, sig in pa.membership.items():
+        other = pb.membership.get(gkey)
+        if other is None:
+            continue
+        x, y = pa.settings.get(sig, {}), pb.settings.get(other, {})
+        for k in GROUP_SETTINGS:
+            if repr(x.get(k)) != repr(y.get(k)):
+                where = gkey.suffix if gkey.layer is None else f"layer {gkey.layer} {gkey.suffix}"
+                found.setdefault((k, repr(x.get(k)), repr(y.get(k))), (where, x.get(k), y.get(k)))
+    return [(f"param group {key[0]} (first at {where})", x, y) for key, (where, x, y) in sorted(found.items())]
+
+
 def _absent_extra(name: str, na: dict[str, Any], nb: dict[str, Any]) -> bool:
     """An ``_extra_state`` that one side lacks and the other holds as None: nothing to compare (a legacy file keeps
     the output layer's None, torch_dist does not)."""
@@ -342,6 +393,8 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
             f.close()
     if with_optimizer:
         report.steps = (ga.plain_step(), gb.plain_step())
+        report.common += _group_differences(ga.choice.plain, gb.choice.plain)
+    report.common = _common_differences(ia, ib, with_optimizer) + report.common
     report.args = _args_differences(ia.view.saved_args, ib.view.saved_args)
     return report
 

@@ -288,9 +288,12 @@ class Resharder:
         try:
             # building (not for a plan's cost, which a verdict asks)
             from megatron_preflight.reshard.execute.executor import execute
-            from megatron_preflight.reshard.execute.replicas import check_replicas
+            from megatron_preflight.reshard.execute.replicas import Drifted, check_replicas
 
-            check_replicas(plan, files, saved_args=self.layout.saved_args)
+            drifted = Drifted()
+            check_replicas(plan, files, saved_args=self.layout.saved_args, drifted=drifted)
+            if drifted.tensors:
+                log.warning("%s", drifted.render())
             state = self.header(files)
             state.update(execute(plan, files))
             return state

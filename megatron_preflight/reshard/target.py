@@ -70,14 +70,16 @@ class TargetLayout:
                 "num_virtual_stages_per_pipeline_rank": self.num_virtual_stages_per_pipeline_rank}
 
     @classmethod
-    def from_args(cls, args: Any, given: set[str] | None = None) -> TargetLayout:
-        """The target a run with Megatron ``args`` (a Namespace, RuntimeArgs or mapping) needs. ``given``: the arg
-        names set explicitly (the others keep the source's); None: every size is given. The virtual pipeline flags
-        are kept as flags: :meth:`resolve` derives the VPP with the model's layer count, as Megatron does."""
+    def from_args(cls, args: Any, named: set[str] | None = None) -> TargetLayout:
+        """The target a run with Megatron ``args`` (a Namespace, RuntimeArgs or mapping) needs: every size as the run
+        has it, a size its flags leave out being Megatron's default (TP = PP = EP = 1, ETP = TP, no virtual pipeline,
+        even stages), exactly the layout ``check`` compares. ``named``: for a run given as flags, the flags it names
+        (then the output's format is the run's only when its flags name it, and the padded vocab follows the target
+        TP); None: live args. The virtual pipeline flags are kept as flags: :meth:`resolve` derives the VPP with the
+        model's layer count, as Megatron does."""
 
         def get(name: str) -> Any:
-            value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
-            return value if given is None or name in given else None
+            return args.get(name) if isinstance(args, dict) else getattr(args, name, None)
 
         per_chunk, stages = get("num_layers_per_virtual_pipeline_stage"), get("num_virtual_stages_per_pipeline_rank")
         pattern = get("hybrid_layer_pattern") or get("hybrid_override_pattern")
@@ -91,19 +93,18 @@ class TargetLayout:
             # a run's flags: an accounting flag not given is off (Megatron's default), not "keep the source's"
             embedding_in_split=bool(get("account_for_embedding_in_pipeline_split")),
             loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
-            padded_vocab_size=get("padded_vocab_size") if given is None else None,
+            padded_vocab_size=get("padded_vocab_size") if named is None else None,
             distributed_optimizer=bool(get("use_distributed_optimizer")),
             vocab_size=get("vocab_size"),
             make_vocab_size_divisible_by=get("make_vocab_size_divisible_by"),
             # the output's format only when the run's flags name it (Megatron's default is torch_dist)
-            ckpt_format=get("ckpt_format") if given is not None else None,
+            ckpt_format=get("ckpt_format") if named is not None and "ckpt_format" in named else None,
             # a HybridModel is built from Transformer Engine modules (Megatron's default spec)
             transformer_impl=get("transformer_impl") or ("transformer_engine" if pattern else None),
             moe_grouped_gemm=None if get("moe_grouped_gemm") is None else bool(get("moe_grouped_gemm")),
             optimizer_family=get("optimizer_family"),
             hybrid_layer_pattern=pattern,
-            mamba_conv_name=args.get("mamba_conv_name") if isinstance(args, dict) else getattr(args, "mamba_conv_name",
-                                                                                               None),
+            mamba_conv_name=get("mamba_conv_name"),
         )
 
     def resolve(self, src: ParallelLayout) -> ParallelLayout:

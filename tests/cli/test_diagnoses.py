@@ -198,13 +198,15 @@ def test_a_non_positive_size_is_a_usage_error_in_every_entry_point(flag, value, 
 
 
 def test_following_the_checks_offline_fix_gives_a_checkpoint_that_loads(tmp_path, capsys):
-    """The fix printed for a layout change: reshard with the run's own flags after --, then load the output."""
+    """The fix printed for a layout change names the run's layout flags literally (tests/check/test_advice.py runs
+    every such command of every fixture); reshard with the run's own flags after -- gives the same output."""
     from tests.helpers.tiny import FLAGS
 
     run = [*FLAGS, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch"]
     assert main(["check", fixture_path("tp2_torch"), "--", *run]) == 0
     out = capsys.readouterr().out
-    assert "NEW_DIR -- <the run's pretrain_gpt.py flags>" in out and "--pipeline-model-parallel-size 2" in out
+    assert ("NEW_DIR -- --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --vocab-size 100 "
+            "--transformer-impl local --ckpt-format torch, then --load NEW_DIR") in out
     new = str(tmp_path / "new")
     assert main(["reshard", fixture_path("tp2_torch"), new, "--no-progress", "--", *run]) == 0
     capsys.readouterr()

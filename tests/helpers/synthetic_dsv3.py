@@ -325,7 +325,7 @@ def write_torch_dist(root: str, m: DSV3, legacy_root: str, *, iteration: int = 1
         return made[-1]
 
     kw = dict(build=_hollow_values) if hollow else {}
-    convert(legacy_root, it_dir, TargetLayout.from_args(rt, given=rt.given), keep_optimizer=optimizer, writer=writer,
+    convert(legacy_root, it_dir, TargetLayout.from_args(rt, named=rt.given), keep_optimizer=optimizer, writer=writer,
             **kw)
     with open(os.path.join(root, naming.TRACKER_FILENAME), "w") as fh:
         fh.write(str(iteration))

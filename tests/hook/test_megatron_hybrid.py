@@ -69,6 +69,29 @@ def test_auto_resumes_a_tp2_hybrid_like_megatrons_dist_reshard(tmp_path, nproc, 
     assert_trains_alike_with_mtp(log, log2)
 
 
+def test_checks_advice_for_a_tp2_hybrid_followed_word_for_word_resumes_like_megatrons_dist_reshard(tmp_path):
+    """The user's literal path for a HybridModel: a pretrain_hybrid.py run that leaves TP at Megatron's default (1);
+    `check` prints one offline reshard, run as printed (NEW_DIR substituted); `check` of the output says LOAD and plain
+    pretrain_hybrid.py trains it like Megatron's own reshard of the twin (iterations 3, 4 and every MTP loss)."""
+    from tests.helpers.advised import advised, follow
+
+    extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
+    flags = ["--hybrid-layer-pattern", PATTERN, "--no-load-rng"]
+    run_flags = [*HYBRID, *extra, "--transformer-impl", "transformer_engine", "--ckpt-format", "torch", *flags]
+    verdict, commands = advised(fixture_path("hyb_tp2_torch"), run_flags)
+    assert verdict == "reshard" and len(commands) == 1, commands
+    new = str(tmp_path / "new")
+    done = follow(commands[0], new)
+    assert done.returncode == 0, done.stderr
+    assert advised(new, run_flags) == ("load", [])
+    rc, log = hybrid(tmp_path, new, 1, "--ckpt-format", "torch", *flags, plugin=False, port=29978)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = hybrid(tmp_path, fixture_path("hyb_tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", *flags,
+                       plugin=False, port=29979)
+    assert rc2 == 0, log2[-3000:]
+    assert_trains_alike_with_mtp(log, log2)
+
+
 def test_offline_reshard_of_a_virtual_pipeline_resumes_in_plain_megatron(tmp_path):
     """PP2 with four '|' segments (VPP2) -> PP1: `megatron-preflight reshard` writes the pattern without cuts into the
     args; plain pretrain_hybrid.py resumes it like Megatron's reshard of the twin."""

@@ -126,3 +126,28 @@ def test_equal_tensors_are_compared_in_place_without_assembling(monkeypatch):
         is False
     assert diff._compare_spans([(0, 1, torch.tensor([1.0])), (1, 2, torch.tensor([2.0]))],
                                [(0, 2, torch.tensor([1.0, 2.0]))], 0, 2, None) is True
+
+
+@pytest.mark.parametrize("change,expect", [
+    (lambda sd: sd["opt_param_scheduler"].update(num_steps=6), "opt_param_scheduler.num_steps"),
+    (lambda sd: sd["optimizer"]["param_groups"][0].update(lr=2e-4), "param group lr"),
+    (lambda sd: sd["optimizer"]["param_groups"][1].update(weight_decay=0.1), "param group weight_decay"),
+])
+def test_a_pair_whose_common_state_a_resume_reads_differs_is_different(tmp_path, capsys, change, expect):
+    """A copy of tp2_torch with its tensors equal and one piece of the common state a resume reads changed on every
+    shard (the scheduler, a param group's settings): DIFFERENT, naming it; the weights alone equal."""
+    out = str(tmp_path / "copy")
+    r = open_resharder(fixture_path("tp2_torch"), TargetLayout())
+    for name, coords in naming.shard_writers(r.tgt).items():
+        sd = r.build(r.plan_for_coords(coords, name))
+        change(sd)
+        os.makedirs(os.path.join(out, "iter_0000002", name))
+        torch.save(sd, os.path.join(out, "iter_0000002", name, "model_optim_rng.pt"), pickle_module=pickling)
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("2")
+    report = diff_checkpoints(fixture_path("tp2_torch"), out)
+    assert all(t.status == "equal" for t in report.tensors)
+    assert not report.equal and any(expect in what for what, _, _ in report.common), report.render()
+    assert main(["diff", fixture_path("tp2_torch"), out]) == 1
+    assert expect in capsys.readouterr().out
+    assert diff_checkpoints(fixture_path("tp2_torch"), out, weights_only=True).equal

@@ -1,14 +1,18 @@
 """Replicas must agree: the same source piece held by several shards (a layernorm on every TP rank, a dense weight on
 every EP rank, the tied output layer on the last stage) is read from its main copy, and the others are compared with
 it — sampled (a few elements at the start, middle and end) on every run, whole with ``--verify``. Diverged replicas
-are a real failure mode; they are reported with the shards involved, never averaged or silently picked."""
+are a real failure mode; they are reported with the shards involved, never averaged or silently picked — except the
+tensors Megatron itself lets drift (reshard/plan/drift.py): TP rank 0's copy, as Megatron's torch_dist save keeps it,
+said with the drift measured."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.reshard.plan.drift import drift_cause, key_of
 from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.torch_file import TensorRef
@@ -38,32 +42,44 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else flat
 
 
-def _sample(t: torch.Tensor) -> torch.Tensor:
+def _sample_values(t: torch.Tensor) -> torch.Tensor:
+    """A few elements at the start, middle and end (the whole tensor when it is small or not contiguous)."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     if not t.is_contiguous() or t.numel() <= 3 * SAMPLE:
-        return _bytes(t)
+        return t
     flat, n = t.view(-1), t.numel()
     mid = n // 2
-    return _bytes(torch.cat([flat[:SAMPLE], flat[mid:mid + SAMPLE], flat[n - SAMPLE:]]))
+    return torch.cat([flat[:SAMPLE], flat[mid:mid + SAMPLE], flat[n - SAMPLE:]])
 
 
-def expected_divergence(saved_args: Any) -> str | None:
-    """Why this checkpoint's TP replicas differ by Megatron's own doing (not damage), from its saved args; None when
-    no such cause is known."""
-    tp = getattr(saved_args, "tensor_model_parallel_size", 1) or 1
-    if getattr(saved_args, "multi_latent_attention", False) and tp > 1 and \
-            not getattr(saved_args, "sequence_parallel", False):
-        return (f"it is a multi-latent-attention model trained at TP{tp} without --sequence-parallel, where Megatron "
-                "does not reduce the gradients of MLA's duplicated down projections over the TP group, so the "
-                "parameters replicated over TP drift apart between TP ranks as it trains")
-    return None
+@dataclass
+class Drifted:
+    """Replicas Megatron lets drift (reshard/plan/drift.py) that were found to differ: TP rank 0's copy is used."""
+
+    tensors: dict[str, float] = field(default_factory=dict)  # tensor -> the largest difference measured
+    causes: set[str] = field(default_factory=set)
+
+    def add(self, key: str, diff: float, cause: str) -> None:
+        self.tensors[key] = max(diff, self.tensors.get(key, 0.0))
+        self.causes.add(cause)
+
+    def render(self) -> str:
+        """One info line (empty when nothing drifted)."""
+        if not self.tensors:
+            return ""
+        worst = max(self.tensors.items(), key=lambda kv: kv[1])
+        return (f"{len(self.tensors)} tensor(s) whose TP copies Megatron lets drift differ "
+                f"({'; '.join(sorted(self.causes))}); up to {worst[1]:.3g} ({worst[0]}); TP rank 0's copy is used, "
+                "as Megatron's torch_dist save does")
 
 
-def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, saved_args: Any = None) -> int:
+def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, saved_args: Any = None,
+                   drifted: Drifted | None = None) -> int:
     """Compare every replica of every source piece ``plan`` reads with its main copy (bit for bit), whole or
-    sampled. Returns the number of replicas compared; raises :class:`ReplicaMismatch` on the first difference (with
-    its cause when the checkpoint's ``saved_args`` explain it: :func:`expected_divergence`)."""
+    sampled. Returns the number of replicas compared; raises :class:`ReplicaMismatch` on the first difference, except
+    for a tensor Megatron lets drift in this checkpoint (``saved_args``: :func:`drift_cause`), whose difference is
+    measured into ``drifted`` (the main copy, TP rank 0's, is the one used)."""
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     seen: set[tuple] = set()
@@ -78,7 +94,9 @@ def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, sa
                 # sampled: no CRC-32 is taken for a few elements (the main copy's is taken when its data is read; a
                 # replica's bytes are not used) unless the samples differ: then a damaged record is named as damage
                 a, b = files.tensor(op.shard, op.ref, verify=full), files.tensor(shard, ref, verify=full)
-                same = torch.equal(_bytes(a), _bytes(b)) if full else torch.equal(_sample(a), _sample(b))
+                pick = (lambda t: t) if full else _sample_values
+                same = torch.equal(_bytes(pick(a)), _bytes(pick(b)))
+                diff = 0.0 if same else _largest_difference(pick(a), pick(b))
                 del a, b
                 if full:
                     files.release_pages()
@@ -86,20 +104,25 @@ def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, sa
                 if not same:
                     files.tensor(op.shard, op.ref)  # raises CorruptFileError on a CRC mismatch
                     files.tensor(shard, ref)
-                    raise _mismatch(tp.key, op.shard, shard, full, files.iter_dir, expected_divergence(saved_args))
+                    cause = drift_cause(key_of(tp), saved_args)
+                    if cause is None:
+                        raise _mismatch(tp.key, op.shard, shard, full, files.iter_dir)
+                    if drifted is not None:
+                        drifted.add(key_of(tp), diff, cause)
     return compared
 
 
-def _mismatch(key: str, main: str, other: str, full: bool, where: str, cause: str | None) -> ReplicaMismatch:
+def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not (a.is_floating_point() and b.is_floating_point()):
+        return float("nan")
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def _mismatch(key: str, main: str, other: str, full: bool, where: str) -> ReplicaMismatch:
     what = (f"the replicas of {key} disagree: {main} and {other} hold different values for the same piece"
             f"{'' if full else ' (sampled check)'}")
-    if cause is not None:
-        return ReplicaMismatch(
-            f"{what}; {cause}. A reshard must take one copy, and it does not pick one for you", path=where,
-            fix="load it at its own layout with --ckpt-convert-format torch_dist --ckpt-convert-save DIR (a torch_dist "
-                "save keeps TP rank 0's copies), then resume from DIR at the new layout; train MLA at TP > 1 with "
-                "--sequence-parallel", code="replicas")
-    return ReplicaMismatch(f"{what}; one of those ranks diverged", path=where,
+    return ReplicaMismatch(f"{what}; one of those ranks diverged (Megatron keeps this tensor's copies equal)",
+                           path=where,
                            fix="find which copy is right (compare with an earlier iteration) and restore the iteration "
                                "dir from a good copy, or load an earlier iteration with --ckpt-step", code="replicas")
 

@@ -15,7 +15,7 @@ import torch
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.reshard.execute.executor import build_tensor
-from megatron_preflight.reshard.execute.replicas import check_replicas
+from megatron_preflight.reshard.execute.replicas import Drifted, check_replicas
 from megatron_preflight.reshard.optimizer.plain import iter_plans
 from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan, flat_parts
 from megatron_preflight.reshard.resharder import Resharder
@@ -40,7 +40,8 @@ def write_shard(r: Resharder, name: str, iter_out: str, verify: bool, tapping: T
         out_dir = os.path.join(iter_out, name)
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, naming.MODEL_FILENAME)
-        replicas = check_replicas(plan, files, full=verify, saved_args=r.layout.saved_args)
+        drifted = Drifted()
+        replicas = check_replicas(plan, files, full=verify, saved_args=r.layout.saved_args, drifted=drifted)
         save_streaming(r.header(files), plan, files, path, tap)
         checked = verify_shard(plan, path, files) if verify else 0
         written = os.path.getsize(path)
@@ -50,7 +51,8 @@ def write_shard(r: Resharder, name: str, iter_out: str, verify: bool, tapping: T
             checked += verify_dist_optimizer(plan, dist_path, files) if verify else 0
             written += os.path.getsize(dist_path)
         durable.fsync_dir(out_dir)
-        return ShardResult(files.bytes_read, written, checked, replicas, tap.result() if tap is not None else None)
+        return ShardResult(files.bytes_read, written, checked, replicas, tap.result() if tap is not None else None,
+                           drifted)
     finally:
         files.close()
 

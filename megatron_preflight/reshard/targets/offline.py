@@ -25,6 +25,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.gc_budget import collect_rarely
 from megatron_preflight.layout import naming, transport
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex
+from megatron_preflight.reshard.execute.replicas import Drifted
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
@@ -51,6 +52,7 @@ class Summary:
     destination: str = ""
     source_notes: list[str] = field(default_factory=list)  # what about the source the user should know
     added: list[str] = field(default_factory=list)  # files a tap added beside the iteration dir (fingerprints)
+    drifted: str = ""  # the replicas Megatron lets drift that differed (replicas.Drifted.render)
 
     def render(self) -> str:
         lines = [
@@ -63,7 +65,10 @@ class Summary:
             lines.append(f"verified {self.verified_tensors} tensors against their source slices (crc32): all match")
         if self.replicas_compared:
             how = "whole" if self.replicas_full else "sampled"
-            lines.append(f"compared {self.replicas_compared} source replicas with their main copy ({how}): all agree")
+            agree = "all agree" if not self.drifted else "all agree but those Megatron lets drift"
+            lines.append(f"compared {self.replicas_compared} source replicas with their main copy ({how}): {agree}")
+        if self.drifted:
+            lines.append(self.drifted)
         if self.converted:
             lines.append(self.converted)
         for path in self.stale_removed:
@@ -291,7 +296,8 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     totals = [(sum(x.bytes_read for x in results), sum(x.bytes_written for x in results),
-               sum(x.verified for x in results), _peak_rss(), sum(x.replicas for x in results))]
+               sum(x.verified for x in results), _peak_rss(), sum(x.replicas for x in results),
+               _merged(x.drifted for x in results))]
     if grp is not None:
         totals = grp.gather(totals[0])
     summary.bytes_read = sum(t[0] for t in totals)
@@ -300,6 +306,7 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
     summary.peak_rss_bytes = max(t[3] for t in totals)
     summary.replicas_compared = sum(t[4] for t in totals)
     summary.replicas_full = verify
+    summary.drifted = _merged(t[5] for t in totals).render()
     tapped = [x.tapped for x in results]
     if grp is not None and tapping is not None:
         tapped = [t for part in grp.gather(tapped) for t in part]
@@ -388,3 +395,14 @@ def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, targe
             if progress:
                 progress(i, len(names), name)
     return results
+
+
+def _merged(parts: Any) -> Drifted:
+    """One :class:`Drifted` of several units' (None: a unit that compared none)."""
+    out = Drifted()
+    for d in parts:
+        if d is not None:
+            for key, diff in d.tensors.items():
+                out.tensors[key] = max(diff, out.tensors.get(key, 0.0))
+            out.causes |= d.causes
+    return out

@@ -45,6 +45,7 @@ class ShardResult:
     verified: int
     replicas: int
     tapped: Any = None  # the unit's tap result, when the writer was tapped
+    drifted: Any = None  # replicas.Drifted: the copies Megatron lets drift that differed (TP rank 0's used)
 
 
 class Target(Protocol):

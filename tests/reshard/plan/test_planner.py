@@ -1,6 +1,7 @@
 """Plans prove their own coverage before any byte moves: exact tiling, padding only after the real vocab, every
 replica kept and compared."""
 
+import pathlib
 import shutil
 import zipfile
 
@@ -123,16 +124,59 @@ def test_diverged_replica_is_reported_with_both_shards(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_replicas_megatron_let_drift_are_reported_with_their_cause(tmp_path):
+def _tensor(root, shard: str, key: str):
+    from tests.helpers import ckpt_edit
+
+    return ckpt_edit.load(str(root / "iter_0000002" / shard / "model_optim_rng.pt"))["model"][key]
+
+
+def test_replicas_megatron_lets_drift_take_tp_rank_0s_copy_with_the_drift_said(tmp_path):
     """A real MLA checkpoint (TE spec through the CPU stand-in, not TE) trained at TP2 without --sequence-parallel:
-    Megatron lets its TP replicas drift apart. Refused with that cause and a fix, not as damage; the same model
-    trained with sequence parallelism reshards."""
-    with pytest.raises(ReplicaMismatch) as exc:
-        write_resharded(fixture_path("mla_nosp_te_tp2_torch"), str(tmp_path / "out"), TargetLayout(tp=1))
-    msg = str(exc.value)
-    assert "without --sequence-parallel" in msg and "diverged" not in msg and "--ckpt-convert-format torch_dist" in msg
-    assert not (tmp_path / "out").exists()
+    Megatron lets its TP replicas drift apart. The reshard takes TP rank 0's copies (what Megatron's torch_dist save
+    keeps) and says so with the drift measured; an extra edit of one copy of a tensor of the same checkpoint is still
+    found when it is not one Megatron lets drift (the MLA rule covers every TP-replicated tensor: so in a GDN model)."""
+    from tests.helpers import ckpt_edit
+
+    summary = write_resharded(fixture_path("mla_nosp_te_tp2_torch"), str(tmp_path / "out"), TargetLayout(tp=1))
+    text = summary.render()
+    assert "Megatron lets drift" in text and "without --sequence-parallel" in text and "TP rank 0's copy" in text
+    key = "decoder.layers.0.self_attention.linear_kv_down_proj.weight"
+    src = pathlib.Path(fixture_path("mla_nosp_te_tp2_torch"))
+    rank0, rank1 = _tensor(src, "mp_rank_00", key), _tensor(src, "mp_rank_01", key)
+    assert not torch.equal(rank0, rank1)  # the copies differ in the saved checkpoint
+    written = ckpt_edit.load(str(tmp_path / "out" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"))
+    assert torch.equal(written["model"][key], rank0)
     write_resharded(fixture_path("mla_te_tp2_torch"), str(tmp_path / "sp"), TargetLayout(tp=1), verify=True)
+
+
+def test_a_gated_delta_nets_out_norm_may_drift_but_no_other_copy(tmp_path):
+    """A real HybridModel checkpoint with gated delta net layers at TP2 (the CPU stand-ins for TE / mamba_ssm / fla),
+    its TP rank 1 copy of one GDN out_norm changed as Megatron's training changes it (Megatron does not reduce that
+    gradient over TP): the reshard to TP1 takes TP rank 0's copy and reports the drift, with --verify too. The same
+    change to an input layernorm of the same layer (a gradient Megatron reduces) is still refused, naming both files."""
+    from tests.helpers import ckpt_edit
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("hyb_tp2_torch"), src)
+    key = "decoder.layers.1.self_attention.out_norm.weight"
+    _poke(str(src / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"), "layers.1.self_attention.out_norm.weight",
+          3)
+    for verify in (False, True):
+        out = tmp_path / f"out{verify}"
+        text = write_resharded(str(src), str(out), TargetLayout(tp=1), verify=verify).render()
+        assert "1 tensor(s) whose TP copies Megatron lets drift differ" in text and "out_norm" in text, text
+        assert "gated delta net" in text and "up to 1 " in text, text
+        written = ckpt_edit.load(str(out / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"))
+        assert torch.equal(written["model"][key], _tensor(src, "mp_rank_00", key))
+    bad = tmp_path / "bad"
+    shutil.copytree(fixture_path("hyb_tp2_torch"), bad)
+    _poke(str(bad / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"),
+          "layers.1.self_attention.in_proj.layer_norm_weight", 3)
+    with pytest.raises(ReplicaMismatch) as exc:
+        write_resharded(str(bad), str(tmp_path / "refused"), TargetLayout(tp=1))
+    msg = str(exc.value)
+    assert "in_proj.layer_norm_weight" in msg and "mp_rank_00" in msg and "mp_rank_01" in msg and "diverged" in msg
+    assert not (tmp_path / "refused").exists()
 
 
 def test_replica_diverged_between_samples_is_found_by_verify(tmp_path):

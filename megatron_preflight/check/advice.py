@@ -1,0 +1,72 @@
+"""The offline reshard a finding advises, as one literal command: the source, ``NEW_DIR`` (the only placeholder), the
+options, and after ``--`` the run's layout flags, every size written out.
+
+The flags after ``--`` mean what they mean to Megatron (a size not given is Megatron's default), so the command names
+every size the run has, its defaults included: followed word for word, it writes the layout the run loads.
+:func:`layout_flags` is the one place that renders a run's target as flags; ``reshard`` reads them back through
+:func:`megatron_preflight.check.runtime_args.from_cli` and :meth:`TargetLayout.from_args` (a test proves the round
+trip for every fixture and run).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.layout.model import Layout
+
+PLACEHOLDER = "NEW_DIR"
+
+
+def layout_flags(rt: RuntimeArgs) -> list[str]:
+    """The flags that give ``reshard`` the run's target: sizes (defaults included), the stage split, the vocab
+    padding, the layer spec and expert form, the optimizer form and the HybridModel pattern."""
+    flags = ["--tensor-model-parallel-size", str(rt.tp), "--pipeline-model-parallel-size", str(rt.pp)]
+    if rt.num_experts or rt.ep > 1:
+        flags += ["--expert-model-parallel-size", str(rt.ep)]
+    if rt.expert_tensor_parallel_size is not None:  # else it follows TP
+        flags += ["--expert-tensor-parallel-size", str(rt.expert_tensor_parallel_size)]
+    if rt.cp > 1:
+        flags += ["--context-parallel-size", str(rt.cp)]
+    if rt.num_layers_per_virtual_pipeline_stage is not None:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(rt.num_layers_per_virtual_pipeline_stage)]
+    elif rt.num_virtual_stages_per_pipeline_rank is not None:
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(rt.num_virtual_stages_per_pipeline_rank)]
+    elif rt.vpp is not None and not rt.hybrid_layer_pattern:
+        flags += ["--virtual-pipeline-model-parallel-size", str(rt.vpp)]
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "vocab_size"):
+        value = getattr(rt, name)
+        if value is not None:
+            flags += [_flag(name), str(value)]
+    if rt.make_vocab_size_divisible_by != 128:
+        flags += ["--make-vocab-size-divisible-by", str(rt.make_vocab_size_divisible_by)]
+    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                 "use_distributed_optimizer", "moe_grouped_gemm"):
+        if getattr(rt, name):
+            flags.append(_flag(name))
+    flags += ["--transformer-impl", rt.transformer_impl]
+    if "ckpt_format" in rt.given:
+        flags += ["--ckpt-format", rt.ckpt_format]
+    if rt.hybrid_layer_pattern:
+        flags += ["--hybrid-layer-pattern", rt.hybrid_layer_pattern]
+    if rt.mamba_conv_name is not None:  # the release that loads it (check --megatron-version): not a Megatron flag
+        flags += ["--mamba-conv-name", rt.mamba_conv_name]
+    if rt.world_size is not None:
+        flags += ["--world-size", str(rt.world_size)]
+    return flags
+
+
+def reshard_command(layout: Layout, rt: RuntimeArgs, *options: str) -> str:
+    """``megatron-preflight reshard SRC NEW_DIR [options] -- <the run's layout flags>``, shell-quoted."""
+    src = layout.root or layout.path
+    return shlex.join(["megatron-preflight", "reshard", src, PLACEHOLDER, *options, "--", *layout_flags(rt)])
+
+
+def offline_fix(layout: Layout, rt: RuntimeArgs, *options: str, load_flags: str = "") -> str:
+    """The advice sentence around :func:`reshard_command`: run it, then load the new directory."""
+    load = f"{load_flags} --load {PLACEHOLDER}".strip()
+    return f"{reshard_command(layout, rt, *options)}, then {load}"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
