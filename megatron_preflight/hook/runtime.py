@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
-from megatron_preflight.check import releases
+from megatron_preflight.check import advice, releases
 from megatron_preflight.check.plan import make_plan
 from megatron_preflight.check.report import render_plan
 from megatron_preflight.check.runtime_args import from_namespace
@@ -178,8 +178,8 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     if mode == "check" and plan.verdict == Verdict.RESHARD:
         verdict = Verdict.FAIL
         report += ("\n--preflight check loads as Megatron would, and Megatron cannot load this legacy checkpoint at "
-                   "another layout. Fix: run with --preflight auto (in-memory reshard), or reshard offline with "
-                   "`megatron-preflight reshard`.")
+                   "another layout. Fix: run with --preflight auto (in-memory reshard), or reshard offline: "
+                   + advice.offline_fix(plan.layout, rt) + ".")
     if verdict == Verdict.FAIL and plan.layout.format is None and not allow_missing:
         report += ("\nIf starting from scratch is intended, add --preflight-allow-missing-checkpoint.")
     target = dataclasses.replace(reshard.TargetLayout.from_args(args), optimizer_family=rt.optimizer_family,

@@ -25,11 +25,11 @@ def commands_in(fixes: list[str]) -> list[str]:
     return found
 
 
-def advised(src: str, flags: list[str]) -> tuple[str, list[str]]:
-    """(the verdict, the reshard commands) of ``megatron-preflight check SRC --json -- <flags>``, run as a user runs
-    it (its own process, WORLD_SIZE unset)."""
+def advised(src: str, flags: list[str], *options: str) -> tuple[str, list[str]]:
+    """(the verdict, the reshard commands) of ``megatron-preflight check SRC --json [options] -- <flags>``, run as a
+    user runs it (its own process, WORLD_SIZE unset)."""
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "check", src, "--json", "--", *flags],
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "check", src, "--json", *options, "--", *flags],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode in (0, 1), done.stderr
     plan = json.loads(done.stdout)

@@ -24,6 +24,7 @@ from tests.hook.test_megatron_lm import (
     ROOT,
     TE_CPU,
     TINY,
+    _without,
     assert_same_files,
     assert_trains_alike_with_mtp,
     loss,
@@ -72,24 +73,64 @@ def test_auto_resumes_a_tp2_hybrid_like_megatrons_dist_reshard(tmp_path, nproc, 
 def test_checks_advice_for_a_tp2_hybrid_followed_word_for_word_resumes_like_megatrons_dist_reshard(tmp_path):
     """The user's literal path for a HybridModel: a pretrain_hybrid.py run that leaves TP at Megatron's default (1);
     `check` prints one offline reshard, run as printed (NEW_DIR substituted); `check` of the output says LOAD and plain
-    pretrain_hybrid.py trains it like Megatron's own reshard of the twin (iterations 3, 4 and every MTP loss)."""
+    pretrain_hybrid.py trains it like Megatron's own reshard of the twin (iterations 3, 4 and every MTP loss). `check`
+    judges for the release that loads it (--megatron-version of the Megatron-LM here: main, megatron-core 0.20, which
+    names a Mamba conv `conv1d_weight`; the CLI's default is the megatron-core installed beside it)."""
     from tests.helpers.advised import advised, follow
 
     extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
     flags = ["--hybrid-layer-pattern", PATTERN, "--no-load-rng"]
     run_flags = [*HYBRID, *extra, "--transformer-impl", "transformer_engine", "--ckpt-format", "torch", *flags]
-    verdict, commands = advised(fixture_path("hyb_tp2_torch"), run_flags)
+    release = ("--megatron-version", "0.20")
+    verdict, commands = advised(fixture_path("hyb_tp2_torch"), run_flags, *release)
     assert verdict == "reshard" and len(commands) == 1, commands
     new = str(tmp_path / "new")
     done = follow(commands[0], new)
     assert done.returncode == 0, done.stderr
-    assert advised(new, run_flags) == ("load", [])
+    assert advised(new, run_flags, *release) == ("load", [])
     rc, log = hybrid(tmp_path, new, 1, "--ckpt-format", "torch", *flags, plugin=False, port=29978)
     assert rc == 0, log[-3000:]
     rc2, log2 = hybrid(tmp_path, fixture_path("hyb_tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", *flags,
                        plugin=False, port=29979)
     assert rc2 == 0, log2[-3000:]
     assert_trains_alike_with_mtp(log, log2)
+
+
+@pytest.mark.parametrize("how", ["in memory", "offline as check advises"])
+def test_a_gdn_checkpoint_whose_out_norm_copies_drifted_resumes_at_tp1_like_megatrons_dist_reshard(tmp_path, how):
+    """gdn_tp2_torch: gated delta net layers at TP2 without --sequence-parallel; their out_norm TP copies differ, as
+    Megatron's training leaves them (it does not reduce that gradient over TP). At TP1, in memory (--preflight auto)
+    and offline (the command `check` prints, run as printed), TP rank 0's copy is used, as Megatron's torch_dist save
+    keeps it: iterations 3 and 4 equal Megatron's own reshard of the torch_dist twin at TP1."""
+    from tests.helpers.advised import advised, follow
+
+    base = _without(HYBRID, ("--num-experts", "--moe-router-topk"))
+
+    def gdn_run(ckpt, *more, **kw):
+        return run(tmp_path, ckpt, 1, *more, script="pretrain_hybrid.py", base=base, **kw)
+
+    flags = ["--hybrid-layer-pattern", "MG*-G-", "--no-load-rng"]
+    if how == "in memory":
+        rc, log = gdn_run(fixture_path("gdn_tp2_torch"), "--preflight", "auto", "--ckpt-format", "torch", *flags,
+                          port=29980)
+        assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+        assert "Megatron lets drift" in log and "out_norm" in log, log[-3000:]
+    else:
+        extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
+        run_flags = [*base, *extra, "--transformer-impl", "transformer_engine", "--ckpt-format", "torch", *flags]
+        release = ("--megatron-version", "0.20")
+        verdict, commands = advised(fixture_path("gdn_tp2_torch"), run_flags, *release)
+        assert verdict == "reshard" and len(commands) == 1, commands
+        new = str(tmp_path / "new")
+        done = follow(commands[0], new)
+        assert done.returncode == 0 and "Megatron lets drift" in done.stdout, done.stdout + done.stderr
+        assert advised(new, run_flags, *release) == ("load", [])
+        rc, log = gdn_run(new, "--ckpt-format", "torch", *flags, plugin=False, port=29980)
+        assert rc == 0, log[-3000:]
+    rc2, log2 = gdn_run(fixture_path("gdn_tp2_torch_dist"), "--ckpt-format", "torch_dist", *flags, plugin=False,
+                        port=29981)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None and iteration_losses(log) == iteration_losses(log2)
 
 
 def test_offline_reshard_of_a_virtual_pipeline_resumes_in_plain_megatron(tmp_path):

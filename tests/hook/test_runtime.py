@@ -87,11 +87,25 @@ def test_every_rank_gets_the_same_decision(tmp_path):
     assert {(d["verdict"], d["loader"], d["no_load_rng"]) for d in decisions} == {("reshard", "reshard", True)}
 
 
-def test_check_mode_refuses_what_megatron_cannot_load(tmp_path):
+def test_check_mode_refuses_what_megatron_cannot_load_and_its_offline_fix_works_as_printed(tmp_path):
+    """--preflight check of a PP2 legacy checkpoint in a PP1 job: every rank exits 1; the report's offline reshard,
+    run as printed (NEW_DIR substituted), writes what the same job then loads."""
+    from tests.helpers.advised import follow
+
     spec = dict(TINY, preflight="check", load=fixture_path("pp2_torch"), no_load_optim=True, world_size=2)
     results = run_world(tmp_path, spec, world=2)
     assert [rc for rc, _, _ in results] == [1, 1], [se[-2000:] for _, _, se in results]
-    assert "--preflight auto" in results[0][2]
+    report = results[0][2]
+    assert "--preflight auto" in report
+    cmd = report.split("or reshard offline: ", 1)[1].split(", then --load NEW_DIR")[0]
+    new = str(tmp_path / "new")
+    done = follow(cmd, new)
+    assert done.returncode == 0, done.stderr
+    second = tmp_path / "second"  # a fresh rendezvous file
+    second.mkdir()
+    results = run_world(second, dict(spec, load=new), world=2)
+    assert [rc for rc, _, _ in results] == [0, 0], [se[-2000:] for _, _, se in results]
+    assert {json.loads(so.strip().splitlines()[-1])["verdict"] for _, so, _ in results} == {"load"}
 
 
 def test_missing_checkpoint_fails_unless_allowed(tmp_path):

@@ -150,33 +150,33 @@ def test_replicas_megatron_lets_drift_take_tp_rank_0s_copy_with_the_drift_said(t
 
 
 def test_a_gated_delta_nets_out_norm_may_drift_but_no_other_copy(tmp_path):
-    """A real HybridModel checkpoint with gated delta net layers at TP2 (the CPU stand-ins for TE / mamba_ssm / fla),
-    its TP rank 1 copy of one GDN out_norm changed as Megatron's training changes it (Megatron does not reduce that
-    gradient over TP): the reshard to TP1 takes TP rank 0's copy and reports the drift, with --verify too. The same
-    change to an input layernorm of the same layer (a gradient Megatron reduces) is still refused, naming both files."""
+    """A real HybridModel checkpoint with gated delta net layers at TP2 without --sequence-parallel (the CPU stand-ins
+    for TE / mamba_ssm / fla), whose GDN out_norm copies differ as Megatron's training leaves them (it does not reduce
+    that gradient over TP): the reshard to TP1 takes TP rank 0's copy and reports the drift, with --verify too. A
+    change to an input layernorm of the same checkpoint (a gradient Megatron reduces), and to an out_norm copy of a
+    model trained with sequence parallelism (which reduces it), are still refused, naming both files."""
     from tests.helpers import ckpt_edit
 
-    src = tmp_path / "src"
-    shutil.copytree(fixture_path("hyb_tp2_torch"), src)
+    src = pathlib.Path(fixture_path("gdn_tp2_torch"))
     key = "decoder.layers.1.self_attention.out_norm.weight"
-    _poke(str(src / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"), "layers.1.self_attention.out_norm.weight",
-          3)
+    assert not torch.equal(_tensor(src, "mp_rank_00", key), _tensor(src, "mp_rank_01", key))
     for verify in (False, True):
         out = tmp_path / f"out{verify}"
         text = write_resharded(str(src), str(out), TargetLayout(tp=1), verify=verify).render()
-        assert "1 tensor(s) whose TP copies Megatron lets drift differ" in text and "out_norm" in text, text
-        assert "gated delta net" in text and "up to 1 " in text, text
+        assert "tensor(s) whose TP copies Megatron lets drift differ" in text and "out_norm" in text, text
+        assert "gated delta net" in text and "TP rank 0's copy is used" in text, text
         written = ckpt_edit.load(str(out / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"))
         assert torch.equal(written["model"][key], _tensor(src, "mp_rank_00", key))
-    bad = tmp_path / "bad"
-    shutil.copytree(fixture_path("hyb_tp2_torch"), bad)
-    _poke(str(bad / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"),
-          "layers.1.self_attention.in_proj.layer_norm_weight", 3)
-    with pytest.raises(ReplicaMismatch) as exc:
-        write_resharded(str(bad), str(tmp_path / "refused"), TargetLayout(tp=1))
-    msg = str(exc.value)
-    assert "in_proj.layer_norm_weight" in msg and "mp_rank_00" in msg and "mp_rank_01" in msg and "diverged" in msg
-    assert not (tmp_path / "refused").exists()
+    for name, suffix in (("gdn_tp2_torch", "layers.1.self_attention.in_proj.layer_norm_weight"),
+                         ("hyb_tp2_torch", "layers.1.self_attention.out_norm.weight")):
+        bad = tmp_path / f"bad_{name}"
+        shutil.copytree(fixture_path(name), bad)
+        _poke(str(bad / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"), suffix, 3)
+        with pytest.raises(ReplicaMismatch) as exc:
+            write_resharded(str(bad), str(tmp_path / f"refused_{name}"), TargetLayout(tp=1))
+        msg = str(exc.value)
+        assert suffix in msg and "mp_rank_00" in msg and "mp_rank_01" in msg and "diverged" in msg
+        assert not (tmp_path / f"refused_{name}").exists()
 
 
 def test_replica_diverged_between_samples_is_found_by_verify(tmp_path):
