@@ -424,6 +424,63 @@ def repipe(source: str, given: str | None, pp: int, vpp: int | None, *, keep: bo
     return PIPE.join(layers[i:i + n] for i in range(0, len(layers), n)) + mtp
 
 
+def expand_pipeline_layout(text: str | None) -> str | None:
+    """``--pipeline-model-parallel-layout`` with its repeats written out and blanks dropped (``"E(t|)*2L"`` ->
+    ``"Et|t|L"``), so two spellings of one placement compare equal; None for None. A malformed string is returned as
+    written (compared as text: Megatron reports it)."""
+    if text is None:
+        return None
+    s = "".join(str(text).split())
+
+    def group(i: int) -> tuple[str, int]:
+        out = ""
+        while i < len(s) and s[i] != ")":
+            if s[i] == "(":
+                atom, i = group(i + 1)
+                i += 1  # the ")"
+            else:
+                atom, i = s[i], i + 1
+            j = i
+            if j < len(s) and s[j] == "*":
+                j += 1
+                while j < len(s) and s[j].isdigit():
+                    j += 1
+                if j == i + 1:
+                    raise ValueError("a '*' without a count")
+                atom, i = atom * int(s[i + 1:j]), j
+            out += atom
+        return out, i
+
+    try:
+        expanded, end = group(0)
+    except (ValueError, IndexError):
+        return s
+    return expanded if end == len(s) else s
+
+
+def placement(args: Any) -> tuple[tuple[int, str], ...] | str | None:
+    """Where a run (or a checkpoint's saved args) puts its layers: per pipeline segment (virtual chunk-major, as the
+    layout string lists them) its decoder layer count and its other pieces (``E`` embedding, ``L`` loss, ``m`` MTP),
+    from ``--pipeline-model-parallel-layout`` or else Megatron's split rules, so that a layout string that spells the
+    even split equals no string. A layout string this cannot read is returned as text; None when the split rules
+    cannot place the model (a finding of its own)."""
+    text = _get(args, "pipeline_model_parallel_layout")
+    if text:
+        expanded = expand_pipeline_layout(text) or ""
+        if "(" in expanded or "*" in expanded:
+            return expanded
+        return tuple((seg.count("t"), "".join(sorted(c for c in seg if c != "t"))) for seg in expanded.split("|"))
+    try:
+        layout = from_args(args, pipeline_model_parallel_layout=None)
+        counts = layout.chunk_layer_counts()
+    except (LayoutError, TypeError, ValueError):
+        return None
+    segments = [[counts[c][p], ""] for c in range(len(counts)) for p in range(layout.pp)]
+    segments[0][1] += "E"
+    segments[-1][1] += "L" + "m" * (_int(args, "mtp_num_layers") or 0)
+    return tuple((n, "".join(sorted(m))) for n, m in segments)
+
+
 def derive_vpp(args: Any) -> int | None:
     """The virtual pipeline size Megatron derives (``validate_args``): from ``--num-layers-per-virtual-pipeline-stage``
     (layers per stage counting the embedding / loss when they are accounted in the split), from

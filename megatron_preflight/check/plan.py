@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_preflight import reshard  # its modules load on first use (a lazy package)
+from megatron_preflight import parallel, reshard  # reshard: its modules load on first use (a lazy package)
 from megatron_preflight.check import advice
 from megatron_preflight.check.batches import batch_findings
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
@@ -94,6 +94,12 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
             pairs.append((name, ck and (layout.pp or 1) > 1, getattr(rt, name) and rt.pp > 1))
     if moe:
         pairs.append(("expert_tensor_parallel_size", layout.etp, rt.etp))
+    ck_layout = getattr(saved, "pipeline_model_parallel_layout", None) if saved is not None else None
+    if (ck_layout is not None or rt.pipeline_model_parallel_layout is not None) and placement_moved(layout, rt):
+        # where each layer sits, not only the sizes: the same PP with another placement moves layers between stages
+        # (Megatron's legacy loader then fails after the build: "Number of unpadded elements must be same ...")
+        pairs.append(("pipeline_model_parallel_layout", parallel.expand_pipeline_layout(ck_layout),
+                      parallel.expand_pipeline_layout(rt.pipeline_model_parallel_layout)))
     changed = False
     for name, ck, run in pairs:
         if ck is None and name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -102,8 +108,9 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
         if ck != run:
             changed = True
             if layout.format == Format.TORCH:
-                msg = (f"the parallel layout differs ({name}: checkpoint {ck}, run {run}); Megatron's own legacy "
-                       "loader cannot load it (it fails with an assert, a size mismatch, or exits 0 with "
+                shown = [_even(name, v) for v in (ck, run)]
+                msg = (f"the parallel layout differs ({name}: checkpoint {shown[0]}, run {shown[1]}); Megatron's own "
+                       "legacy loader cannot load it (it fails with an assert, a size mismatch, or exits 0 with "
                        "'could not load the checkpoint')")
                 fix = ("megatron-preflight reshards it in memory at load (--preflight auto), or offline: "
                        + advice.offline_fix(layout, rt))
@@ -113,12 +120,16 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
                 fix = ""
             out.append(Finding(name, ck, run, RESHARD, msg, fix))
     if changed and layout.format == Format.TORCH and rt.pipeline_model_parallel_layout:
-        out.append(Finding("pipeline_model_parallel_layout", None, rt.pipeline_model_parallel_layout, FATAL,
+        keep = f"run with the checkpoint's placement (--pipeline-model-parallel-layout '{ck_layout}'), or " \
+            if ck_layout is not None and (layout.pp or 1) == rt.pp else ""
+        out.append(Finding("pipeline_model_parallel_layout", ck_layout, rt.pipeline_model_parallel_layout, FATAL,
                            "the run places layers with --pipeline-model-parallel-layout, which the resharder does "
-                           "not model: it would build the wrong layers for some stages",
-                           "reshard to an even split (or --decoder-first/last-pipeline-num-layers, "
-                           "--account-for-embedding/loss-in-pipeline-split) instead, or convert the checkpoint to "
-                           "torch_dist with Megatron and let its dist loader place the layers"))
+                           "not model as a target: it would build the wrong layers for some stages",
+                           f"{keep}place them with an even split (or --decoder-first/last-pipeline-num-layers, "
+                           "--account-for-embedding/loss-in-pipeline-split), which the resharder writes; or let "
+                           "Megatron place them: load the checkpoint at its own layout with --ckpt-convert-format "
+                           "torch_dist --ckpt-convert-save DIR (add --dist-ckpt-optim-fully-reshardable with the "
+                           "distributed optimizer), then resume from DIR/torch_dist with the run's layout"))
     if rt.cp != (layout.cp or 1):
         out.append(Finding("context_parallel_size", layout.cp, rt.cp, INFO,
                            "context parallelism does not shard weights", ""))
@@ -188,7 +199,7 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                                    "add --no-load-optim (and keep the weights), or --finetune"))
         elif ck_dopt or layout.dist_optimizer_sharding:
             sharding = layout.dist_optimizer_sharding or "dp_reshardable"
-            tp_pp_change = (layout.tp, layout.pp) != (rt.tp, rt.pp)
+            tp_pp_change = (layout.tp, layout.pp) != (rt.tp, rt.pp) or placement_moved(layout, rt)
             ep_change = (layout.ep or 1) != rt.ep or ((layout.etp or layout.tp) != rt.etp and
                                                        bool(getattr(saved, "num_experts", None)))
             if tp_pp_change and sharding not in FULLY_RESHARDABLE:
@@ -236,6 +247,26 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
         out.append(Finding("optimizer", "saved", "not loaded", INFO,
                            "--no-load-optim/--finetune: the optimizer state is not loaded", ""))
     return out, load_optim, load_rng
+
+
+def _even(name: str, value: Any) -> Any:
+    """How a size or placement reads in a message (no flexible layout: the even split)."""
+    return "none (the even split)" if name == "pipeline_model_parallel_layout" and value is None else value
+
+
+def placement_moved(layout: Layout, rt: RuntimeArgs) -> bool:
+    """The run places layers elsewhere than the checkpoint holds them (a --pipeline-model-parallel-layout on either
+    side, or none: Megatron's split rules; compared as :func:`parallel.placement`, so a string that spells the even
+    split is no change)."""
+    saved = layout.saved_args
+    ck_text = getattr(saved, "pipeline_model_parallel_layout", None) if saved is not None else None
+    if ck_text is None and rt.pipeline_model_parallel_layout is None:
+        return False
+    ck, run = (parallel.placement(saved) if saved is not None else None), parallel.placement(rt)
+    if ck is None or run is None:  # the split rules cannot place one side: compare the strings
+        return parallel.expand_pipeline_layout(ck_text) != \
+            parallel.expand_pipeline_layout(rt.pipeline_model_parallel_layout)
+    return ck != run
 
 
 def _flattened_range(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> Finding:

@@ -347,9 +347,15 @@ def test_json_shape():
 
 
 def test_reshard_to_a_custom_pipeline_layout_is_refused():
-    p = plan("pp2_torch", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|ttL",
+    """pp2_torch holds its 4 layers as the even split (2 and 2): a layout string that spells that split loads; one
+    that moves a layer (Megatron's legacy loader fails after the build) is refused before it, as a PP change to one."""
+    p = plan("pp2_torch", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "E(t)*2|ttL",
              "--world-size", "2")
-    assert "pipeline_model_parallel_layout" not in fields(p, "fatal")  # no reshard: Megatron places the layers
+    assert p.verdict == Verdict.LOAD and "pipeline_model_parallel_layout" not in fields(p, "fatal") + fields(
+        p, "reshard")
+    p = plan("pp2_torch", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tttL",
+             "--world-size", "2")
+    assert p.verdict == Verdict.FAIL and "pipeline_model_parallel_layout" in fields(p, "fatal")
     p = plan("pp2_torch", "--pipeline-model-parallel-size", "1", "--pipeline-model-parallel-layout", "Etttt|L")
     assert p.verdict == Verdict.FAIL and "pipeline_model_parallel_layout" in fields(p, "fatal")
 
@@ -430,3 +436,36 @@ def test_the_hook_asks_megatron_core_whether_it_loads_flattened_ranges():
     from megatron_preflight.hook.runtime import loads_flattened_range
 
     assert loads_flattened_range() is (megatron.core.__version__ < "0.16")  # 0.16.1 here: refused
+
+
+def _flex_run(*more: str) -> list[str]:
+    from tests.helpers.tiny import FLAGS
+
+    return [*FLAGS, "--ckpt-format", "torch", "--pipeline-model-parallel-size", "2", *more]
+
+
+def test_a_flexible_layout_moved_at_the_same_pp_size_is_seen_before_the_build():
+    """flex_pp2_torch was saved with --pipeline-model-parallel-layout 'Et|tttL' (1 and 3 layers). A PP2 run that
+    places them otherwise — another layout, or the even split — is a layout change (Megatron's legacy loader fails after
+    the build: "Number of unpadded elements must be same"), not a LOAD: the even split reshards; another flexible layout
+    is fatal (the resharder does not write one as a target) with the checkpoint's own placement as the first fix; the
+    same placement spelled otherwise loads."""
+    root = fixture_path("flex_pp2_torch")
+    even = make_plan(root, from_cli(_flex_run(), env={}))
+    assert even.verdict == Verdict.RESHARD
+    moved = next(f for f in even.findings if f.field == "pipeline_model_parallel_layout")
+    assert moved.checkpoint == "Et|tttL" and "none (the even split)" in moved.message
+    other = make_plan(root, from_cli(_flex_run("--pipeline-model-parallel-layout", "Ettt|tL"), env={}))
+    assert other.verdict == Verdict.FAIL
+    fatal = [f for f in other.fatal if f.field == "pipeline_model_parallel_layout"]
+    assert fatal and "--pipeline-model-parallel-layout 'Et|tttL'" in fatal[0].fix
+    same = make_plan(root, from_cli(_flex_run("--pipeline-model-parallel-layout", "E(t)*1|t*3L"), env={}))
+    assert same.verdict == Verdict.LOAD, [(f.field, f.message) for f in same.findings if f.severity.value != "info"]
+
+
+def test_the_flexible_layouts_repeats_are_written_out():
+    from megatron_preflight.parallel import expand_pipeline_layout as expand
+
+    assert expand("E(t|)*2L") == "Et|t|L"
+    assert expand(" E t*3 | (tt|)*2 m L") == "Ettt|tt|tt|mL"
+    assert expand("(t|)*") == "(t|)*" and expand(None) is None  # malformed: compared as written

@@ -845,6 +845,41 @@ def test_checks_advice_followed_word_for_word_resumes_like_megatrons_own_reshard
         assert abs(float(loss(log, it, 4)) - float(loss(log2, it, 4))) <= 2e-6
 
 
+@pytest.mark.parametrize("nproc, target", [(2, ["--pipeline-model-parallel-size", "2"]), (1, [])],
+                         ids=["placement moved at PP2 (even split)", "PP1"])
+@pytest.mark.parametrize("how", ["in memory", "offline as check advises"])
+def test_a_flexible_pipeline_layout_checkpoint_resumes_elsewhere_like_megatrons_dist_reshard(tmp_path, nproc, target,
+                                                                                             how):
+    """flex_pp2_torch, saved with --pipeline-model-parallel-layout 'Et|tttL' (1 and 3 layers): a run at the even PP2
+    split (the same PP size: Megatron's legacy loader fails after the build) or at PP1. `check` says reshard before
+    the build; in memory (--preflight auto) and offline (the printed command, run as printed) the losses of iterations
+    3 and 4, with the optimizer state loaded, equal Megatron's own reshard of the torch_dist twin (its dist loader
+    places the layers)."""
+    from tests.helpers.advised import advised, follow
+
+    common = ["--no-load-rng", "--train-iters", "4", *target]
+    if how == "in memory":
+        rc, log = run(tmp_path, fixture_path("flex_pp2_torch"), nproc, "--preflight", "auto", "--ckpt-format", "torch",
+                      *common, port=29792)
+        assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+    else:
+        extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
+        run_flags = [*TINY, *extra, "--ckpt-format", "torch", *common]
+        verdict, commands = advised(fixture_path("flex_pp2_torch"), run_flags)
+        assert verdict == "reshard" and len(commands) == 1, commands
+        new = str(tmp_path / "new")
+        done = follow(commands[0], new)
+        assert done.returncode == 0, done.stderr
+        assert advised(new, run_flags) == ("load", [])
+        rc, log = run(tmp_path, new, nproc, "--ckpt-format", "torch", *common, plugin=False, port=29792)
+        assert rc == 0, log[-3000:]
+    rc2, log2 = run(tmp_path, fixture_path("flex_pp2_torch_dist"), nproc, "--ckpt-format", "torch_dist", *common,
+                    plugin=False, port=29793)
+    assert rc2 == 0, log2[-3000:]
+    assert loss(log, 4, 4) is not None
+    assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
+
+
 @te_only
 @pytest.mark.parametrize("source", ["tp2_torch", "tp2_torch_dist"])
 def test_local_spec_checkpoint_resumes_on_a_te_cluster_with_its_optimizer(tmp_path, source):

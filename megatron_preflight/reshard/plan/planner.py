@@ -226,7 +226,8 @@ def rewrite_args(args: Any, tgt: ParallelLayout, padded_vocab: int | None,
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
         setattr(new, name, sizes[name])
     for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
-                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                 "pipeline_model_parallel_layout"):
         if hasattr(new, name) or sizes[name]:  # flags the saving Megatron-LM had, or ones the target needs
             setattr(new, name, sizes[name])
     if tgt.hybrid_pattern is not None:  # the layers' pipeline cuts (Megatron derives num_layers and VPP from it)
