@@ -24,7 +24,7 @@ from megatron_preflight import dtypes, reshard
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus, legacy_load, verify
 from megatron_preflight.layout import naming, transport
-from megatron_preflight.prove import fingerprint
+from megatron_preflight.prove import common_state, fingerprint
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors
 
 log = logging.getLogger("megatron_preflight")
@@ -76,7 +76,8 @@ def _document(index: Any, gathered: list[dict[str, Any]], with_optimizer: bool) 
                          "shape": shape, "dtype": str(dtypes.to_torch(tp.dtype)).removeprefix("torch.")}
         if len(held) > 1:  # each saved slice's digest: a later check names the shard
             split[name] = [[list(o), d, n] for o, (d, n) in sorted(held.items())]
-    return fingerprint.document(g, index.layout.iteration, index.layout.root, tensors, split)
+    return fingerprint.document(g, index.layout.iteration, index.layout.root, tensors, split,
+                                common=common_state.document(index, g.choice.plain) if g.writes_optimizer else None)
 
 
 def _saved_index(save_dir: str, iteration: int) -> Any:
@@ -130,7 +131,9 @@ def fingerprint_after_finalize(args: Any, iteration: int, with_optimizer: bool) 
                 tensors[name] = entry
                 if len(parts) > 1:
                     boxes[name] = parts
-        doc = fingerprint.document(g, iteration, index.layout.root or save_dir, tensors, boxes)
+        doc = fingerprint.document(g, iteration, index.layout.root or save_dir, tensors, boxes,
+                                   common=common_state.document(index, g.choice.plain) if g.writes_optimizer
+                                   else None)
         path = fingerprint.store(index.layout.root or save_dir, iteration, doc)
         return f"{len(tensors)} tensors, {path}"
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError, PreflightError
-from megatron_preflight.prove import fingerprint
+from megatron_preflight.prove import common_state, fingerprint
 from megatron_preflight.prove.global_view import global_resharder
 from megatron_preflight.prove.stored import path_for
 from megatron_preflight.reshard.checkpoint_index import open_index
@@ -131,6 +131,8 @@ def check_content(root: str, *, iteration: Any = None, trust: bool = False, part
     finally:
         files.close()
     report.findings += [Finding(name, "in the fingerprints but not in the checkpoint") for name in sorted(mine - seen)]
+    if part[0] == 0 and names is None and isinstance(stored.get("common"), dict) and g.writes_optimizer:
+        report.findings += _common_findings(stored["common"], common_state.document(index, g.choice.plain))
     report.cause = _cause(report.findings, report.checked, _held(g))
     report.seconds = time.perf_counter() - started
     return report
@@ -166,6 +168,17 @@ def _compare(g: Any, files: SourceFiles, want: dict[str, Any], stored_boxes: dic
             odd = _odd_copies(p, _ops(p), _slices(p, entry["digest"]), files)
             yield name, Finding(name, "its copy is not the saved value (the other copies are)", tuple(sorted(odd)),
                                 True) if odd else None
+
+
+def _common_findings(stored: dict[str, Any], now: dict[str, Any]) -> list[Finding]:
+    """The common state a resume reads (the LR scheduler, the param groups' settings) against its fingerprints."""
+    out = []
+    for key, what in (("opt_param_scheduler", "the LR scheduler's state"),
+                      ("param_groups", "the param groups' settings (lr, weight decay, betas, eps, multipliers)")):
+        if key in stored and stored[key] != now.get(key):
+            out.append(Finding(key, f"{what} differs from its fingerprints: saved {stored[key]!r}, now "
+                                    f"{now.get(key)!r}"))
+    return out
 
 
 def _locate(p: fingerprint.Printed, stored: list[list[Any]] | None, digest: str, files: SourceFiles) -> Finding:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.prove import common_state
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
 from megatron_preflight.prove.lockstep import LockstepReader, int_view
 from megatron_preflight.reshard.checkpoint_index import open_index
@@ -265,18 +266,13 @@ def _args_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
     return out
 
 
-# a param group's settings that change what a step does (the family's own flags, e.g. fused Adam's bias_correction
-# or AdamW's decoupled_weight_decay, are bridged when the state is converted, and not compared)
-GROUP_SETTINGS = ("lr", "max_lr", "min_lr", "weight_decay", "betas", "eps", "wd_mult", "lr_mult")
-
-
 def _common_differences(ia: Any, ib: Any, with_optimizer: bool) -> list[tuple[str, Any, Any]]:
     """The iteration and (with the optimizer state) the LR scheduler's state, where they differ."""
     out: list[tuple[str, Any, Any]] = []
     if ia.layout.iteration != ib.layout.iteration:
         out.append(("iteration", ia.layout.iteration, ib.layout.iteration))
     if with_optimizer:
-        sa, sb = (_meta(i).get("opt_param_scheduler") for i in (ia, ib))
+        sa, sb = common_state.scheduler(ia), common_state.scheduler(ib)
         if isinstance(sa, dict) and isinstance(sb, dict):
             out += [(f"opt_param_scheduler.{k}", sa.get(k), sb.get(k)) for k in sorted(set(sa) | set(sb))
                     if repr(sa.get(k)) != repr(sb.get(k))]
@@ -285,14 +281,8 @@ def _common_differences(ia: Any, ib: Any, with_optimizer: bool) -> list[tuple[st
     return out
 
 
-def _meta(index: Any) -> dict[str, Any]:
-    shards = index.view.shards
-    meta = shards[0].meta if shards else None
-    return meta if isinstance(meta, dict) else {}
-
-
 def _group_differences(pa: Any, pb: Any) -> list[tuple[str, Any, Any]]:
-    """Each parameter's group settings (:data:`GROUP_SETTINGS`) on both sides: one line per setting and pair of
+    """Each parameter's group settings (:data:`common_state.GROUP_SETTINGS`) on both sides: one line per setting and pair of
     values that differ, naming the first parameter where they do."""
     if pa is None or pb is None:
         return []
@@ -302,7 +292,7 @@ def _group_differences(pa: Any, pb: Any) -> list[tuple[str, Any, Any]]:
         if other is None:
             continue
         x, y = pa.settings.get(sig, {}), pb.settings.get(other, {})
-        for k in GROUP_SETTINGS:
+        for k in common_state.GROUP_SETTINGS:
             if repr(x.get(k)) != repr(y.get(k)):
                 where = gkey.suffix if gkey.layer is None else f"layer {gkey.layer} {gkey.suffix}"
                 found.setdefault((k, repr(x.get(k)), repr(y.get(k))), (where, x.get(k), y.get(k)))

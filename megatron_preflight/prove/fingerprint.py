@@ -33,7 +33,7 @@ from typing import Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError, environment_error, require_regular_file
-from megatron_preflight.prove import placement
+from megatron_preflight.prove import common_state, placement
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
 from megatron_preflight.prove.stored import path_for
 from megatron_preflight.reshard.checkpoint_index import open_index
@@ -289,6 +289,9 @@ def _malformed(doc: Any) -> str | None:
         if not (isinstance(e, dict) and _is_digest(e.get("digest")) and isinstance(e.get("dtype"), str)
                 and _is_shape(e.get("shape"))):
             return f"the entry of {str(name)[:200]} is not a digest, a dtype and a shape"
+    common = doc.get("common", {})
+    if not isinstance(common, dict) or not isinstance(common.get("param_groups", []), list):
+        return "its common state is not an object with a list of param groups"
     boxes = doc.get("boxes", {})
     if not isinstance(boxes, dict):
         return "its boxes are not an object"
@@ -355,18 +358,22 @@ def fingerprint_checkpoint(root: str, *, iteration: Any = None, trust: bool = Fa
         files.close()
     if stats is not None:
         stats.update(counts)
-    return document(g, index.layout.iteration, os.path.abspath(root), tensors, boxes)
+    return document(g, index.layout.iteration, os.path.abspath(root), tensors, boxes,
+                    common=common_state.document(index, g.choice.plain) if g.writes_optimizer else None)
 
 
 def document(g: Resharder, iteration: Any, source: str, tensors: dict[str, Any],
-             boxes: dict[str, list[list[Any]]] | None = None) -> dict[str, Any]:
+             boxes: dict[str, list[list[Any]]] | None = None, common: dict[str, Any] | None = None) -> dict[str, Any]:
     """A fingerprint file's content (``boxes``: per tensor split over several boxes, each box's partial digest, so a
-    later check names the shard that holds a differing slice)."""
+    later check names the shard that holds a differing slice; ``common``: the common state a resume reads,
+    :func:`common_state.document`)."""
     doc = {"format": FORMAT, "iteration": iteration, "source": source,
            "vocab_rows": g.vocab.real if g.vocab is not None else None,
            "optimizer_step": g.plain_step() if g.writes_optimizer else None, "tensors": tensors}
     if boxes:
         doc["boxes"] = boxes
+    if common is not None:
+        doc["common"] = common
     return doc
 
 

@@ -215,3 +215,29 @@ def test_fingerprints_of_another_iteration_under_this_ones_name_are_refused(tmp_
     fp.store(str(root), 2, doc)
     with pytest.raises(PreflightError, match="fingerprints of iteration 7"):
         fp.load(str(root), 2)
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda sd: sd["opt_param_scheduler"].update(num_steps=40), "opt_param_scheduler"),
+    (lambda sd: [g.update(lr=3e-4) for g in sd["optimizer"]["param_groups"]], "param_groups"),
+])
+def test_a_common_state_changed_after_the_fingerprints_is_found(tmp_path, change, field):
+    """The fingerprints store the common state a resume reads (the LR scheduler's, the param groups' settings): an
+    edit of it on every shard after they were taken is a finding naming it; the tensors still equal theirs."""
+    root = fingerprinted(tmp_path)
+    assert "common" in fp.load(str(root), 2)
+    for shard in ("mp_rank_00", "mp_rank_01"):
+        path = str(root / "iter_0000002" / shard / "model_optim_rng.pt")
+        state = ckpt_edit.load(path)
+        change(state)
+        ckpt_edit.save(state, path)
+    report = check_content(str(root))
+    assert [f.tensor for f in report.findings] == [field], report.render()
+    assert "differs from its fingerprints" in report.findings[0].problem
+
+
+def test_the_common_state_of_gdn_with_drifted_copies_is_no_finding(tmp_path):
+    """gdn_tp2_torch's out_norm copies differ by Megatron's design (reshard/plan/drift.py): its content check passes."""
+    root = fingerprinted(tmp_path, "gdn_tp2_torch")
+    report = check_content(str(root))
+    assert report.ok, report.render()
