@@ -13,6 +13,7 @@ from megatron_preflight.check import advice
 from megatron_preflight.check.batches import batch_findings
 from megatron_preflight.check.compare import check_runtime_layout, compare_architecture
 from megatron_preflight.check.data import data_findings
+from megatron_preflight.check.ddp_buckets import bucket_findings
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.memory import memory_findings
 from megatron_preflight.check.param_groups import param_group_findings
@@ -417,7 +418,7 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
                                    "mamba_conv_name"))
         changed = changed or renamed or any(f.severity == RESHARD for f in family) or \
             (optimizer_toggled(layout, rt) and _convertible(index))
-        findings += lay + family
+        findings += lay + family + bucket_findings(layout, rt, same_layout=not changed)
         findings += schedule_findings(layout, rt) + horizon_findings(layout, rt) + save_findings(layout, rt)
         findings += scheduler_flag_findings(rt) + param_group_findings(layout, rt)
         findings += batch_findings(layout, rt) + data_findings(rt) + tokenizer_findings(rt)

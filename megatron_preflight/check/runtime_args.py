@@ -98,6 +98,8 @@ class RuntimeArgs:
     # (``param_group_identifier_keys``; check/param_groups.py); the hook asks megatron.core, None offline
     param_group_keys: tuple[str, ...] | None = None
     use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False  # the DDP bucketing (check/ddp_buckets.py)
+    ddp_bucket_size: int | None = None
     ckpt_format: str = "torch_dist"
     auto_detect_ckpt_format: bool = False
     no_load_optim: bool = False

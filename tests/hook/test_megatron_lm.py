@@ -880,6 +880,26 @@ def test_a_flexible_pipeline_layout_checkpoint_resumes_elsewhere_like_megatrons_
     assert (loss(log, 3, 4), loss(log, 4, 4)) == (loss(log2, 3, 4), loss(log2, 4, 4))
 
 
+@pytest.mark.parametrize("ckpt, fmt", [("distopt_buckets_tp2dp2_torch", "torch"),
+                                       ("distopt_dpr_buckets_tp2dp2_torch_dist", "torch_dist")])
+def test_another_ddp_bucket_size_fails_in_megatron_after_the_build_and_at_start_with_the_plugin(tmp_path, ckpt, fmt):
+    """Saved with --overlap-grad-reduce --ddp-bucket-size 3000 at TP2·DP2: a resume at the same layout without the
+    bucket size (Megatron's default: 40M elements) fails in Megatron's own reload of the distributed optimizer state,
+    after the model and optimizer are built; with the plugin it stops before the build naming the flag; with that flag
+    it trains."""
+    common = ["--ckpt-format", fmt, "--no-load-rng", "--use-distributed-optimizer", "--tensor-model-parallel-size",
+              "2", "--overlap-grad-reduce", "--train-iters", "4"]
+    rc, log = run(tmp_path, fixture_path(ckpt), 4, *common, plugin=False, port=29794, verify=False)
+    megatron_says = "Global shape mismatch" if fmt == "torch_dist" else "Number of unpadded elements"
+    assert rc != 0 and "lm loss" not in log and megatron_says in log, log[-3000:]
+    rc, log = run(tmp_path, fixture_path(ckpt), 4, *common, "--preflight", "check", port=29795, verify=False)
+    assert rc != 0 and "ddp_bucket_size" in log and "--ddp-bucket-size 3000" in log, log[-3000:]
+    assert "building GPT model" not in log, log[-3000:]
+    rc, log = run(tmp_path, fixture_path(ckpt), 4, *common, "--ddp-bucket-size", "3000", "--preflight", "check",
+                  port=29796, verify=False)
+    assert rc == 0 and loss(log, 4, 4) is not None, log[-3000:]
+
+
 @te_only
 @pytest.mark.parametrize("source", ["tp2_torch", "tp2_torch_dist"])
 def test_local_spec_checkpoint_resumes_on_a_te_cluster_with_its_optimizer(tmp_path, source):

@@ -103,13 +103,15 @@ def world_offsets(slots: list[Slot], bucket_size: int | None) -> tuple[dict[str,
 
 def bucket_size(args: Any, dp: int | None = None) -> int | None:
     """Megatron's DDP bucket size for a run with ``args``: none (one bucket per buffer) without
-    --overlap-grad-reduce; else --ddp-bucket-size, by default max(40M, 1M x DP)."""
+    --overlap-grad-reduce; else --ddp-bucket-size, by default max(40M, 1M x DP x CP) (the distributed optimizer shards
+    over DP x CP; ``dp``: that product when given)."""
     if not getattr(args, "overlap_grad_reduce", False):
         return None
     given = getattr(args, "ddp_bucket_size", None)
     if given:
         return int(given)
-    dp = dp or int(getattr(args, "data_parallel_size", 1) or 1)
+    if dp is None:
+        dp = int(getattr(args, "data_parallel_size", 1) or 1) * int(getattr(args, "context_parallel_size", 1) or 1)
     return max(40_000_000, 1_000_000 * dp)
 
 
