@@ -156,6 +156,20 @@ class ParallelLayout:
         if self.observed is not None:
             return [list(row) for row in self.observed]
         v = self.chunks
+        if self.pipeline_layout:  # --pipeline-model-parallel-layout places each segment's decoder layers
+            segments = placement({"pipeline_model_parallel_layout": self.pipeline_layout})
+            if not isinstance(segments, tuple) or len(segments) != self.pp * v:
+                raise LayoutError(f"the pipeline layout {self.pipeline_layout!r} does not have PP{self.pp} x "
+                                  f"VPP{v} = {self.pp * v} segments megatron-preflight can read",
+                                  field="pipeline_model_parallel_layout",
+                                  fix="give one '|'-separated segment per pipeline stage (a virtual pipeline through "
+                                      "the layout is not modelled yet)")
+            counts = [n for n, _ in segments]
+            if self.num_layers is not None and sum(counts) != self.num_layers:
+                raise LayoutError(f"the pipeline layout {self.pipeline_layout!r} places {sum(counts)} decoder layers, "
+                                  f"the model has {self.num_layers}", field="pipeline_model_parallel_layout",
+                                  fix="give the layout one 't' per decoder layer")
+            return [[counts[c * self.pp + p] for p in range(self.pp)] for c in range(v)]
         pipes = hybrid_segments(self.hybrid_pattern)
         if pipes is not None:
             if len(pipes) != self.pp * v:

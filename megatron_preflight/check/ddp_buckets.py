@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.layout.dist import read_dcp_metadata
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.optimizer.distributed import bucket_size, read_dist_meta
 
@@ -88,8 +89,6 @@ def _largest_buffer(layout: Layout) -> int | None:
 
 def _largest_dist_buffer(layout: Layout) -> int | None:
     """The largest gradient buffer of a dp_reshardable torch_dist state: the sum of its buckets' sizes."""
-    from megatron_preflight.layout.dist import read_dcp_metadata
-
     try:
         md = read_dcp_metadata(layout.iter_dir or "")
     except Exception:  # noqa: BLE001 - unreadable: reported elsewhere
