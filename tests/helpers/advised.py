@@ -44,3 +44,14 @@ def follow(cmd: str, new_dir: str) -> subprocess.CompletedProcess:
     line = shlex.quote(exe) + cmd[len("megatron-preflight"):]
     line = line.replace(f" {advice.PLACEHOLDER} ", f" {shlex.quote(new_dir)} ", 1)
     return subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=600)
+
+
+def follow_advice(src: str, run_flags: list[str], new_dir: str, *options: str) -> subprocess.CompletedProcess:
+    """The whole literal path: ``check`` of the run says reshard with one command, that command run as printed writes
+    ``new_dir``, and ``check`` of ``new_dir`` with the same run flags says load. Returns the command's run."""
+    verdict, commands = advised(src, run_flags, *options)
+    assert verdict == "reshard" and len(commands) == 1, commands
+    done = follow(commands[0], new_dir)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert advised(new_dir, run_flags, *options) == ("load", [])
+    return done

@@ -76,18 +76,13 @@ def test_checks_advice_for_a_tp2_hybrid_followed_word_for_word_resumes_like_mega
     pretrain_hybrid.py trains it like Megatron's own reshard of the twin (iterations 3, 4 and every MTP loss). `check`
     judges for the release that loads it (--megatron-version of the Megatron-LM here: main, megatron-core 0.20, which
     names a Mamba conv `conv1d_weight`; the CLI's default is the megatron-core installed beside it)."""
-    from tests.helpers.advised import advised, follow
+    from tests.helpers.advised import follow_advice
 
     extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
     flags = ["--hybrid-layer-pattern", PATTERN, "--no-load-rng"]
     run_flags = [*HYBRID, *extra, "--transformer-impl", "transformer_engine", "--ckpt-format", "torch", *flags]
-    release = ("--megatron-version", "0.20")
-    verdict, commands = advised(fixture_path("hyb_tp2_torch"), run_flags, *release)
-    assert verdict == "reshard" and len(commands) == 1, commands
     new = str(tmp_path / "new")
-    done = follow(commands[0], new)
-    assert done.returncode == 0, done.stderr
-    assert advised(new, run_flags, *release) == ("load", [])
+    follow_advice(fixture_path("hyb_tp2_torch"), run_flags, new, "--megatron-version", "0.20")
     rc, log = hybrid(tmp_path, new, 1, "--ckpt-format", "torch", *flags, plugin=False, port=29978)
     assert rc == 0, log[-3000:]
     rc2, log2 = hybrid(tmp_path, fixture_path("hyb_tp2_torch_dist"), 1, "--ckpt-format", "torch_dist", *flags,
@@ -102,7 +97,7 @@ def test_a_gdn_checkpoint_whose_out_norm_copies_drifted_resumes_at_tp1_like_mega
     Megatron's training leaves them (it does not reduce that gradient over TP). At TP1, in memory (--preflight auto)
     and offline (the command `check` prints, run as printed), TP rank 0's copy is used, as Megatron's torch_dist save
     keeps it: iterations 3 and 4 equal Megatron's own reshard of the torch_dist twin at TP1."""
-    from tests.helpers.advised import advised, follow
+    from tests.helpers.advised import follow_advice
 
     base = _without(HYBRID, ("--num-experts", "--moe-router-topk"))
 
@@ -118,13 +113,9 @@ def test_a_gdn_checkpoint_whose_out_norm_copies_drifted_resumes_at_tp1_like_mega
     else:
         extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
         run_flags = [*base, *extra, "--transformer-impl", "transformer_engine", "--ckpt-format", "torch", *flags]
-        release = ("--megatron-version", "0.20")
-        verdict, commands = advised(fixture_path("gdn_tp2_torch"), run_flags, *release)
-        assert verdict == "reshard" and len(commands) == 1, commands
         new = str(tmp_path / "new")
-        done = follow(commands[0], new)
-        assert done.returncode == 0 and "Megatron lets drift" in done.stdout, done.stdout + done.stderr
-        assert advised(new, run_flags, *release) == ("load", [])
+        done = follow_advice(fixture_path("gdn_tp2_torch"), run_flags, new, "--megatron-version", "0.20")
+        assert "Megatron lets drift" in done.stdout, done.stdout
         rc, log = gdn_run(new, "--ckpt-format", "torch", *flags, plugin=False, port=29980)
         assert rc == 0, log[-3000:]
     rc2, log2 = gdn_run(fixture_path("gdn_tp2_torch_dist"), "--ckpt-format", "torch_dist", *flags, plugin=False,
