@@ -140,6 +140,12 @@ _DCP_CLASSES = frozenset(
 _DCP_VALUES = frozenset([(f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"), (f"{_DCP}.planner", "WriteItemType"),
                          (f"{_DCP}.planner", "LoadItemType"), ("torch.serialization", "_get_layout")])
 
+# path objects (DCP's StorageMeta.checkpoint_id, as Megatron-FSDP's fsdp_dtensor save pickles it): inert placeholders,
+# never the real classes; the module is "pathlib._local" under Python 3.13
+_PATH_CLASSES = frozenset((mod, cls) for mod in ("pathlib", "pathlib._local")
+                          for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path",
+                                      "PurePath"))
+
 _ALLOWED: dict[tuple[str, str], Any] | None = None
 
 
@@ -197,7 +203,7 @@ class SafeUnpickler(pickle.Unpickler):
             value = _torch_free_global(module, name)
         elif value is None and key in _DCP_CLASSES:  # Records with torch loaded too (the module docstring says why)
             value = record_class(module, name)
-        elif value is None and key in _DCP_VALUES:
+        elif value is None and (key in _DCP_VALUES or key in _PATH_CLASSES):
             value = placeholder_class(module, name)
         if value is not None:
             if self._budget is not None and key in _BUILDERS:

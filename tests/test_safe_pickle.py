@@ -41,3 +41,17 @@ def test_builtins_eval_refused():
 
     with pytest.raises(UnsafePickleError):
         safe_loads(pickle.dumps(Evil()), source="e")
+
+
+def test_a_path_object_loads_inert_and_a_path_method_stays_refused():
+    """DCP's StorageMeta.checkpoint_id, as Megatron-FSDP's save pickles it (fixture fsdp_dp2): a ``PosixPath`` is
+    read as an inert placeholder, never built; a path method a pickle could call (reading or writing files) is
+    not on the list."""
+    import pathlib
+
+    obj = safe_loads(pickle.dumps({"checkpoint_id": pathlib.PurePosixPath("ckpt", "iter_0000002")}), source="t")
+    assert isinstance(obj["checkpoint_id"], Placeholder) and "iter_0000002" in repr(obj["checkpoint_id"])
+    assert isinstance(safe_loads(b"cpathlib\nPosixPath\n(S'x'\ntR.", source="t"), Placeholder)
+    for name in ("write_text", "unlink", "Path.write_text"):
+        with pytest.raises(UnsafePickleError):
+            safe_loads(f"cpathlib\n{name}\n(S'x'\ntR.".encode(), source="t")

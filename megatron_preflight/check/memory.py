@@ -139,7 +139,8 @@ def memory_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> tuple[li
     asked = "preflight_device_memory" in rt.given
     if index.layout.format != Format.TORCH and "tensors" not in vars(index) and not asked:
         # a torch_dist verdict needs no tensor index: building one only for this would add to every job start
-        return [Finding("memory", None, None, INFO, "memory not predicted for this torch_dist checkpoint",
+        fmt = index.layout.format.value if index.layout.format else "distributed"
+        return [Finding("memory", None, None, INFO, f"memory not predicted for this {fmt} checkpoint",
                         "pass --preflight-device-memory GIB to have it predicted and checked (it indexes the "
                         "checkpoint's metadata)")], []
     if index.layout.sampled:

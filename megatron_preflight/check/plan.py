@@ -15,6 +15,7 @@ from megatron_preflight.check.compare import check_runtime_layout, compare_archi
 from megatron_preflight.check.data import data_findings
 from megatron_preflight.check.ddp_buckets import bucket_findings
 from megatron_preflight.check.findings import Finding, Severity
+from megatron_preflight.check.fsdp import fsdp_findings
 from megatron_preflight.check.memory import memory_findings
 from megatron_preflight.check.param_groups import param_group_findings
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, from_namespace
@@ -198,6 +199,8 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                                    f"the layout changes and the optimizer state cannot be carried across ({problem}); "
                                    "it would have to be dropped",
                                    "add --no-load-optim (and keep the weights), or --finetune"))
+        elif layout.format == Format.FSDP_DTENSOR:
+            pass  # Megatron-FSDP reloads it at any DP/TP/EP; a 3D run loads it through the resharder (check/fsdp.py)
         elif ck_dopt or layout.dist_optimizer_sharding:
             sharding = layout.dist_optimizer_sharding or "dp_reshardable"
             tp_pp_change = (layout.tp, layout.pp) != (rt.tp, rt.pp) or placement_moved(layout, rt)
@@ -359,11 +362,11 @@ def _format_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         out.append(Finding("ckpt_format", "torch", rt.ckpt_format, INFO,
                            "legacy checkpoint, run saves in another format: Megatron auto-detects it on load "
                            "(and never compares TP/PP then)", ""))
-    elif fmt in (Format.FSDP_DTENSOR, Format.TORCH_DCP) and rt.ckpt_format != fmt.value:
+    elif fmt == Format.TORCH_DCP and rt.ckpt_format != fmt.value:
         out.append(Finding("ckpt_format", fmt.value, rt.ckpt_format, FATAL,
                            f"a {fmt.value} checkpoint is only loaded with --ckpt-format {fmt.value}",
                            f"set --ckpt-format {fmt.value}"))
-    return out
+    return out + fsdp_findings(layout, rt)
 
 
 def _problem_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
@@ -435,6 +438,8 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
     elif layout.format == Format.TORCH_DIST and any(f.field in ("optimizer", "optimizer_family", "transformer_impl")
                                                     and f.severity == RESHARD for f in findings):
         loader = Loader.RESHARD  # Megatron's dist loader would refuse it (see _megatron_refuses)
+    elif layout.format == Format.FSDP_DTENSOR and not rt.use_megatron_fsdp:
+        loader = Loader.RESHARD  # a 3D-parallel run: only the resharder reads it (check/fsdp.py)
     elif layout.format is not None:
         loader = Loader.DIST
     else:

@@ -25,6 +25,32 @@ def _size(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
+def _shard_domain(layout: Layout) -> str:
+    """Over which ranks the distributed optimizer's state is sharded (DP x CP), from the saved args."""
+    args = layout.saved_args
+    dp = getattr(args, "data_parallel_size", None)
+    if not isinstance(dp, int) or not (layout.format == Format.FSDP_DTENSOR or
+                                       layout.dist_optimizer_sharding == "dp_reshardable"):
+        return ""  # (the other forms are gathered or in model space: no per-rank domain on disk)
+    cp = layout.cp or 1
+    return f"sharded over DP x CP = {dp} x {cp} = {dp * cp} ranks" if cp > 1 else f"sharded over DP = {dp} ranks"
+
+
+def _fsdp_line(layout: Layout) -> str:
+    """What a Megatron-FSDP (fsdp_dtensor) save was made with."""
+    if layout.format != Format.FSDP_DTENSOR:
+        return ""
+    args = layout.saved_args
+    parts = ["Megatron-FSDP"]
+    strategy = getattr(args, "data_parallel_sharding_strategy", None)
+    if strategy:
+        parts.append(f"--data-parallel-sharding-strategy {strategy}")
+    precision = "--bf16" if getattr(args, "bf16", False) else "--fp16" if getattr(args, "fp16", False) else "fp32"
+    parts.append(precision)
+    state = "yes" if layout.dist_optimizer_sharding else "no"
+    return ", ".join(parts) + f"; optimizer state: {state}"
+
+
 def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: int = 16, problems: bool = True) -> str:
     """The layout report of a checkpoint (its index, or a discovered layout); ``problems=False`` leaves the problems
     out (a plan lists them as its findings)."""
@@ -47,7 +73,13 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
         dist_opt = {True: "yes", False: "no", None: "unknown"}[layout.distributed_optimizer]
         if layout.dist_optimizer_sharding:
             dist_opt += f" ({layout.dist_optimizer_sharding})"
+        domain = _shard_domain(layout)
+        if domain:
+            dist_opt += f", {domain}"
         lines.append(f"dist. optim {dist_opt}")
+        fsdp = _fsdp_line(layout)
+        if fsdp:
+            lines.append(f"fsdp        {fsdp}")
         optim = _optimizer_line(index)
         if optim:
             lines.append(f"optimizer   {optim}")

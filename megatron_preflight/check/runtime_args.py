@@ -101,6 +101,8 @@ class RuntimeArgs:
     overlap_grad_reduce: bool = False  # the DDP bucketing (check/ddp_buckets.py)
     ddp_bucket_size: int | None = None
     ckpt_format: str = "torch_dist"
+    use_megatron_fsdp: bool = False  # Megatron-FSDP: reads and writes fsdp_dtensor only (check/fsdp.py)
+    data_parallel_sharding_strategy: str = "no_shard"
     auto_detect_ckpt_format: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False

@@ -154,6 +154,32 @@ def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:
     return None
 
 
+# the non-tensor items of an fsdp_dtensor save (Megatron-FSDP's DCP): read as a common state like torch_dist's
+FSDP_TOP_ITEMS = ("args", "iteration", "checkpoint_version", "num_floating_point_operations_so_far")
+FSDP_SCHEDULER = "opt_param_scheduler."
+FSDP_MODEL = "model."
+FSDP_OPTIMIZER_STATE = "optimizer.state."
+
+
+def _fsdp_common(iter_dir: str, md: Any, trust: bool) -> dict[str, Any] | None:
+    """The common state of an fsdp_dtensor save, from its top-level bytes items (``args``, ``iteration``, the
+    scheduler's ``opt_param_scheduler.<field>`` items); None when it has no ``args`` item (not Megatron's)."""
+    objects = object_index(md)
+    if "args" not in objects:
+        return None
+    reader = ObjectReader(iter_dir, trust=trust)
+    try:
+        common: dict[str, Any] = {}
+        for fqn, info in objects.items():
+            if fqn in FSDP_TOP_ITEMS:
+                common[fqn] = reader.read(fqn, info)
+            elif fqn.startswith(FSDP_SCHEDULER):
+                common.setdefault("opt_param_scheduler", {})[fqn[len(FSDP_SCHEDULER):]] = reader.read(fqn, info)
+    finally:
+        reader.close()
+    return common
+
+
 def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
     """Fill ``layout`` for a torch_dist / zarr / DCP iteration dir."""
     entries = set(os.listdir(iter_dir))
@@ -220,6 +246,8 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
     elif md is not None:
         try:
             common = _common_from_metadata(iter_dir, md, trust)
+            if common is None and layout.format in (Format.FSDP_DTENSOR, Format.TORCH_DCP):
+                common = _fsdp_common(iter_dir, md, trust)
         except PreflightError as exc:
             layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
     if isinstance(common, list) and common and isinstance(common[0], dict):
@@ -247,7 +275,13 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
                    "this iteration, or load an earlier one with --ckpt-step")
     elif layout.format == Format.ZARR and not layout.problems:
         layout.notes.append("no common state (args) found: parallel sizes unknown")
-    if layout.format == Format.TORCH_DCP and isinstance(common, dict) and "args" in common:
+    if layout.format == Format.TORCH_DCP and isinstance(common, dict) and \
+            getattr(common.get("args"), "ckpt_format", None) == "fsdp_dtensor":
+        layout.format = Format.FSDP_DTENSOR  # (a Megatron-FSDP save without model weights: optimizer state only)
+    if layout.format == Format.FSDP_DTENSOR:
+        layout.dist_optimizer_sharding = "fsdp_dtensor" if any(
+            k.startswith(FSDP_OPTIMIZER_STATE) for k in layout.dist_tensors) else None
+    elif layout.format == Format.TORCH_DCP and isinstance(common, dict) and "args" in common:
         # a Megatron torch_dist save (its common state holds Megatron's args) whose metadata.json is gone
         layout.format = Format.TORCH_DIST
         layout.add("missing_file", os.path.join(iter_dir, METADATA_JSON),

@@ -26,6 +26,7 @@ from megatron_preflight.prove.lockstep import LockstepReader, int_view
 from megatron_preflight.reshard.checkpoint_index import open_index
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.sources.te_extra_state import holds_no_fp8
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ def compare_tensors(name: str, x: Any, y: Any, atol: float, rtol: float, rows: i
     """One pair of values (tensors, or extra state), compared; ``rows``: only the first rows (vocab padding out)."""
     import torch  # deferred: diff reads tensors (its module is imported by the CLI only when it runs)
 
+    if name.endswith("_extra_state") and holds_no_fp8(x) and holds_no_fp8(y):
+        return TensorDiff(name, "equal")  # TE's no-FP8 values (an empty tensor, a pickled None, None) mean the same
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         return TensorDiff(name, "equal" if _samevalue_of(x, y) else "differs")
     if rows is not None:
@@ -300,12 +303,12 @@ def _group_differences(pa: Any, pb: Any) -> list[tuple[str, Any, Any]]:
 
 
 def _absent_extra(name: str, na: dict[str, Any], nb: dict[str, Any]) -> bool:
-    """An ``_extra_state`` that one side lacks and the other holds as None: nothing to compare (a legacy file keeps
-    the output layer's None, torch_dist does not)."""
+    """An ``_extra_state`` that one side lacks and the other holds without FP8 metadata: nothing to compare (a legacy
+    file keeps the output layer's None, torch_dist does not; Megatron-FSDP saves none, TE's attention's is rebuilt)."""
     if not name.endswith("_extra_state") or (name in na) == (name in nb):
         return False
     tp = na.get(name, nb.get(name))
-    return isinstance(tp, TensorPlan) and tp.shape is None and tp.value is None
+    return isinstance(tp, TensorPlan) and ((tp.shape is None and holds_no_fp8(tp.value)) or tp.shape == (0,))
 
 
 def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float = 0.0, rtol: float = 0.0,

@@ -103,8 +103,8 @@ class CheckpointIndex:
                                  path=p.path if p else lay.path,
                                  fix=(p.fix if p and p.fix else "pass the --save dir of a Megatron-LM run (it holds "
                                       "latest_checkpointed_iteration.txt and iter_* dirs)"), code="format")
-        if lay.format not in (Format.TORCH, Format.TORCH_DIST):
-            raise PreflightError(f"the resharder reads legacy (torch) and torch_dist checkpoints; this one is "
+        if lay.format not in (Format.TORCH, Format.TORCH_DIST, Format.FSDP_DTENSOR):
+            raise PreflightError(f"the resharder reads legacy (torch), torch_dist and fsdp_dtensor checkpoints; this one is "
                                  f"{lay.format.value}", path=lay.path,
                                  fix="convert it with the Megatron version that wrote it (--ckpt-convert-format "
                                      "torch_dist)", code="format")
@@ -121,13 +121,21 @@ class CheckpointIndex:
         """(the legacy shards the source reads as, whether a torch_dist model-space optimizer state is there, why a
         dp_reshardable state cannot be read)."""
         lay = self.layout
-        if lay.format != Format.TORCH_DIST:
+        if lay.format not in (Format.TORCH_DIST, Format.FSDP_DTENSOR):
             return lay, False, None
         # a torch_dist checkpoint's view: its readers load only for one
         from megatron_preflight.reshard.sources.torch_dist import virtual_layout
         from megatron_preflight.reshard.sources.torch_dist_optimizer import attach_dp_reshardable
 
         view, model_space = virtual_layout(lay, trust=self.trust)
+        if lay.format == Format.FSDP_DTENSOR and model_space and lay.common_state is not None and \
+                "optimizer" not in lay.common_state:
+            from megatron_preflight.reshard.sources.fsdp_dtensor import param_groups  # (read for such a source only)
+
+            # read as the distributed optimizer's model-space form: its param groups from the per-parameter settings
+            lay.common_state["optimizer"] = {"param_state_sharding_type": "fully_reshardable",
+                                             "optimizer": {"param_groups": param_groups(lay.iter_dir or "",
+                                                                                        trust=self.trust)}}
         problem = None
         if model_space and lay.dist_optimizer_sharding == "dp_reshardable":
             model_space = False  # the flat buckets: read as the legacy distrib_optim.pt they equal
@@ -219,7 +227,7 @@ class CheckpointIndex:
         :mod:`.optimizer.family`): from the param groups in the first file's header or the common state, else from
         the indexed state; None without a readable state."""
         lay = self.layout
-        head = lay.common_state if lay.format == Format.TORCH_DIST else (
+        head = lay.common_state if lay.format in (Format.TORCH_DIST, Format.FSDP_DTENSOR) else (
             lay.shards[0].meta if lay.shards else None)
         found = saved_family(head.get("optimizer")) if isinstance(head, dict) else None
         if found is not None:

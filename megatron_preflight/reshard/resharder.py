@@ -254,7 +254,8 @@ class Resharder:
             if meta.get("args") is not None:
                 state["args"] = rewrite_args(meta["args"], self.tgt, self.padded_vocab,
                                              self.target_distributed if self.keep_optimizer else None)
-                if self.source_format == Format.TORCH_DIST and hasattr(state["args"], "ckpt_format"):
+                if self.source_format in (Format.TORCH_DIST, Format.FSDP_DTENSOR) and \
+                        hasattr(state["args"], "ckpt_format"):
                     state["args"].ckpt_format = "torch"  # what this file is now
                 if not self.writes_optimizer:
                     state["args"].no_save_optim = True  # saved without optimizer state, as Megatron would say
@@ -317,7 +318,7 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
                          vocab_entries[0].global_len() or 0) if vocab_entries else None
     meta = view.shards[0].meta or {}
     dropped = {k: v for k, v in NOT_MAPPABLE.items() if k in meta}
-    if index.layout.format == Format.TORCH_DIST:  # its RNG states are per rank, as in legacy files
+    if index.layout.format in (Format.TORCH_DIST, Format.FSDP_DTENSOR):  # its RNG states are per rank, as in legacy
         dropped["rng_state"] = NOT_MAPPABLE["rng_state"]
     distributed = bool(view.distributed_optimizer) if target.distributed_optimizer is None \
         else target.distributed_optimizer

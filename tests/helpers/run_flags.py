@@ -17,7 +17,7 @@ _VALUED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"
            "mamba_expand", "linear_num_key_heads", "linear_num_value_heads")
 _SWITCHES = ("group_query_attention", "swiglu", "qk_layernorm", "untie_embeddings_and_output_weights",
              "multi_latent_attention", "moe_grouped_gemm", "use_distributed_optimizer", "bf16", "fp16",
-             "sequence_parallel")
+             "sequence_parallel", "use_megatron_fsdp")
 
 
 def model_flags(root: str, **sizes: int) -> list[str]:

@@ -121,13 +121,14 @@ def megatron_env(root: str, te: bool = False, mamba: bool = False) -> tuple[str,
 
 
 def run(tmp_path, ckpt, nproc, *flags, plugin=True, port=29700, te=False, drop=(), launch=None,
-        verify=VERIFY_EVERY_LOAD, root=None, script="pretrain_gpt.py", base=None):
+        verify=VERIFY_EVERY_LOAD, root=None, script="pretrain_gpt.py", base=None, env_extra=None):
     """``script`` (pretrain_gpt.py; pretrain_hybrid.py runs with both stand-ins) of the Megatron-LM work tree ``root``
     (default MEGATRON_LM_ROOT) loading a copy of ``ckpt``, with the ``base`` flags (default TINY): (exit status,
     log)."""
     root = root or ROOT
     hybrid = script == "pretrain_hybrid.py"
     python, env = megatron_env(root, te or hybrid, mamba=hybrid)
+    env.update(env_extra or {})
     dst = tmp_path / os.path.basename(ckpt)
     if not dst.exists():
         shutil.copytree(ckpt, dst)

@@ -151,3 +151,23 @@ def test_a_pair_whose_common_state_a_resume_reads_differs_is_different(tmp_path,
     assert main(["diff", fixture_path("tp2_torch"), out]) == 1
     assert expect in capsys.readouterr().out
     assert diff_checkpoints(fixture_path("tp2_torch"), out, weights_only=True).equal
+
+
+def test_an_fsdp_dtensor_save_equals_its_3d_twin_and_a_changed_tensor_is_told_apart(tmp_path):
+    """Megatron-FSDP's fsdp_dtensor save and the same training on the 3D path (torch_dist; fixtures fsdp_dp2*): equal,
+    optimizer state and common state included (TE's extra states: none saved by Megatron-FSDP, TE's empty values in
+    the twin: the same). One weight changed in a legacy copy of the twin: that tensor alone differs."""
+    fsdp, twin = fixture_path("fsdp_dp2"), fixture_path("fsdp_dp2_twin_torch_dist")
+    report = diff_checkpoints(fsdp, twin)
+    assert report.equal and len(report.tensors) > 100, [(t.name, t.status) for t in report.tensors
+                                                        if t.status != "equal"]
+    assert report.steps == (2, 2)
+    out = tmp_path / "legacy"
+    write_resharded(twin, str(out), TargetLayout(tp=2, pp=1))
+    path = out / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"
+    state = ckpt_edit.load(str(path))
+    state["model"]["decoder.layers.2.mlp.linear_fc2.weight"][3, 5] += 1e-3
+    ckpt_edit.save(state, str(path))
+    report = diff_checkpoints(fsdp, str(out))
+    bad = [t for t in report.tensors if t.status != "equal"]
+    assert [(t.name, t.differing) for t in bad] == [("decoder.layers.2.mlp.linear_fc2.weight", 1)]

@@ -37,6 +37,12 @@ def optimizer_status(layout: Layout, index: Any = None) -> OptimizerStatus | Non
     indexed once; asked through it, see ``CheckpointIndex.optimizer_status``)."""
     if layout.format == Format.TORCH_DIST:
         return _dist_status(layout)
+    if layout.format == Format.FSDP_DTENSOR:
+        if layout.dist_optimizer_sharding is None:
+            return OptimizerStatus("none", False, "the checkpoint holds no optimizer state", in_memory=False)
+        return OptimizerStatus("distributed", True, detail="fsdp_dtensor (model space, per-parameter group settings): "
+                               "Megatron-FSDP reloads it at any DP/TP/EP; the resharder converts it to legacy and "
+                               "torch_dist at any layout")
     first = layout.shards[0].meta if layout.shards else None
     if layout.format != Format.TORCH or not isinstance(first, dict):
         return None

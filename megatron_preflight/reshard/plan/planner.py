@@ -239,6 +239,8 @@ def rewrite_args(args: Any, tgt: ParallelLayout, padded_vocab: int | None,
         new.padded_vocab_size = padded_vocab
     if distributed_optimizer is not None:
         new.use_distributed_optimizer = distributed_optimizer
+    if getattr(new, "use_megatron_fsdp", False):  # (a Megatron-FSDP source: what is written is 3D-parallel)
+        new.use_megatron_fsdp = False
     world = tgt.min_world()
     if hasattr(new, "world_size"):
         new.world_size = world

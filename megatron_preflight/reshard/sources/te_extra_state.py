@@ -23,6 +23,21 @@ def no_fp8_copy(value: Any) -> Any:
     return None
 
 
+PICKLED_EMPTY_DICT = b"\x80\x04}\x94."  # pickle.dumps({}): TE 2.0-2.8 ops-based norms without FP8
+
+
+def holds_no_fp8(value: Any) -> bool:
+    """Whether an extra state carries no FP8 metadata: None (what a save without TE extra state, e.g. Megatron-FSDP's,
+    stands for), or one of TE's empty values (an empty tensor, a pickled None or {})."""
+    if value is None:
+        return True
+    if isinstance(value, TensorValue):
+        return value.shape in ((0,), (len(PICKLED_NONE),), (len(PICKLED_EMPTY_DICT),))
+    if getattr(value, "dtype", None) is not None and hasattr(value, "numel") and value.dim() == 1:
+        return value.numel() == 0 or bytes(value.tolist()) in (PICKLED_NONE, PICKLED_EMPTY_DICT)
+    return False
+
+
 @dataclass(frozen=True)
 class TensorValue:
     """A tensor inside a sharded object (a TE extra state), described without torch: its dtype and shape."""

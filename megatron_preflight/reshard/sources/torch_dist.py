@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
-from megatron_preflight.layout.dist import ObjectReader, object_index, read_dcp_metadata
+from megatron_preflight.layout.dist import ObjectReader, object_index
 from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
@@ -39,6 +39,7 @@ from megatron_preflight.reshard.plan.spec import (
     param_rank,
     rank_in,
 )
+from megatron_preflight.reshard.sources import fsdp_dtensor
 from megatron_preflight.reshard.sources.te_extra_state import described, no_fp8_copy
 from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab
 from megatron_preflight.torch_file import StorageRef, row_major
@@ -406,13 +407,13 @@ class _Builder:
 def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool]:
     """The legacy shards a save of ``layout``'s torch_dist checkpoint at its own layout would have written, their
     tensors as :class:`RegionRef` (read them with :func:`dist_reader`); and whether it holds optimizer state."""
-    if layout.format != Format.TORCH_DIST or layout.iter_dir is None:
-        raise PreflightError("not a torch_dist checkpoint", path=layout.path, code="format")
+    if layout.format not in (Format.TORCH_DIST, Format.FSDP_DTENSOR) or layout.iter_dir is None:
+        raise PreflightError("not a torch_dist or fsdp_dtensor checkpoint", path=layout.path, code="format")
     if layout.saved_args is None or layout.parallel is None:
         raise PreflightError("the torch_dist checkpoint has no saved args (common state), so the layout that saved "
                              "it is unknown", path=layout.iter_dir, code="format",
                              fix="restore common.pt (or the common_state item) from a complete copy")
-    md = read_dcp_metadata(layout.iter_dir, trust=trust)
+    md = fsdp_dtensor.source_metadata(layout.iter_dir, trust=trust)  # (an fsdp_dtensor save: renamed as torch_dist's)
     par = layout.parallel
     b = _Builder(layout, par, md, trust)
     try:

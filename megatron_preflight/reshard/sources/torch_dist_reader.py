@@ -5,6 +5,7 @@ those byte ranges of the ``__*_*.distcp`` files (a piece that is one saved chunk
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import mmap
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError
-from megatron_preflight.layout.dist import read_dcp_metadata
+from megatron_preflight.reshard.sources.fsdp_dtensor import source_metadata
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile, map_file, row_major, row_pitch
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
@@ -105,6 +106,11 @@ class DistReader:
             f = TorchFile(path, trust=self.trust, window=(chunk.start, chunk.length), mapping=self._maps[chunk.file],
                           check_crc=self.crc)
             ref = f.load_metadata()
+            if isinstance(ref, TensorRef) and tuple(ref.shape) != chunk.sizes and \
+                    _squeezed(ref.shape) == _squeezed(chunk.sizes) and tuple(ref.stride) == row_major(ref.shape):
+                # a chunk stacked under a leading dim of 1 where its blob has none (fsdp_dtensor's experts, seen as
+                # torch_dist's stacked tensor): the same bytes in the chunk's shape
+                ref = dataclasses.replace(ref, shape=chunk.sizes, stride=row_major(chunk.sizes))
             if not isinstance(ref, TensorRef) or tuple(ref.shape) != chunk.sizes:
                 f.close()
                 raise CorruptFileError(f"the chunk at byte {chunk.start} holds {ref!r}, but .metadata says a tensor "
@@ -321,6 +327,10 @@ class DistReader:
         self._fds.clear()
 
 
+def _squeezed(shape: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in shape if int(d) != 1)
+
+
 def chunk_index(md: Any) -> dict[str, list[Chunk]]:
     """fqn -> its chunks with their blobs' byte ranges (from ``.metadata``)."""
     where = {(i.fqn, tuple(i.offset)): info for i, info in md.storage_data.items() if getattr(i, "offset", None)
@@ -337,4 +347,4 @@ def chunk_index(md: Any) -> dict[str, list[Chunk]]:
 
 def dist_reader(iter_dir: str, *, trust: bool = False, crc: bool = False) -> DistReader:
     """A reader for the :class:`RegionRef` tensors of the torch_dist iteration dir ``iter_dir``."""
-    return DistReader(iter_dir, chunk_index(read_dcp_metadata(iter_dir, trust=trust)), trust=trust, crc=crc)
+    return DistReader(iter_dir, chunk_index(source_metadata(iter_dir, trust=trust)), trust=trust, crc=crc)
