@@ -236,9 +236,11 @@ def attach_dp_reshardable(source: Layout, virtual: Layout, *, trust: bool = Fals
     optimizer's expert part (``chained_1.``) uses the expert model-parallel group (etp + ETP x (ep + EP x pp))."""
     iter_dir = source.iter_dir or ""
     par = virtual.parallel
-    if par is None or par.cp != 1:
-        raise OptimizerNotReshardable("dp_reshardable state with context parallelism is not modelled", path=iter_dir,
+    if par is None:
+        raise OptimizerNotReshardable("the layout that saved the dp_reshardable state is unknown", path=iter_dir,
                                       fix=FIX, code="optimizer")
+    # (context parallelism: the buckets are sharded over DP x CP, the domains stay the model-parallel ranks tp + TP x
+    # pp; each bucket is read whole, so the shard domain only sizes the buckets, as the legacy model computes)
     md = read_dcp_metadata(iter_dir, trust=trust)
     buckets: dict[tuple[int, int], dict[int, dict[tuple[torch.dtype, torch.dtype], dict[int, dict[str, tuple]]]]] = {}
     objects: dict[tuple[int, int], dict[str, str]] = {}

@@ -287,3 +287,25 @@ def test_a_flexible_layouts_torch_dist_source_is_read_where_its_layers_sit(tmp_p
         write_resharded(fixture_path(name), str(tmp_path / name), TargetLayout(pp=1), verify=True)
     report = diff_checkpoints(str(tmp_path / "flex_pp2_torch_dist"), str(tmp_path / "flex_pp2_torch"))
     assert report.equal, report.render()
+
+
+@pytest.mark.parametrize("target", [dict(tp=2), dict(tp=1), dict(tp=2, distributed_optimizer=False)],
+                         ids=["tp2", "tp1 as saved", "tp2 plain"])
+def test_dp_reshardable_with_context_parallelism_matches_its_fully_reshardable_twins_reshard(tmp_path, target):
+    """A dp_reshardable state saved at CP2 (its buckets sharded over DP x CP = 4 ranks; the Transformer Engine
+    stand-in's CP attention wrote it) reads as the same state as the fully_reshardable twin (the same run, the other
+    form: its values within 1e-6, two CPU runs)."""
+    sizes = target
+    a, b = str(tmp_path / "dpr"), str(tmp_path / "twin")
+    s = write_resharded(fixture_path("cp2_distopt_dpr_dp2_torch_dist"), a, TargetLayout(**sizes), workers=1,
+                        verify=True)
+    write_resharded(fixture_path("cp2_distopt_dp2_torch_dist"), b, TargetLayout(**sizes), workers=1)
+    got, want = saved_state(a), saved_state(b)
+    assert sorted(got) == sorted(want) and any(k[1] == "distrib_optim.pt" or "/optimizer" in k[2] for k in want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            assert torch.allclose(got[key].double(), value.double(), atol=1e-6, rtol=0), key
+        else:
+            assert got[key] == value, key
+    assert "optimizer" not in s.dropped and discover(a).ok
