@@ -472,6 +472,29 @@ def expand_pipeline_layout(text: str | None) -> str | None:
     return expanded if end == len(s) else s
 
 
+def flexible_target(text: str, pp: int) -> str:
+    """A ``--pipeline-model-parallel-layout`` the resharder writes: one segment per pipeline stage, the embedding
+    (``E``) only in the first, the loss (``L``) and MTP layers (``m``) only in the last, decoder layers (``t``)
+    anywhere. Raises :class:`LayoutError` (a usage error naming the layout) otherwise."""
+    expanded = expand_pipeline_layout(text) or ""
+    segments = expanded.split("|")
+    bad = ""
+    if "(" in expanded or "*" in expanded or set(expanded) - set("EtmL|"):
+        bad = "it uses a form megatron-preflight cannot read"
+    elif len(segments) != pp:
+        bad = (f"it has {len(segments)} segments for PP{pp} (a virtual pipeline through the layout is not written "
+               "yet)")
+    elif any("E" in seg for seg in segments[1:]) or any(c in seg for seg in segments[:-1] for c in "Lm") or \
+            segments[0].count("E") > 1 or segments[-1].count("L") > 1:
+        bad = "the embedding must sit in the first segment only, the loss and MTP layers in the last only"
+    if bad:
+        raise LayoutError(f"the pipeline layout {text!r} cannot be a reshard target: {bad}",
+                          field="pipeline_model_parallel_layout",
+                          fix="give one '|'-separated segment per pipeline stage ('E' first, 'L' last, a 't' per "
+                              "decoder layer), or place the layers with the even split")
+    return text
+
+
 def placement(args: Any) -> tuple[tuple[int, str], ...] | str | None:
     """Where a run (or a checkpoint's saved args) puts its layers: per pipeline segment (virtual chunk-major, as the
     layout string lists them) its decoder layer count and its other pieces (``E`` embedding, ``L`` loss, ``m`` MTP),

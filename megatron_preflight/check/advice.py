@@ -34,6 +34,8 @@ def layout_flags(rt: RuntimeArgs) -> list[str]:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(rt.num_virtual_stages_per_pipeline_rank)]
     elif rt.vpp is not None and not rt.hybrid_layer_pattern:
         flags += ["--virtual-pipeline-model-parallel-size", str(rt.vpp)]
+    if rt.pipeline_model_parallel_layout is not None:
+        flags += ["--pipeline-model-parallel-layout", rt.pipeline_model_parallel_layout]
     for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "vocab_size"):
         value = getattr(rt, name)
         if value is not None:

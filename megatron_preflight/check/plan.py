@@ -122,16 +122,13 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
                 fix = ""
             out.append(Finding(name, ck, run, RESHARD, msg, fix))
     if changed and layout.format == Format.TORCH and rt.pipeline_model_parallel_layout:
-        keep = f"run with the checkpoint's placement (--pipeline-model-parallel-layout '{ck_layout}'), or " \
-            if ck_layout is not None and (layout.pp or 1) == rt.pp else ""
-        out.append(Finding("pipeline_model_parallel_layout", ck_layout, rt.pipeline_model_parallel_layout, FATAL,
-                           "the run places layers with --pipeline-model-parallel-layout, which the resharder does "
-                           "not model as a target: it would build the wrong layers for some stages",
-                           f"{keep}place them with an even split (or --decoder-first/last-pipeline-num-layers, "
-                           "--account-for-embedding/loss-in-pipeline-split), which the resharder writes; or let "
-                           "Megatron place them: load the checkpoint at its own layout with --ckpt-convert-format "
-                           "torch_dist --ckpt-convert-save DIR (add --dist-ckpt-optim-fully-reshardable with the "
-                           "distributed optimizer), then resume from DIR/torch_dist with the run's layout"))
+        try:
+            parallel.flexible_target(rt.pipeline_model_parallel_layout, rt.pp)
+        except parallel.LayoutError as e:
+            keep = f"run with the checkpoint's placement (--pipeline-model-parallel-layout '{ck_layout}'), or " \
+                if ck_layout is not None and (layout.pp or 1) == rt.pp else ""
+            out.append(Finding("pipeline_model_parallel_layout", ck_layout, rt.pipeline_model_parallel_layout, FATAL,
+                               e.message, f"{keep}{e.fix}"))
     if rt.cp != (layout.cp or 1):
         out.append(Finding("context_parallel_size", layout.cp, rt.cp, INFO,
                            "context parallelism does not shard weights", ""))

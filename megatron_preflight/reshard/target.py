@@ -51,6 +51,9 @@ class TargetLayout:
     # what the target Megatron names a Mamba mixer's conv (``conv1d_weight`` from megatron-core 0.19, ``conv1d.weight``
     # before; None: the source's naming)
     mamba_conv_name: str | None = None
+    # --pipeline-model-parallel-layout at the target (one segment per pipeline stage): where each stage's decoder
+    # layers sit, the embedding on the first stage and the loss on the last; None: Megatron's split rules
+    pipeline_model_parallel_layout: str | None = None
 
     def __post_init__(self) -> None:
         parallel.validate_sizes(self.megatron_sizes())  # a size that enters here is checked here, once
@@ -105,6 +108,7 @@ class TargetLayout:
             optimizer_family=get("optimizer_family"),
             hybrid_layer_pattern=pattern,
             mamba_conv_name=get("mamba_conv_name"),
+            pipeline_model_parallel_layout=get("pipeline_model_parallel_layout"),
         )
 
     def resolve(self, src: ParallelLayout) -> ParallelLayout:
@@ -125,7 +129,12 @@ class TargetLayout:
                         decoder_last_pipeline_num_layers=self.last_stage_layers,
                         account_for_embedding_in_pipeline_split=bool(self.embedding_in_split),
                         account_for_loss_in_pipeline_split=bool(self.loss_in_split))
-        args.update(context_parallel_size=1, pipeline_model_parallel_layout=None)  # not modelled at the target
+        args.update(context_parallel_size=1, pipeline_model_parallel_layout=None)  # (CP does not shard weights)
+        if self.pipeline_model_parallel_layout is not None:
+            flexible = parallel.flexible_target(self.pipeline_model_parallel_layout, args["pipeline_model_parallel_size"])
+            args.update(pipeline_model_parallel_layout=flexible, decoder_first_pipeline_num_layers=None,
+                        decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
+                        account_for_loss_in_pipeline_split=False)
         if src.hybrid_pattern is None and self.hybrid_layer_pattern is not None:  # a GPT checkpoint into a hybrid run
             args.update(hybrid_layer_pattern=self.hybrid_layer_pattern, decoder_first_pipeline_num_layers=None,
                         decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,

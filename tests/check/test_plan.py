@@ -346,18 +346,22 @@ def test_json_shape():
     assert j["layout"]["tp"] == 2
 
 
-def test_reshard_to_a_custom_pipeline_layout_is_refused():
+def test_reshard_to_a_custom_pipeline_layout():
     """pp2_torch holds its 4 layers as the even split (2 and 2): a layout string that spells that split loads; one
-    that moves a layer (Megatron's legacy loader fails after the build) is refused before it, as a PP change to one."""
+    that moves a layer (Megatron's legacy loader fails after the build) is a reshard to that placement before it; one
+    the resharder cannot write (the loss before the last stage; more segments than stages) is fatal, naming it."""
     p = plan("pp2_torch", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "E(t)*2|ttL",
              "--world-size", "2")
     assert p.verdict == Verdict.LOAD and "pipeline_model_parallel_layout" not in fields(p, "fatal") + fields(
         p, "reshard")
     p = plan("pp2_torch", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tttL",
-             "--world-size", "2")
-    assert p.verdict == Verdict.FAIL and "pipeline_model_parallel_layout" in fields(p, "fatal")
-    p = plan("pp2_torch", "--pipeline-model-parallel-size", "1", "--pipeline-model-parallel-layout", "Etttt|L")
-    assert p.verdict == Verdict.FAIL and "pipeline_model_parallel_layout" in fields(p, "fatal")
+             "--world-size", "2", "--no-load-optim")
+    assert p.verdict == Verdict.RESHARD and "pipeline_model_parallel_layout" in fields(p, "reshard")
+    for layout in ("EtttL|t", "Et|tt|tL"):
+        p = plan("pp2_torch", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", layout,
+                 "--world-size", "2")
+        assert p.verdict == Verdict.FAIL and "pipeline_model_parallel_layout" in fields(p, "fatal"), layout
+        assert layout in next(f.message for f in p.fatal if f.field == "pipeline_model_parallel_layout")
 
 
 def test_embedding_counted_in_pipeline_split_is_a_layout():
@@ -447,20 +451,37 @@ def _flex_run(*more: str) -> list[str]:
 def test_a_flexible_layout_moved_at_the_same_pp_size_is_seen_before_the_build():
     """flex_pp2_torch was saved with --pipeline-model-parallel-layout 'Et|tttL' (1 and 3 layers). A PP2 run that
     places them otherwise — another layout, or the even split — is a layout change (Megatron's legacy loader fails after
-    the build: "Number of unpadded elements must be same"), not a LOAD: the even split reshards; another flexible layout
-    is fatal (the resharder does not write one as a target) with the checkpoint's own placement as the first fix; the
-    same placement spelled otherwise loads."""
+    the build: "Number of unpadded elements must be same"), not a LOAD: the even split and another flexible layout
+    reshard; the same placement spelled otherwise loads."""
     root = fixture_path("flex_pp2_torch")
     even = make_plan(root, from_cli(_flex_run(), env={}))
     assert even.verdict == Verdict.RESHARD
     moved = next(f for f in even.findings if f.field == "pipeline_model_parallel_layout")
     assert moved.checkpoint == "Et|tttL" and "none (the even split)" in moved.message
     other = make_plan(root, from_cli(_flex_run("--pipeline-model-parallel-layout", "Ettt|tL"), env={}))
-    assert other.verdict == Verdict.FAIL
-    fatal = [f for f in other.fatal if f.field == "pipeline_model_parallel_layout"]
-    assert fatal and "--pipeline-model-parallel-layout 'Et|tttL'" in fatal[0].fix
+    assert other.verdict == Verdict.RESHARD
     same = make_plan(root, from_cli(_flex_run("--pipeline-model-parallel-layout", "E(t)*1|t*3L"), env={}))
     assert same.verdict == Verdict.LOAD, [(f.field, f.message) for f in same.findings if f.severity.value != "info"]
+
+
+@pytest.mark.parametrize("name", ["flex_pp2_torch", "flex_distopt_pp2dp2_torch", "flex_distopt_dpr_pp2dp2_torch_dist"])
+def test_a_flexible_layout_target_followed_as_printed_writes_what_the_run_loads(tmp_path, name):
+    """From a flexible layout to another ('Et|tttL' -> 'Ettt|tL') or from an even split: the offline command check
+    prints, run as printed, writes the placement the run asks for (check of it: LOAD), stage 0 holding layers 0-2."""
+    from tests.helpers.advised import follow_advice
+    from tests.helpers.ckpt_edit import load
+
+    dist = name.endswith("_dist")
+    extra = ["--use-distributed-optimizer", "--world-size", "4"] if "distopt" in name else []
+    run = [*_flex_run("--pipeline-model-parallel-layout", "Ettt|tL", *extra)]
+    if dist:
+        run = [f if f != "torch" else "torch_dist" for f in run]
+    new = str(tmp_path / "new")
+    follow_advice(fixture_path(name), run, new)
+    first = [d for d in os.listdir(os.path.join(new, "iter_0000002")) if d.endswith("_000")][0] if not dist else None
+    if first is not None:
+        model = load(os.path.join(new, "iter_0000002", first, "model_optim_rng.pt"))["model"]
+        assert {k.split(".")[2] for k in model if k.startswith("decoder.layers.")} == {"0", "1", "2"}
 
 
 def test_the_flexible_layouts_repeats_are_written_out():

@@ -1619,3 +1619,40 @@ def _convert(name, out):
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path(name), out, "--verify",
                         "--no-progress"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+FLEX_TARGETS = [(4, ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ettt|tL"]),
+                (2, [])]
+
+
+@pytest.mark.parametrize("source", ["flex_distopt_pp2dp2_torch", "flex_distopt_dpr_pp2dp2_torch_dist"],
+                         ids=["legacy", "dp_reshardable"])
+@pytest.mark.parametrize("nproc, target", FLEX_TARGETS, ids=["another flexible layout at PP2", "PP1"])
+@pytest.mark.parametrize("how", ["in memory", "offline as check advises"])
+def test_a_flexible_layout_distributed_optimizer_checkpoint_resumes_at_another_placement(tmp_path, source, nproc,
+                                                                                        target, how):
+    """Saved with --pipeline-model-parallel-layout 'Et|tttL' and the distributed optimizer (legacy, and torch_dist in
+    Megatron's default dp_reshardable form, which Megatron refuses at another layout): resumed at another flexible
+    layout ('Ettt|tL': 3 and 1 layers) or at PP1, in memory and offline as printed, with the losses of iterations 3 and
+    4 of Megatron's own reshard of the fully_reshardable twin (the same flags, a later run: compared within 1e-5)."""
+    from tests.helpers.advised import follow_advice
+
+    fmt = "torch_dist" if source.endswith("_dist") else "torch"
+    common = ["--use-distributed-optimizer", "--no-load-rng", "--train-iters", "4", *target]
+    if how == "in memory":
+        rc, log = run(tmp_path, fixture_path(source), nproc, "--preflight", "auto", "--ckpt-format", fmt, *common,
+                      port=29821)
+        assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+    else:
+        extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
+        run_flags = [*TINY, *extra, "--ckpt-format", fmt, *common, "--world-size", str(nproc)]
+        new = str(tmp_path / "new")
+        follow_advice(fixture_path(source), run_flags, new)
+        rc, log = run(tmp_path, new, nproc, "--ckpt-format", "torch", *common, plugin=False, port=29822)
+        assert rc == 0, log[-3000:]
+    rc2, oracle = run(tmp_path, fixture_path("flex_distopt_pp2dp2_torch_dist"), nproc, "--ckpt-format", "torch_dist",
+                      *common, plugin=False, port=29823)
+    assert rc2 == 0, oracle[-3000:]
+    for it in (3, 4):
+        assert abs(float(loss(log, it, 4)) - float(loss(oracle, it, 4))) < 1e-5, (it, loss(log, it, 4),
+                                                                                 loss(oracle, it, 4))
