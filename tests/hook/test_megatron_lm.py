@@ -1207,6 +1207,13 @@ def assert_same_files(ours, theirs):
      VPPMOE + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
     ("vppmoe_distopt_tp2pp2ep2_torch", "vppmoe_distopt_tp2pp2ep2_torch_dist", 2, {"tp": 2, "pp": 1, "ep": 2, "etp": 1},
      VPPMOE + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
+    # a flexible pipeline layout as the source ('Et|tttL') and as the target ('Ettt|tL'), plain and distributed
+    ("flex_pp2_torch", "flex_pp2_torch_dist", 2, {"tp": 1, "pp": 2, "pipeline_model_parallel_layout": "Ettt|tL"},
+     ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ettt|tL"]),
+    ("flex_distopt_pp2dp2_torch", "flex_distopt_pp2dp2_torch_dist", 4,
+     {"tp": 1, "pp": 2, "pipeline_model_parallel_layout": "Ettt|tL"},
+     ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+      "Ettt|tL"]),
     pytest.param("te_tp2_torch", "te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC, marks=te_only, id="te-fused-adam"),
     pytest.param("mla_te_tp2_torch", "mla_te_tp2_torch_dist", 1, {"tp": 1}, TE_SPEC + MLA, marks=te_only,
                  id="te-mla"),  # multi-latent attention: column up projections, duplicated down projections

@@ -81,7 +81,8 @@ def is_fsdp_dir(iter_dir: str, md: Any) -> bool:
     """Whether a DCP iteration dir is a Megatron-FSDP save (model tensors under ``model.``, no metadata.json)."""
     if os.path.exists(os.path.join(iter_dir, METADATA_JSON)):
         return False
-    return any(k.startswith((FSDP_MODEL, FSDP_OPTIMIZER_STATE)) for k in md.state_dict_metadata)
+    # (torch_dist's state keys are optimizer.state.<field>.<name>: a dir being written has no metadata.json yet)
+    return any(k.startswith((FSDP_MODEL, FSDP_OPTIMIZER_STATE + _MODULE)) for k in md.state_dict_metadata)
 
 
 def _place(name: str) -> tuple[str, tuple[int, ...], str | None]:
