@@ -473,17 +473,16 @@ def expand_pipeline_layout(text: str | None) -> str | None:
 
 
 def flexible_target(text: str, pp: int) -> str:
-    """A ``--pipeline-model-parallel-layout`` the resharder writes: one segment per pipeline stage, the embedding
-    (``E``) only in the first, the loss (``L``) and MTP layers (``m``) only in the last, decoder layers (``t``)
-    anywhere. Raises :class:`LayoutError` (a usage error naming the layout) otherwise."""
+    """A ``--pipeline-model-parallel-layout`` the resharder writes: PP x VPP segments (virtual chunk-major, as Megatron
+    reads them), the embedding (``E``) only in the first, the loss (``L``) and MTP layers (``m``) only in the last,
+    decoder layers (``t``) anywhere. Raises :class:`LayoutError` (a usage error naming the layout) otherwise."""
     expanded = expand_pipeline_layout(text) or ""
     segments = expanded.split("|")
     bad = ""
     if "(" in expanded or "*" in expanded or set(expanded) - set("EtmL|"):
         bad = "it uses a form megatron-preflight cannot read"
-    elif len(segments) != pp:
-        bad = (f"it has {len(segments)} segments for PP{pp} (a virtual pipeline through the layout is not written "
-               "yet)")
+    elif len(segments) % pp:
+        bad = f"it has {len(segments)} segments, not a multiple of PP{pp}"
     elif any("E" in seg for seg in segments[1:]) or any(c in seg for seg in segments[:-1] for c in "Lm") or \
             segments[0].count("E") > 1 or segments[-1].count("L") > 1:
         bad = "the embedding must sit in the first segment only, the loss and MTP layers in the last only"
@@ -531,8 +530,16 @@ def derive_vpp(args: Any) -> int | None:
         return len(pipes) // pp if pipes and len(pipes) > pp and len(pipes) % pp == 0 else None
     per_chunk = _int(args, "num_layers_per_virtual_pipeline_stage")
     stages = _int(args, "num_virtual_stages_per_pipeline_rank")
+    layout = _get(args, "pipeline_model_parallel_layout")
     vpp: int | None
-    if stages is not None:
+    if layout:  # as validate_args: the layout's segments over the pipeline stages
+        count = len((expand_pipeline_layout(layout) or "").split("|"))
+        if count % pp:
+            raise LayoutError(f"the pipeline layout {layout!r} has {count} segments, not a multiple of PP{pp} "
+                              "(Megatron asserts)", field="pipeline_model_parallel_layout",
+                              fix="give PP x VPP '|'-separated segments")
+        vpp = count // pp
+    elif stages is not None:
         vpp = stages
     elif per_chunk is not None:
         if _get(args, "decoder_first_pipeline_num_layers") is not None or \

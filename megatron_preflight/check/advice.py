@@ -32,7 +32,7 @@ def layout_flags(rt: RuntimeArgs) -> list[str]:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(rt.num_layers_per_virtual_pipeline_stage)]
     elif rt.num_virtual_stages_per_pipeline_rank is not None:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(rt.num_virtual_stages_per_pipeline_rank)]
-    elif rt.vpp is not None and not rt.hybrid_layer_pattern:
+    elif rt.vpp is not None and not rt.hybrid_layer_pattern and rt.pipeline_model_parallel_layout is None:
         flags += ["--virtual-pipeline-model-parallel-size", str(rt.vpp)]
     if rt.pipeline_model_parallel_layout is not None:
         flags += ["--pipeline-model-parallel-layout", rt.pipeline_model_parallel_layout]

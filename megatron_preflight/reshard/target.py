@@ -134,7 +134,8 @@ class TargetLayout:
             flexible = parallel.flexible_target(self.pipeline_model_parallel_layout, args["pipeline_model_parallel_size"])
             args.update(pipeline_model_parallel_layout=flexible, decoder_first_pipeline_num_layers=None,
                         decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
-                        account_for_loss_in_pipeline_split=False)
+                        account_for_loss_in_pipeline_split=False, num_layers_per_virtual_pipeline_stage=None,
+                        num_virtual_stages_per_pipeline_rank=None, virtual_pipeline_model_parallel_size=None)
         if src.hybrid_pattern is None and self.hybrid_layer_pattern is not None:  # a GPT checkpoint into a hybrid run
             args.update(hybrid_layer_pattern=self.hybrid_layer_pattern, decoder_first_pipeline_num_layers=None,
                         decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,

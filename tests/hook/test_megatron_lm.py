@@ -1210,6 +1210,8 @@ def assert_same_files(ours, theirs):
     # a flexible pipeline layout as the source ('Et|tttL') and as the target ('Ettt|tL'), plain and distributed
     ("flex_pp2_torch", "flex_pp2_torch_dist", 2, {"tp": 1, "pp": 2, "pipeline_model_parallel_layout": "Ettt|tL"},
      ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ettt|tL"]),
+    ("flex_pp2_torch", "flex_pp2_torch_dist", 2, {"tp": 1, "pp": 2, "pipeline_model_parallel_layout": "Et|t|t|tL"},
+     ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|t|t|tL"]),  # VPP2 via the layout
     ("tp2_torch", "tp2_torch_dist", 2, {"tp": 1, "pp": 2, "pipeline_model_parallel_layout": "Et|tttL"},
      ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tttL"]),  # no PP -> flexible
     ("flex_distopt_pp2dp2_torch", "flex_distopt_pp2dp2_torch_dist", 4,

@@ -276,6 +276,21 @@ def test_a_box_is_looked_up_among_the_chunks_of_its_layer_only(name):
     assert narrowed  # stacked layers: some lookups skip other layers' chunks
 
 
+@pytest.mark.parametrize("layout", ["Ett|ttL", "Et|t|t|tL"], ids=["PP2", "PP2 VPP2"])
+def test_a_virtual_pipeline_through_the_layout_is_read_and_written(tmp_path, layout):
+    """flexvpp_pp2, saved with 'Et|t|t|tL' (4 segments over PP2: VPP2, one layer per chunk): its torch_dist twin and its
+    legacy files read as the same model, and both reshard to another layout — and to the same VPP layout — alike."""
+    from megatron_preflight.prove.diff import diff_checkpoints
+
+    assert diff_checkpoints(fixture_path("flexvpp_pp2_torch_dist"), fixture_path("flexvpp_pp2_torch")).equal
+    for name in ("flexvpp_pp2_torch_dist", "flexvpp_pp2_torch"):
+        write_resharded(fixture_path(name), str(tmp_path / name), TargetLayout(
+            pp=2, pipeline_model_parallel_layout=layout), verify=True)
+    report = diff_checkpoints(str(tmp_path / "flexvpp_pp2_torch_dist"), str(tmp_path / "flexvpp_pp2_torch"))
+    assert report.equal, report.render()
+    assert discover(str(tmp_path / "flexvpp_pp2_torch")).vpp == (2 if layout.count("|") == 3 else None)
+
+
 def test_a_flexible_layouts_torch_dist_source_is_read_where_its_layers_sit(tmp_path):
     """flex_pp2_torch_dist, saved with --pipeline-model-parallel-layout 'Et|tttL': its stages are read as the layout
     places them (1 and 3 layers, not the even split), so its reshard to PP1 equals its legacy twin's, weights and
