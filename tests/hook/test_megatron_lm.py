@@ -1225,6 +1225,10 @@ def assert_same_files(ours, theirs):
                  marks=te_only, id="te-mtp-pp1"),  # multi-token prediction: the MTP layer and its own embedding
     pytest.param("mtp_te_tp2pp2_torch", "mtp_te_tp2pp2_torch_dist", 2, {"tp": 1, "pp": 2}, TE_SPEC + MTP +
                  ["--pipeline-model-parallel-size", "2"], marks=te_only, id="te-mtp-pp2"),
+    pytest.param("flexmtp_te_pp2_torch", "flexmtp_te_pp2_torch_dist", 2,
+                 {"tp": 1, "pp": 2, "pipeline_model_parallel_layout": "Ettt|tmL"},
+                 TE_SPEC + MTP + ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ettt|tmL"],
+                 marks=te_only, id="te-mtp-flexible-layout"),  # 'Et|tttmL' -> 'Ettt|tmL': the MTP layer placed by 'm'
     pytest.param("mtp_moe_te_ep2_torch", "mtp_moe_te_ep2_torch_dist", 4, {"tp": 1, "pp": 2, "ep": 2},
                  TE_SPEC + MTP + MTP_MOE + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
                  marks=te_only, id="te-mtp-moe-pp2ep2"),  # the MoE MTP layer's TE-grouped experts on the last stage

@@ -291,6 +291,19 @@ def test_a_virtual_pipeline_through_the_layout_is_read_and_written(tmp_path, lay
     assert discover(str(tmp_path / "flexvpp_pp2_torch")).vpp == (2 if layout.count("|") == 3 else None)
 
 
+@pytest.mark.parametrize("target", [dict(pp=2, pipeline_model_parallel_layout="Ettt|tmL"), dict(pp=1)],
+                         ids=["another layout", "PP1"])
+def test_a_flexible_layout_with_an_mtp_layer_reshards_alike_from_either_twin(tmp_path, target):
+    """flexmtp_te_pp2 ('Et|tttmL': the MTP layer on the last stage; TE spec via the te_cpu stand-in): the torch_dist
+    twin and the legacy files reshard to the same checkpoint, MTP layer and its embedding copy included."""
+    from megatron_preflight.prove.diff import diff_checkpoints
+
+    for name in ("flexmtp_te_pp2_torch_dist", "flexmtp_te_pp2_torch"):
+        write_resharded(fixture_path(name), str(tmp_path / name), TargetLayout(**target), verify=True)
+    report = diff_checkpoints(str(tmp_path / "flexmtp_te_pp2_torch_dist"), str(tmp_path / "flexmtp_te_pp2_torch"))
+    assert report.equal and any("mtp." in t.name for t in report.tensors), report.render()
+
+
 def test_a_flexible_layouts_torch_dist_source_is_read_where_its_layers_sit(tmp_path):
     """flex_pp2_torch_dist, saved with --pipeline-model-parallel-layout 'Et|tttL': its stages are read as the layout
     places them (1 and 3 layers, not the even split), so its reshard to PP1 equals its legacy twin's, weights and
