@@ -130,8 +130,11 @@ def _layout_findings(layout: Layout, rt: RuntimeArgs) -> tuple[list[Finding], bo
             out.append(Finding("pipeline_model_parallel_layout", ck_layout, rt.pipeline_model_parallel_layout, FATAL,
                                e.message, f"{keep}{e.fix}"))
     if rt.cp != (layout.cp or 1):
+        dopt = " (and a saved distributed optimizer state, whose shard domain is DP x CP: read whole, re-sharded " \
+            "over the run's DP x CP; the bucket size rule is checked as ddp_bucket_size)" if (
+                layout.distributed_optimizer or layout.dist_optimizer_sharding) else ""
         out.append(Finding("context_parallel_size", layout.cp, rt.cp, INFO,
-                           "context parallelism does not shard weights", ""))
+                           f"context parallelism does not shard weights: they load as saved{dopt}", ""))
     return out, changed
 
 
