@@ -1,4 +1,4 @@
-"""The package's shape: imports run one way, entry points -> check -> reshard -> layout -> base, with no cycle
+"""The package's shape: imports run one way, entry points -> check (and fit) -> reshard -> layout -> base, with no cycle
 (every import counts, those inside functions too), and a function-level import only defers torch, numpy, torch's
 DCP or Megatron-LM, each with its reason on the line."""
 
@@ -17,6 +17,8 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1 or parts[1] in ("run", "__main__", "cli", "hook"):
         return "entry"
+    if parts[1] == "fit":  # the layout planner decides, as the check does (and the check asks it for nearest layouts)
+        return "check"
     return parts[1] if parts[1] in ("layout", "reshard", "prove", "check") else "base"
 
 
@@ -87,7 +89,7 @@ DEFERRABLE = ("torch", "numpy", "megatron.", "yaml", "megatron_preflight.reshard
               "megatron_preflight.reshard import",
               # a subcommand's work loads when it runs (the CLI's parser loads none); what a verdict does not need
               # (issue 34): the distributed optimizer's and torch_dist's readers, the executor, the GPT -> hybrid bridge
-              "megatron_preflight.check", "megatron_preflight.reshard.optimizer.", "megatron_preflight.reshard.sources.",
+              "megatron_preflight.check", "megatron_preflight.fit", "megatron_preflight.reshard.optimizer.", "megatron_preflight.reshard.sources.",
               "megatron_preflight.reshard.execute.", "megatron_preflight.reshard.plan.hybrid",
               # proving a checkpoint's content (fingerprints, diff, the content check) reads every tensor
               "megatron_preflight.prove.", "megatron_preflight.prove import",

@@ -6,7 +6,7 @@
   gradients in fp32 when ``--accumulate-allreduce-grads-in-fp32`` (Megatron's default for bf16) or fp32 params, else
   in the params' dtype; Adam's ``exp_avg`` and ``exp_avg_sq`` in fp32 plus an fp32 master for a half-precision
   parameter, divided over the data-parallel group with ``--use-distributed-optimizer`` (the expert-data-parallel group
-  for expert parameters): the group's total is exact, each rank's share is that total / the group size rounded up
+  for expert parameters; with context parallelism, DP x CP): the group's total is exact, each rank's share is that total / the group size rounded up
   (which rank holds a bucket's alignment padding moves a few elements between ranks).
 * **Activations: an estimate** for the first pipeline stage (the one that holds the most microbatches in flight),
   Korthikanti et al. 2022 (the formula of Megatron's own theoretical-memory report): per layer and microbatch
@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_preflight import reshard  # its modules load on first use (a lazy package)
+from megatron_preflight import parallel, reshard  # reshard: its modules load on first use (a lazy package)
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout import naming
@@ -57,7 +57,7 @@ class RankMemory:
                 "optimizer_group": self.optimizer_group, "activations_estimate": self.activations, "total": self.total}
 
 
-def _bytes(rt: RuntimeArgs) -> tuple[int, int, int]:
+def element_bytes(rt: RuntimeArgs) -> tuple[int, int, int]:
     """(param, grad, optimizer bytes per element) of the run."""
     half = rt.bf16 or rt.fp16
     param = 2 if half else 4
@@ -67,9 +67,12 @@ def _bytes(rt: RuntimeArgs) -> tuple[int, int, int]:
     return param, grad, optim
 
 
-def activation_estimate(rt: RuntimeArgs, layers_on_stage: int, moe_layers: int, num_microbatches: int | None) -> int:
-    """Bytes of activations on the first pipeline stage (see the module doc for the formula and its assumptions)."""
-    s = (rt.seq_length or 0) // max(rt.cp, 1)
+def activation_estimate(rt: RuntimeArgs, layers_on_stage: int, moe_layers: int, num_microbatches: int | None,
+                        layout: parallel.ParallelLayout | None = None, padded_vocab: int | None = None) -> int:
+    """Bytes of activations on the first pipeline stage (see the module doc for the formula and its assumptions), at
+    the run's layout or at ``layout`` (its TP, PP, VPP and CP, with ``padded_vocab`` rows)."""
+    tp, pp, vpp, cp = (rt.tp, rt.pp, rt.vpp, rt.cp) if layout is None else (layout.tp, layout.pp, layout.vpp, layout.cp)
+    s = (rt.seq_length or 0) // max(cp, 1)
     b = rt.micro_batch_size or 1
     h = rt.hidden_size or 0
     if not (s and h):
@@ -86,14 +89,14 @@ def activation_estimate(rt: RuntimeArgs, layers_on_stage: int, moe_layers: int, 
     if rt.recompute_granularity == "full":
         per_mb = 2 * s * b * h * layers_on_stage + max(dense_layer, moe_layer if moe_layers else 0)
     per_mb += s * b * h + 8 * s * b  # embedding output (dropout) and input ids
-    pp = rt.pp
     in_flight = pp if num_microbatches is None else max(1, min(pp, num_microbatches))
-    if rt.vpp:
-        in_flight = math.ceil((1 + (pp - 1) / (pp * rt.vpp)) * pp)
+    if vpp:
+        in_flight = math.ceil((1 + (pp - 1) / (pp * vpp)) * pp)
     total = per_mb * in_flight
     if pp == 1:
-        total += s * b * h * 4 * (1 + (rt.padded_vocab_size or 0) / h)  # output layer and the loss
-    return int(total / rt.tp)
+        vocab = rt.padded_vocab_size if padded_vocab is None else padded_vocab
+        total += s * b * h * 4 * (1 + (vocab or 0) / h)  # output layer and the loss
+    return int(total / tp)
 
 
 def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]:
@@ -103,10 +106,11 @@ def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]
     target = dataclasses.replace(reshard.TargetLayout.from_args(rt), transformer_impl=None, moe_grouped_gemm=None,
                                  optimizer_family=None, ckpt_format=None)
     r = reshard.open_resharder(index, target, keep_optimizer=False)
-    p_bytes, g_bytes, o_bytes = _bytes(rt)
+    p_bytes, g_bytes, o_bytes = element_bytes(rt)
     tgt = r.tgt
     world = rt.world_size or tgt.min_world()
-    dp = max(1, world // (tgt.tp * tgt.pp * tgt.cp))
+    dp = max(1, world // (tgt.tp * tgt.pp * rt.cp))  # (the target's CP is 1: CP does not shard weights)
+    dp_cp = max(1, world // (tgt.tp * tgt.pp))  # the distributed optimizer's domain: DP x CP
     edp = max(1, world // (tgt.etp_eff * tgt.ep * tgt.pp))
     gbs, mbs = rt.global_batch_size, rt.micro_batch_size or 1
     microbatches = gbs // (mbs * dp) if gbs else None
@@ -124,9 +128,10 @@ def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]
                 dense += n
         numel = dense + expert
         optimizer = numel * o_bytes if not rt.use_distributed_optimizer else \
-            math.ceil(dense * o_bytes / dp) + math.ceil(expert * o_bytes / edp)
+            math.ceil(dense * o_bytes / dp_cp) + math.ceil(expert * o_bytes / edp)
         layers = {tp.gkey.layer for tp in plan.tensors if tp.gkey is not None and tp.gkey.layer is not None}
-        moe_layers = {tp.gkey.layer for tp in plan.tensors if tp.gkey is not None and tp.gkey.expert is not None}
+        moe_layers = {tp.gkey.layer for tp in plan.tensors if tp.gkey is not None and tp.gkey.expert is not None
+                      and tp.gkey.layer is not None}  # (decoder layers: an MTP layer is not counted in either)
         acts = activation_estimate(rt, len(layers), len(moe_layers), microbatches) if coords["pp"] == 0 else 0
         group = numel * o_bytes if rt.use_distributed_optimizer else 0  # once over the ranks sharing the dir
         out.append(RankMemory(name, numel * p_bytes, numel * g_bytes, optimizer, acts, group))

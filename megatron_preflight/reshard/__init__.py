@@ -17,6 +17,9 @@ _EXPORTS = {
     # the checkpoint, read and indexed once per process
     "CheckpointIndex": "checkpoint_index", "open_index": "checkpoint_index", "index_builds": "checkpoint_index",
     "checkpoint_index": "", "has_legacy_grouped": "plan.index", "grouped_experts": "plan.spec",
+    # the source's tensors and layout, as the planner of layouts reads them (megatron_preflight/fit)
+    "iter_source_keys": "plan.index", "source_topology": "plan.topology", "is_tied": "plan.topology",
+    "saved_arg": "plan.topology", "mtp_index": "plan.rules", "target_vocab": "plan.planner",
     # one checkpoint at one target layout
     "TargetLayout": "target", "Resharder": "resharder", "open_resharder": "resharder",
     "build_rank_state_dict": "resharder", "choose_optimizer": "resharder",
@@ -50,7 +53,10 @@ __all__ = [
     "grouped_experts",
     "has_legacy_grouped",
     "index_builds",
+    "is_tied",
+    "iter_source_keys",
     "iter_plans",
+    "mtp_index",
     "open_checked",
     "open_index",
     "open_resharder",
@@ -60,6 +66,9 @@ __all__ = [
     "process_age",
     "read_dist_meta",
     "relocate",
+    "saved_arg",
+    "source_topology",
+    "target_vocab",
     "write_resharded",
 ]
 
@@ -81,8 +90,11 @@ if TYPE_CHECKING:  # for type checkers only: at run time the names above are imp
     from megatron_preflight.reshard.optimizer.distributed import read_dist_meta, relocate
     from megatron_preflight.reshard.optimizer.plain import GROUP_KEY, OptimizerNotReshardable, align_groups, iter_plans
     from megatron_preflight.reshard.optimizer.status import OptimizerStatus
-    from megatron_preflight.reshard.plan.index import has_legacy_grouped
+    from megatron_preflight.reshard.plan.index import has_legacy_grouped, iter_source_keys
+    from megatron_preflight.reshard.plan.planner import target_vocab
+    from megatron_preflight.reshard.plan.rules import mtp_index
     from megatron_preflight.reshard.plan.spec import grouped_experts
+    from megatron_preflight.reshard.plan.topology import is_tied, saved_arg, source_topology
     from megatron_preflight.reshard.resharder import Resharder, build_rank_state_dict, choose_optimizer, open_resharder
     from megatron_preflight.reshard.sources.files import SourceFiles
     from megatron_preflight.reshard.target import TargetLayout

@@ -1,0 +1,71 @@
+"""When the run's layout does not fit (memory, world size, divisibility), the layouts of its world size nearest to it
+that do: named in ``check``'s finding with their flags. Advice only: nothing changes the run's layout."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+from typing import Any
+
+from megatron_preflight.check.findings import Finding, Severity
+from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.fit.choose import evaluate, nearest
+from megatron_preflight.fit.flags import flags_of
+from megatron_preflight.fit.profile import profile_of
+from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.units import human_bytes
+
+log = logging.getLogger(__name__)
+GPUS_PER_NODE = 8  # TP stays inside a node of this many GPUs (the plan command takes the real number)
+
+# the findings of a layout that cannot run: its sizes against the model, the world, or the device
+TRIGGERS = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "context_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers", "world_size", "memory",
+})
+
+
+def _run_layout(rt: RuntimeArgs) -> ParallelLayout:
+    return ParallelLayout(tp=rt.tp, pp=rt.pp, ep=rt.ep, etp=rt.expert_tensor_parallel_size, cp=rt.cp,
+                          vpp=rt.vpp if rt.vpp and rt.vpp > 1 else None)
+
+
+def nearest_text(index: Any, rt: RuntimeArgs, count: int = 3) -> str | None:
+    """The sentence naming the ``count`` fitting layouts of the run's world size nearest to its layout, or None (no
+    world size given, or none fits)."""
+    world = rt.world_size
+    if not world or index.layout.format is None:
+        return None
+    try:
+        profile = profile_of(index)
+        cands = evaluate(profile, index.view, index.layout, rt, world, GPUS_PER_NODE, rt.preflight_device_memory)
+    except Exception as exc:  # noqa: BLE001 - advice: it never blocks or changes a verdict
+        log.debug("nearest layouts not computed: %s", exc)
+        return None
+    picks = nearest(cands, _run_layout(rt), count)
+    if not picks:
+        if not cands:
+            return None
+        least = min(cands, key=lambda c: c.worst.total)
+        return (f"no layout of {world} GPUs fits the device: the one with the least memory per rank, "
+                f"{least.describe()}, needs {human_bytes(least.worst.total)} on its largest rank; more GPUs")
+    moe = bool(profile.source.num_experts)
+    parts = [f"{c.describe()} ({c.load.value}; largest rank {human_bytes(c.worst.total)}): "
+             f"{shlex.join(flags_of(c.layout, moe=moe, per_virtual=rt.num_layers_per_virtual_pipeline_stage))}"
+             for c in picks]
+    memory = " that fit the device" if rt.preflight_device_memory else ""
+    root = index.layout.root or index.layout.path
+    command = shlex.join(["megatron-preflight", "plan", root, "--world-size", str(world)])
+    return (f"the layouts of {world} GPUs{memory} nearest to the run's, each as the layout flags that replace the "
+            f"run's ({command} lists and ranks every one): " + "; ".join(parts))
+
+
+def annotate(findings: list[Finding], index: Any, rt: RuntimeArgs) -> None:
+    """Add the nearest fitting layouts to the fix of the first fatal layout finding (see :data:`TRIGGERS`)."""
+    first = next((f for f in findings if f.severity == Severity.FATAL and f.field in TRIGGERS), None)
+    if first is None:
+        return
+    text = nearest_text(index, rt)
+    if text:
+        first.fix = f"{first.fix.rstrip('. ')}; or {text}" if first.fix else text

@@ -1,0 +1,80 @@
+"""``megatron-preflight plan``: the table, the JSON, each layout's flags (read back by check as that layout, and
+checked as the run), exit codes, bad input."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+from megatron_preflight.check.runtime_args import from_cli
+from megatron_preflight.cli.main import main
+from tests.conftest import fixture_path
+from tests.helpers.tiny import FLAGS as TINY
+
+MOE = [*TINY, "--num-experts", "4", "--no-load-rng", "--micro-batch-size", "1", "--global-batch-size", "16"]
+
+
+def test_plan_ranks_the_layouts_and_checks_the_top_ones(capsys):
+    rc = main(["plan", fixture_path("moe_ep2_torch"), "--world-size", "8", "--json", "--", *MOE])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    cands = doc["candidates"]
+    assert doc["layouts"] >= len(cands) == 10 and doc["world_size"] == 8
+    top = cands[0]
+    assert (top["tp"], top["pp"], top["ep"], top["cp"], top["load"]) == (1, 1, 2, 1, "as saved")
+    assert top["check"]["verdict"] == "load" and cands[3]["check"] is None  # (--check-top 3)
+    for c in cands:  # the printed flags are the run's, at exactly that layout
+        rt = from_cli([*c["flags"], "--world-size", "8"])
+        assert (rt.tp, rt.pp, rt.ep, rt.etp, rt.cp) == (c["tp"], c["pp"], c["ep"], c["etp"], c["cp"]), c["flags"]
+        assert c["flags"][:len(TINY)] == TINY
+        assert c["memory"]["total"] > 0
+    reshards = [c for c in cands if c["load"] == "preflight reshards"]
+    assert reshards and [c["load"] for c in cands] == sorted((c["load"] for c in cands),
+                                                             key=["as saved", "preflight reshards"].index)
+
+
+def test_a_device_size_ranks_fitting_layouts_first_and_a_reshard_names_its_cost(capsys):
+    rc = main(["plan", fixture_path("moe_ep2_torch"), "--world-size", "4", "--device-memory", "0.00085", "--json",
+               "--", *MOE])
+    assert rc == 0
+    cands = json.loads(capsys.readouterr().out)["candidates"]
+    fits = [c["fits"] for c in cands]
+    assert fits[0] and fits == sorted(fits, reverse=True)
+    assert all(c["memory"]["total"] <= 0.9 * 0.00085 * 2**30 for c in cands if c["fits"])
+    top = cands[0]
+    assert top["load"] == "preflight reshards" and top["check"]["verdict"] == "reshard"
+    assert "each rank reads at most" in top["check"]["cost"]
+
+
+def test_no_layout_fits_exits_1(capsys):
+    rc = main(["plan", fixture_path("tp2_torch"), "--world-size", "2", "--device-memory", "0.0001", "--", *TINY])
+    out = capsys.readouterr().out
+    assert rc == 1 and "0 fit" in out
+
+
+def test_the_table_without_run_flags_uses_the_saved_args(capsys):
+    assert main(["plan", fixture_path("pp2_torch"), "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "saved at TP1 PP2" in out and "no run flags given" in out
+    assert "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2" in out
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    for argv, words in ((["plan", fixture_path("tp2_torch")], "--world-size"),
+                        (["plan", fixture_path("tp2_torch"), "--world-size", "0"], "must be positive"),
+                        (["plan", str(tmp_path), "--world-size", "8"], "not a Megatron checkpoint")):
+        r = subprocess.run([sys.executable, "-m", "megatron_preflight.cli.main", *argv], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode in (1, 2) and words in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+
+
+def test_the_printed_flags_run_as_printed_through_check(capsys):
+    """Text output: each layout's flags line, pasted after `check CKPT --`, is that layout and may start."""
+    assert main(["plan", fixture_path("moe_ep2_torch"), "--world-size", "8", "--top", "3", "--", *MOE]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("flags (the run's flags at each layout):")
+    for line in lines[start + 1:start + 4]:
+        flags = shlex.split(line.split(None, 1)[1])
+        assert main(["check", fixture_path("moe_ep2_torch"), "--", *flags, "--world-size", "8"]) == 0
