@@ -1,0 +1,105 @@
+"""The layout planner at scale: ``megatron-preflight plan`` of a DeepSeek-V3-shaped checkpoint for 1,024 GPUs.
+
+Writes (in a temp dir, once) the hollow DeepSeek-V3 671B checkpoint of tests/helpers/synthetic_dsv3.py (61 layers,
+3 dense, MLA, 256 TE-grouped experts + a shared one, MTP; real shapes, no bytes) at TP1·PP16·EP64 (1,024 shard dirs),
+then runs ``plan`` in a fresh process per repeat for several world sizes and prints: wall seconds, peak RSS, whether
+torch was imported, the layouts listed and the top one. Also its torch_dist form (one ``.metadata`` file holds every
+tensor's global shape: the planner is bound by reading it).
+
+Usage: python benchmarks/bench_planner.py [--work DIR] [--repeat 3] [--worlds 256,1024] [--torch-dist]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+# DeepSeek-V3's pre-training batch (15,360 sequences of 4,096 tokens), bf16, the distributed optimizer; the model from
+# the checkpoint's saved args
+RUN = ["--global-batch-size", "15360", "--micro-batch-size", "1", "--seq-length", "4096", "--bf16",
+       "--use-distributed-optimizer"]
+
+PROBE = """
+import json, sys, time
+t0 = time.perf_counter()
+
+
+def hwm_mib():  # this process image's peak RSS (getrusage's ru_maxrss keeps the parent's across fork + exec)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+from megatron_preflight.cli.main import main
+import contextlib, io
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf):
+    rc = main(["plan", sys.argv[1], "--world-size", sys.argv[2], "--device-memory", "80", "--json", "--top", "1",
+               "--check-top", "0", "--", *sys.argv[3:]])
+doc = json.loads(buf.getvalue())
+print(json.dumps({"rc": rc, "wall": time.perf_counter() - t0, "planned": doc["seconds"],
+                  "rss_mib": hwm_mib(), "torch": "torch" in sys.modules,
+                  "layouts": doc["layouts"], "fitting": doc["fitting"],
+                  "top": doc["candidates"][0] if doc["candidates"] else None}))
+"""
+
+
+def run_plan(path: str, world: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", PROBE, path, str(world), *RUN], capture_output=True, text=True, env=env,
+                       timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(r.stderr[-3000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", help="where the synthetic checkpoint is written (kept); default: a temp dir")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--worlds", default="256,1024,2048")
+    ap.add_argument("--torch-dist", action="store_true", help="also the torch_dist form")
+    ns = ap.parse_args()
+    from tests.helpers.synthetic_dsv3 import DSV3, write_legacy, write_torch_dist
+
+    work = ns.work or tempfile.mkdtemp(prefix="bench_planner_")
+    legacy = os.path.join(work, "dsv3_legacy")
+    m = DSV3()
+    if not os.path.isdir(legacy):
+        write_legacy(legacy, m)
+    forms = [("legacy, 1,024 shard dirs", legacy)]
+    if ns.torch_dist:
+        dist = os.path.join(work, "dsv3_torch_dist")
+        if not os.path.isdir(dist):
+            write_torch_dist(dist, m, legacy)
+        forms.append(("torch_dist", dist))
+    print(f"plan of DeepSeek-V3 671B (hollow, saved at TP{m.tp} PP{m.pp} EP{m.ep}), 80 GiB GPUs, 8 per node, run: "
+          f"{' '.join(RUN)}; median of {ns.repeat} fresh processes")
+    print(f"{'checkpoint':<26} {'world':>6} {'wall s':>7} {'plan s':>7} {'RSS MiB':>8} {'torch':>6} {'layouts':>8} "
+          f"{'fit':>5}  top layout")
+    for label, path in forms:
+        for world in (int(w) for w in ns.worlds.split(",")):
+            runs = [run_plan(path, world) for _ in range(ns.repeat)]
+            mid = statistics.median(r["wall"] for r in runs)
+            top = runs[0]["top"]
+            desc = "-" if top is None else (f"TP{top['tp']} PP{top['pp']} EP{top['ep']} ETP{top['etp']} CP{top['cp']} "
+                                            f"DP{top['dp']} ({top['load']}, "
+                                            f"{top['memory']['total'] / 2**30:.1f} GiB)")
+            print(f"{label:<26} {world:>6} {mid:>7.2f} {statistics.median(r['planned'] for r in runs):>7.2f} "
+                  f"{max(r['rss_mib'] for r in runs):>8.0f} {str(any(r['torch'] for r in runs)):>6} "
+                  f"{runs[0]['layouts']:>8} {runs[0]['fitting']:>5}  {desc}")
+    if not ns.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
