@@ -112,6 +112,33 @@ def _install_args_seam(add_preflight_arguments: Callable) -> None:
             mod.parse_args = wrapped
 
 
+def _install_validate_seam() -> None:
+    """Megatron's validate_args refuses a layout the world cannot hold before the check can run: rank 0 names the
+    nearest layouts that fit (hook/runtime.advise_layout), then Megatron's error is raised as before."""
+    args_mod = importlib.import_module("megatron.training.arguments")
+    validate = getattr(args_mod, "validate_args", None)
+    if validate is None or _wrapped(validate):
+        return
+
+    @functools.wraps(validate)
+    def validate_args(args, *a, **k):
+        try:
+            return validate(args, *a, **k)
+        except (AssertionError, ValueError) as exc:
+            runtime.advise_layout(args, exc)
+            raise
+
+    wrapped = _mark(validate_args)
+    args_mod.validate_args = wrapped
+    for user in ("megatron.training.initialize", "megatron.training"):
+        try:
+            mod = importlib.import_module(user)
+        except ImportError:  # pragma: no cover - not every version has it
+            continue
+        if getattr(mod, "validate_args", None) is validate:
+            mod.validate_args = wrapped
+
+
 def install() -> None:
     """Patch Megatron-LM in this process. Idempotent. Raises PreflightError naming anything missing."""
     global _INSTALLED
@@ -119,6 +146,7 @@ def install() -> None:
         return
     resolved = {(m, n): _resolve(m, n) for m, n in REQUIRED}
     _install_args_seam(add_preflight_arguments)
+    _install_validate_seam()
 
     training_mod, setup = resolved[("megatron.training.training", "setup_model_and_optimizer")]
     _, get_args = resolved[("megatron.training.global_vars", "get_args")]

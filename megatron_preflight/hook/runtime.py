@@ -50,6 +50,26 @@ class Decision:
     exit_code: int = 1  # with a fail verdict: 1, or 2 for a usage error (a flag to fix)
 
 
+def advise_layout(args: Any, exc: BaseException) -> None:
+    """Megatron's argument validation refused the run's layout (before torch.distributed is up, so before the check):
+    rank 0 names the fitting layouts of the world size nearest to the run's (fit/nearest.py), then Megatron's own
+    error ends the job as it would have. Advice only: any failure here is silent."""
+    if getattr(args, "preflight", "off") == "off" or not getattr(args, "load", None):
+        return
+    if int(getattr(args, "rank", os.environ.get("RANK", 0)) or 0) != 0:
+        return
+    try:
+        from megatron_preflight.fit.nearest import nearest_text  # only a refused run needs the planner
+
+        rt = from_namespace(args)
+        text = nearest_text(reshard.open_index(args.load, shards="auto"), rt)
+    except Exception as e:  # noqa: BLE001 - advice never hides Megatron's own error
+        log.debug("no layout advice: %s", e)
+        return
+    if text:
+        print(f"[megatron-preflight] Megatron refuses the run's layout ({exc}); {text}", file=sys.stderr, flush=True)
+
+
 def current() -> Decision | None:
     """The decision of this process's pre-flight run (None before it ran, or with --preflight off)."""
     return STATE.decision
