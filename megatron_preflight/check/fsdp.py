@@ -6,7 +6,8 @@ optimizer are built (``CheckpointException``: ``'NoneType' object has no attribu
 asserts ``--ckpt-format fsdp_dtensor`` in argument validation and, given a torch_dist or legacy checkpoint, fails
 after the build (``KeyError: 'model'``); Megatron-FSDP reloads its own checkpoints at another DP/TP/EP. The resharder
 reads fsdp_dtensor (:mod:`megatron_preflight.reshard.sources.fsdp_dtensor`), so a 3D-parallel run loads one through
-it, in memory or after an offline conversion; it does not write fsdp_dtensor.
+it, in memory or after an offline conversion; and writes it (:mod:`megatron_preflight.reshard.targets.fsdp_dtensor`),
+so a Megatron-FSDP run resumes a torch_dist or legacy checkpoint after an offline conversion.
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ def fsdp_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         out.append(Finding(
             "use_megatron_fsdp", layout.format.value, "fsdp_dtensor", FATAL,
             f"a {layout.format.value} checkpoint and a Megatron-FSDP run: Megatron-FSDP reads fsdp_dtensor only and "
-            "fails after building the model (KeyError: 'model'); megatron-preflight does not write fsdp_dtensor",
-            "resume on the 3D-parallel path: drop --use-megatron-fsdp and --ckpt-format fsdp_dtensor (add "
-            "--use-distributed-optimizer for a sharded optimizer state), with --ckpt-format "
-            + layout.format.value))
+            "fails after building the model (KeyError: 'model'); the job's in-memory loader serves 3D-parallel runs "
+            "only",
+            "convert it offline to fsdp_dtensor, weights and optimizer state (the run's precision: its SwiGLU halves, "
+            "fp32 main parameters and group settings written as Megatron-FSDP saves them): "
+            + advice.offline_fix(layout, rt, "--ckpt-format", "fsdp_dtensor") + " (and --no-load-rng); or resume on "
+            "the 3D-parallel path: drop --use-megatron-fsdp and --ckpt-format fsdp_dtensor (add "
+            "--use-distributed-optimizer for a sharded optimizer state), with --ckpt-format " + layout.format.value))
     elif fsdp_ckpt and (rt.no_load_optim or rt.finetune) and _precision(rt) != "fp32":
         out.append(Finding(
             "no_load_optim", "saved", "not loaded", FATAL,

@@ -136,7 +136,7 @@ def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
 
     check_destination(ns.src, ns.dst)
     bandwidth = float(ns.bandwidth) * 2**20 if ns.bandwidth else None
-    if target.ckpt_format == "torch_dist":
+    if target.ckpt_format in ("torch_dist", "fsdp_dtensor"):  # (the same global plans, the same bytes read)
         r, g, _ = global_resharders(ns.src, target, iteration=ns.iteration, trust=ns.trust_checkpoint,
                                     keep_optimizer=not ns.drop_optimizer)
         prediction = predict_torch_dist(r, g, bandwidth=bandwidth, startup_seconds=process_age())
@@ -171,9 +171,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--padded-vocab-size")
     p.add_argument("--iteration")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="parallel processes")
-    p.add_argument("--ckpt-format", choices=("torch", "torch_dist"),
+    p.add_argument("--ckpt-format", choices=("torch", "torch_dist", "fsdp_dtensor"),
                    help="the format to write (default: torch, legacy; torch_dist: Megatron's default, optimizer "
-                        "state in model space)")
+                        "state in model space; fsdp_dtensor: Megatron-FSDP's, for --use-megatron-fsdp runs)")
     p.add_argument("--verify", action="store_true",
                    help="first compare the source with the fingerprints stored beside it (if any: nothing is written "
                         "when they differ), then check every written tensor against its source slices")

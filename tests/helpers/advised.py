@@ -46,11 +46,13 @@ def follow(cmd: str, new_dir: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=600)
 
 
-def follow_advice(src: str, run_flags: list[str], new_dir: str, *options: str) -> subprocess.CompletedProcess:
-    """The whole literal path: ``check`` of the run says reshard with one command, that command run as printed writes
-    ``new_dir``, and ``check`` of ``new_dir`` with the same run flags says load. Returns the command's run."""
-    verdict, commands = advised(src, run_flags, *options)
-    assert verdict == "reshard" and len(commands) == 1, commands
+def follow_advice(src: str, run_flags: list[str], new_dir: str, *options: str,
+                  verdict: str = "reshard") -> subprocess.CompletedProcess:
+    """The whole literal path: ``check`` of the run says ``verdict`` (reshard; or fail, where only the offline
+    conversion serves the run) with one command, that command run as printed writes ``new_dir``, and ``check`` of
+    ``new_dir`` with the same run flags says load. Returns the command's run."""
+    said, commands = advised(src, run_flags, *options)
+    assert said == verdict and len(commands) == 1, (said, commands)
     done = follow(commands[0], new_dir)
     assert done.returncode == 0, done.stdout + done.stderr
     assert advised(new_dir, run_flags, *options) == ("load", [])

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError
+from megatron_preflight.layout.dist import read_dcp_metadata
 from megatron_preflight.reshard.sources.fsdp_dtensor import source_metadata
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile, map_file, row_major, row_pitch
 
@@ -345,6 +346,8 @@ def chunk_index(md: Any) -> dict[str, list[Chunk]]:
     return out
 
 
-def dist_reader(iter_dir: str, *, trust: bool = False, crc: bool = False) -> DistReader:
-    """A reader for the :class:`RegionRef` tensors of the torch_dist iteration dir ``iter_dir``."""
-    return DistReader(iter_dir, chunk_index(source_metadata(iter_dir, trust=trust)), trust=trust, crc=crc)
+def dist_reader(iter_dir: str, *, trust: bool = False, crc: bool = False, raw: bool = False) -> DistReader:
+    """A reader for the :class:`RegionRef` tensors of the torch_dist iteration dir ``iter_dir`` (``raw``: by the
+    names its ``.metadata`` holds, an fsdp_dtensor dir's not seen through torch_dist's)."""
+    md = read_dcp_metadata(iter_dir, trust=trust) if raw else source_metadata(iter_dir, trust=trust)
+    return DistReader(iter_dir, chunk_index(md), trust=trust, crc=crc)

@@ -30,6 +30,7 @@ from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets import destination, durable, lifeline, share
+from megatron_preflight.reshard.targets.fsdp_dtensor import FsdpDtensorTarget
 from megatron_preflight.reshard.targets.legacy import LegacyTarget
 from megatron_preflight.reshard.targets.torch_dist import TorchDistTarget
 from megatron_preflight.reshard.targets.unit import ShardResult, Tapping, Target
@@ -114,7 +115,8 @@ def _init_worker(layout: bytes, target: TargetLayout, trust: bool, keep_optimize
 
 
 # The output formats: ``--ckpt-format`` -> its target (see targets/unit.py).
-TARGETS: dict[str, Target] = {"torch": LegacyTarget(), "torch_dist": TorchDistTarget()}
+TARGETS: dict[str, Target] = {"torch": LegacyTarget(), "torch_dist": TorchDistTarget(),
+                               "fsdp_dtensor": FsdpDtensorTarget()}
 
 
 def target_of(target: TargetLayout) -> Target:

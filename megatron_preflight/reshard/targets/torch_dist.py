@@ -335,10 +335,11 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
     return {i: p for i, p in enumerate(parts)} if len(parts) > 1 else parts[0]
 
 
-def verify_written(iter_out: str, out: ChunkWriter, files: SourceFiles) -> int:
-    """Re-read every written chunk through the torch_dist reader and compare it with its source slices, read again
-    (crc32 of the bytes). Returns the number of chunks checked; raises on any difference."""
-    reader = dist_reader(iter_out)
+def verify_written(iter_out: str, out: ChunkWriter, files: SourceFiles, *, raw: bool = False) -> int:
+    """Re-read every written chunk through the torch_dist reader (``raw``: by the names written, not seen through
+    torch_dist's) and compare it with its source slices, read again (crc32 of the bytes). Returns the number of chunks
+    checked; raises on any difference."""
+    reader = dist_reader(iter_out, raw=raw)
     try:
         for fqn, offsets, sizes, plan, as_float, rows in out.planned:
             want = from_sources(plan, files)

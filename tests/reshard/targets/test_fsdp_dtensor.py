@@ -1,0 +1,59 @@
+"""The fsdp_dtensor writer: every real Megatron-FSDP checkpoint (written by Megatron-LM's pretrain_gpt.py with the
+Transformer Engine CPU stand-in, tests/fixtures/megatron-lm/LOCAL_FIXTURES.md), taken to torch_dist and written back
+as fsdp_dtensor, has the original's keys, shapes and dtypes, its common state and group settings, and tensor for
+tensor its content; a 3D-parallel twin written as fsdp_dtensor equals the Megatron-FSDP save of the same state. That
+Megatron-FSDP resumes what it writes is tested against real Megatron-LM in tests/hook/test_megatron_fsdp.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.layout.dist import ObjectReader, object_index, read_dcp_metadata
+from megatron_preflight.prove.diff import diff_checkpoints
+from megatron_preflight.reshard import TargetLayout, write_resharded
+from tests.conftest import fixture_path
+
+FSDP = ["fsdp_dp2", "fsdp_tp2dp2", "fsdp_moe_ep2", "fsdp_dp2_bf16_swiglu"]
+NOT_WRITTEN = ("rng_state.",)  # a 3D layout's RNG does not map onto Megatron-FSDP's ranks (--no-load-rng)
+
+
+def _entries(root: str) -> tuple[dict, dict]:
+    """(tensor fqn -> (shape, dtype), bytes item fqn -> value) of an fsdp_dtensor iteration dir."""
+    it = discover(root).iter_dir
+    md = read_dcp_metadata(it)
+    tensors = {k: (tuple(v.size), str(v.properties.dtype)) for k, v in md.state_dict_metadata.items()
+               if hasattr(v, "size")}
+    reader = ObjectReader(it)
+    try:
+        objects = {k: reader.read(k, info) for k, info in object_index(md).items() if k != "args"}
+    finally:
+        reader.close()
+    return tensors, objects
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_written_back_it_has_the_originals_keys_settings_and_content(tmp_path, name):
+    dist, back = str(tmp_path / "dist"), str(tmp_path / "back")
+    write_resharded(fixture_path(name), dist, TargetLayout(ckpt_format="torch_dist"), verify=True)
+    write_resharded(dist, back, TargetLayout(ckpt_format="fsdp_dtensor"), verify=True)
+    want_t, want_o = _entries(fixture_path(name))
+    got_t, got_o = _entries(back)
+    assert got_t == {k: v for k, v in want_t.items() if not k.startswith(NOT_WRITTEN)}
+    want_o = {k: v for k, v in want_o.items() if not k.startswith(NOT_WRITTEN)}
+    assert set(got_o) == set(want_o)
+    differ = {k: (want_o[k], got_o[k]) for k in want_o if k != "num_floating_point_operations_so_far"
+              and repr(want_o[k]) != repr(got_o[k])}
+    assert not differ, list(differ.items())[:5]
+    args = discover(back).saved_args
+    assert (args.use_megatron_fsdp, args.ckpt_format) == (True, "fsdp_dtensor")
+    report = diff_checkpoints(fixture_path(name), back)
+    assert report.equal, report.render()
+
+
+def test_a_changed_tensor_is_told_apart(tmp_path):
+    """diff of the written checkpoint against the original of another state: different."""
+    back = str(tmp_path / "back")
+    write_resharded(fixture_path("fsdp_dp2_twin_torch_dist"), back, TargetLayout(ckpt_format="fsdp_dtensor"))
+    assert diff_checkpoints(fixture_path("fsdp_dp2"), back).equal
+    assert not diff_checkpoints(fixture_path("fsdp_tp2dp2"), back).equal
