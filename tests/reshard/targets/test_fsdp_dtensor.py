@@ -57,3 +57,14 @@ def test_a_changed_tensor_is_told_apart(tmp_path):
     write_resharded(fixture_path("fsdp_dp2_twin_torch_dist"), back, TargetLayout(ckpt_format="fsdp_dtensor"))
     assert diff_checkpoints(fixture_path("fsdp_dp2"), back).equal
     assert not diff_checkpoints(fixture_path("fsdp_tp2dp2"), back).equal
+
+
+def test_a_legacy_source_is_written_as_the_same_fsdp_dtensor(tmp_path):
+    """The 3D twin taken to legacy (TP2: one file per rank), then to fsdp_dtensor: equal to Megatron-FSDP's own save."""
+    legacy, back = str(tmp_path / "legacy"), str(tmp_path / "back")
+    write_resharded(fixture_path("fsdp_dp2_twin_torch_dist"), legacy, TargetLayout(tp=2, ckpt_format="torch"))
+    write_resharded(legacy, back, TargetLayout(tp=1, ckpt_format="fsdp_dtensor"), verify=True)  # (TP1: its padding)
+    assert _entries(back)[0] == {k: v for k, v in _entries(fixture_path("fsdp_dp2"))[0].items()
+                                 if not k.startswith(NOT_WRITTEN)}
+    report = diff_checkpoints(fixture_path("fsdp_dp2"), back)
+    assert report.equal, report.render()
