@@ -91,6 +91,8 @@ DEFERRABLE = ("torch", "numpy", "megatron.", "yaml", "megatron_preflight.reshard
               # (issue 34): the distributed optimizer's and torch_dist's readers, the executor, the GPT -> hybrid bridge
               "megatron_preflight.check", "megatron_preflight.fit", "megatron_preflight.reshard.optimizer.", "megatron_preflight.reshard.sources.",
               "megatron_preflight.reshard.execute.", "megatron_preflight.reshard.plan.hybrid",
+              # torch's DCP and the fsdp_dtensor form: only in a Megatron-FSDP job given a 3D checkpoint
+              "megatron_preflight.hook import fsdp_load",
               # proving a checkpoint's content (fingerprints, diff, the content check) reads every tensor
               "megatron_preflight.prove.", "megatron_preflight.prove import",
               # an optional C extension (ISA-L's CRC-32), loaded where bytes are checked

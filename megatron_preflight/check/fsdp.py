@@ -7,7 +7,8 @@ asserts ``--ckpt-format fsdp_dtensor`` in argument validation and, given a torch
 after the build (``KeyError: 'model'``); Megatron-FSDP reloads its own checkpoints at another DP/TP/EP. The resharder
 reads fsdp_dtensor (:mod:`megatron_preflight.reshard.sources.fsdp_dtensor`), so a 3D-parallel run loads one through
 it, in memory or after an offline conversion; and writes it (:mod:`megatron_preflight.reshard.targets.fsdp_dtensor`),
-so a Megatron-FSDP run resumes a torch_dist or legacy checkpoint after an offline conversion.
+so a Megatron-FSDP run resumes a torch_dist or legacy checkpoint in memory (the hook serves its fsdp_dtensor form to
+Megatron-FSDP's own load: :mod:`megatron_preflight.hook.fsdp_load`) or after an offline conversion.
 """
 
 from __future__ import annotations
@@ -63,16 +64,16 @@ def fsdp_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                            "requires the `fsdp_dtensor` checkpointing format'", "set --ckpt-format fsdp_dtensor"))
     if layout.format in (Format.TORCH, Format.TORCH_DIST):
         out.append(Finding(
-            "use_megatron_fsdp", layout.format.value, "fsdp_dtensor", FATAL,
+            "use_megatron_fsdp", layout.format.value, "fsdp_dtensor", RESHARD,
             f"a {layout.format.value} checkpoint and a Megatron-FSDP run: Megatron-FSDP reads fsdp_dtensor only and "
-            "fails after building the model (KeyError: 'model'); the job's in-memory loader serves 3D-parallel runs "
-            "only",
-            "convert it offline to fsdp_dtensor, weights and optimizer state (the run's precision: its SwiGLU halves, "
-            "fp32 main parameters and group settings written as Megatron-FSDP saves them): "
+            "fails after building the model (KeyError: 'model'); --preflight auto serves the checkpoint to "
+            "Megatron-FSDP's own load as its fsdp_dtensor form, weights and optimizer state (each rank reads the "
+            "whole checkpoint once; RNG states are not carried)",
+            "run with --preflight auto and --no-load-rng; or convert it offline to fsdp_dtensor (read once): "
             + advice.offline_fix(layout, rt, "--ckpt-format", "fsdp_dtensor") + " (and --no-load-rng); or resume on "
             "the 3D-parallel path: drop --use-megatron-fsdp and --ckpt-format fsdp_dtensor (add "
             "--use-distributed-optimizer for a sharded optimizer state), with --ckpt-format " + layout.format.value))
-    elif fsdp_ckpt and (rt.no_load_optim or rt.finetune) and _precision(rt) != "fp32":
+    if (rt.no_load_optim or rt.finetune) and _precision(rt) != "fp32" and layout.format is not None:
         out.append(Finding(
             "no_load_optim", "saved", "not loaded", FATAL,
             f"a {_precision(rt)} Megatron-FSDP run that does not load the optimizer state fails after the build "

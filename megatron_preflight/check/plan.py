@@ -434,7 +434,9 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
         findings += state
     else:
         changed, load_optim, load_rng = False, False, False
-    if layout.format == Format.TORCH:
+    if rt.use_megatron_fsdp and layout.format in (Format.TORCH, Format.TORCH_DIST):
+        loader = Loader.RESHARD  # served to Megatron-FSDP's load as its fsdp_dtensor form (hook/fsdp_load.py)
+    elif layout.format == Format.TORCH:
         loader = Loader.RESHARD if changed else (Loader.EP_3D if (layout.ep or 1) > 1 else Loader.NON_EP)
     elif layout.format == Format.TORCH_DIST and any(f.field in ("optimizer", "optimizer_family", "transformer_impl")
                                                     and f.severity == RESHARD for f in findings):
@@ -456,7 +458,10 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
     order = {FATAL: 0, RESHARD: 1, INFO: 2}
     findings.sort(key=lambda f: order[f.severity])
     plan = Plan(verdict, loader, findings, index, rt, load_optimizer=load_optim, load_rng=load_rng, memory=memory)
-    if verdict == Verdict.RESHARD:
+    if verdict == Verdict.RESHARD and rt.use_megatron_fsdp:
+        plan.notes.append("reshard cost: each rank reads the whole checkpoint once (Megatron-FSDP shards every "
+                          "parameter over the data-parallel ranks); the offline conversion reads it once in all")
+    elif verdict == Verdict.RESHARD:
         _predict_cost(plan)
     plan.seconds = time.perf_counter() - t0
     return plan

@@ -180,9 +180,22 @@ def install() -> None:
                                                                             optimizer=optimizer, model=ddp_model)
                 return state, name, release, CheckpointType.LEGACY
 
-            ckpt_mod._load_base_checkpoint = reshard_base
+            def fsdp_base(load_dir, args, rank0=False, sharded_state_dict=None, *ba, **bk):
+                # Megatron-LM and torch's DCP: present only inside a Megatron-FSDP job
+                from megatron.training.checkpointing import CheckpointType
+
+                from megatron_preflight.hook import fsdp_load  # torch's DCP: only a Megatron-FSDP job loads it
+
+                with fewer_collections():
+                    state, name, release = fsdp_load.fsdp_base(load_dir, args, rank0=rank0,
+                                                               sharded_state_dict=sharded_state_dict,
+                                                               checkpointing=ckpt_mod)
+                return state, name, release, CheckpointType.FSDP_DTENSOR
+
+            fsdp = bool(getattr(get_args(), "use_megatron_fsdp", False))
+            ckpt_mod._load_base_checkpoint = fsdp_base if fsdp else reshard_base
             # A distributed optimizer reads distrib_optim.pt by path after the model: serve it from memory too.
-            restore = legacy_load.serve_parameter_state(optimizer, get_args(), ddp_model)
+            restore = (lambda: None) if fsdp else legacy_load.serve_parameter_state(optimizer, get_args(), ddp_model)
             started = time.perf_counter()
             try:
                 result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)

@@ -47,10 +47,21 @@ def test_a_3d_run_is_a_reshard_whose_printed_conversion_writes_what_it_loads(tmp
     assert discover(new).format.value == ckpt_format
 
 
-def test_a_megatron_fsdp_run_cannot_take_a_3d_checkpoint():
-    plan = _plan("fsdp_dp2_twin_torch_dist", *FSDP, "--world-size", "2")
-    (f,) = [f for f in plan.fatal if f.field == "use_megatron_fsdp"]
-    assert "KeyError: 'model'" in f.message and "drop --use-megatron-fsdp" in f.fix
+@pytest.mark.parametrize("name, own", [("fsdp_dp2_twin_torch_dist", TE),
+                                       ("tp2_torch", ["--tensor-model-parallel-size", "2"])])
+def test_a_megatron_fsdp_run_given_a_3d_checkpoint_is_a_reshard_whose_printed_conversion_writes_what_it_loads(
+        tmp_path, name, own):
+    """torch_dist and legacy (at their own layout and spec): the hook serves it in memory (--preflight auto) or the
+    printed command converts it."""
+    flags = [*FLAGS, *own, *FSDP, "--no-load-rng", "--world-size", "2"]
+    plan = make_plan(fixture_path(name), from_cli(flags, env={}))
+    assert plan.verdict == Verdict.RESHARD and plan.loader == Loader.RESHARD, [f.message for f in plan.fatal]
+    (f,) = [f for f in plan.findings if f.field == "use_megatron_fsdp"]
+    assert "KeyError: 'model'" in f.message and "--preflight auto" in f.fix and "drop --use-megatron-fsdp" in f.fix
+    assert any("each rank reads the whole checkpoint" in n for n in plan.notes)
+    new = str(tmp_path / "new")
+    follow_advice(fixture_path(name), flags, new)
+    assert discover(new).format.value == "fsdp_dtensor"
 
 
 @pytest.mark.parametrize("flags, field, said", [

@@ -67,25 +67,31 @@ def test_an_fsdp_dtensor_checkpoint_resumes_on_the_3d_path_like_megatron_fsdp_it
     assert rc == 0 and _alike(log, oracle, "--bf16" in model), log[-3000:]
 
 
-def test_a_megatron_fsdp_run_given_a_torch_dist_checkpoint_stops_before_the_build_and_resumes_as_advised(tmp_path):
-    """A Megatron-FSDP run given the 3D-parallel twin of fsdp_dp2 (torch_dist, the same weights and Adam state): the
-    check stops it before the build, naming the offline conversion to fsdp_dtensor; that command, run as printed,
-    writes what Megatron-FSDP resumes with the loss of its own resume of fsdp_dp2, bit for bit."""
+def test_a_megatron_fsdp_run_given_a_torch_dist_checkpoint_resumes_in_memory_and_as_advised(tmp_path):
+    """A Megatron-FSDP run given the 3D-parallel twin of fsdp_dp2 (torch_dist, the same weights and Adam state):
+    Megatron alone fails after the build; with --preflight auto the hook serves the checkpoint's fsdp_dtensor form to
+    Megatron-FSDP's own load; and the offline conversion check names, run as printed, writes what Megatron-FSDP loads
+    itself. Each resumes with the loss of Megatron-FSDP's own resume of fsdp_dp2, iterations 3 and 4 bit for bit."""
     from tests.helpers.advised import follow_advice
 
     src = fixture_path("fsdp_dp2_twin_torch_dist")
-    rc, log = run(tmp_path, src, 2, "--preflight", "auto", *FSDP_RUN, *COMMON, te=True, port=29804,
-                  env_extra=FSDP_ENV, verify=False)
-    assert rc != 0 and "Megatron-FSDP reads fsdp_dtensor only" in log, log[-3000:]
-    assert "the job must not start" in log and "number of parameters" not in log  # the model was never built
-
-    extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
-    run_flags = [*TINY, *extra, "--transformer-impl", "transformer_engine", *FSDP_RUN, *COMMON, "--world-size", "2"]
-    new = str(tmp_path / "as_fsdp")
-    follow_advice(src, run_flags, new, verdict="fail")
     rc, oracle = run(tmp_path, fixture_path("fsdp_dp2"), 2, *FSDP_RUN, *COMMON, "--no-load-rng", plugin=False,
                      te=True, port=29805, env_extra=FSDP_ENV, verify=False)
     assert rc == 0 and loss(oracle, 4, 4) is not None, oracle[-3000:]
+    rc, log = run(tmp_path, src, 2, *FSDP_RUN, *COMMON, "--no-load-rng", plugin=False, te=True, port=29804,
+                  env_extra=FSDP_ENV, verify=False)
+    assert rc != 0 and loss(log, 3, 4) is None, log[-3000:]  # Megatron alone: fails after the build
+
+    rc, log = run(tmp_path, src, 2, "--preflight", "auto", *FSDP_RUN, *COMMON, "--no-load-rng", te=True, port=29809,
+                  env_extra=FSDP_ENV, verify=False)
+    assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+    assert _alike(log, oracle, False), log[-3000:]
+
+    extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
+    run_flags = [*TINY, *extra, "--transformer-impl", "transformer_engine", *FSDP_RUN, *COMMON, "--no-load-rng",
+                 "--world-size", "2"]
+    new = str(tmp_path / "as_fsdp")
+    follow_advice(src, run_flags, new)
     rc, log = run(tmp_path, new, 2, *FSDP_RUN, *COMMON, "--no-load-rng", plugin=False, te=True, port=29806,
                   env_extra=FSDP_ENV, verify=False)
     assert rc == 0 and _alike(log, oracle, False), log[-3000:]
@@ -94,10 +100,10 @@ def test_a_megatron_fsdp_run_given_a_torch_dist_checkpoint_stops_before_the_buil
 @pytest.mark.parametrize("name, nproc, model", [(n, p, m) for n, p, m, _ in CASES[1:]], ids=[c[0] for c in CASES[1:]])
 def test_fsdp_dtensor_written_from_torch_dist_resumes_under_megatron_fsdp_like_the_original(tmp_path, name, nproc,
                                                                                             model):
-    """TP2, MoE EP2, bf16 SwiGLU: the fsdp_dtensor fixture converted to torch_dist and back to fsdp_dtensor (the second
-    conversion is the writer under test: SwiGLU halves, fp32 main parameters under bf16, experts by global index,
-    group settings and step) resumes under Megatron-FSDP with the losses of the original's own resume; diff calls
-    the two fsdp_dtensor checkpoints equal."""
+    """TP2, MoE EP2, bf16 SwiGLU: the fsdp_dtensor fixture converted to torch_dist, then resumed under Megatron-FSDP
+    (a) in memory with --preflight auto and (b) converted back to fsdp_dtensor offline (the writer: SwiGLU halves,
+    fp32 main parameters under bf16, experts by global index, group settings and step): each with the losses of the
+    original's own resume, bit for bit; diff calls the two fsdp_dtensor checkpoints equal."""
     import subprocess
     import sys
 
@@ -115,5 +121,8 @@ def test_fsdp_dtensor_written_from_torch_dist_resumes_under_megatron_fsdp_like_t
     assert rc == 0 and loss(oracle, 4, 4) is not None, oracle[-3000:]
     rc, log = run(tmp_path, back, nproc, *FSDP_RUN, *model, *COMMON, "--no-load-rng", plugin=False, te=True,
                   port=29808, env_extra=FSDP_ENV, verify=False)
-    (tmp_path / "back.log").write_text(log)
     assert rc == 0 and _alike(log, oracle, False), log[-3000:]
+    rc, log = run(tmp_path, dist, nproc, "--preflight", "auto", *FSDP_RUN, *model, *COMMON, "--no-load-rng", te=True,
+                  port=29810, env_extra=FSDP_ENV, verify=False)
+    assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+    assert _alike(log, oracle, False), log[-3000:]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,12 +85,32 @@ def _prefix(half: bool) -> str:
     return "module.module.module." if half else "module.module."
 
 
-def write_fsdp_dtensor(src: Any, iter_out: str, target: TargetLayout, *, iteration: Any = None, trust: bool = False,
-                       keep_optimizer: bool = True, verify: bool = False,
-                       writer: Callable[[str], ChunkWriter] = ChunkWriter, build: Build = from_sources
-                       ) -> tuple[int, int, int]:
-    """Write the fsdp_dtensor form of ``src`` into the iteration dir ``iter_out`` (made by the caller, inside its temp
-    destination). Returns (bytes read, bytes written, chunks verified)."""
+@dataclass
+class TensorEntry:
+    """One tensor of the fsdp_dtensor form, made on demand: its name, global shape, dtype, and how it is built."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+    plan: TensorPlan | None = None  # the source plan it equals as is (for --verify)
+
+
+@dataclass
+class FsdpState:
+    """The whole fsdp_dtensor form of a checkpoint: its tensors (built on demand) and its bytes items."""
+
+    tensors: list[TensorEntry]
+    objects: dict[str, Any]
+    files: SourceFiles
+    carry: bool
+
+
+def fsdp_state(src: Any, target: TargetLayout, *, iteration: Any = None, trust: bool = False,
+               keep_optimizer: bool = True, build: Build = from_sources, half: bool | None = None) -> FsdpState:
+    """The fsdp_dtensor form of ``src`` (a path or a CheckpointIndex) for a Megatron-FSDP run at ``target``: what the
+    writer writes and the hook's in-memory loader serves (nothing is read until a tensor is made). ``half``: whether
+    the run is bf16 / fp16 (its optimizer state's names follow its wrappers); None: as the source was saved."""
     r, g, carry = global_resharders(src, target, iteration=iteration, trust=trust, keep_optimizer=keep_optimizer)
     args = g.layout.saved_args
     if args is None:
@@ -99,7 +120,8 @@ def write_fsdp_dtensor(src: Any, iter_out: str, target: TargetLayout, *, iterati
         raise PreflightError("the optimizer state could not be indexed in the plain form"
                              + (f" ({g.optimizer_problem.message})" if g.optimizer_problem else ""),
                              path=g.layout.iter_dir, fix="pass --drop-optimizer", code="optimizer")
-    half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    if half is None:
+        half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     glu = bool(getattr(args, "swiglu", False))
     files = SourceFiles(g.layout.iter_dir or "", trust=trust)
     header = r.header(files)
@@ -111,17 +133,31 @@ def write_fsdp_dtensor(src: Any, iter_out: str, target: TargetLayout, *, iterati
     new_args.no_save_rng = True
     if not getattr(new_args, "data_parallel_sharding_strategy", None):
         new_args.data_parallel_sharding_strategy = "optim_grads_params"
-    objects = {"args": new_args}
+    objects: dict[str, Any] = {"args": new_args}
     for key in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far"):
         if key in header:
             objects[key] = header[key]
     scheduler = header.get("opt_param_scheduler")
     if isinstance(scheduler, dict):
         objects.update({f"opt_param_scheduler.{k}": v for k, v in scheduler.items()})
+    tensors = _entries(g, files, objects, half=half, glu=glu, carry=carry, build=build)
+    return FsdpState(tensors, objects, files, carry)
+
+
+def write_fsdp_dtensor(src: Any, iter_out: str, target: TargetLayout, *, iteration: Any = None, trust: bool = False,
+                       keep_optimizer: bool = True, verify: bool = False,
+                       writer: Callable[[str], ChunkWriter] = ChunkWriter, build: Build = from_sources
+                       ) -> tuple[int, int, int]:
+    """Write the fsdp_dtensor form of ``src`` into the iteration dir ``iter_out`` (made by the caller, inside its temp
+    destination). Returns (bytes read, bytes written, chunks verified)."""
+    state = fsdp_state(src, target, iteration=iteration, trust=trust, keep_optimizer=keep_optimizer, build=build)
+    files = state.files
     out = writer(iter_out)
     try:
-        _write_tensors(g, files, out, half=half, glu=glu, carry=carry, build=build)
-        for fqn, value in objects.items():
+        for e in state.tensors:
+            t = e.make()
+            out.chunk(e.fqn, e.shape, (0,) * t.dim(), t, e.plan)
+        for fqn, value in state.objects.items():
             _object(out, fqn, value)
     finally:
         out.close()
@@ -135,27 +171,45 @@ def write_fsdp_dtensor(src: Any, iter_out: str, target: TargetLayout, *, iterati
     return read, out.bytes_written + os.path.getsize(os.path.join(iter_out, ".metadata")), checked
 
 
-def _write_tensors(g: Resharder, files: SourceFiles, out: ChunkWriter, *, half: bool, glu: bool, carry: bool,
-                   build: Build) -> None:
-    """Every parameter (fp32: under bf16 / fp16 the optimizer's master), its Adam moments and group settings."""
+class _Last:
+    """The last tensor built, by key: SwiGLU's two halves (and a parameter's fields) build their whole once."""
+
+    def __init__(self) -> None:
+        self.key: Any = None
+        self.value: torch.Tensor | None = None
+
+    def get(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.key != key or self.value is None:
+            self.key, self.value = key, make()
+        return self.value
+
+
+def _entries(g: Resharder, files: SourceFiles, objects: dict[str, Any], *, half: bool, glu: bool, carry: bool,
+             build: Build) -> list[TensorEntry]:
+    """Every parameter (fp32: under bf16 / fp16 the optimizer's master) and its Adam moments as tensor entries; each
+    parameter's group settings into ``objects``."""
     idx = g.optimizer_index if carry else None
     coords = next(iter(naming.shard_writers(g.tgt).values()))
     plan = g.plan_for_coords(coords, "global")
     step = g.plain_step() if idx is not None else None
     prefix = _prefix(half)
+    last = _Last()
+    out: list[TensorEntry] = []
     for tp in plan.tensors:
         if tp.shape is None or tp.key.endswith("_extra_state") or (g.tied and tp.key == "output_layer.weight"):
             continue
         fields = idx.fields.get(tp.gkey, {}) if idx is not None and tp.gkey is not None else {}
-        source = fields.get(MASTER)
-        value = _built(g, source, tp, files, coords, "master", build) if source is not None else build(tp, files)
-        if half or value.dtype != torch.float32:
-            value = value.float()  # Megatron-FSDP's main parameters are fp32
+        master = fields.get(MASTER)
         names = _names(tp.key, glu)
+
+        def param(tp: TensorPlan = tp, master: Any = master) -> torch.Tensor:
+            value = _built(g, master, tp, files, coords, "master", build) if master is not None else build(tp, files)
+            return value.float()  # Megatron-FSDP's main parameters are fp32
+
         for name, rows in names:
-            piece = _halves(value, rows)
-            out.chunk(MODEL + name, tuple(piece.shape), (0,) * piece.dim(), piece,
-                      tp if rows is None and source is None else None)
+            shape = _half_shape(tp.shape, rows)
+            out.append(TensorEntry(MODEL + name, shape, torch.float32, _part(last, (tp.key, "param"), param, rows),
+                                   tp if rows is None and master is None and not half else None))
         if idx is None or tp.gkey not in idx.membership:
             continue
         for field in ("exp_avg", "exp_avg_sq"):
@@ -163,17 +217,30 @@ def _write_tensors(g: Resharder, files: SourceFiles, out: ChunkWriter, *, half: 
             if entry is None:
                 raise PreflightError(f"no {field} for {tp.key} in the optimizer state", path=g.layout.iter_dir,
                                      fix="pass --drop-optimizer", code="optimizer")
-            state = _built(g, entry, tp, files, coords, field, build)
+
+            def moment(tp: TensorPlan = tp, entry: Any = entry, field: str = field) -> torch.Tensor:
+                return _built(g, entry, tp, files, coords, field, build)
+
             for name, rows in names:
-                piece = _halves(state, rows)
-                out.chunk(f"{STATE}{prefix}{name}.{field}", tuple(piece.shape), (0,) * piece.dim(), piece)
+                out.append(TensorEntry(f"{STATE}{prefix}{name}.{field}", _half_shape(tp.shape, rows), torch.float32,
+                                       _part(last, (tp.key, field), moment, rows)))
         settings = dict(GROUP_SETTINGS)
         settings.update({k: v for k, v in idx.settings[idx.membership[tp.gkey]].items() if k in GROUP_SETTINGS})
         settings["step"] = int(step) if step is not None else int(settings.get("step") or 0)
         settings["is_expert_parallel"] = False  # (Megatron-FSDP: experts sit with the dense parameters at EP1)
         name = torch_dist_name(tp.key)  # (the settings are the module's parameter's: SwiGLU's fc1 not split)
         for setting, v in settings.items():
-            _object(out, f"{GROUP_META}{prefix}{name}.{setting}", v)
+            objects[f"{GROUP_META}{prefix}{name}.{setting}"] = v
+    return out
+
+
+def _half_shape(shape: tuple[int, ...] | None, rows: slice | None) -> tuple[int, ...]:
+    assert shape is not None
+    return shape if rows is None else (shape[0] // 2, *shape[1:])
+
+
+def _part(last: _Last, key: Any, make: Callable[[], torch.Tensor], rows: slice | None) -> Callable[[], torch.Tensor]:
+    return lambda: _halves(last.get(key, make), rows)
 
 
 def _built(g: Resharder, entry: Any, param: TensorPlan, files: SourceFiles, coords: dict[str, int], what: str,
