@@ -73,6 +73,23 @@ def fsdp_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             + advice.offline_fix(layout, rt, "--ckpt-format", "fsdp_dtensor") + " (and --no-load-rng); or resume on "
             "the 3D-parallel path: drop --use-megatron-fsdp and --ckpt-format fsdp_dtensor (add "
             "--use-distributed-optimizer for a sharded optimizer state), with --ckpt-format " + layout.format.value))
+    if rt.pp > 1:
+        out.append(Finding(
+            "pipeline_model_parallel_size", None, rt.pp, FATAL,
+            f"Megatron-FSDP with pipeline parallelism (PP{rt.pp}): Megatron-LM main fails when it wraps the model, "
+            "after NCCL init ('einops ... Error while processing rearrange-reduction pattern \"(dp_cp ep tp) -> ep "
+            "dp_cp tp\"': its device mesh has no pipeline dimension; measured)",
+            "run Megatron-FSDP at --pipeline-model-parallel-size 1 (it shards the model over the data-parallel ranks "
+            "instead), or train with pipeline parallelism on the 3D-parallel path (drop --use-megatron-fsdp and "
+            "--ckpt-format fsdp_dtensor)"))
+    if rt.swiglu and _precision(rt) == "fp32" and rt.save:
+        out.append(Finding(
+            "save", None, "fp32 + --swiglu + --save", FATAL,
+            "an fp32 Megatron-FSDP run with --swiglu trains, then fails at its first save (Megatron-LM's fsdp_dtensor "
+            "save splits SwiGLU's fc1 through the Float16Module wrapper: 'AttributeError: GPTModel has no attribute "
+            "`module`'; measured with Megatron-LM main): the steps since the load are lost",
+            "run with --bf16 (the wrapper is there), or resume on the 3D-parallel path: drop --use-megatron-fsdp and "
+            "--ckpt-format fsdp_dtensor"))
     if (rt.no_load_optim or rt.finetune) and _precision(rt) != "fp32" and layout.format is not None:
         out.append(Finding(
             "no_load_optim", "saved", "not loaded", FATAL,

@@ -15,7 +15,8 @@ applied as ``validate_args`` / ``initialize_model_parallel`` / the model's const
 * VPP only when the run asks for it (its layers per virtual stage must divide each stage);
 * EP divides the experts; ETP is 1 or TP (what Megatron's recipes use), divides the expert ffn size and every
   expert tensor split over it, and is 1 when the experts have biases;
-* the global batch is a multiple of micro-batch × DP.
+* the global batch is a multiple of micro-batch × DP;
+* a Megatron-FSDP run (``--use-megatron-fsdp``): PP1 only (Megatron-LM main cannot wrap a pipelined model in it).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def layouts(profile: ModelProfile, rt: RuntimeArgs, world: int, gpus_per_node: i
             if not sequence_ok(rt, cp):
                 continue
             for pp in divisors(world // (tp * cp)):
+                if pp > 1 and rt.use_megatron_fsdp:  # (Megatron-FSDP does not build with PP: check/fsdp.py)
+                    continue
                 split = splits.get(pp)
                 if split is None:
                     continue

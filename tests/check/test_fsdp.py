@@ -82,3 +82,32 @@ def test_without_the_optimizer_state_a_half_precision_fsdp_run_is_fatal_and_fp32
     assert "no_load_optim" in _fields(half.fatal) and "precision" not in _fields(half.fatal)
     full = _plan("fsdp_dp2", *FSDP, "--no-load-optim", "--world-size", "2")
     assert full.verdict == Verdict.LOAD
+
+
+def test_an_fp32_swiglu_megatron_fsdp_run_that_saves_is_fatal_before_it_trains(tmp_path):
+    """Measured in real Megatron-LM main: fp32 + --swiglu under Megatron-FSDP trains, then its save fails ('GPTModel
+    has no attribute `module`'); bf16, or no --save, is fine."""
+    save = ["--save", str(tmp_path / "save")]
+
+    def fails_at_save(*flags: str) -> bool:
+        plan = _plan("fsdp_dp2_bf16_swiglu", *FSDP, "--swiglu", *flags, "--world-size", "2")
+        return any(f.field == "save" and "no attribute `module`" in f.message and "--bf16" in f.fix
+                   for f in plan.fatal)
+
+    assert fails_at_save(*save)
+    assert not fails_at_save()
+    assert not fails_at_save("--bf16", *save)
+
+
+def test_megatron_fsdp_with_pipeline_parallelism_is_fatal_and_plan_lists_pp1_only():
+    """Measured in real Megatron-LM main: Megatron-FSDP at PP2 fails wrapping the model (its device mesh has no
+    pipeline dimension)."""
+    from megatron_preflight import fit, reshard
+
+    plan = _plan("fsdp_dp2", *FSDP, "--pipeline-model-parallel-size", "2", "--world-size", "2")
+    (f,) = [f for f in plan.fatal if f.field == "pipeline_model_parallel_size" and "Megatron-FSDP" in f.message]
+    assert "--pipeline-model-parallel-size 1" in f.fix
+    index = reshard.open_index(fixture_path("fsdp_dp2"))
+    argv = [*FLAGS, *TE, *FSDP]
+    layouts = fit.plan_layouts(index, fit.run_args(index.layout.saved_args, argv), argv, 8).candidates
+    assert layouts and {c.layout.pp for c in layouts} == {1}
