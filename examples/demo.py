@@ -1,5 +1,5 @@
-"""The main job on built-in examples: inspect real Megatron-LM checkpoints, check a run's args against them, and
-reshard one in memory and offline. Run with ``./scripts/demo.sh``."""
+"""The main job on built-in examples: inspect real Megatron-LM checkpoints, check a run's args against them, plan the
+layouts of 8 GPUs for one, and reshard one offline. Run with ``./scripts/demo.sh``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def main() -> int:
         rc = run("check", os.path.join(FIXTURES, "tp2_torch"), "--", *tiny[:2], "--hidden-size", "64",
                  *tiny[4:], "--tensor-model-parallel-size", "2", "--world-size", "2")
         failures += rc != 1
+        # Which layouts of 8 GPUs hold the MoE example, ranked, with the run's flags at each (the top 3 checked).
+        failures += run("plan", os.path.join(FIXTURES, "moe_ep2_torch"), "--world-size", "8", "--top", "5", "--",
+                        *tiny, "--num-experts", "4", "--micro-batch-size", "1", "--global-batch-size", "16") != 0
     if "reshard" in steps:
         with tempfile.TemporaryDirectory() as tmp:
             dst = os.path.join(tmp, "tp1")

@@ -367,6 +367,10 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
     if ep > 1 and not rt.num_experts:
         bad("expert_model_parallel_size", ep, "expert parallelism without --num-experts",
             "remove --expert-model-parallel-size or add --num-experts")
+    if cp > 1 and rt.transformer_impl == "local":
+        bad("context_parallel_size", cp, "context parallelism with --transformer-impl local: Megatron asserts "
+            "'Context parallelism is only supported by TEDotProductAttention!' when it builds the model",
+            "use --transformer-impl transformer_engine, or --context-parallel-size 1")
     problem = sizes.world_problem(rt.world_size) if rt.world_size else None
     if problem is not None:
         bad("world_size", rt.world_size, problem.message, problem.fix or "")

@@ -7,7 +7,9 @@ applied as ``validate_args`` / ``initialize_model_parallel`` / the model's const
 * TP divides the attention heads, the query groups, the ffn size and every tensor split over TP (the profile's
   split lengths: Mamba and gated-delta-net sections, MLA heads, vocab padding follows TP); TP at most the GPUs of a node
   (tensor parallelism stays inside a node: its all-reduces run every layer);
-* CP: the sequence length is a multiple of 2·CP (Megatron's load balancing splits it in 2·CP chunks);
+* CP: the sequence length is a multiple of 2·CP (Megatron's load balancing splits it in 2·CP chunks), and CP1 with
+  ``--transformer-impl local`` (its attention asserts "Context parallelism is only supported by
+  TEDotProductAttention");
 * PP at most the layer count: an even split when PP divides the layers (counting the embedding / loss as layers when
   the run accounts them), else the most balanced uneven split (``--decoder-first/last-pipeline-num-layers``, the
   middle stages even: the smallest largest stage, then the smallest spread, then the smallest last stage, which holds
@@ -92,8 +94,8 @@ def layouts(profile: ModelProfile, rt: RuntimeArgs, world: int, gpus_per_node: i
         if fit_problems(ParallelLayout(tp=tp, etp=1), rt):  # heads, query groups, ffn, sections (TP alone)
             continue
         for cp in divisors(world // tp):
-            if not sequence_ok(rt, cp):
-                continue
+            if not sequence_ok(rt, cp) or (cp > 1 and rt.transformer_impl == "local"):
+                continue  # (the local spec's attention asserts CP1: "only supported by TEDotProductAttention")
             for pp in divisors(world // (tp * cp)):
                 if pp > 1 and rt.use_megatron_fsdp:  # (Megatron-FSDP does not build with PP: check/fsdp.py)
                     continue

@@ -38,6 +38,9 @@ def skipped(args: Any, kwargs: dict[str, Any]) -> str | None:
         return "off"
     if kwargs.get("non_persistent_ckpt"):
         return "a non-persistent checkpoint is not fingerprinted"
+    if getattr(args, "use_megatron_fsdp", False):  # (its parameters are DTensor shards over the data-parallel ranks)
+        return ("a Megatron-FSDP save is not fingerprinted in the job; run `megatron-preflight fingerprint "
+                f"{getattr(args, 'save', None) or 'SAVE_DIR'}` once it is written")
     return None
 
 

@@ -292,6 +292,11 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
     load_dir = getattr(args, "load", None)
     if not load_dir:
         return
+    if getattr(args, "use_megatron_fsdp", False):  # its parameters are DTensor shards over the data-parallel ranks
+        _say("verify: not available in a Megatron-FSDP run (its parameters are sharded over the data-parallel ranks, "
+             "not by the 3D layout the fingerprints are compared at); the load was Megatron-FSDP's own, from the "
+             "checkpoint's fsdp_dtensor form")
+        return
     trust = bool(getattr(args, "preflight_trust_checkpoint", False))
     index = legacy_load.shared_index(load_dir, getattr(args, "ckpt_step", None), trust, False)
     root = index.layout.root or load_dir

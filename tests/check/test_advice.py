@@ -39,6 +39,8 @@ def _runs(name: str) -> list[tuple[str, list[str]]]:
     for key in ("tp", "pp", "ep"):
         if key == "ep" and not experts:
             continue
+        if key == "pp" and getattr(layout.saved_args, "use_megatron_fsdp", False):
+            continue  # (a Megatron-FSDP run does not build with PP: check/fsdp.py)
         sizes = dict(saved, **{key: 1 if saved[key] > 1 else 2})
         if not experts:
             sizes.pop("ep")

@@ -164,3 +164,26 @@ def test_an_fsdp_dtensor_checkpoint_resumes_at_another_3d_layout_like_megatrons_
     assert r.returncode == 0, r.stdout + r.stderr
     rc, log = run(tmp_path, out, 2, "--ckpt-format", "torch", *flags, plugin=False, te=True, port=29815, verify=False)
     assert rc == 0 and (loss(log, 3, 4), loss(log, 4, 4)) == (loss(oracle, 3, 4), loss(oracle, 4, 4)), log[-3000:]
+
+
+def test_verify_and_save_in_a_megatron_fsdp_run_loaded_in_memory(tmp_path):
+    """--preflight verify in a Megatron-FSDP run given a torch_dist checkpoint: it loads in memory and trains; verify
+    and the fingerprints at save say they do not apply to Megatron-FSDP's sharding (never a false alarm or a crash),
+    and the offline command the save's message names fingerprints the saved fsdp_dtensor checkpoint as printed."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    save = tmp_path / "saved"
+    rc, log = run(tmp_path, fixture_path("fsdp_dp2_twin_torch_dist"), 2, "--preflight", "verify", *FSDP_RUN, *COMMON,
+                  "--no-load-rng", "--save", str(save), "--save-interval", "4", te=True, port=29816,
+                  env_extra=FSDP_ENV, verify=False)
+    assert rc == 0 and loss(log, 4, 4) is not None, log[-3000:]
+    assert "verify: not available in a Megatron-FSDP run" in log, log[-3000:]
+    said = re.search(r"run `(megatron-preflight fingerprint [^`]+)` once it is written", log)
+    assert said, log[-3000:]
+    cmd = shlex.split(said.group(1))
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", *cmd[1:]], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
