@@ -3,7 +3,8 @@ options, and after ``--`` the run's layout flags, every size written out.
 
 The flags after ``--`` mean what they mean to Megatron (a size not given is Megatron's default), so the command names
 every size the run has, its defaults included: followed word for word, it writes the layout the run loads.
-:func:`layout_flags` is the one place that renders a run's target as flags; ``reshard`` reads them back through
+:func:`size_flags` is the one place that renders a run's layout as flags (the layout planner's too), and
+:func:`layout_flags` a run's target; ``reshard`` reads them back through
 :func:`megatron_preflight.check.runtime_args.from_cli` and :meth:`TargetLayout.from_args` (a test proves the round
 trip for every fixture and run).
 """
@@ -18,9 +19,10 @@ from megatron_preflight.layout.model import Layout
 PLACEHOLDER = "NEW_DIR"
 
 
-def layout_flags(rt: RuntimeArgs) -> list[str]:
-    """The flags that give ``reshard`` the run's target: sizes (defaults included), the stage split, the vocab
-    padding, the layer spec and expert form, the optimizer form and the HybridModel pattern."""
+def size_flags(rt: RuntimeArgs) -> list[str]:
+    """The flags of the run's parallel layout, as Megatron reads them: sizes (TP and PP always, EP for an MoE model,
+    ETP when set), the virtual pipeline, the stage split (a flexible layout, uneven first / last stages, the embedding /
+    loss counted in it) and a HybridModel's pattern (its ``|`` cuts are its pipeline)."""
     flags = ["--tensor-model-parallel-size", str(rt.tp), "--pipeline-model-parallel-size", str(rt.pp)]
     if rt.num_experts or rt.ep > 1:
         flags += ["--expert-model-parallel-size", str(rt.ep)]
@@ -36,21 +38,32 @@ def layout_flags(rt: RuntimeArgs) -> list[str]:
         flags += ["--virtual-pipeline-model-parallel-size", str(rt.vpp)]
     if rt.pipeline_model_parallel_layout is not None:
         flags += ["--pipeline-model-parallel-layout", rt.pipeline_model_parallel_layout]
-    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "vocab_size"):
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
         value = getattr(rt, name)
         if value is not None:
             flags += [_flag(name), str(value)]
+    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if getattr(rt, name):
+            flags.append(_flag(name))
+    if rt.hybrid_layer_pattern:
+        flags += ["--hybrid-layer-pattern", rt.hybrid_layer_pattern]
+    return flags
+
+
+def layout_flags(rt: RuntimeArgs) -> list[str]:
+    """The flags that give ``reshard`` the run's target: its layout (:func:`size_flags`), the vocab padding, the layer
+    spec and expert form, the optimizer form, and the world size."""
+    flags = size_flags(rt)
+    if rt.vocab_size is not None:
+        flags += ["--vocab-size", str(rt.vocab_size)]
     if rt.make_vocab_size_divisible_by != 128:
         flags += ["--make-vocab-size-divisible-by", str(rt.make_vocab_size_divisible_by)]
-    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-                 "use_distributed_optimizer", "moe_grouped_gemm"):
+    for name in ("use_distributed_optimizer", "moe_grouped_gemm"):
         if getattr(rt, name):
             flags.append(_flag(name))
     flags += ["--transformer-impl", rt.transformer_impl]
     if "ckpt_format" in rt.given:
         flags += ["--ckpt-format", rt.ckpt_format]
-    if rt.hybrid_layer_pattern:
-        flags += ["--hybrid-layer-pattern", rt.hybrid_layer_pattern]
     if rt.mamba_conv_name is not None:  # the release that loads it (check --megatron-version): not a Megatron flag
         flags += ["--mamba-conv-name", rt.mamba_conv_name]
     if rt.world_size is not None:

@@ -74,15 +74,16 @@ def _run(ns: argparse.Namespace) -> int:
         raise PreflightError("--world-size and --gpus-per-node must be positive", fix="pass e.g. --world-size 64",
                              code="usage")
     index = open_index(ns.path, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
-                               shards="all" if ns.all_shards else "auto")
+                       shards="all" if ns.all_shards else "auto")
     layout = index.layout
     if layout.format is None:
         raise PreflightError(f"{ns.path} is not a Megatron checkpoint", path=ns.path,
                              fix="pass the --load dir of a Megatron-LM run (`megatron-preflight inspect` says what "
                                  "it holds)", code="usage")
+    index.raise_problems()  # (a checkpoint that loads at no layout: nothing to plan)
     rt = run_args(layout.saved_args, ns.megatron_args)
     plan = plan_layouts(index, rt, ns.megatron_args, ns.world_size, gpus_per_node=ns.gpus_per_node,
-                            device_gib=ns.device_memory)
+                        device_gib=ns.device_memory, flags_for=None if ns.all else ns.top)
     if ns.megatron_args and ns.check_top:
         _check_top(plan, index, ns.check_top)
     elif not ns.megatron_args:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_cli, from_mapping
-from megatron_preflight.fit.choose import Candidate, evaluate
+from megatron_preflight.fit.choose import Candidate, evaluate, with_sizes
 from megatron_preflight.fit.flags import LAYOUT_FIELDS, layout_argv
 from megatron_preflight.fit.profile import ModelProfile, profile_of
 
@@ -53,14 +53,15 @@ def run_args(saved_args: Any, argv: list[str]) -> RuntimeArgs:
 
 
 def plan_layouts(index: Any, rt: RuntimeArgs, argv: list[str] | None, world: int, *, gpus_per_node: int = 8,
-                 device_gib: float | None = None) -> LayoutPlan:
+                 device_gib: float | None = None, flags_for: int | None = None) -> LayoutPlan:
     """Every layout of ``world`` ranks for the checkpoint ``index`` (a CheckpointIndex) and the run ``rt``, ranked;
-    each with its flags (``argv``, the run's own flags, with the layout's sizes in place of its own)."""
+    the first ``flags_for`` (None: all) with their flags (``argv``, the run's own flags, with the layout's sizes in
+    place of its own)."""
     t0 = time.perf_counter()
     profile = profile_of(index)
     cands = evaluate(profile, index.view, index.layout, rt, world, gpus_per_node, device_gib)
-    for c in cands:
-        c.flags = layout_argv(argv or [], c.layout, moe=bool(profile.source.num_experts))
+    for c in cands[:flags_for]:
+        c.flags = layout_argv(argv or [], with_sizes(rt, c.layout, world), moe=bool(profile.source.num_experts))
     plan = LayoutPlan(world, gpus_per_node, device_gib, cands, profile, time.perf_counter() - t0)
     if any(not c.vocab_exact for c in cands):
         plan.notes.append("the checkpoint does not record its true vocabulary size: at a TP that does not keep its "

@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_preflight.check.memory import GIB, RankMemory
 from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.fit import space
 from megatron_preflight.fit.memory import stage_memory, vocab_rows
 from megatron_preflight.fit.profile import ModelProfile
@@ -89,7 +90,7 @@ def load_of(layout: Layout, saved: ParallelLayout, cand: ParallelLayout, *, load
     if same:
         try:
             same = saved.chunk_layer_counts() == cand.chunk_layer_counts()
-        except Exception:  # noqa: BLE001 - a placement that cannot be compared is a move
+        except PreflightError:  # a placement that cannot be compared is a move
             same = False
     fmt = layout.format
     if fmt == Format.FSDP_DTENSOR:

@@ -1,8 +1,10 @@
-"""A layout as the run's flags: the run's own flags with every layout flag taken out and the layout's put in."""
+"""A layout as the run's flags: the run's own flags with every layout flag taken out and the layout's put in
+(rendered by check/advice.py, the one place that writes a layout as flags)."""
 
 from __future__ import annotations
 
-from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.check import advice
+from megatron_preflight.check.runtime_args import RuntimeArgs
 
 # the Megatron args a layout sets (the planner never takes them from the checkpoint's saved args)
 LAYOUT_FIELDS = frozenset({
@@ -41,36 +43,12 @@ def without_layout(argv: list[str], *, hybrid: bool) -> list[str]:
     return out
 
 
-def flags_of(lay: ParallelLayout, *, moe: bool, per_virtual: int | None) -> list[str]:
-    """The flags that give Megatron ``lay``."""
-    flags = ["--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp)]
-    if lay.cp > 1:
-        flags += ["--context-parallel-size", str(lay.cp)]
-    if moe:
-        flags += ["--expert-model-parallel-size", str(lay.ep), "--expert-tensor-parallel-size", str(lay.etp_eff)]
-    if lay.vpp and lay.hybrid_pattern is None:
-        if per_virtual:
-            flags += ["--num-layers-per-virtual-pipeline-stage", str(per_virtual)]
-        else:
-            flags += ["--num-virtual-stages-per-pipeline-rank", str(lay.vpp)]
-    if lay.first_stage_layers is not None:
-        flags += ["--decoder-first-pipeline-num-layers", str(lay.first_stage_layers)]
-    if lay.last_stage_layers is not None:
-        flags += ["--decoder-last-pipeline-num-layers", str(lay.last_stage_layers)]
-    if lay.embedding_in_split:
-        flags.append("--account-for-embedding-in-pipeline-split")
-    if lay.loss_in_split:
-        flags.append("--account-for-loss-in-pipeline-split")
-    if lay.hybrid_pattern is not None:
-        flags += ["--hybrid-layer-pattern", lay.hybrid_pattern]
-    return flags
-
-
-def layout_argv(argv: list[str], lay: ParallelLayout, *, moe: bool) -> list[str]:
-    """The run's flags at ``lay``: its own flags, layout flags replaced; MoE at TP > 1 gets ``--sequence-parallel``
-    (Megatron requires it with expert and tensor parallelism)."""
-    per_virtual = lay.vpp_args()["num_layers_per_virtual_pipeline_stage"] if lay.vpp else None
-    out = without_layout(argv, hybrid=lay.hybrid_pattern is not None) + flags_of(lay, moe=moe, per_virtual=per_virtual)
-    if moe and lay.tp > 1 and "--sequence-parallel" not in out:
+def layout_argv(argv: list[str], at_layout: RuntimeArgs, *, moe: bool) -> list[str]:
+    """The run's flags at a layout (``at_layout``: the run's args with the layout's sizes, see
+    :func:`megatron_preflight.fit.choose.with_sizes`): its own flags, layout flags replaced by
+    :func:`megatron_preflight.check.advice.size_flags`; MoE at TP > 1 gets ``--sequence-parallel`` (Megatron requires
+    it with expert and tensor parallelism)."""
+    out = without_layout(argv, hybrid=bool(at_layout.hybrid_layer_pattern)) + advice.size_flags(at_layout)
+    if moe and at_layout.tp > 1 and "--sequence-parallel" not in out:
         out.append("--sequence-parallel")
     return out

@@ -7,10 +7,10 @@ import logging
 import shlex
 from typing import Any
 
+from megatron_preflight.check import advice
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
-from megatron_preflight.fit.choose import evaluate, nearest
-from megatron_preflight.fit.flags import flags_of
+from megatron_preflight.fit.choose import evaluate, nearest, with_sizes
 from megatron_preflight.fit.profile import profile_of
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.units import human_bytes
@@ -50,10 +50,8 @@ def nearest_text(index: Any, rt: RuntimeArgs, count: int = 3) -> str | None:
         least = min(cands, key=lambda c: c.worst.total)
         return (f"no layout of {world} GPUs fits the device: the one with the least memory per rank, "
                 f"{least.describe()}, needs {human_bytes(least.worst.total)} on its largest rank; more GPUs")
-    moe = bool(profile.source.num_experts)
     parts = [f"{c.describe()} ({c.load.value}; largest rank {human_bytes(c.worst.total)}): "
-             f"{shlex.join(flags_of(c.layout, moe=moe, per_virtual=rt.num_layers_per_virtual_pipeline_stage))}"
-             for c in picks]
+             f"{shlex.join(advice.size_flags(with_sizes(rt, c.layout, world)))}" for c in picks]
     memory = " that fit the device" if rt.preflight_device_memory else ""
     root = index.layout.root or index.layout.path
     command = shlex.join(["megatron-preflight", "plan", root, "--world-size", str(world)])

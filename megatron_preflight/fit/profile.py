@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
@@ -137,7 +138,10 @@ def _sample(layout: Layout, src: ParallelLayout) -> Layout:
     shards = [s for s in layout.shards if s.name in wanted and s.meta is not None]
     if {s.name for s in shards} != wanted:
         missing = sorted(wanted - {s.name for s in shards})
-        raise ValueError(f"the profile needs the metadata of {', '.join(missing)}")
+        raise PreflightError(f"the model's parameters are read from one shard per pipeline stage; "
+                             f"{', '.join(missing)} could not be read", path=layout.iter_dir or layout.path,
+                             fix="run `megatron-preflight inspect` on the checkpoint: it names what is missing or "
+                                 "damaged", code="checkpoint")
     return dataclasses.replace(layout, shards=shards)
 
 

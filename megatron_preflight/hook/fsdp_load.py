@@ -75,7 +75,6 @@ class ResharderReader(StorageReader):
                 buf = io.BytesIO()
                 torch.save(self.state.objects[fqn], buf, pickle_module=pickling)
                 for item in items:
-                    buf.seek(0)
                     planner.load_bytes(item, io.BytesIO(buf.getvalue()))
                 continue
             whole = self.by_fqn[fqn].make()

@@ -103,13 +103,18 @@ def _install_args_seam(add_preflight_arguments: Callable) -> None:
 
     wrapped = _mark(parse_args)
     args_mod.parse_args = wrapped
-    for user in PARSE_ARGS_USERS:
+    _rebind("parse_args", parse, wrapped, PARSE_ARGS_USERS)
+
+
+def _rebind(name: str, original: Callable, wrapped: Callable, users: tuple[str, ...]) -> None:
+    """Point each module of ``users`` that imported ``original`` under ``name`` at ``wrapped``."""
+    for user in users:
         try:
             mod = importlib.import_module(user)
         except ImportError:  # pragma: no cover - not every version has it
             continue
-        if getattr(mod, "parse_args", None) is parse:
-            mod.parse_args = wrapped
+        if getattr(mod, name, None) is original:
+            setattr(mod, name, wrapped)
 
 
 def _install_validate_seam() -> None:
@@ -130,13 +135,7 @@ def _install_validate_seam() -> None:
 
     wrapped = _mark(validate_args)
     args_mod.validate_args = wrapped
-    for user in ("megatron.training.initialize", "megatron.training"):
-        try:
-            mod = importlib.import_module(user)
-        except ImportError:  # pragma: no cover - not every version has it
-            continue
-        if getattr(mod, "validate_args", None) is validate:
-            mod.validate_args = wrapped
+    _rebind("validate_args", validate, wrapped, ("megatron.training.initialize", "megatron.training"))
 
 
 def install() -> None:

@@ -108,6 +108,12 @@ class CheckpointIndex:
                                  f"{lay.format.value}", path=lay.path,
                                  fix="convert it with the Megatron version that wrote it (--ckpt-convert-format "
                                      "torch_dist)", code="format")
+        self.raise_problems()
+
+    def raise_problems(self) -> None:
+        """Raise the first problem that keeps the checkpoint from loading at any layout (a missing tracker is not one),
+        naming how many there are."""
+        lay = self.layout
         fatal = [p for p in lay.problems if p.code not in _SOFT]
         if fatal:
             p = fatal[0]

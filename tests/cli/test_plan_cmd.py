@@ -80,3 +80,20 @@ def test_the_printed_flags_run_as_printed_through_check(capsys):
     for line in numbered:
         flags = shlex.split(line.split(None, 1)[1])
         assert main(["check", fixture_path("moe_ep2_torch"), "--", *flags, "--world-size", "8"]) == 0
+
+
+def test_a_damaged_checkpoint_is_one_paragraph_naming_the_file_and_exit_1(real_fixture):
+    """A missing shard of a legacy checkpoint: the plan names it (as inspect does) instead of planning from half a
+    model; the source is not written to."""
+    import os
+    import shutil
+
+    root = real_fixture("pp2_torch")
+    shard = os.path.join(root, "iter_0000002", "mp_rank_00_001")
+    shutil.rmtree(shard)
+    before = sorted(os.listdir(root))
+    r = subprocess.run([sys.executable, "-m", "megatron_preflight", "plan", root, "--world-size", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "mp_rank_00_001" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert sorted(os.listdir(root)) == before

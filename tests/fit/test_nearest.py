@@ -3,8 +3,11 @@ flags; each named layout, put into the run's flags, passes the check."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -37,6 +40,11 @@ def test_a_run_that_does_not_fit_gets_the_nearest_layouts_that_do(sizes, world, 
     assert fatal, [(f.field, f.message) for f in plan.findings]
     assert "nearest to the run's" in fatal[0].fix, fatal[0].fix
     assert f"megatron-preflight plan {fixture_path(MOE)} --world-size {world}" in fatal[0].fix
+    listed = re.search(r"\((megatron-preflight plan [^)]+?) lists and ranks every one\)", fatal[0].fix)
+    assert listed, fatal[0].fix  # the command it names, run as printed: it lists the same world's layouts
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "megatron-preflight"),
+                           *shlex.split(listed.group(1))[1:]], capture_output=True, text=True, timeout=120)
+    assert done.returncode in (0, 1) and f"world       {world} ranks" in done.stdout, done.stdout + done.stderr
     named = _named_flags(fatal[0].fix)
     assert 1 <= len(named) <= 3
     for flags in named:  # followed: the run's flags with the named layout's in place of its own

@@ -38,7 +38,11 @@ GROUP_META = "optimizer.param_to_group_meta."
 _MODULE = "module."
 _SEQUENTIAL = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(.+)$")
 _GROUPED = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$")
-_HALF = re.compile(r"^(.*\.linear_fc1\.(?:weight|bias)\d*)_([wv])$")
+_FC1 = r"^(.*\.linear_fc1\.(?:weight|bias)\d*)"  # a (dense, shared or expert) fc1 parameter
+_HALF = re.compile(_FC1 + r"_([wv])$")  # one of SwiGLU's halves of it
+_GLU = re.compile(_FC1 + "$")
+HALVES = ("w", "v")  # SwiGLU fc1's [gate; up], in that order
+MODEL_PREFIX = FSDP_MODEL + _MODULE  # a parameter's key: model.module.<name>
 # modules that Transformer Engine's spec builds with an ``_extra_state`` (besides every ``linear_*``); see
 # reshard.plan.spec for the same facts about spec changes
 _TE_NORM_MODULES = ("pre_mlp_layernorm", "q_layernorm", "k_layernorm")
@@ -69,6 +73,21 @@ class _TensorMeta:
 
 class _ObjectMeta:
     """A bytes item with no bytes: a module's extra state the save left out (read as None)."""
+
+
+def state_prefix(half: bool) -> str:
+    """The module prefix of a parameter's name in the optimizer state (``optimizer.state.<prefix><name>.<field>``, and
+    ``optimizer.param_to_group_meta.<prefix><name>.<setting>``): the FSDP wrappers, one more (Float16Module) under
+    bf16 / fp16."""
+    return _MODULE * (3 if half else 2)
+
+
+def saved_names(name: str, glu: bool) -> list[tuple[str, int | None]]:
+    """The names a parameter's global (TP1) name is saved under, with the half of its rows each holds (None: all):
+    SwiGLU's fc1 as ``<name>_w`` (gate, half 0) and ``<name>_v`` (up, half 1). The inverse of the reader's renaming."""
+    if glu and _GLU.match(name):
+        return [(f"{name}_{h}", i) for i, h in enumerate(HALVES)]
+    return [(name, None)]
 
 
 def strip_modules(name: str) -> str:

@@ -31,58 +31,49 @@ import torch
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
+from megatron_preflight.layout.dist import FSDP_OPTIMIZER_STATE
 from megatron_preflight.reshard.optimizer.plain import MASTER
 from megatron_preflight.reshard.plan.planner import plan_tensor
 from megatron_preflight.reshard.plan.rules import torch_dist_name
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.sources.fsdp_dtensor import GROUP_META, MODEL_PREFIX, saved_names, state_prefix
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets.torch_dist import (
     Build,
     ChunkWriter,
+    TorchDistTarget,
     from_sources,
     global_resharders,
     verify_written,
 )
 from megatron_preflight.reshard.targets.unit import ShardResult, Tapping
 
-MODEL = "model.module."
-STATE = "optimizer.state."
-GROUP_META = "optimizer.param_to_group_meta."
 # each parameter's group settings, as Megatron-FSDP saves them (a setting the source's groups lack: its default)
 GROUP_SETTINGS: dict[str, Any] = {
     "is_expert_parallel": False, "default_config": True, "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False,
     "max_lr": None, "min_lr": None, "lr": None, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
     "weight_decay": 0.0, "step": 0,
 }
-_GLU = ("linear_fc1.weight", "linear_fc1.bias")
 
 
-def _names(key: str, glu: bool) -> list[tuple[str, slice | None]]:
-    """The fsdp_dtensor names of a TP1 model key, with the rows each takes (SwiGLU's fc1: its two halves)."""
-    name = torch_dist_name(key)  # (an MTP layer's transformer layer under its on-disk name)
-    base = name.rstrip("0123456789")
-    if glu and base.endswith(_GLU):
-        return [(f"{name}_w", slice(0, 1)), (f"{name}_v", slice(1, 2))]
-    return [(name, None)]
+def _names(key: str, glu: bool) -> list[tuple[str, int | None]]:
+    """The fsdp_dtensor names of a TP1 model key, with the half of its rows each takes (SwiGLU's fc1)."""
+    return saved_names(torch_dist_name(key), glu)  # (an MTP layer's transformer layer under its on-disk name)
 
 
-def _halves(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
-    if rows is None:
+def _halves(t: torch.Tensor, half: int | None) -> torch.Tensor:
+    if half is None:
         return t
-    half = t.shape[0] // 2
-    return t[rows.start * half:rows.stop * half]
+    n = t.shape[0] // 2
+    return t[half * n:(half + 1) * n]
 
 
 def _object(out: ChunkWriter, fqn: str, value: Any) -> None:
     """A bytes item: ``torch.save`` of the value itself (Megatron-FSDP's common state is not wrapped in a list)."""
     out.items.append(out.put(fqn, None, value))
     out.objects.add(fqn)
-
-
-def _prefix(half: bool) -> str:
-    return "module.module.module." if half else "module.module."
 
 
 @dataclass
@@ -192,7 +183,7 @@ def _entries(g: Resharder, files: SourceFiles, objects: dict[str, Any], *, half:
     coords = next(iter(naming.shard_writers(g.tgt).values()))
     plan = g.plan_for_coords(coords, "global")
     step = g.plain_step() if idx is not None else None
-    prefix = _prefix(half)
+    prefix = state_prefix(half)
     last = _Last()
     out: list[TensorEntry] = []
     for tp in plan.tensors:
@@ -206,10 +197,10 @@ def _entries(g: Resharder, files: SourceFiles, objects: dict[str, Any], *, half:
             value = _built(g, master, tp, files, coords, "master", build) if master is not None else build(tp, files)
             return value.float()  # Megatron-FSDP's main parameters are fp32
 
-        for name, rows in names:
-            shape = _half_shape(tp.shape, rows)
-            out.append(TensorEntry(MODEL + name, shape, torch.float32, _part(last, (tp.key, "param"), param, rows),
-                                   tp if rows is None and master is None and not half else None))
+        for name, part in names:
+            out.append(TensorEntry(MODEL_PREFIX + name, _half_shape(tp.shape, part), torch.float32,
+                                   _part(last, (tp.key, "param"), param, part),
+                                   tp if part is None and master is None and not half else None))
         if idx is None or tp.gkey not in idx.membership:
             continue
         for field in ("exp_avg", "exp_avg_sq"):
@@ -221,9 +212,9 @@ def _entries(g: Resharder, files: SourceFiles, objects: dict[str, Any], *, half:
             def moment(tp: TensorPlan = tp, entry: Any = entry, field: str = field) -> torch.Tensor:
                 return _built(g, entry, tp, files, coords, field, build)
 
-            for name, rows in names:
-                out.append(TensorEntry(f"{STATE}{prefix}{name}.{field}", _half_shape(tp.shape, rows), torch.float32,
-                                       _part(last, (tp.key, field), moment, rows)))
+            for name, part in names:
+                out.append(TensorEntry(f"{FSDP_OPTIMIZER_STATE}{prefix}{name}.{field}", _half_shape(tp.shape, part),
+                                       torch.float32, _part(last, (tp.key, field), moment, part)))
         settings = dict(GROUP_SETTINGS)
         settings.update({k: v for k, v in idx.settings[idx.membership[tp.gkey]].items() if k in GROUP_SETTINGS})
         settings["step"] = int(step) if step is not None else int(settings.get("step") or 0)
@@ -234,13 +225,13 @@ def _entries(g: Resharder, files: SourceFiles, objects: dict[str, Any], *, half:
     return out
 
 
-def _half_shape(shape: tuple[int, ...] | None, rows: slice | None) -> tuple[int, ...]:
+def _half_shape(shape: tuple[int, ...] | None, half: int | None) -> tuple[int, ...]:
     assert shape is not None
-    return shape if rows is None else (shape[0] // 2, *shape[1:])
+    return shape if half is None else (shape[0] // 2, *shape[1:])
 
 
-def _part(last: _Last, key: Any, make: Callable[[], torch.Tensor], rows: slice | None) -> Callable[[], torch.Tensor]:
-    return lambda: _halves(last.get(key, make), rows)
+def _part(last: _Last, key: Any, make: Callable[[], torch.Tensor], half: int | None) -> Callable[[], torch.Tensor]:
+    return lambda: _halves(last.get(key, make), half)
 
 
 def _built(g: Resharder, entry: Any, param: TensorPlan, files: SourceFiles, coords: dict[str, int], what: str,
@@ -251,14 +242,10 @@ def _built(g: Resharder, entry: Any, param: TensorPlan, files: SourceFiles, coor
     return build(plan, files)
 
 
-class FsdpDtensorTarget:
+class FsdpDtensorTarget(TorchDistTarget):
     """``--ckpt-format fsdp_dtensor``: one unit, the checkpoint's global state (every tensor chunk by chunk)."""
 
-    def units(self, r: Resharder) -> list[str]:
-        return ["fsdp_dtensor"]
-
-    def weights(self, r: Resharder) -> dict[str, int]:
-        return {"fsdp_dtensor": 1}
+    unit = "fsdp_dtensor"
 
     def write(self, r: Resharder, unit: str, iter_out: str, verify: bool, tapping: Tapping | None = None
               ) -> ShardResult:

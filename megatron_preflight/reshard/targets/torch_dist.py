@@ -441,11 +441,13 @@ def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLa
 class TorchDistTarget:
     """``--ckpt-format torch_dist``: one unit, the checkpoint's global state (every tensor chunk by chunk)."""
 
+    unit = "torch_dist"
+
     def units(self, r: Resharder) -> list[str]:
-        return ["torch_dist"]
+        return [self.unit]
 
     def weights(self, r: Resharder) -> dict[str, int]:
-        return {"torch_dist": 1}
+        return {self.unit: 1}
 
     def write(self, r: Resharder, unit: str, iter_out: str, verify: bool, tapping: Tapping | None = None
               ) -> ShardResult:
