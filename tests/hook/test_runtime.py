@@ -35,7 +35,11 @@ WORKER = textwrap.dedent("""
     decision = runtime.preflight(args)
     print(json.dumps({"rank": rank, "verdict": decision.verdict, "loader": decision.loader,
                       "no_load_rng": getattr(args, "no_load_rng", None), "seconds": time.time() - t}), flush=True)
-    dist.destroy_process_group()  # a clean exit (gloo may abort in its destructor at interpreter exit otherwise)
+    # Leave as the hook's exit_job does: every rank past its last collective, then no communicator teardown and no
+    # interpreter shutdown (gloo can abort either, SIGABRT, when a peer has already closed its sockets).
+    dist.barrier()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
 """)
 
 
@@ -55,11 +59,16 @@ def run_world(tmp_path, spec, world=3, timeout=400):
     return out
 
 
+def stderrs(results) -> str:
+    """Each rank's exit status and the end of its stderr, in full (a list would be shortened by pytest's repr)."""
+    return "\n".join(f"--- rank {r}: exit {rc}\n{se[-3000:]}" for r, (rc, _, se) in enumerate(results))
+
+
 def test_fatal_verdict_exits_every_rank_with_one_report(tmp_path):
     spec = dict(TINY, preflight="check", load=fixture_path("tp2_torch"), tensor_model_parallel_size=2,
                 hidden_size=64, num_layers=8, world_size=2)
     results = run_world(tmp_path, spec)
-    assert [rc for rc, _, _ in results] == [1, 1, 1], [se[-2000:] for _, _, se in results]
+    assert [rc for rc, _, _ in results] == [1, 1, 1], stderrs(results)
     reports = [se for _, _, se in results if "FAIL" in se]
     assert len(reports) == 1  # rank 0 only
     assert "hidden_size" in reports[0] and "num_layers" in reports[0]
@@ -82,7 +91,7 @@ def test_a_non_positive_size_is_a_usage_error_on_every_rank(flag):
 def test_every_rank_gets_the_same_decision(tmp_path):
     spec = dict(TINY, preflight="auto", load=fixture_path("tp2_torch"), no_load_optim=True, world_size=3)
     results = run_world(tmp_path, spec)
-    assert [rc for rc, _, _ in results] == [0, 0, 0], [se[-2000:] for _, _, se in results]
+    assert [rc for rc, _, _ in results] == [0, 0, 0], stderrs(results)
     decisions = [json.loads(so.strip().splitlines()[-1]) for _, so, _ in results]
     assert {(d["verdict"], d["loader"], d["no_load_rng"]) for d in decisions} == {("reshard", "reshard", True)}
 
@@ -94,7 +103,7 @@ def test_check_mode_refuses_what_megatron_cannot_load_and_its_offline_fix_works_
 
     spec = dict(TINY, preflight="check", load=fixture_path("pp2_torch"), no_load_optim=True, world_size=2)
     results = run_world(tmp_path, spec, world=2)
-    assert [rc for rc, _, _ in results] == [1, 1], [se[-2000:] for _, _, se in results]
+    assert [rc for rc, _, _ in results] == [1, 1], stderrs(results)
     report = results[0][2]
     assert "--preflight auto" in report
     cmd = report.split("or reshard offline: ", 1)[1].split(", then --load NEW_DIR")[0]
@@ -104,7 +113,7 @@ def test_check_mode_refuses_what_megatron_cannot_load_and_its_offline_fix_works_
     second = tmp_path / "second"  # a fresh rendezvous file
     second.mkdir()
     results = run_world(second, dict(spec, load=new), world=2)
-    assert [rc for rc, _, _ in results] == [0, 0], [se[-2000:] for _, _, se in results]
+    assert [rc for rc, _, _ in results] == [0, 0], stderrs(results)
     assert {json.loads(so.strip().splitlines()[-1])["verdict"] for _, so, _ in results} == {"load"}
 
 

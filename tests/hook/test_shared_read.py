@@ -42,7 +42,9 @@ WORKER = textwrap.dedent("""
     for tp in (1, 2):  # two resharders (the run's layout, another): one index between them
         open_resharder(index, TargetLayout(tp=tp, pp=1, ep=1, etp=1), keep_optimizer=with_optim)
     print(json.dumps({"rank": rank, "parsed": parsed, "builds": index_builds()}), flush=True)
-    dist.destroy_process_group()
+    dist.barrier()  # then leave without teardown, as the hook's exit_job does (gloo may abort in it otherwise)
+    sys.stderr.flush()
+    os._exit(0)
 """)
 
 

@@ -41,7 +41,8 @@ class Share:
         if self.owns_group:
             import torch.distributed as dist  # deferred: torch only in a distributed run
 
-            dist.destroy_process_group()
+            dist.barrier()  # every rank past its last collective before any closes its sockets (gloo aborts a
+            dist.destroy_process_group()  # process whose peer left mid-exchange)
 
 
 def from_env() -> Share | None:
