@@ -319,12 +319,20 @@ def _compare_vocab(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             return out
     run_padded = rt.padded_vocab_size
     if ck_padded is not None and run_padded is not None and ck_padded != run_padded:
-        sev = RESHARD if layout.format == Format.TORCH else INFO
+        # Megatron-FSDP loads fsdp_dtensor at the saved shapes: measured in Megatron-LM main at TP1 -> TP2, 'Size
+        # mismatch between saved torch.Size([128, 32]) and current: torch.Size([256, 32])' after the build
+        fsdp = layout.format == Format.FSDP_DTENSOR and rt.use_megatron_fsdp
+        sev = RESHARD if layout.format == Format.TORCH or fsdp else INFO
         keep = divisor_keeping(rt.vocab_size, ck_padded, rt.tp)
         fix = (f"to resume the saved model's function exactly, add --make-vocab-size-divisible-by {keep} (the vocab "
                f"then pads to {ck_padded} at TP{rt.tp}, as saved)") if keep else ""
+        if fsdp:
+            fix = "run with --preflight auto and --no-load-rng (the padding re-made)" + (f"; or {fix}" if fix else "")
         out.append(Finding("padded_vocab_size", ck_padded, run_padded, sev,
-                           "the padded vocab differs (padding follows make-vocab-size-divisible-by × TP); the real "
+                           ("Megatron-FSDP loads the embedding and output layer at their saved rows and fails after "
+                            f"the build ('Size mismatch between saved torch.Size([{ck_padded}, ...]) and current'); "
+                            if fsdp else "")
+                           + "the padded vocab differs (padding follows make-vocab-size-divisible-by × TP); the real "
                            f"{rt.vocab_size} rows are kept and the padding is re-made, so the first losses after the "
                            "resume differ a little from the saved model's (the padding rows' logits are part of the "
                            "softmax)", fix))

@@ -16,7 +16,10 @@ from __future__ import annotations
 from megatron_preflight.check import advice
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.layout.dist import FSDP_MODEL
 from megatron_preflight.layout.model import Format, Layout
+from megatron_preflight.reshard.plan.rules import mtp_layer_name
+from megatron_preflight.reshard.sources.fsdp_dtensor import strip_modules
 
 FATAL, RESHARD = Severity.FATAL, Severity.RESHARD
 FSDP_FLAGS = "--use-megatron-fsdp --ckpt-format fsdp_dtensor"
@@ -90,6 +93,8 @@ def fsdp_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             "`module`'; measured with Megatron-LM main): the steps since the load are lost",
             "run with --bf16 (the wrapper is there), or resume on the 3D-parallel path: drop --use-megatron-fsdp and "
             "--ckpt-format fsdp_dtensor"))
+    if fsdp_ckpt:
+        out.extend(_mtp_naming(layout, rt))
     if (rt.no_load_optim or rt.finetune) and _precision(rt) != "fp32" and layout.format is not None:
         out.append(Finding(
             "no_load_optim", "saved", "not loaded", FATAL,
@@ -111,3 +116,23 @@ def fsdp_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             "--use-megatron-fsdp and --ckpt-format fsdp_dtensor and run with --preflight auto"
             + ("" if saved != "fp32" else "; or add --no-load-optim (and keep the weights)")))
     return out
+
+
+def _mtp_naming(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    """An fsdp_dtensor checkpoint whose MTP layers' tensors are named as another Megatron release names them
+    (``transformer_layer`` / ``mtp_model_layer``: see reshard.sources.fsdp_dtensor): Megatron-FSDP's load misses
+    them; the in-memory resharder serves them under both names."""
+    running = rt.fsdp_mtp_layer_name
+    names = {mtp_layer_name(strip_modules(k[len(FSDP_MODEL):])) for k in layout.dist_tensors
+             if k.startswith(FSDP_MODEL)} - {None}
+    if running is None or not names or running in names:  # (what the resharder writes has both)
+        return []
+    saved = min(names)
+    return [Finding(
+        "mtp_layer_name", saved, running, RESHARD,
+        f"the checkpoint names its MTP layers' transformer layer `{saved}` and this Megatron-FSDP asks for "
+        f"`{running}` (megatron-core 0.17-0.19 save the module's name `mtp_model_layer`, 0.20 `transformer_layer`): "
+        "its load fails after the build ('Missing key in checkpoint state_dict: model.module.mtp.layers.0."
+        f"{running}...'; measured with core_r0.19.0); --preflight auto serves them under both names",
+        "run with --preflight auto and --no-load-rng; or rewrite it offline (both names, the same bytes): "
+        + advice.offline_fix(layout, rt, "--ckpt-format", "fsdp_dtensor") + " (and --no-load-rng)")]

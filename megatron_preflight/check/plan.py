@@ -441,8 +441,9 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
     elif layout.format == Format.TORCH_DIST and any(f.field in ("optimizer", "optimizer_family", "transformer_impl")
                                                     and f.severity == RESHARD for f in findings):
         loader = Loader.RESHARD  # Megatron's dist loader would refuse it (see _megatron_refuses)
-    elif layout.format == Format.FSDP_DTENSOR and not rt.use_megatron_fsdp:
-        loader = Loader.RESHARD  # a 3D-parallel run: only the resharder reads it (check/fsdp.py)
+    elif layout.format == Format.FSDP_DTENSOR and (not rt.use_megatron_fsdp or any(
+            f.field in ("mtp_layer_name", "padded_vocab_size") and f.severity == RESHARD for f in findings)):
+        loader = Loader.RESHARD  # a 3D-parallel run; or MTP names or vocab padding Megatron-FSDP would not load
     elif layout.format is not None:
         loader = Loader.DIST
     else:

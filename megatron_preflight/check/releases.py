@@ -30,6 +30,9 @@ class ReleaseFacts:
     param_group_keys: tuple[str, ...]
     local_grouped_mlp: bool  # the local spec with --moe-grouped-gemm builds the legacy GroupedMLP (up to 0.16)
     mamba_conv_name: str = "conv1d_weight"  # a Mamba mixer's conv in legacy files: conv1d.weight up to 0.18
+    # an MTP layer's transformer layer among an fsdp_dtensor file's model tensors: the module's name up to 0.19,
+    # transformer_layer again from 0.20 (main's fsdp_dtensor save maps it back, as torch_dist does)
+    fsdp_mtp_layer_name: str = "transformer_layer"
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -48,7 +51,8 @@ def facts(version: tuple[int, int]) -> ReleaseFacts:
                         mtp_layer_name="transformer_layer" if v < (0, 17) else "mtp_model_layer",
                         param_group_keys=STRUCTURE_KEYS if v < (0, 19) else OVERRIDE_KEYS,
                         local_grouped_mlp=v < (0, 17),
-                        mamba_conv_name="conv1d.weight" if v < (0, 19) else "conv1d_weight")
+                        mamba_conv_name="conv1d.weight" if v < (0, 19) else "conv1d_weight",
+                        fsdp_mtp_layer_name="mtp_model_layer" if (0, 17) <= v < (0, 20) else "transformer_layer")
 
 
 _DIST_INFO = re.compile(r"megatron[_.-]core-(\d+\.\d+[^-]*)\.dist-info$", re.IGNORECASE)
@@ -91,6 +95,8 @@ def apply(rt, release: ReleaseFacts) -> None:
         rt.mtp_layer_name = release.mtp_layer_name
     if rt.param_group_keys is None:
         rt.param_group_keys = release.param_group_keys
+    if rt.fsdp_mtp_layer_name is None and rt.mtp_num_layers and rt.use_megatron_fsdp:
+        rt.fsdp_mtp_layer_name = release.fsdp_mtp_layer_name
     if rt.mamba_conv_name is None and rt.hybrid_layer_pattern:
         rt.mamba_conv_name = release.mamba_conv_name
     if rt.builds_grouped_mlp is None:

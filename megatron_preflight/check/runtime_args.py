@@ -88,6 +88,10 @@ class RuntimeArgs:
     # megatron-core 0.17, ``transformer_layer`` before); not a flag: the hook asks megatron.core, offline the release
     # table (check/releases.py) when the release is known, else None (not compared)
     mtp_layer_name: str | None = None
+    # What this Megatron-FSDP names an MTP layer's transformer layer among the model tensors of an fsdp_dtensor file
+    # (the module's name up to megatron-core 0.19; main maps it back to ``transformer_layer``); the hook asks
+    # megatron.core, offline the release table; None: unknown (not compared)
+    fsdp_mtp_layer_name: str | None = None
     # What this Megatron names a Mamba mixer's conv in a state dict (``conv1d_weight`` from megatron-core 0.19,
     # ``conv1d.weight`` before); the hook and the CLI take it from the release table (check/releases.py)
     mamba_conv_name: str | None = None

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from megatron_preflight import pickling
 from megatron_preflight.hook import legacy_load
 from megatron_preflight.hook.state import STATE
+from megatron_preflight.reshard.sources.fsdp_dtensor import aliases
 from megatron_preflight.reshard.targets.fsdp_dtensor import FsdpState, fsdp_state
 
 log = logging.getLogger("megatron_preflight")
@@ -38,7 +39,9 @@ class ResharderReader(StorageReader):
     def __init__(self, state: FsdpState) -> None:
         super().__init__()
         self.state = state
-        self.by_fqn = {e.fqn: e for e in state.tensors}
+        # each entry under every name a Megatron release may ask it by (an MTP layer's: see sources.fsdp_dtensor)
+        self.by_fqn = {name: e for e in state.tensors for name in (e.fqn, *aliases(e.fqn))}
+        self.objects = {name: v for fqn, v in state.objects.items() for name in (fqn, *aliases(fqn))}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
@@ -49,11 +52,11 @@ class ResharderReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
         sd: dict[str, Any] = {}
-        for e in self.state.tensors:
-            sd[e.fqn] = md.TensorStorageMetadata(
+        for fqn, e in self.by_fqn.items():
+            sd[fqn] = md.TensorStorageMetadata(
                 properties=md.TensorProperties(dtype=e.dtype), size=torch.Size(e.shape),
                 chunks=[md.ChunkStorageMetadata(offsets=torch.Size((0,) * len(e.shape)), sizes=torch.Size(e.shape))])
-        for fqn in self.state.objects:
+        for fqn in self.objects:
             sd[fqn] = md.BytesStorageMetadata()
         return md.Metadata(state_dict_metadata=sd)
 
@@ -73,7 +76,7 @@ class ResharderReader(StorageReader):
         for fqn, items in by_fqn.items():
             if items[0].type == LoadItemType.BYTE_IO:
                 buf = io.BytesIO()
-                torch.save(self.state.objects[fqn], buf, pickle_module=pickling)
+                torch.save(self.objects[fqn], buf, pickle_module=pickling)
                 for item in items:
                     planner.load_bytes(item, io.BytesIO(buf.getvalue()))
                 continue

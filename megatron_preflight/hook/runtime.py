@@ -132,6 +132,17 @@ def mtp_layer_name() -> str | None:
     return next((name for name in MTP_LAYER_NAMES if name in names), None)
 
 
+def fsdp_mtp_layer_name() -> str | None:
+    """What this Megatron-FSDP names an MTP layer's transformer layer among an fsdp_dtensor file's model tensors:
+    the name its save maps the module to (``MTP_INNER_LAYER_CHECKPOINT_NAME``, megatron-core 0.20), else the module's
+    own name; None: unknown, or no MTP."""
+    try:
+        from megatron.core.transformer import fsdp_dtensor_checkpoint as fdc  # Megatron is present: in its job
+    except Exception:  # noqa: BLE001 - no Megatron-FSDP in this megatron.core: unknown
+        return None
+    return getattr(fdc, "MTP_INNER_LAYER_CHECKPOINT_NAME", None) or mtp_layer_name()
+
+
 def loads_flattened_range() -> bool | None:
     """Whether this megatron-core still loads ShardedTensors with a ``flattened_range`` (the distributed optimizer's
     ``fully_sharded_model_space`` torch_dist form): megatron-core 0.16 and Megatron-LM main raise "ShardedTensor.
@@ -175,6 +186,8 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     rt.builds_grouped_mlp = builds_grouped_mlp(args)
     rt.loads_flattened_range = loads_flattened_range()
     rt.mtp_layer_name = mtp_layer_name() if getattr(args, "mtp_num_layers", None) else None
+    if rt.mtp_layer_name and rt.use_megatron_fsdp:
+        rt.fsdp_mtp_layer_name = fsdp_mtp_layer_name()
     rt.param_group_keys = param_group_keys()
     version = releases.installed_version() if rt.hybrid_layer_pattern else None
     if version is not None:

@@ -29,7 +29,8 @@ def _fields(findings) -> set[str]:
 def test_no_unsafe_pickle_finding_and_the_fsdp_run_loads_as_is(name):
     layout = discover(fixture_path(name))
     precision = ["--bf16", "--swiglu"] if layout.saved_args.bf16 else []
-    plan = _plan(name, *FSDP, *precision, "--world-size", "2")
+    tp = layout.tp or 1  # (at its TP: another TP pads the vocab otherwise, which Megatron-FSDP does not load)
+    plan = _plan(name, *FSDP, *precision, "--tensor-model-parallel-size", str(tp), "--world-size", str(2 * tp))
     assert plan.verdict == Verdict.LOAD and plan.loader == Loader.DIST, [f.message for f in plan.fatal]
     assert "unsafe_pickle" not in _fields(plan.findings)
 
@@ -111,3 +112,46 @@ def test_megatron_fsdp_with_pipeline_parallelism_is_fatal_and_plan_lists_pp1_onl
     argv = [*FLAGS, *TE, *FSDP]
     layouts = fit.plan_layouts(index, fit.run_args(index.layout.saved_args, argv), argv, 8).candidates
     assert layouts and {c.layout.pp for c in layouts} == {1}
+
+
+@pytest.mark.parametrize("version, expected", [("0.19", "mtp_model_layer"), ("0.17", "mtp_model_layer"),
+                                               ("0.20", None), ("0.16", None)])
+def test_mtp_layers_named_as_another_release_names_them_are_a_reshard_whose_printed_rewrite_loads(tmp_path, version,
+                                                                                                  expected):
+    """fsdp_mtp (main: MTP tensors under `transformer_layer`) in a Megatron-FSDP run of megatron-core 0.17-0.19, which
+    asks for `mtp_model_layer` (core_r0.19.0 fails after the build: 'Missing key in checkpoint state_dict'): a reshard,
+    and the printed rewrite (both names) is what that run loads; main and 0.16 name them as saved."""
+    from megatron_preflight.check import releases
+
+    flags = [*FLAGS, *TE, *FSDP, "--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-load-rng",
+             "--world-size", "2"]
+    rt = from_cli(flags, env={})
+    releases.apply(rt, releases.facts(releases.parse_version(version)))
+    plan = make_plan(fixture_path("fsdp_mtp"), rt)
+    found = [f for f in plan.findings if f.field == "mtp_layer_name"]
+    if expected is None:
+        assert not found and plan.verdict == Verdict.LOAD, [f.message for f in plan.findings]
+        return
+    (f,) = found
+    assert (f.runtime, plan.verdict) == (expected, Verdict.RESHARD) and "--preflight auto" in f.fix, f.message
+    new = str(tmp_path / "new")
+    follow_advice(fixture_path("fsdp_mtp"), flags, new, "--megatron-version", version)
+    names = {k.split(".mtp.layers.0.")[1].split(".")[0] for k in discover(new).dist_tensors if ".mtp.layers.0." in k}
+    assert {"transformer_layer", "mtp_model_layer"} <= names
+
+
+def test_another_vocab_padding_under_megatron_fsdp_is_a_reshard_and_the_divisor_that_keeps_it_loads_as_is():
+    """fsdp_gqa_untied_rope (TP1, vocab 100 padded to 128) in a Megatron-FSDP run at TP2: the vocab pads to 256 and
+    Megatron-FSDP fails after the build ('Size mismatch between saved torch.Size([128, 32]) and current:
+    torch.Size([256, 32])', measured in Megatron-LM main); the divisor the fix names keeps 128: loads as is."""
+    flags = [*FLAGS, *TE, *FSDP, "--group-query-attention", "--num-query-groups", "2",
+             "--untie-embeddings-and-output-weights", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--tensor-model-parallel-size", "2", "--no-load-rng", "--world-size", "2"]
+    plan = make_plan(fixture_path("fsdp_gqa_untied_rope"), from_cli(flags, env={}))
+    (f,) = [f for f in plan.findings if f.field == "padded_vocab_size"]
+    assert (f.checkpoint, f.runtime, plan.verdict, plan.loader) == (128, 256, Verdict.RESHARD, Loader.RESHARD)
+    assert "--preflight auto" in f.fix, f.fix
+    divisor = f.fix.split("--make-vocab-size-divisible-by ")[1].split()[0]
+    kept = make_plan(fixture_path("fsdp_gqa_untied_rope"),
+                     from_cli([*flags, "--make-vocab-size-divisible-by", divisor], env={}))
+    assert kept.verdict == Verdict.LOAD and kept.loader == Loader.DIST, [g.message for g in kept.findings]

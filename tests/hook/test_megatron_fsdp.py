@@ -31,6 +31,41 @@ CASES = [
     ("fsdp_moe_ep2", 2, [*MOE, "--expert-model-parallel-size", "2"], [*MOE, "--expert-model-parallel-size", "2"]),
     ("fsdp_dp2_bf16_swiglu", 2, ["--bf16", "--swiglu"], ["--bf16", "--swiglu"]),
 ]
+# Models and layouts beyond the first four, resumed on the 3D path: (name, nproc, model flags, the layout of
+# Megatron-FSDP's own resume (the oracle), the 3D run's layout). Where TP changes, --make-vocab-size-divisible-by 64
+# keeps the saved padding (128 rows at TP2; Megatron-FSDP does not load another padding, and the padding rows' logits
+# are in the loss). Under bf16 the 3D run keeps the expert layout: another expert split sums in another order.
+GROUPED = [*MOE, "--moe-grouped-gemm", "--swiglu", "--bf16", "--disable-bias-linear"]
+GQA = ["--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+       "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+SHARED = [*MOE, "--moe-shared-expert-intermediate-size", "32", "--global-batch-size", "4", "--disable-bias-linear"]
+TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
+TP2_SP = [*TP2, "--sequence-parallel"]
+SAVED_GROUPED = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                 "--expert-tensor-parallel-size", "1"]
+MORE = [
+    ("fsdp_grouped_tp2ep2_bf16", 4, GROUPED, SAVED_GROUPED, SAVED_GROUPED),
+    ("fsdp_gqa_untied_rope", 2, GQA, TP2, TP2),
+    ("fsdp_mtp", 2, MTP, [], ["--pipeline-model-parallel-size", "2"]),
+    ("fsdp_shared_ep4dp4", 4, SHARED, [*TP2_SP, "--expert-model-parallel-size", "2"],
+     [*TP2_SP, "--pipeline-model-parallel-size", "2"]),
+    ("fsdp_v019_bf16_swiglu", 2, ["--bf16", "--swiglu"], [], ["--pipeline-model-parallel-size", "2"]),
+]
+# Written by another Megatron-LM release (its work tree named in MEGATRON_LM_RELEASES, e.g. 0.19=/w/mlm-0.19): the
+# oracle and both resumes run in that release's own pretrain_gpt.py
+RELEASES = dict(item.split("=", 1) for item in os.environ.get("MEGATRON_LM_RELEASES", "").split(",") if "=" in item)
+BY_RELEASE = {"fsdp_v019_bf16_swiglu": "0.19"}
+
+
+def _root(name):
+    """The work tree that wrote fixture ``name`` (None: MEGATRON_LM_ROOT); skips when that release is not set up."""
+    release = BY_RELEASE.get(name)
+    if release is None:
+        return None
+    if release not in RELEASES:
+        pytest.skip(f"{name} was written by Megatron-LM {release}: name its work tree in MEGATRON_LM_RELEASES")
+    return RELEASES[release]
 
 
 def _alike(log, oracle, half: bool) -> bool:
@@ -43,18 +78,24 @@ def _alike(log, oracle, half: bool) -> bool:
     return got[1] == want[1] or (half and abs(float(got[1]) - float(want[1])) <= 5e-5)
 
 
-@pytest.mark.parametrize("name, nproc, model, run_3d", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name, nproc, model, at, run_3d",
+                         [(n, p, m, m, r) for n, p, m, r in CASES] + [(n, p, m, [*m, *a], [*m, *r])
+                                                                    for n, p, m, a, r in MORE],
+                         ids=[c[0] for c in CASES + MORE])
 def test_an_fsdp_dtensor_checkpoint_resumes_on_the_3d_path_like_megatron_fsdp_itself(tmp_path, name, nproc, model,
-                                                                                     run_3d):
+                                                                                     at, run_3d):
+    """Megatron-FSDP's own resume of the checkpoint (``at`` its layout) is the oracle; --preflight auto on the 3D path
+    (``run_3d``) and the offline conversion check advises, run as printed, each resume with its losses."""
     from tests.helpers.advised import follow_advice
 
-    rc, oracle = run(tmp_path, fixture_path(name), nproc, *FSDP_RUN, *model, *COMMON, plugin=False, te=True,
-                     port=29801, env_extra=FSDP_ENV, verify=False)
+    root = _root(name)
+    rc, oracle = run(tmp_path, fixture_path(name), nproc, *FSDP_RUN, *at, *COMMON, plugin=False, te=True,
+                     port=29801, env_extra=FSDP_ENV, verify=False, root=root)
     assert rc == 0 and loss(oracle, 4, 4) is not None, oracle[-3000:]
     flags_3d = ["--use-distributed-optimizer", "--no-load-rng", *run_3d, *COMMON]
 
     rc, log = run(tmp_path, fixture_path(name), nproc, "--preflight", "auto", "--ckpt-format", "torch_dist", *flags_3d,
-                  te=True, port=29802, verify=False)
+                  te=True, port=29802, verify=False, root=root)
     assert rc == 0 and _alike(log, oracle, "--bf16" in model), log[-3000:]
 
     extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
@@ -63,7 +104,7 @@ def test_an_fsdp_dtensor_checkpoint_resumes_on_the_3d_path_like_megatron_fsdp_it
     new = str(tmp_path / "new")
     follow_advice(fixture_path(name), run_flags, new)
     rc, log = run(tmp_path, new, nproc, "--ckpt-format", "torch_dist", *flags_3d, plugin=False, te=True, port=29803,
-                  verify=False)
+                  verify=False, root=root)
     assert rc == 0 and _alike(log, oracle, "--bf16" in model), log[-3000:]
 
 
@@ -97,7 +138,8 @@ def test_a_megatron_fsdp_run_given_a_torch_dist_checkpoint_resumes_in_memory_and
     assert rc == 0 and _alike(log, oracle, False), log[-3000:]
 
 
-@pytest.mark.parametrize("name, nproc, model", [(n, p, m) for n, p, m, _ in CASES[1:]], ids=[c[0] for c in CASES[1:]])
+@pytest.mark.parametrize("name, nproc, model", [(n, p, m) for n, p, m, _ in CASES[1:]] + [("fsdp_mtp", 2, MTP)],
+                         ids=[c[0] for c in CASES[1:]] + ["fsdp_mtp"])
 def test_fsdp_dtensor_written_from_torch_dist_resumes_under_megatron_fsdp_like_the_original(tmp_path, name, nproc,
                                                                                             model):
     """TP2, MoE EP2, bf16 SwiGLU: the fsdp_dtensor fixture converted to torch_dist, then resumed under Megatron-FSDP

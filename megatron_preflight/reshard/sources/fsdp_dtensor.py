@@ -33,6 +33,7 @@ from megatron_preflight.layout.dist import (
     object_index,
     read_dcp_metadata,
 )
+from megatron_preflight.reshard.plan.rules import MTP_LAYER_NAMES
 
 GROUP_META = "optimizer.param_to_group_meta."
 _MODULE = "module."
@@ -47,6 +48,12 @@ MODEL_PREFIX = FSDP_MODEL + _MODULE  # a parameter's key: model.module.<name>
 # reshard.plan.spec for the same facts about spec changes
 _TE_NORM_MODULES = ("pre_mlp_layernorm", "q_layernorm", "k_layernorm")
 _FINAL_NORM = "decoder.final_layernorm"
+# An MTP layer's transformer layer in an fsdp_dtensor save, by the release that wrote it: ``transformer_layer``
+# before megatron-core 0.17; ``mtp_model_layer`` in 0.17-0.19 (tensors and settings); main (0.20) names the tensors
+# ``transformer_layer`` again and the settings ``mtp_model_layer``. Megatron-FSDP's load is partial by default (a
+# name it does not find is skipped, the weight left at its init), so what the resharder writes or serves carries
+# each such entry under both names, the same bytes (:func:`aliases`).
+_MTP_FQN = re.compile(rf"(\.mtp\.layers\.\d+\.)({'|'.join(MTP_LAYER_NAMES)})\.")
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,22 @@ def saved_names(name: str, glu: bool) -> list[tuple[str, int | None]]:
     if glu and _GLU.match(name):
         return [(f"{name}_{h}", i) for i, h in enumerate(HALVES)]
     return [(name, None)]
+
+
+def aliases(fqn: str) -> list[str]:
+    """The other names of an fsdp_dtensor entry (an MTP layer's transformer layer under the other release's name;
+    see ``_MTP_FQN``); none for every other entry."""
+    m = _MTP_FQN.search(fqn)
+    if not m:
+        return []
+    return [f"{fqn[:m.start(2)]}{name}{fqn[m.end(2):]}" for name in MTP_LAYER_NAMES if name != m.group(2)]
+
+
+def is_alias(fqn: str, present: Any) -> bool:
+    """Whether ``fqn`` is a second name of an entry also in ``present`` under another name (the first name in sorted
+    order is the entry, the rest its aliases): a reader takes each entry once."""
+    others = [a for a in aliases(fqn) if a in present]
+    return bool(others) and fqn > min(others)
 
 
 def strip_modules(name: str) -> str:
@@ -153,7 +176,7 @@ def translate(md: Any, iter_dir: str) -> Any:
              if getattr(i, "offset", None) is not None}
     pieces: dict[str, list[tuple[tuple[int, ...], str | None, str, Any]]] = {}
     for fqn, tm in md.state_dict_metadata.items():
-        if getattr(tm, "size", None) is None:
+        if getattr(tm, "size", None) is None or is_alias(fqn, md.state_dict_metadata):
             continue
         named = _tensor_name(fqn)
         if named is None:

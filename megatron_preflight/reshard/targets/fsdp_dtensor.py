@@ -38,7 +38,13 @@ from megatron_preflight.reshard.plan.rules import torch_dist_name
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.sources.fsdp_dtensor import GROUP_META, MODEL_PREFIX, saved_names, state_prefix
+from megatron_preflight.reshard.sources.fsdp_dtensor import (
+    GROUP_META,
+    MODEL_PREFIX,
+    aliases,
+    saved_names,
+    state_prefix,
+)
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets.torch_dist import (
     Build,
@@ -153,13 +159,27 @@ def write_fsdp_dtensor(src: Any, iter_out: str, target: TargetLayout, *, iterati
     finally:
         out.close()
     with open(os.path.join(iter_out, ".metadata"), "wb") as meta:
-        pickle.dump(out.metadata(), meta)
+        pickle.dump(_with_aliases(out.metadata()), meta)
         meta.flush()
         os.fsync(meta.fileno())
     read = files.bytes_read
     checked = verify_written(iter_out, out, files, raw=True) if verify else 0
     files.close()
     return read, out.bytes_written + os.path.getsize(os.path.join(iter_out, ".metadata")), checked
+
+
+def _with_aliases(meta: Any) -> Any:
+    """``meta`` with every entry that has other names (:func:`aliases`) indexed under them too, at the same bytes."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex  # (torch's DCP: only when writing)
+
+    state = meta.state_dict_metadata
+    for fqn in list(state):
+        for alias in aliases(fqn):
+            state.setdefault(alias, state[fqn])
+    for index, info in list(meta.storage_data.items()):
+        for alias in aliases(index.fqn):
+            meta.storage_data.setdefault(MetadataIndex(alias, index.offset, index.index), info)
+    return meta
 
 
 class _Last:

@@ -21,7 +21,8 @@ from megatron_preflight.reshard.target import TargetLayout
 from tests.conftest import fixture_path
 from tests.helpers import ckpt_edit
 
-FSDP = ("fsdp_dp2", "fsdp_tp2dp2", "fsdp_moe_ep2", "fsdp_dp2_bf16_swiglu")
+FSDP = ("fsdp_dp2", "fsdp_tp2dp2", "fsdp_moe_ep2", "fsdp_dp2_bf16_swiglu", "fsdp_grouped_tp2ep2_bf16",
+        "fsdp_gqa_untied_rope", "fsdp_mtp", "fsdp_shared_ep4dp4", "fsdp_v019_bf16_swiglu")
 
 
 def _iter_dir(name: str) -> str:
@@ -59,8 +60,9 @@ def test_discovery_names_the_format_and_reads_the_layout_without_unsafe_pickle(n
     assert layout.format.value == "fsdp_dtensor" and layout.ok, [p.to_json() for p in layout.problems]
     assert layout.saved_args.use_megatron_fsdp and layout.iteration == 2
     assert layout.dist_optimizer_sharding == "fsdp_dtensor"
-    assert layout.common_state["opt_param_scheduler"]["num_steps"] == 4
-    expected = {"fsdp_tp2dp2": (2, 1), "fsdp_moe_ep2": (1, 2)}.get(name, (1, 1))
+    assert layout.common_state["opt_param_scheduler"]["num_steps"] == 2 * layout.saved_args.global_batch_size
+    expected = {"fsdp_tp2dp2": (2, 1), "fsdp_moe_ep2": (1, 2), "fsdp_grouped_tp2ep2_bf16": (2, 2),
+                "fsdp_shared_ep4dp4": (1, 4)}.get(name, (1, 1))
     assert (layout.tp, layout.ep) == expected
 
 
