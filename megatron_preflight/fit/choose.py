@@ -82,9 +82,11 @@ class Candidate:
                 "flags": self.flags, "check": self.checked}
 
 
-def load_of(layout: Layout, saved: ParallelLayout, cand: ParallelLayout, *, load_optimizer: bool) -> Load:
+def load_of(layout: Layout, saved: ParallelLayout, cand: ParallelLayout, *, load_optimizer: bool,
+            fsdp_run: bool = False, same_vocab: bool = True) -> Load:
     """How the checkpoint loads at ``cand`` (rule 2 of the module doc): as saved when every weight sits where it was
-    saved, else by format and optimizer form."""
+    saved, else by format and optimizer form. Megatron-FSDP loads its fsdp_dtensor at any TP/EP/DP, but only at the
+    saved vocab padding (``same_vocab``: check/compare.py)."""
     same = (saved.tp, saved.pp, saved.ep if saved.num_experts else 1, saved.etp_eff if saved.num_experts else 1) == \
         (cand.tp, cand.pp, cand.ep, cand.etp_eff if cand.num_experts else 1) and saved.vpp == cand.vpp
     if same:
@@ -94,6 +96,8 @@ def load_of(layout: Layout, saved: ParallelLayout, cand: ParallelLayout, *, load
             same = False
     fmt = layout.format
     if fmt == Format.FSDP_DTENSOR:
+        if fsdp_run and same_vocab:
+            return Load.AS_SAVED if same else Load.MEGATRON_RESHARDS
         return Load.PREFLIGHT_RESHARDS  # a 3D-parallel run reads it through the resharder only
     if same:
         return Load.AS_SAVED
@@ -117,8 +121,9 @@ def evaluate(profile: ModelProfile, view: Layout, layout: Layout, rt: RuntimeArg
         stages = stage_memory(profile, lay, rt, world, rows)
         worst = max(stages, key=lambda m: m.total)
         fits = None if device_gib is None else worst.total <= MARGIN * device_gib * GIB
-        out.append(Candidate(lay, world, worst, load_of(layout, profile.source, lay, load_optimizer=load_optimizer),
-                             exact, fits))
+        load = load_of(layout, profile.source, lay, load_optimizer=load_optimizer, fsdp_run=rt.use_megatron_fsdp,
+                       same_vocab=not profile.padded_vocab or rows == profile.padded_vocab)
+        out.append(Candidate(lay, world, worst, load, exact, fits))
     out.sort(key=Candidate.key)
     return out
 

@@ -97,3 +97,21 @@ def test_a_damaged_checkpoint_is_one_paragraph_naming_the_file_and_exit_1(real_f
     assert r.returncode == 1 and "mp_rank_00_001" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert sorted(os.listdir(root)) == before
+
+
+def test_a_megatron_fsdp_run_of_an_fsdp_checkpoint_loads_it_at_other_layouts_only_at_the_saved_vocab_padding(capsys):
+    """fsdp_gqa_untied_rope (TP1, vocab padded to 128) planned for a Megatron-FSDP run on 2 GPUs: TP1 loads as saved,
+    TP2 (the vocab padded to 256, which Megatron-FSDP does not load) is a preflight reshard; with the divisor that
+    keeps 128 at TP2, Megatron-FSDP loads it itself. Each layout's class agrees with check of its flags."""
+    run = [*TINY, "--transformer-impl", "transformer_engine", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
+           "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+           "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--no-load-rng"]
+    expected = {(): {1: ("as saved", "load"), 2: ("preflight reshards", "reshard")},
+                ("--make-vocab-size-divisible-by", "64"): {1: ("as saved", "load"), 2: ("Megatron reshards", "load")}}
+    for extra, by_tp in expected.items():
+        rc = main(["plan", fixture_path("fsdp_gqa_untied_rope"), "--world-size", "2", "--json", "--check-top", "4",
+                   "--", *run, *extra])
+        assert rc == 0
+        cands = json.loads(capsys.readouterr().out)["candidates"]
+        got = {c["tp"]: (c["load"], c["check"]["verdict"]) for c in cands if c["cp"] == 1}
+        assert got == by_tp, (extra, got)

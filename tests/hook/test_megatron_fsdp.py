@@ -229,3 +229,31 @@ def test_verify_and_save_in_a_megatron_fsdp_run_loaded_in_memory(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", *cmd[1:]], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_mtp_checkpoint_of_main_resumes_under_megatron_fsdp_of_another_release(tmp_path):
+    """fsdp_mtp, written by Megatron-LM main (an MTP layer's tensors under `transformer_layer`), in core_r0.19.0's
+    Megatron-FSDP, which asks for `mtp_model_layer`: alone it fails after the build ('Missing key in checkpoint
+    state_dict'); --preflight auto serves both names, and the rewrite check advises (run as printed) is what 0.19 loads
+    itself. Each resumes with the losses of main's own Megatron-FSDP resume, iterations 3 and 4."""
+    from tests.helpers.advised import follow_advice
+
+    if "0.19" not in RELEASES:
+        pytest.skip("name core_r0.19.0's work tree in MEGATRON_LM_RELEASES (0.19=DIR)")
+    root, src, flags = RELEASES["0.19"], fixture_path("fsdp_mtp"), [*FSDP_RUN, *MTP, *COMMON, "--no-load-rng"]
+    rc, oracle = run(tmp_path, src, 2, *flags, plugin=False, te=True, port=29821, env_extra=FSDP_ENV, verify=False)
+    assert rc == 0 and loss(oracle, 4, 4) is not None, oracle[-3000:]
+    rc, log = run(tmp_path, src, 2, *flags, plugin=False, te=True, port=29822, env_extra=FSDP_ENV, verify=False,
+                  root=root)
+    assert rc != 0 and "Missing key in checkpoint state_dict" in log and "mtp_model_layer" in log, log[-3000:]
+    rc, log = run(tmp_path, src, 2, "--preflight", "auto", *flags, te=True, port=29823, env_extra=FSDP_ENV,
+                  verify=False, root=root)
+    assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+    assert _alike(log, oracle, False), log[-3000:]
+    extra = os.environ.get("MEGATRON_LM_EXTRA_ARGS", "").split()
+    run_flags = [*TINY, *extra, "--transformer-impl", "transformer_engine", *flags, "--world-size", "2"]
+    new = str(tmp_path / "rewritten")
+    follow_advice(src, run_flags, new, "--megatron-version", "0.19")
+    rc, log = run(tmp_path, new, 2, *flags, plugin=False, te=True, port=29824, env_extra=FSDP_ENV, verify=False,
+                  root=root)
+    assert rc == 0 and _alike(log, oracle, False), log[-3000:]
