@@ -46,8 +46,8 @@ HALVES = ("w", "v")  # SwiGLU fc1's [gate; up], in that order
 MODEL_PREFIX = FSDP_MODEL + _MODULE  # a parameter's key: model.module.<name>
 # modules that Transformer Engine's spec builds with an ``_extra_state`` (besides every ``linear_*``); see
 # reshard.plan.spec for the same facts about spec changes
-_TE_NORM_MODULES = ("pre_mlp_layernorm", "q_layernorm", "k_layernorm")
-_FINAL_NORM = "decoder.final_layernorm"
+_TE_NORM_MODULES = ("pre_mlp_layernorm", "q_layernorm", "k_layernorm",
+                    "final_layernorm", "enorm", "hnorm", "eh_proj")  # (the decoder's and an MTP layer's own)
 # An MTP layer's transformer layer in an fsdp_dtensor save, by the release that wrote it: ``transformer_layer``
 # before megatron-core 0.17; ``mtp_model_layer`` in 0.17-0.19 (tensors and settings); main (0.20) names the tensors
 # ``transformer_layer`` again and the settings ``mtp_model_layer``. Megatron-FSDP's load is partial by default (a
@@ -270,7 +270,7 @@ def _extra_state_modules(state: dict[str, Any]) -> list[str]:
             continue
         module = name.rpartition(".")[0]
         leaf = module.rpartition(".")[2]
-        if not (leaf.startswith("linear_") or leaf in _TE_NORM_MODULES or module == _FINAL_NORM):
+        if not (leaf.startswith("linear_") or leaf in _TE_NORM_MODULES):
             continue
         base = f"{module}._extra_state"
         if ".mlp.experts.experts." in base:

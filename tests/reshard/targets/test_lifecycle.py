@@ -70,10 +70,10 @@ def test_kill_9_of_the_main_process_takes_every_worker_with_it(tmp_path, after):
         workers = children(main.pid)
         os.kill(main.pid, signal.SIGKILL)
         main.wait()
-        deadline = time.time() + 5
+        deadline = time.time() + 20  # (a loaded 2-core box: the lifeline thread polls every fraction of a second)
         while time.time() < deadline and alive(workers):
             time.sleep(0.1)
-        assert alive(workers) == [], f"survived the main process by 5 s: {alive(workers)}"
+        assert alive(workers) == [], f"survived the main process by 20 s: {alive(workers)}"
     finally:  # whatever the outcome, nothing of this test outlives it
         for p in set(children(main.pid)) | set(workers):
             try:
