@@ -33,7 +33,7 @@ from megatron_preflight.layout.dist import (
     object_index,
     read_dcp_metadata,
 )
-from megatron_preflight.reshard.plan.rules import MTP_LAYER_NAMES
+from megatron_preflight.reshard.plan.rules import mtp_spellings
 
 GROUP_META = "optimizer.param_to_group_meta."
 _MODULE = "module."
@@ -53,7 +53,7 @@ _TE_NORM_MODULES = ("pre_mlp_layernorm", "q_layernorm", "k_layernorm",
 # ``transformer_layer`` again and the settings ``mtp_model_layer``. Megatron-FSDP's load is partial by default (a
 # name it does not find is skipped, the weight left at its init), so what the resharder writes or serves carries
 # each such entry under both names, the same bytes (:func:`aliases`).
-_MTP_FQN = re.compile(rf"(\.mtp\.layers\.\d+\.)({'|'.join(MTP_LAYER_NAMES)})\.")
+_MTP = ".mtp.layers."
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,13 @@ def saved_names(name: str, glu: bool) -> list[tuple[str, int | None]]:
 
 
 def aliases(fqn: str) -> list[str]:
-    """The other names of an fsdp_dtensor entry (an MTP layer's transformer layer under the other release's name;
-    see ``_MTP_FQN``); none for every other entry."""
-    m = _MTP_FQN.search(fqn)
-    if not m:
+    """The other names of an fsdp_dtensor entry (an MTP layer's transformer layer under the other release's name,
+    by the resharder's one MTP naming rule); none for every other entry."""
+    at = fqn.find(_MTP)
+    if at < 0:
         return []
-    return [f"{fqn[:m.start(2)]}{name}{fqn[m.end(2):]}" for name in MTP_LAYER_NAMES if name != m.group(2)]
+    head, key = fqn[:at + 1], fqn[at + 1:]
+    return [head + other for other in mtp_spellings(key)[1:]]
 
 
 def is_alias(fqn: str, present: Any) -> bool:

@@ -144,13 +144,15 @@ def write_resharded(src: str, dst: str, target: TargetLayout, *, workers: int = 
     rank a share); an error it raises stops every rank."""
     t0 = time.perf_counter()
     grp = share.from_env() if distributed else None
+    done = False
     try:
         summary = _write(src, dst, target, workers=workers, verify=verify, iteration=iteration,
                          trust_checkpoint=trust_checkpoint, progress=progress, drop_optimizer=drop_optimizer, grp=grp,
                          keep_stale=keep_stale, tapping=tapping, precheck=precheck)
+        done = True
     finally:
         if grp is not None:
-            grp.close()
+            grp.close(meet=done)
     summary.seconds = time.perf_counter() - t0
     return summary
 

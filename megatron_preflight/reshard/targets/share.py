@@ -37,12 +37,16 @@ class Share:
         dist.all_gather_object(out, obj)
         return out
 
-    def close(self) -> None:
+    def close(self, meet: bool = True) -> None:
+        """End the group this process made. ``meet``: every rank got this far (a barrier first, so that no rank
+        closes its sockets while a peer is still in the last exchange: gloo aborts that peer); False after an error,
+        when a peer may never come."""
         if self.owns_group:
             import torch.distributed as dist  # deferred: torch only in a distributed run
 
-            dist.barrier()  # every rank past its last collective before any closes its sockets (gloo aborts a
-            dist.destroy_process_group()  # process whose peer left mid-exchange)
+            if meet:
+                dist.barrier()
+            dist.destroy_process_group()
 
 
 def from_env() -> Share | None:
