@@ -19,6 +19,7 @@ class Format(str, enum.Enum):
     ZARR = "zarr"
     FSDP_DTENSOR = "fsdp_dtensor"
     TORCH_DCP = "torch_dcp"
+    HF = "hf"  # a Hugging Face model dir (safetensors): read as a TP1 legacy checkpoint, weights only
 
 
 @dataclass

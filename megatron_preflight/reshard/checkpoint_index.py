@@ -78,7 +78,7 @@ class CheckpointIndex:
         """A fully read legacy checkpoint's shards agree with each other and with their saved args (metadata only):
         every disagreement becomes a problem of the layout, once (a layout sent by rank 0 carries them already)."""
         lay = self.layout
-        if lay.format != Format.TORCH or lay.sampled or lay.consistency_checked:
+        if lay.format not in (Format.TORCH, Format.HF) or lay.sampled or lay.consistency_checked:
             return
         lay.consistency_checked = True
         if [p for p in lay.problems if p.code not in _SOFT]:
@@ -103,8 +103,8 @@ class CheckpointIndex:
                                  path=p.path if p else lay.path,
                                  fix=(p.fix if p and p.fix else "pass the --save dir of a Megatron-LM run (it holds "
                                       "latest_checkpointed_iteration.txt and iter_* dirs)"), code="format")
-        if lay.format not in (Format.TORCH, Format.TORCH_DIST, Format.FSDP_DTENSOR):
-            raise PreflightError(f"the resharder reads legacy (torch), torch_dist and fsdp_dtensor checkpoints; this one is "
+        if lay.format not in (Format.TORCH, Format.TORCH_DIST, Format.FSDP_DTENSOR, Format.HF):
+            raise PreflightError(f"the resharder reads legacy (torch), torch_dist, fsdp_dtensor checkpoints and Hugging Face models; this one is "
                                  f"{lay.format.value}", path=lay.path,
                                  fix="convert it with the Megatron version that wrote it (--ckpt-convert-format "
                                      "torch_dist)", code="format")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from megatron_preflight.layout.hf.safetensors import SafeRef
+from megatron_preflight.reshard.sources.hf import HfReader
 from megatron_preflight.reshard.sources.legacy import LegacyReader
 from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, dist_reader
 from megatron_preflight.torch_file import TensorRef
@@ -43,6 +45,7 @@ class Reader(Protocol):
 # reference type -> how to open its format's reader (iter dir, trust); the most derived type first
 READERS: list[tuple[type, Callable[[str, bool, bool], Reader]]] = [
     (RegionRef, lambda iter_dir, trust, crc: dist_reader(iter_dir, trust=trust, crc=crc)),
+    (SafeRef, lambda iter_dir, trust, crc: HfReader(iter_dir)),
     (TensorRef, lambda iter_dir, trust, crc: LegacyReader(iter_dir, trust, crc=crc)),
 ]
 

@@ -1,0 +1,149 @@
+"""A Hugging Face model directory as a checkpoint: one :class:`~megatron_preflight.layout.model.Layout` of format
+``hf``, read as the legacy shard of a TP1 · PP1 · EP1 Megatron checkpoint (``mp_rank_00``) whose saved args are the
+Megatron model ``config.json`` describes and whose tensors are :class:`~.safetensors.SafeRef` row blocks of the
+safetensors files (names and blocks from :mod:`.families`). Its iteration is ``release``: weights only, nothing to
+resume (Megatron loads a release checkpoint at iteration 0 without optimizer or RNG state).
+
+Every later stage (index, planner, executor, writers, the hook's loader) then reads it as any legacy checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import OrderedDict
+from typing import Any
+
+from megatron_preflight import dtypes, parallel
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import naming
+from megatron_preflight.layout.hf import families
+from megatron_preflight.layout.hf.config import CONFIG, architecture_of, load_raw, normalise
+from megatron_preflight.layout.hf.safetensors import INDEX, Run, SafeRef, safe_ref, tensor_table
+from megatron_preflight.layout.model import Format, Layout, Shard
+
+CHECKPOINT_VERSION = 3.0
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def is_hf_dir(path: str) -> bool:
+    """Whether ``path`` holds a Hugging Face model with safetensors weights (config.json beside them)."""
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return False
+    return CONFIG in entries and (INDEX in entries or any(e.endswith(".safetensors") for e in entries))
+
+
+def discover_hf(path: str) -> Layout:
+    """The layout of the HF model dir ``path`` (metadata only: config.json and the safetensors headers)."""
+    layout = Layout(path=path, root=path, iter_dir=path, format=Format.HF, iteration=naming.RELEASE,
+                    tp=1, pp=1, ep=1, etp=1, cp=1, dims="1D", name_pattern="hf")
+    raw, config_path = load_raw(path)
+    arch = architecture_of(raw)
+    layout.looks_like = f"a Hugging Face model ({arch})"
+    try:
+        family = families.family_for(arch, config_path)
+        cfg = normalise(raw, config_path)
+    except PreflightError as e:
+        layout.add(e.code or "hf_unsupported", e.path or config_path, e.message, e.fix or "")
+        return layout
+    table = tensor_table(path)
+    layout.total_bytes = sum(table.files.values()) + os.path.getsize(config_path)
+    for code, where, message, fix in table.problems:
+        layout.add(code, where, message, fix)
+    for reason in families.refusals(family, cfg):
+        layout.add("hf_unsupported", config_path, f"{arch}: Megatron's GPT model cannot express {reason}",
+                   "convert it with a tool that maps this model (e.g. Megatron-Bridge), or train it elsewhere")
+    args = saved_args(family, cfg, path)
+    layout.saved_args = args
+    layout.notes.append(f"Hugging Face {arch} ({family.name} family): read as a TP1 PP1 EP1 Megatron checkpoint, "
+                        "weights only (iteration 0, no optimizer or RNG state)")
+    if cfg.sliding_window and cfg.max_position_embeddings and cfg.sliding_window < cfg.max_position_embeddings:
+        layout.notes.append(f"the model attends over a sliding window of {cfg.sliding_window} tokens: Megatron's "
+                            "GPT model attends over the whole sequence (the same for sequences up to the window)")
+    model, missing, needed, errors = _model(family, cfg, table.tensors, path)
+    for e in errors:
+        layout.add(e.code or "hf_shape", e.path or path, e.message, e.fix or "")
+    for name in missing:
+        layout.add("missing_tensor", path, f"the model has no tensor {name!r}, which {arch} with this config.json "
+                   "has", "download the model again (or check that config.json belongs to these weights)")
+    stray = sorted(k for k in table.tensors if k not in needed and not families.ignored(k, cfg))
+    if stray and not missing:
+        layout.add("unmapped_tensor", path, f"{len(stray)} tensor(s) that {arch} with this config.json does not "
+                   f"have, first {stray[0]!r} (never dropped silently)",
+                   "check that config.json belongs to these weights")
+    shard = Shard("mp_rank_00", 0, None, None, files=dict(table.files), path=path,
+                  meta={"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "model": model})
+    layout.shards = [shard]
+    layout.parallel = parallel.from_args(args)
+    layout.distributed_optimizer = False
+    return layout
+
+
+def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespace:
+    """The args a Megatron run that saved this model at TP1 would have saved."""
+    values = families.megatron_args(family, cfg)
+    values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                  expert_tensor_parallel_size=1, context_parallel_size=1, transformer_impl="local",
+                  moe_grouped_gemm=False, use_distributed_optimizer=False, ckpt_format="torch", iteration=0,
+                  layernorm_epsilon=values["norm_epsilon"], consumed_train_samples=0,
+                  params_dtype=dtypes.dtype(cfg.dtype if cfg.dtype in ("bfloat16", "float16") else "float32"),
+                  hf_architecture=cfg.architecture)
+    if any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        values.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path)
+    return argparse.Namespace(**values)
+
+
+def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str) \
+        -> tuple[OrderedDict[str, Any], list[str], set[str], list[PreflightError]]:
+    """(the Megatron state dict of SafeRefs, in Megatron's order; the HF tensors it needs that are missing; every
+    HF tensor it reads; the tensors that do not fit their Megatron tensor)."""
+    rows = {k: (t.shape[0] if t.shape else 1) for k, t in tensors.items()}
+    model: OrderedDict[str, Any] = OrderedDict()
+    missing: list[str] = []
+    needed: set[str] = set()
+    errors: list[PreflightError] = []
+    for m in families.mappings(family, cfg, rows):
+        if not m.blocks:
+            model[m.key] = None  # an extra state: no FP8 metadata
+            continue
+        needed.update(b.hf for b in m.blocks)
+        gone = [b.hf for b in m.blocks if b.hf not in tensors]
+        if gone:
+            missing.extend(n for n in dict.fromkeys(gone) if n not in missing)
+            continue
+        try:
+            model[m.key] = _ref(m, tensors, path)
+        except PreflightError as e:
+            errors.append(e)
+    taken: dict[str, int] = {}
+    for m in families.mappings(family, cfg, rows):
+        for b in m.blocks:
+            taken[b.hf] = taken.get(b.hf, 0) + b.rows
+    for name, n in taken.items():
+        if name in tensors and n != rows[name]:
+            t = tensors[name]
+            errors.append(PreflightError(f"tensor {name!r} has {rows[name]} rows ({list(t.shape)}); config.json's "
+                                         f"sizes make it {n}", path=os.path.join(path, t.file), code="hf_shape",
+                                         fix="check that config.json belongs to these weights"))
+    return model, missing, needed, errors
+
+
+def _ref(m: families.Mapping, tensors: dict[str, Any], path: str) -> SafeRef:
+    first = tensors[m.blocks[0].hf]
+    tail = tuple(first.shape[1:])
+    runs = []
+    at = 0
+    for b in m.blocks:
+        t = tensors[b.hf]
+        if t.dtype != first.dtype or tuple(t.shape[1:]) != tail or b.src0 + b.rows > (t.shape[0] if t.shape else 1):
+            raise PreflightError(f"tensor {b.hf!r} ({t.dtype}, {list(t.shape)}) does not fit {m.key} beside "
+                                 f"{m.blocks[0].hf!r} ({first.dtype}, {list(first.shape)})",
+                                 path=os.path.join(path, t.file), code="hf_shape",
+                                 fix="check that config.json belongs to these weights")
+        row = t.nbytes // (t.shape[0] if t.shape else 1)
+        runs.append(Run(t.file, t.start + b.src0 * row, b.rows * row, at))
+        at += b.rows * row
+    rows = sum(b.rows for b in m.blocks)
+    shape = (rows, *tail) if first.shape else ()
+    return safe_ref(m.key, first.dtype, shape, tuple(runs))

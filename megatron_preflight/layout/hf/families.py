@@ -1,0 +1,244 @@
+"""THE table of Hugging Face architectures: for each family, which Megatron model its ``config.json`` describes (the
+Megatron args) and how each Megatron tensor is made of Hugging Face tensors (names and row blocks).
+
+Every Megatron tensor (a legacy key of the local layer spec at TP1, PP1, EP1: the global tensor) is a stack along
+dim 0 of row blocks of Hugging Face tensors (:class:`Block`); the other dims are whole. Three transforms make them:
+
+* ``copy``   — one HF tensor as is (norms, ``o_proj`` -> ``linear_proj``, ``down_proj`` -> ``linear_fc2``, embeddings);
+* ``glu``    — SwiGLU's fc1 is ``[gate; up]``: ``gate_proj`` rows, then ``up_proj`` rows;
+* ``qkv``    — Megatron's fused QKV is grouped per query group: for each group ``g`` its ``q`` heads, then its one
+  ``k`` head, then its ``v`` head (weight and bias alike).
+
+The same blocks read backwards split a Megatron tensor into its HF tensors, so a reader and a writer of HF models
+share this one table. The layer spec's other names (Transformer Engine's fused norms, grouped experts) are the
+resharder's bridge (:mod:`megatron_preflight.reshard.plan.spec`), not this table's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.hf.config import HfConfig
+
+# Megatron's extra state of the local spec's linears (``None``: no FP8 metadata), as megatron-core saves them
+LINEAR_EXTRA = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+# tensors some HF checkpoints carry that are buffers, not weights (recomputed from the config)
+BUFFERS = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Moe:
+    """Where a family keeps its MoE block and what it calls the expert projections."""
+
+    block: str  # the module under each layer (``block_sparse_moe`` / ``mlp``)
+    gate: str  # the router's linear
+    experts: tuple[str, str, str]  # (gate, up, down) projection names of one expert
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the table: the HF architectures it covers and how they differ."""
+
+    name: str
+    architectures: tuple[str, ...]
+    qkv_bias: str  # "always" (Qwen2), "config" (``attention_bias``), "never"
+    qk_norm: bool  # per-head RMSNorm of q and k (Qwen3)
+    moe: Moe | None = None
+
+
+FAMILIES = (
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), qkv_bias="config", qk_norm=False),
+    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias="always", qk_norm=False),
+    Family("qwen3", ("Qwen3ForCausalLM",), qkv_bias="config", qk_norm=True),
+    Family("mixtral", ("MixtralForCausalLM",), qkv_bias="never", qk_norm=False,
+           moe=Moe("block_sparse_moe", "gate", ("w1", "w3", "w2"))),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qkv_bias="config", qk_norm=True,
+           moe=Moe("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))),
+)
+
+
+def supported() -> list[str]:
+    """Every architecture the table covers."""
+    return [a for f in FAMILIES for a in f.architectures]
+
+
+class UnsupportedModel(PreflightError):
+    """An HF model the table does not express as a Megatron GPT model."""
+
+
+def family_for(architecture: str, path: str) -> Family:
+    """The family of ``architecture``; an unsupported one is refused, naming what is supported."""
+    for f in FAMILIES:
+        if architecture in f.architectures:
+            return f
+    raise UnsupportedModel(f"the Hugging Face architecture {architecture} is not one megatron-preflight maps to "
+                           "Megatron's GPT model", path=path,
+                           fix="supported: " + ", ".join(supported()) + "; convert other models with the tool that "
+                               "knows them (e.g. Megatron-Bridge)", code="hf_unsupported")
+
+
+def qkv_bias(family: Family, cfg: HfConfig) -> bool:
+    return family.qkv_bias == "always" or (family.qkv_bias == "config" and bool(cfg.attention_bias))
+
+
+def refusals(family: Family, cfg: HfConfig) -> list[str]:
+    """What in this model Megatron's GPT model cannot express (each a reason; empty: it can)."""
+    out = []
+    if cfg.hidden_act not in ("silu", "swish"):
+        out.append(f"hidden_act {cfg.hidden_act!r} (Megatron's gated MLP here is SwiGLU: silu)")
+    if cfg.mlp_bias:
+        out.append("mlp_bias: the MLP projections have biases, which Megatron adds only with every linear's bias")
+    if family.qkv_bias == "config" and cfg.attention_bias and family.name == "llama":
+        out.append("attention_bias: Llama's o_proj bias has no Megatron counterpart without every linear's bias")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind not in ("llama3", "linear"):
+        out.append(f"RoPE scaling {cfg.rope_scaling.kind!r} (Megatron's GPT model applies llama3 scaling "
+                   "(--use-rope-scaling) and linear interpolation (--rotary-seq-len-interpolation-factor))")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear" and cfg.rope_scaling.factor is not None \
+            and float(cfg.rope_scaling.factor) != int(cfg.rope_scaling.factor):
+        out.append(f"linear RoPE scaling by {cfg.rope_scaling.factor} (Megatron takes an integer factor)")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        out.append(f"{cfg.num_attention_heads} heads do not group over {cfg.num_key_value_heads} key-value heads")
+    return out
+
+
+def _divisor(vocab: int) -> int:
+    """The ``--make-vocab-size-divisible-by`` under which the model's vocab is not padded at TP1 (a power of two up
+    to Megatron's default 128)."""
+    d = 128
+    while d > 1 and vocab % d:
+        d //= 2
+    return d
+
+
+def megatron_args(family: Family, cfg: HfConfig) -> dict[str, Any]:
+    """The Megatron args (attribute names) of the GPT model that holds this HF model, as its run must set them."""
+    moe_layers = cfg.moe_layers()
+    args: dict[str, Any] = {
+        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "group_query_attention": cfg.num_key_value_heads != cfg.num_attention_heads,
+        "num_query_groups": cfg.num_key_value_heads, "kv_channels": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "position_embedding_type": "rope", "rotary_base": int(cfg.rope_theta) if float(cfg.rope_theta).is_integer()
+        else cfg.rope_theta, "rotary_percent": 1.0,
+        "use_rope_scaling": False, "rotary_seq_len_interpolation_factor": None,
+        "normalization": "RMSNorm", "norm_epsilon": cfg.norm_eps, "swiglu": True,
+        "add_bias_linear": False, "add_qkv_bias": qkv_bias(family, cfg), "qk_layernorm": family.qk_norm,
+        "untie_embeddings_and_output_weights": not cfg.tie_word_embeddings,
+        "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.vocab_size,
+        "make_vocab_size_divisible_by": _divisor(cfg.vocab_size),
+        "num_experts": None,
+    }
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
+        args["use_rope_scaling"] = True
+        args["rope_scaling_factor"] = cfg.rope_scaling.factor
+    elif cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear":
+        args["rotary_seq_len_interpolation_factor"] = int(cfg.rope_scaling.factor or 1)
+    if cfg.moe:
+        args.update({
+            "num_experts": cfg.num_experts, "moe_router_topk": int(cfg.experts_per_token or 2),
+            "moe_ffn_hidden_size": int(cfg.moe_intermediate_size or cfg.intermediate_size),
+            "moe_router_score_function": "softmax",
+            # Mixtral renormalises the top-k probabilities (Megatron's default: softmax over the top-k logits);
+            # Qwen3-MoE only with norm_topk_prob; without it, softmax over all experts, then top-k
+            "moe_router_pre_softmax": family.name == "qwen3_moe" and not cfg.norm_topk_prob,
+            "moe_layer_freq": 1 if all(moe_layers) else "([" + ",".join("1" if m else "0" for m in moe_layers) + "])",
+        })
+    if cfg.dtype in ("bfloat16", "float16"):
+        args["bf16" if cfg.dtype == "bfloat16" else "fp16"] = True
+    return args
+
+
+# -- the names ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Block:
+    """Rows ``src0 .. src0 + rows`` (dim 0) of HF tensor ``hf`` are rows ``dst0 ..`` of the Megatron tensor."""
+
+    hf: str
+    src0: int
+    rows: int
+    dst0: int
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One Megatron tensor (a global legacy key) and the HF row blocks it is made of, in order (no blocks: an
+    extra state, ``None``)."""
+
+    key: str
+    blocks: tuple[Block, ...]
+
+
+def _stack(names: list[tuple[str, int, int]]) -> tuple[Block, ...]:
+    out, at = [], 0
+    for hf, src0, rows in names:
+        out.append(Block(hf, src0, rows, at))
+        at += rows
+    return tuple(out)
+
+
+def _qkv(prefix: str, what: str, cfg: HfConfig) -> tuple[Block, ...]:
+    """Megatron's fused QKV rows, per query group: q heads, k head, v head."""
+    hd, groups = cfg.head_dim, cfg.num_key_value_heads
+    per = cfg.num_attention_heads // groups
+    parts = []
+    for g in range(groups):
+        parts += [(f"{prefix}q_proj.{what}", g * per * hd, per * hd), (f"{prefix}k_proj.{what}", g * hd, hd),
+                  (f"{prefix}v_proj.{what}", g * hd, hd)]
+    return _stack(parts)
+
+
+def mappings(family: Family, cfg: HfConfig, rows: dict[str, int]) -> list[Mapping]:
+    """Every Megatron tensor of the model, in Megatron's state-dict order, with its HF blocks. ``rows``: each HF
+    tensor's dim-0 size (from the safetensors headers)."""
+
+    def copy(key: str, hf: str) -> Mapping:
+        return Mapping(key, _stack([(hf, 0, rows.get(hf, 0))]))
+
+    def glu(key: str, gate: str, up: str) -> Mapping:
+        return Mapping(key, _stack([(gate, 0, rows.get(gate, 0)), (up, 0, rows.get(up, 0))]))
+
+    out = [copy("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    bias = qkv_bias(family, cfg)
+    for i, is_moe in enumerate(cfg.moe_layers()):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        out.append(copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight"))
+        out.append(copy(mg + "self_attention.linear_proj.weight", attn + "o_proj.weight"))
+        out.append(Mapping(mg + "self_attention.linear_proj._extra_state", ()))
+        out.append(Mapping(mg + "self_attention.linear_qkv.weight", _qkv(attn, "weight", cfg)))
+        if bias:
+            out.append(Mapping(mg + "self_attention.linear_qkv.bias", _qkv(attn, "bias", cfg)))
+        out.append(Mapping(mg + "self_attention.linear_qkv._extra_state", ()))
+        if family.qk_norm:
+            out.append(copy(mg + "self_attention.q_layernorm.weight", attn + "q_norm.weight"))
+            out.append(copy(mg + "self_attention.k_layernorm.weight", attn + "k_norm.weight"))
+        out.append(copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"))
+        if is_moe:
+            assert family.moe is not None and cfg.num_experts
+            moe = hf + family.moe.block + "."
+            out.append(copy(mg + "mlp.router.weight", moe + family.moe.gate + ".weight"))
+            g, u, d = family.moe.experts
+            for j in range(cfg.num_experts):
+                e, me = f"{moe}experts.{j}.", f"{mg}mlp.experts.local_experts.{j}."
+                out.append(glu(me + "linear_fc1.weight", f"{e}{g}.weight", f"{e}{u}.weight"))
+                out.append(Mapping(me + "linear_fc1._extra_state", ()))
+                out.append(copy(me + "linear_fc2.weight", f"{e}{d}.weight"))
+                out.append(Mapping(me + "linear_fc2._extra_state", ()))
+        else:
+            out.append(glu(mg + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"))
+            out.append(Mapping(mg + "mlp.linear_fc1._extra_state", ()))
+            out.append(copy(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight"))
+            out.append(Mapping(mg + "mlp.linear_fc2._extra_state", ()))
+    out.append(copy("decoder.final_layernorm.weight", "model.norm.weight"))
+    if not cfg.tie_word_embeddings:
+        out.append(copy("output_layer.weight", "lm_head.weight"))
+    out.append(Mapping("output_layer._extra_state", ()))
+    return out
+
+
+def ignored(name: str, cfg: HfConfig) -> bool:
+    """HF tensors that are not weights of the Megatron model: rotary buffers, a tied model's copy of the head."""
+    return name.endswith(BUFFERS) or (cfg.tie_word_embeddings and name == "lm_head.weight")

@@ -1,0 +1,189 @@
+"""The tensor table of a Hugging Face model's safetensors files, from their JSON headers only.
+
+A ``.safetensors`` file is an 8-byte little-endian header length, a JSON header (``name -> {dtype, shape,
+data_offsets}``, offsets relative to the end of the header) and the raw row-major bytes. A sharded model adds
+``model.safetensors.index.json`` (``weight_map: name -> file``). Nothing here unpickles or reads a tensor byte.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+
+from megatron_preflight import dtypes
+from megatron_preflight.errors import CorruptFileError
+from megatron_preflight.torch_file import StorageRef, TensorRef, row_major
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+MAX_HEADER = 100 * 2**20  # a DeepSeek-V3 shard's header is ~100 kB; anything this large is not a header
+
+# safetensors' dtype names -> torch's
+DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+          "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+          "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32", "U64": "uint64"}
+NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class SafeTensor:
+    """One tensor of a safetensors file: where its bytes lie (absolute offsets in ``file``)."""
+
+    name: str
+    file: str  # file name inside the model dir
+    dtype: str  # torch's name (float32, bfloat16, ...)
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class TensorTable:
+    """Every tensor of a model dir, the files that hold them and what is wrong with them."""
+
+    tensors: dict[str, SafeTensor] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)  # file name -> bytes
+    problems: list[tuple[str, str, str, str]] = field(default_factory=list)  # (code, path, message, fix)
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """(the JSON header, the byte offset where tensor data begins) of one safetensors file."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CorruptFileError("the file is shorter than a safetensors header", path=path,
+                                       fix="download the file again", code="corrupt_file")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER:
+                raise CorruptFileError(f"its header claims {n:,} bytes: this is not a safetensors file", path=path,
+                                       fix="download the file again", code="corrupt_file")
+            raw = fh.read(n)
+    except OSError as exc:
+        raise CorruptFileError(f"cannot read the file ({exc.strerror})", path=path, fix="check its permissions",
+                               code="unreadable_file") from None
+    if len(raw) < n:
+        raise CorruptFileError("the file ends inside its header (truncated)", path=path,
+                               fix="download the file again", code="corrupt_file")
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptFileError(f"its header is not valid JSON ({exc})", path=path, fix="download the file again",
+                               code="corrupt_file") from None
+    if not isinstance(header, dict):
+        raise CorruptFileError("its header is not a JSON object", path=path, fix="download the file again",
+                               code="corrupt_file")
+    return header, 8 + n
+
+
+def _file_tensors(model_dir: str, name: str, table: TensorTable) -> None:
+    path = os.path.join(model_dir, name)
+    size = os.path.getsize(path)
+    table.files[name] = size
+    header, base = read_header(path)
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            lo, hi = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptFileError(f"tensor {key!r}: its header entry is malformed ({info!r})", path=path,
+                                   fix="download the file again", code="corrupt_file") from None
+        if hi - lo != math.prod(shape) * dtypes.dtype(dtype).itemsize or lo < 0:
+            raise CorruptFileError(f"tensor {key!r}: {hi - lo} bytes for shape {list(shape)} of {info['dtype']}",
+                                   path=path, fix="download the file again", code="corrupt_file")
+        if base + hi > size:
+            table.problems.append(("truncated_file", path, f"the file is truncated: tensor {key!r} ends at byte "
+                                   f"{base + hi:,}, the file has {size:,}", "download the file again"))
+        table.tensors[key] = SafeTensor(key, name, dtype, shape, base + lo, base + hi)
+
+
+def tensor_table(model_dir: str) -> TensorTable:
+    """The tensor table of ``model_dir``: from ``model.safetensors.index.json`` (every file it names) or from the
+    ``*.safetensors`` files present. A file the index names that is missing, or a tensor the index places in a file
+    that does not hold it, is a problem."""
+    table = TensorTable()
+    index_path = os.path.join(model_dir, INDEX)
+    if os.path.exists(index_path):
+        try:
+            with open(index_path) as fh:
+                weight_map = json.load(fh)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (OSError, ValueError, KeyError, TypeError):
+            raise CorruptFileError("the index is not valid JSON with a weight_map", path=index_path,
+                                   fix="download model.safetensors.index.json again", code="corrupt_file") from None
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if not os.path.isfile(os.path.join(model_dir, name)):
+                count = sum(1 for v in weight_map.values() if v == name)
+                table.problems.append(("missing_file", os.path.join(model_dir, name),
+                                       f"the index places {count} tensor(s) in this file, which is missing",
+                                       "download the missing shard (or the whole model) again"))
+                continue
+            _file_tensors(model_dir, name, table)
+        for key, name in weight_map.items():
+            if key not in table.tensors and name in table.files:
+                table.problems.append(("missing_tensor", os.path.join(model_dir, name),
+                                       f"the index places tensor {key!r} in this file, which does not hold it",
+                                       "download the model again"))
+        return table
+    for name in sorted(e for e in os.listdir(model_dir) if e.endswith(".safetensors")):
+        _file_tensors(model_dir, name, table)
+    return table
+
+
+@dataclass(frozen=True)
+class Run:
+    """One contiguous byte run of a safetensors file: ``nbytes`` from byte ``start`` of ``file`` land at byte
+    ``dst`` of the tensor a :class:`SafeRef` describes."""
+
+    file: str
+    start: int
+    nbytes: int
+    dst: int
+
+
+@dataclass(frozen=True, repr=False)
+class SafeRef(TensorRef):
+    """A tensor made of row blocks of safetensors tensors, each a contiguous run of bytes: rows of a row-major
+    tensor stacked along dim 0 are its bytes concatenated (read by :mod:`megatron_preflight.reshard.sources.hf`)."""
+
+    runs: tuple[Run, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"SafeRef({tuple(self.shape)}, {self.dtype}, {len(self.runs)} run(s))"
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
+
+    def window(self, start: int, shape: tuple[int, ...]) -> SafeRef:
+        """Elements ``start ..`` of this tensor (flattened) as a contiguous tensor of ``shape``."""
+        item = self.dtype.itemsize
+        lo, hi = start * item, (start + math.prod(shape)) * item
+        runs = []
+        for r in self.runs:
+            a, b = max(lo, r.dst), min(hi, r.dst + r.nbytes)
+            if a < b:
+                runs.append(Run(r.file, r.start + a - r.dst, b - a, a - lo))
+        n = math.prod(shape)
+        return SafeRef(self.file, StorageRef(self.storage.key, self.dtype, n), 0, tuple(shape),
+                       row_major(tuple(shape)), runs=tuple(runs))
+
+
+def safe_ref(key: str, dtype: str, shape: tuple[int, ...], runs: tuple[Run, ...]) -> SafeRef:
+    """The ref of a tensor of ``shape`` made of ``runs``."""
+    dt = dtypes.dtype(dtype)
+    n = math.prod(shape)
+    return SafeRef(runs[0].file if runs else "", StorageRef(key, dt, n), 0, tuple(shape), row_major(tuple(shape)),
+                   runs=runs)

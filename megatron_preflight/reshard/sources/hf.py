@@ -1,0 +1,121 @@
+"""Hugging Face safetensors as a source of the resharder: :class:`HfReader` reads a
+:class:`~megatron_preflight.layout.hf.safetensors.SafeRef` (row blocks of safetensors tensors, each a contiguous run of
+bytes). A one-run tensor is a mapped view (the pages a rank's slice touches are all that is read); a tensor of several
+runs (fused QKV, SwiGLU's ``[gate; up]``) is read run by run with plain file I/O."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from typing import TYPE_CHECKING, Any
+
+from megatron_preflight import crc, dtypes
+from megatron_preflight.errors import CorruptFileError
+from megatron_preflight.layout.hf.safetensors import SafeRef
+from megatron_preflight.torch_file import map_file
+
+if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
+    import torch
+
+
+class HfReader:
+    """Reads the SafeRefs of one Hugging Face model dir (files mapped and opened once)."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}
+        self._last: tuple[SafeRef, torch.Tensor] | None = None
+
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
+            path = os.path.join(self.model_dir, name)
+            try:
+                self._fds[name] = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise CorruptFileError(f"cannot open the file ({exc.strerror})", path=path,
+                                       fix="download the model again", code="unreadable_file") from None
+        return self._fds[name]
+
+    def _map(self, name: str) -> mmap.mmap:
+        if name not in self._maps:
+            self._maps[name] = map_file(os.path.join(self.model_dir, name))
+        return self._maps[name]
+
+    def _pread(self, name: str, start: int, out: memoryview) -> None:
+        fd, got = self._fd(name), 0
+        while got < len(out):
+            n = os.preadv(fd, [out[got:]], start + got)
+            if n <= 0:
+                raise CorruptFileError(f"the file ends at byte {start + got:,}, inside a tensor (truncated)",
+                                       path=os.path.join(self.model_dir, name), fix="download the model again",
+                                       code="corrupt_file")
+            got += n
+
+    def tensor(self, shard: str, ref: SafeRef, verify: bool = True) -> torch.Tensor:
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+        if self._last is not None and self._last[0] is ref:
+            return self._last[1]
+        dtype = dtypes.to_torch(ref.dtype)
+        if len(ref.runs) == 1:  # a view of the mapped file: only the pages a slice touches are read
+            r = ref.runs[0]
+            view = torch.frombuffer(self._map(r.file), dtype=torch.uint8, count=r.nbytes, offset=r.start)
+            t = view.view(dtype).view(ref.shape)
+        else:
+            t = torch.empty(ref.shape, dtype=dtype)
+            buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            for r in ref.runs:
+                self._pread(r.file, r.start, buf[r.dst:r.dst + r.nbytes])
+        self._last = (ref, t)
+        return t
+
+    def item(self, shard: str, ref: SafeRef) -> Any:
+        return self.tensor(shard, ref).item()
+
+    def extent(self, shard: str, ref: SafeRef) -> tuple[str, int, int] | None:
+        if len(ref.runs) != 1 or not ref.shape:
+            return None
+        r = ref.runs[0]
+        return os.path.join(self.model_dir, r.file), r.start, ref.row_bytes
+
+    def read_rows(self, shard: str, ref: SafeRef, row0: int, out: Any) -> int | None:
+        """Rows from ``row0`` into ``out`` (as many as it holds), run by run: their CRC-32."""
+        if not ref.shape:
+            return None
+        buf = memoryview(out).cast("B")
+        lo = row0 * ref.row_bytes
+        hi = lo + len(buf)
+        if hi > math.prod(ref.shape) * ref.dtype.itemsize:
+            return None
+        value = 0
+        for r in ref.runs:
+            a, b = max(lo, r.dst), min(hi, r.dst + r.nbytes)
+            if a < b:
+                part = buf[a - lo:b - lo]
+                self._pread(r.file, r.start + a - r.dst, part)
+                value = crc.combine(value, crc.crc32(part), b - a)
+        return value
+
+    def finish(self) -> None:
+        pass
+
+    def release(self, shard: str, ref: SafeRef) -> None:
+        self._last = None
+        self.release_pages()
+
+    def release_pages(self) -> None:
+        self._last = None
+        for m in self._maps.values():
+            try:
+                m.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError, AttributeError):
+                pass
+
+    def close(self) -> None:
+        self._last = None
+        self._maps.clear()  # a mapping with live tensor views is released with the last of them
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,131 @@
+"""Tiny random Hugging Face models written by ``transformers`` (the oracle), and megatron-core GPT models built from
+the Megatron args megatron-preflight derives for them (test-only).
+
+``transformers`` is a test dependency: the package reads safetensors headers itself and never imports it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SEQ = 16
+# every family: 2 layers, GQA (4 heads over 2 groups), 96-token vocab (128 at TP2 after Megatron's padding would
+# change the softmax: 128 keeps it unpadded at TP1 and TP2)
+COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.25)
+
+
+def configs() -> dict[str, Any]:
+    import transformers as T
+
+    return {
+        "llama": T.LlamaConfig(**COMMON, rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5),
+        "mistral": T.MistralConfig(**COMMON, tie_word_embeddings=False),
+        "qwen2": T.Qwen2Config(**COMMON, tie_word_embeddings=True),
+        "qwen3": T.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=False),
+        "mixtral": T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+        "qwen3_moe": T.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                      norm_topk_prob=True, tie_word_embeddings=False),
+    }
+
+
+def write(name: str, path: str, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``name`` model (fp32) to ``path``."""
+    import transformers as T
+
+    cfg = configs()[name]
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model.save_pretrained(path)
+    return path
+
+
+def tokens(batch: int = 2, seed: int = 7) -> torch.Tensor:
+    return torch.randint(0, COMMON["vocab_size"], (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(path: str) -> torch.Tensor:
+    """``transformers``' own logits for :func:`tokens` (fp32, eager attention)."""
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(tokens()).logits.float()
+
+
+def build_from_args(args: dict[str, Any], tp: int, pp: int = 1, ep: int = 1) -> list[torch.nn.Module]:
+    """A megatron-core GPT model (local spec) built from Megatron args (attribute names) at this layout."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tests.helpers import cpu_compat
+    from tests.helpers.pool import release_groups
+
+    release_groups()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if ep == 1 else 1)
+    cpu_compat.seed(1234)
+    kw: dict[str, Any] = dict(
+        num_layers=args["num_layers"], hidden_size=args["hidden_size"], num_attention_heads=args["num_attention_heads"],
+        ffn_hidden_size=args["ffn_hidden_size"], num_query_groups=args["num_query_groups"],
+        kv_channels=args["kv_channels"], normalization=args["normalization"], layernorm_epsilon=args["norm_epsilon"],
+        add_bias_linear=args["add_bias_linear"], add_qkv_bias=args["add_qkv_bias"], gated_linear_unit=args["swiglu"],
+        activation_func=F.silu, qk_layernorm=args["qk_layernorm"], use_cpu_initialization=True,
+        pipeline_dtype=torch.float32, params_dtype=torch.float32, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp if ep == 1 else 1, sequence_parallel=bool(args.get("num_experts")) and tp > 1,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False)
+    if args.get("num_experts"):
+        kw.update(num_moe_experts=args["num_experts"], moe_router_topk=args["moe_router_topk"],
+                  moe_ffn_hidden_size=args["moe_ffn_hidden_size"], moe_token_dispatcher_type="allgather",
+                  moe_aux_loss_coeff=0.0, moe_router_pre_softmax=args["moe_router_pre_softmax"],
+                  moe_router_score_function=args["moe_router_score_function"])
+    cfg = TransformerConfig(**kw)
+    spec = get_gpt_layer_local_spec(num_experts=args.get("num_experts"), qk_layernorm=args["qk_layernorm"],
+                                    normalization=args["normalization"])
+    from megatron_preflight.parallel import pad_vocab
+
+    padded = pad_vocab(args["vocab_size"], args["make_vocab_size_divisible_by"], tp)
+    model = GPTModel(cfg, spec, vocab_size=padded, max_sequence_length=SEQ,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
+                     position_embedding_type="rope", rotary_base=args["rotary_base"],
+                     rotary_percent=args["rotary_percent"])
+    model.eval()
+    return [model]
+
+
+def load_and_forward(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, root: str | None = None) -> Any:
+    """On every rank: the model built from the HF dir's Megatron args at this layout, loaded (strictly) from the
+    in-memory reshard of ``hf_dir`` (or of the Megatron checkpoint ``root`` when given); rank 0's logits over the
+    model's vocab (PP1), else each rank's state dict."""
+    from megatron_preflight import reshard
+    from megatron_preflight.reshard.resharder import build_rank_state_dict
+    from megatron_preflight.reshard.target import TargetLayout
+
+    args = vars(reshard.open_index(hf_dir).layout.saved_args)
+    chunks = build_from_args(args, tp, pp, ep)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    sd = build_rank_state_dict(root or hf_dir, TargetLayout(tp=tp, pp=pp, ep=ep, etp=tp if ep == 1 else 1),
+                               rank=rank, world_size=world)
+    chunks[0].load_state_dict(sd["model"], strict=True)
+    if pp > 1:
+        return {k: v.clone() for k, v in chunks[0].state_dict().items() if isinstance(v, torch.Tensor)}
+    ids = tokens()
+    pos = torch.arange(SEQ).unsqueeze(0).expand_as(ids)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        out = chunks[0](ids, pos, mask, runtime_gather_output=True)
+    return out[..., :args["vocab_size"]].clone() if rank == 0 else None
+
+
+

@@ -1,0 +1,106 @@
+"""A Hugging Face model dir read as a checkpoint: each family's config and names, both config spellings, refusals and
+damage named (metadata only)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_preflight.layout.discover import discover
+from megatron_preflight.layout.hf.config import load_raw, normalise
+from megatron_preflight.layout.model import Format
+
+hf_models = pytest.importorskip("tests.helpers.hf_models")
+pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: hf_models.write(name, str(root / name)) for name in FAMILIES}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_reads_as_a_tp1_release_checkpoint(models, name):
+    lay = discover(models[name])
+    assert lay.format == Format.HF and lay.problems == []
+    assert (lay.iteration, lay.tp, lay.pp, lay.ep) == ("release", 1, 1, 1)
+    args = lay.saved_args
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.num_query_groups) == (2, 32, 4, 2)
+    assert args.group_query_attention and args.swiglu and args.normalization == "RMSNorm"
+    assert args.add_qkv_bias == (name == "qwen2") and args.qk_layernorm == name.startswith("qwen3")
+    assert args.untie_embeddings_and_output_weights == (name != "qwen2")
+    model = lay.shards[0].meta["model"]
+    qkv = model["decoder.layers.0.self_attention.linear_qkv.weight"]
+    head_dim = args.kv_channels
+    assert qkv.shape == ((4 + 2 * 2) * head_dim, 32)  # q heads + a k and a v head per group
+    if args.num_experts:
+        assert model["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].shape == \
+            (2 * args.moe_ffn_hidden_size, 32)
+        assert "decoder.layers.0.mlp.router.weight" in model
+    else:
+        assert model["decoder.layers.1.mlp.linear_fc1.weight"].shape == (2 * 64, 32)
+
+
+def test_qkv_rows_are_grouped_per_query_group(models):
+    """Group 1's rows of the fused QKV: its two q heads, then its k head, then its v head."""
+    lay = discover(models["llama"])
+    ref = lay.shards[0].meta["model"]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    from megatron_preflight.layout.hf.safetensors import tensor_table
+
+    t = tensor_table(models["llama"]).tensors
+    row = 32 * 4
+    q, k, v = (t[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    group1 = [r for r in ref.runs if 4 * 8 * row <= r.dst < 8 * 8 * row]
+    assert [(r.start, r.nbytes) for r in group1] == [(q.start + 2 * 8 * row, 2 * 8 * row), (k.start + 8 * row, 8 * row),
+                                                      (v.start + 8 * row, 8 * row)]
+
+
+def test_transformers_4_spellings_read_alike(models, tmp_path):
+    """The hub's config.json (transformers 4): rope_theta and rope_scaling at the top, Qwen3-MoE's num_experts."""
+    raw, path = load_raw(models["qwen3_moe"])
+    old = dict(raw)
+    params = old.pop("rope_parameters")
+    old["rope_theta"] = params["rope_theta"]
+    old["num_experts"] = old.pop("num_local_experts")
+    old["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}
+    new, old_cfg = normalise(raw, path), normalise(old, path)
+    assert old_cfg.num_experts == new.num_experts == 4 and old_cfg.rope_theta == new.rope_theta
+    assert old_cfg.rope_scaling.kind == "llama3" and old_cfg.rope_scaling.factor == 8.0
+
+
+def _edit_config(src: str, dst: str, **changes) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as fh:
+        raw = json.load(fh)
+    raw.update(changes)
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(raw, fh)
+    return dst
+
+
+def test_an_unsupported_architecture_is_refused_naming_what_is(models, tmp_path):
+    lay = discover(_edit_config(models["llama"], str(tmp_path / "g"), architectures=["Gemma2ForCausalLM"]))
+    assert lay.format == Format.HF and [p.code for p in lay.problems] == ["hf_unsupported"]
+    assert "Gemma2ForCausalLM" in lay.problems[0].message and "LlamaForCausalLM" in lay.problems[0].fix
+
+
+def test_an_activation_megatron_cannot_express_is_refused(models, tmp_path):
+    lay = discover(_edit_config(models["llama"], str(tmp_path / "a"), hidden_act="gelu"))
+    assert any(p.code == "hf_unsupported" and "gelu" in p.message for p in lay.problems)
+
+
+def test_weights_that_do_not_fit_the_config_are_named(models, tmp_path):
+    lay = discover(_edit_config(models["llama"], str(tmp_path / "n"), num_hidden_layers=3))
+    assert any(p.code == "missing_tensor" and "model.layers.2." in p.message for p in lay.problems)
+    lay = discover(_edit_config(models["llama"], str(tmp_path / "h"), num_key_value_heads=1))
+    assert any(p.code == "hf_shape" and "k_proj" in p.message for p in lay.problems)
+    lay = discover(_edit_config(models["llama"], str(tmp_path / "l"), num_hidden_layers=1))
+    assert any(p.code == "unmapped_tensor" and "model.layers.1." in p.message for p in lay.problems)
