@@ -133,7 +133,8 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             out.append(Finding("max_position_embeddings", ck, run, FATAL,
                                "learned position embeddings have max_position_embeddings rows: the table differs",
                                f"set --max-position-embeddings {ck}"))
-    out.extend(_compare_vocab(layout, rt))
+    if layout.format != Format.HF:  # an HF model's rows are its vocab: check/hf_model.py compares the run's
+        out.extend(_compare_vocab(layout, rt))
     out.extend(_compare_dtype(saved, rt))
     out.extend(_compare_spec(layout, rt))
     out.extend(_compare_hybrid(layout, rt))
@@ -233,6 +234,8 @@ def _compare_spec(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     file, the same tensors (reshard/plan/spec.py bridges them); torch_dist maps the names itself."""
     saved = layout.saved_args
     out: list[Finding] = []
+    if layout.format == Format.HF:
+        return out  # read under the local spec's names and built under the run's (reshard/plan/spec.py)
     ck_impl = _get(saved, "transformer_impl")
     run_impl = rt.transformer_impl
     legacy = layout.format == Format.TORCH

@@ -16,6 +16,7 @@ from megatron_preflight.check.data import data_findings
 from megatron_preflight.check.ddp_buckets import bucket_findings
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.fsdp import fsdp_findings
+from megatron_preflight.check.hf_model import hf_findings
 from megatron_preflight.check.memory import memory_findings
 from megatron_preflight.check.param_groups import param_group_findings
 from megatron_preflight.check.runtime_args import RuntimeArgs, from_mapping, from_namespace
@@ -149,6 +150,11 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
     saved = layout.saved_args
     ck_dopt = bool(layout.distributed_optimizer)
     has_optim = True
+    if layout.format == Format.HF:  # weights only: Megatron loads a release checkpoint without optimizer or RNG
+        out.append(Finding("optimizer", "none (a Hugging Face model)", "fresh", INFO,
+                           "weights only: the optimizer and the RNG start fresh and the run starts at iteration 0",
+                           ""))
+        return out, False, False
     if layout.format == Format.TORCH and layout.shards and layout.shards[0].meta is not None:
         has_optim = "optimizer" in layout.shards[0].meta
     elif layout.common_state is not None:
@@ -363,6 +369,12 @@ def _format_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         out.append(Finding("ckpt_format", "torch", rt.ckpt_format, INFO,
                            "legacy checkpoint, run saves in another format: Megatron auto-detects it on load "
                            "(and never compares TP/PP then)", ""))
+    elif fmt == Format.HF:
+        return out + hf_findings(layout, rt) + (
+            [Finding("use_megatron_fsdp", "hf", True, FATAL, "a Megatron-FSDP run loads fsdp_dtensor checkpoints "
+                     "only, and megatron-preflight serves a Hugging Face model to 3D-parallel runs",
+                     "convert it first: " + advice.offline_fix(layout, rt, "--ckpt-format", "fsdp_dtensor"))]
+            if rt.use_megatron_fsdp else [])
     elif fmt == Format.TORCH_DCP and rt.ckpt_format != fmt.value:
         out.append(Finding("ckpt_format", fmt.value, rt.ckpt_format, FATAL,
                            f"a {fmt.value} checkpoint is only loaded with --ckpt-format {fmt.value}",
@@ -434,7 +446,9 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
         findings += state
     else:
         changed, load_optim, load_rng = False, False, False
-    if rt.use_megatron_fsdp and layout.format in (Format.TORCH, Format.TORCH_DIST):
+    if layout.format == Format.HF:
+        loader = Loader.RESHARD  # Megatron cannot read it: each rank's weights built from the safetensors
+    elif rt.use_megatron_fsdp and layout.format in (Format.TORCH, Format.TORCH_DIST):
         loader = Loader.RESHARD  # served to Megatron-FSDP's load as its fsdp_dtensor form (hook/fsdp_load.py)
     elif layout.format == Format.TORCH:
         loader = Loader.RESHARD if changed else (Loader.EP_3D if (layout.ep or 1) > 1 else Loader.NON_EP)

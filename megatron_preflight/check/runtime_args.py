@@ -58,6 +58,17 @@ class RuntimeArgs:
     swiglu: bool = False
     add_bias_linear: bool = True
     qk_layernorm: bool = False
+    # what a Hugging Face model fixes and a Megatron checkpoint may change (check/hf_model.py); Megatron's defaults
+    rotary_base: float = 10000
+    rotary_percent: float = 1.0
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rotary_seq_len_interpolation_factor: int | None = None
+    norm_epsilon: float = 1e-5  # --norm-epsilon (saved as layernorm_epsilon by Megatron-LM main)
+    add_qkv_bias: bool = False
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_layer_freq: str | None = None
     multi_latent_attention: bool = False  # MLA, and its sizes (Megatron's defaults)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 32
@@ -274,6 +285,8 @@ def from_mapping(values: dict[str, Any]) -> RuntimeArgs:
         key = name.replace("-", "_")
         if key == "disable_bias_linear":
             key, value = "add_bias_linear", not bool(value)
+        if key == "layernorm_epsilon":  # Megatron-LM main's name for --norm-epsilon
+            key = "norm_epsilon"
         if key in _FIELDS and value is not None:
             setattr(args, key, _coerce(key, value))
             args.given.add(key)

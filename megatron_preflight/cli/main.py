@@ -1,4 +1,4 @@
-"""``megatron-preflight`` command line: inspect, check, plan, reshard, diff, fingerprint."""
+"""``megatron-preflight`` command line: inspect, check, plan, reshard, diff, fingerprint, flags."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ import sys
 import threading
 from collections.abc import Callable
 
-from megatron_preflight.cli import check_cmd, diff_cmd, fingerprint_cmd, inspect_cmd, plan_cmd, reshard_cmd
+from megatron_preflight.cli import (
+    check_cmd,
+    diff_cmd,
+    fingerprint_cmd,
+    flags_cmd,
+    inspect_cmd,
+    plan_cmd,
+    reshard_cmd,
+)
 from megatron_preflight.cli.common import EXIT_PROBLEMS, EXIT_USAGE
 from megatron_preflight.errors import PreflightError, environment_error
 from megatron_preflight.gc_budget import fewer_collections
@@ -36,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     reshard_cmd.add_parser(sub)
     diff_cmd.add_parser(sub)
     fingerprint_cmd.add_parser(sub)
+    flags_cmd.add_parser(sub)
     return parser
 
 

@@ -176,7 +176,7 @@ def test_dist_truncated_data_file(real_fixture):
 
 
 @pytest.mark.parametrize("kind, expect", [
-    ("hf", "Hugging Face"), ("deepspeed", "DeepSpeed"), ("empty", "empty directory"), ("other", "without a Megatron"),
+    ("deepspeed", "DeepSpeed"), ("empty", "empty directory"), ("other", "without a Megatron"),
 ])
 def test_not_megatron(tmp_path, kind, expect):
     d = tmp_path / kind
@@ -194,6 +194,19 @@ def test_not_megatron(tmp_path, kind, expect):
     assert layout.format is None and not layout.ok
     p = one(layout, "not_megatron")
     assert "not a Megatron checkpoint" in p.message and expect in p.message
+
+
+def test_a_hugging_face_dir_is_read_as_one_and_an_unknown_model_named(tmp_path):
+    """An HF model dir is a checkpoint of format hf (layout/hf); a config naming no supported architecture is one
+    problem that names what is supported."""
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["GPTNeoXForCausalLM"]}')
+    (d / "model.safetensors").write_bytes(b"x")
+    layout = discover(str(d))
+    assert layout.format is not None and layout.format.value == "hf" and not layout.ok
+    p = one(layout, "hf_unsupported")
+    assert "GPTNeoXForCausalLM" in p.message and "LlamaForCausalLM" in p.fix
 
 
 def test_unsafe_pickle_refused_and_never_runs(tmp_path):

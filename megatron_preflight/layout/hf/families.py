@@ -103,11 +103,15 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
     return out
 
 
+MAX_TP = 8  # the vocab is kept unpadded up to this TP
+
+
 def _divisor(vocab: int) -> int:
-    """The ``--make-vocab-size-divisible-by`` under which the model's vocab is not padded at TP1 (a power of two up
-    to Megatron's default 128)."""
+    """The ``--make-vocab-size-divisible-by`` under which the model's vocab is not padded at any TP up to
+    :data:`MAX_TP` (Megatron pads to a multiple of it times TP; padding rows are zeros whose logits enter the softmax,
+    so the run would compute another loss than the model's): the largest power of two up to Megatron's default 128."""
     d = 128
-    while d > 1 and vocab % d:
+    while d > 1 and vocab % (d * MAX_TP):
         d //= 2
     return d
 

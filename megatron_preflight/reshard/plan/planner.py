@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
-from megatron_preflight.layout.model import Layout
+from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.parallel import ParallelLayout, pad_vocab
 from megatron_preflight.reshard.plan.index import EMBEDDING
 from megatron_preflight.reshard.plan.rules import Rule, mtp_index, mtp_place, segments
@@ -34,6 +34,11 @@ def target_vocab(layout: Layout, tgt: ParallelLayout, padded_vocab_size: int | N
     """The vocab rows at the target (Megatron's padding rule), from the true vocab size when it is known. The target
     never has fewer rows than the real vocab: real rows are never cut."""
     args = layout.saved_args
+    if layout.format == Format.HF and padded_vocab_size:
+        # a Hugging Face model's rows are all its vocab, and the run pads from its tokenizer's size: rows past the
+        # run's padded vocab are ids its tokenizer never produces (dropped); the rest are the model's, copied
+        target = int(padded_vocab_size)
+        return VocabPlan(min(source_padded, target), source_padded, target)
     div = divisible_by or int(saved_arg(args, "make_vocab_size_divisible_by", 128) or 128)
     true = vocab_size or saved_arg(args, "vocab_size")
     real = int(true) if true else source_padded

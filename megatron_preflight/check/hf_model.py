@@ -1,0 +1,148 @@
+"""A Hugging Face model against the run: every model flag the HF ``config.json`` fixes (through the family table,
+:mod:`megatron_preflight.layout.hf.families`), compared all at once, and the flags a run copies to build the model.
+
+The shapes (layers, hidden, FFN, heads, groups, kv channels, experts, tied head, biases, QK norm, SwiGLU,
+normalization) are compared for every checkpoint (:mod:`.compare`); what a Megatron checkpoint may legitimately change
+but an HF model fixes — RoPE base and scaling, the norm epsilon, the router's top-k and softmax order, the MoE layer
+pattern — is compared here: the weights would load and train another model, silently."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_preflight.check.findings import Finding, Severity
+from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.layout.model import Layout
+
+FATAL, INFO = Severity.FATAL, Severity.INFO
+
+# (field, what it changes); compared only when the HF model fixes it (its value in the saved args is not None)
+FUNCTION_FIELDS = (
+    ("rotary_base", "RoPE's base (rope_theta)"),
+    ("rotary_percent", "the share of each head RoPE rotates"),
+    ("use_rope_scaling", "llama3 RoPE frequency scaling"),
+    ("rope_scaling_factor", "llama3 RoPE scaling's factor"),
+    ("rotary_seq_len_interpolation_factor", "linear RoPE position interpolation"),
+    ("norm_epsilon", "the RMSNorm epsilon"),
+    ("add_qkv_bias", "the QKV projection's bias"),
+    ("moe_router_topk", "how many experts each token is routed to"),
+    ("moe_router_pre_softmax", "whether the router's softmax is taken over all experts before top-k"),
+    ("moe_router_score_function", "the router's score function"),
+    ("moe_layer_freq", "which layers are MoE layers"),
+)
+
+# the model flags of a run, in the order a launch script lists them: (field, flag); a bool is the flag alone
+MODEL_FLAGS = (
+    ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"), ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"), ("group_query_attention", "--group-query-attention"),
+    ("num_query_groups", "--num-query-groups"), ("kv_channels", "--kv-channels"),
+    ("max_position_embeddings", "--max-position-embeddings"),
+    ("position_embedding_type", "--position-embedding-type"), ("rotary_base", "--rotary-base"),
+    ("rotary_percent", "--rotary-percent"), ("use_rope_scaling", "--use-rope-scaling"),
+    ("rope_scaling_factor", "--rope-scaling-factor"),
+    ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
+    ("normalization", "--normalization"), ("norm_epsilon", "--norm-epsilon"), ("swiglu", "--swiglu"),
+    ("add_bias_linear", "--disable-bias-linear"), ("add_qkv_bias", "--add-qkv-bias"),
+    ("qk_layernorm", "--qk-layernorm"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"),
+    ("num_experts", "--num-experts"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+    ("moe_router_topk", "--moe-router-topk"), ("moe_router_score_function", "--moe-router-score-function"),
+    ("moe_router_pre_softmax", "--moe-router-pre-softmax"), ("moe_layer_freq", "--moe-layer-freq"),
+    ("bf16", "--bf16"), ("fp16", "--fp16"),
+)
+
+
+def _render(field: str, flag: str, value: Any) -> str | None:
+    if field == "add_bias_linear":
+        return None if value else flag  # --disable-bias-linear
+    if isinstance(value, bool):
+        return flag if value else None
+    if value is None:
+        return None
+    text = str(value)
+    return f"{flag} '{text}'" if any(c in text for c in "()[], ") else f"{flag} {text}"
+
+
+def model_flags(args: Any) -> list[str]:
+    """The ``pretrain_gpt.py`` flags that build the model of ``args`` (a Namespace or mapping of Megatron names)."""
+    raw = args.get if isinstance(args, dict) else lambda k: getattr(args, k, None)
+
+    def get(field: str) -> Any:  # (a Megatron-LM main checkpoint saves --norm-epsilon as layernorm_epsilon)
+        value = raw(field)
+        return raw("layernorm_epsilon") if value is None and field == "norm_epsilon" else value
+
+    out = []
+    for field, flag in MODEL_FLAGS:
+        value = get(field)
+        if field in ("use_rope_scaling", "rope_scaling_factor") and not get("use_rope_scaling"):
+            continue
+        if field.startswith("moe_") and not get("num_experts"):
+            continue
+        if field == "num_query_groups" and not get("group_query_attention"):
+            continue
+        rendered = _render(field, flag, value)
+        if rendered is not None:
+            out.append(rendered)
+    return out
+
+
+def _flag_of(field: str) -> str:
+    return dict(MODEL_FLAGS).get(field, "--" + field.replace("_", "-"))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(a)))
+    return str(a) == str(b) if not isinstance(a, bool) else bool(a) == bool(b)
+
+
+def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
+    """For a Hugging Face source: each model-function flag of the run that differs from the model's (fatal, with the
+    flag that fixes it), the run's vocab against the model's rows, and what loads (weights only)."""
+    saved = layout.saved_args
+    if saved is None:
+        return []
+    arch = getattr(saved, "hf_architecture", "the model")
+    out = [Finding("hf_model", arch, "load", INFO,
+                   "a Hugging Face model: Megatron-LM alone would not load it (it warns 'could not find the metadata "
+                   "file' and trains from random weights); megatron-preflight builds each rank's weights from the "
+                   "safetensors, as a release checkpoint: iteration 0, no optimizer or RNG state", "")]
+    moe = bool(getattr(saved, "num_experts", None))
+    for field, what in FUNCTION_FIELDS:
+        ck = getattr(saved, field, None)
+        if field.startswith("moe_") and not moe:
+            continue
+        if field == "rope_scaling_factor" and not getattr(saved, "use_rope_scaling", False):
+            continue
+        if ck is None and field != "rotary_seq_len_interpolation_factor":
+            continue
+        run = getattr(rt, field, None)
+        if field == "moe_layer_freq" and run is None:
+            run = 1
+        if ck is None and run is None:
+            continue
+        if not _same(ck, run):
+            fix = _render(field, _flag_of(field), ck)
+            fix = f"set {fix}" if fix else f"remove {_flag_of(field)}"
+            out.append(Finding(field, ck, run, FATAL, f"{what} differs from the Hugging Face model's "
+                               f"({arch}): model {ck}, run {run}; the weights would load and compute another model",
+                               fix))
+    rows = getattr(saved, "vocab_size", None)
+    # Megatron's NullTokenizer has --vocab-size ids and an end-of-document one
+    ids = rt.vocab_size + 1 if rt.vocab_size and rt.tokenizer_type == "NullTokenizer" else rt.vocab_size
+    if ids and rows and ids > rows:
+        out.append(Finding("vocab_size", rows, ids, FATAL,
+                           f"the run's tokenizer has {ids} token ids, the model's embedding {rows} rows",
+                           "use the model's tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+                           f"{layout.path})"))
+    elif rt.padded_vocab_size and rows and rt.padded_vocab_size != rows:
+        out.append(Finding("padded_vocab_size", rows, rt.padded_vocab_size, INFO,
+                           f"the run pads its vocab to {rt.padded_vocab_size} rows, the model has {rows}: "
+                           + (f"rows from {rt.padded_vocab_size} on are ids the run's tokenizer never produces "
+                              "(dropped)" if rt.padded_vocab_size < rows else
+                              f"rows {rows}..{rt.padded_vocab_size - 1} are zero padding; their logits enter the "
+                              "softmax, so the loss differs a little from the model's own"),
+                           "" if rt.padded_vocab_size < rows else
+                           "set --make-vocab-size-divisible-by to a divisor of the model's rows over TP to keep "
+                           "the model's function exactly"))
+    return out
