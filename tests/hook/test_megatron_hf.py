@@ -1,0 +1,108 @@
+"""Starting real Megatron-LM from a Hugging Face model (skipped unless MEGATRON_LM_ROOT is set; see
+test_megatron_lm.py): ``pretrain_gpt.py --load HF_DIR --preflight auto`` with the model flags ``megatron-preflight
+flags`` prints, used as printed, trains its first iteration with ``transformers``' own loss on the same tokens
+(fp32), at TP, PP, EP and TP with sequence parallelism; the offline conversion loads in plain Megatron-LM alike;
+``--preflight check`` stops the job that Megatron alone would start from random weights.
+
+The MoE runs at TP2 need --sequence-parallel (a Megatron rule), which the CPU runner's norms accept."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.hook.test_megatron_lm import ROOT, megatron_env, run
+
+pytestmark = pytest.mark.skipif(not ROOT, reason="MEGATRON_LM_ROOT is not set: no real Megatron-LM checkout here")
+PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEQ, VOCAB = 16, 128
+BASE = (f"--seq-length {SEQ} --micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-4 "
+        "--lr-decay-style constant --hidden-dropout 0 --attention-dropout 0 --split 100,0,0 "
+        f"--tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} --log-interval 1 --eval-iters 0 "
+        "--eval-interval 1000 --seed 1234").split()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("data") / "tokens")
+    python, env = megatron_env(ROOT)
+    env["PYTHONPATH"] = PROJECT + os.pathsep + env["PYTHONPATH"]
+    done = subprocess.run([python, "-m", "tests.helpers.hf_data", prefix, str(SEQ), str(VOCAB)], cwd=PROJECT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tests.helpers import hf_data, hf_models
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name in hf_models.configs():
+        path = hf_models.write(name, str(root / name))
+        out[name] = (path, hf_data.hf_loss(path, SEQ, VOCAB))
+    return out
+
+
+def printed_flags(path: str) -> list[str]:
+    """The model flags ``megatron-preflight flags`` prints, as a launch script would hold them."""
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "flags", path], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line.rstrip(" \\") for line in done.stdout.splitlines() if not line.startswith("#")]
+    return [word.strip("'") for line in lines for word in line.split(" ", 1)]
+
+
+def first_loss(log: str) -> float:
+    m = re.search(r"iteration +1/ +1 .*?lm loss: ([0-9.E+-]+)", log)
+    assert m, log[-4000:]
+    return float(m.group(1))
+
+
+CASES = [("llama", 2, ["--tensor-model-parallel-size", "2"]), ("llama", 2, ["--pipeline-model-parallel-size", "2"]),
+         ("mistral", 1, []), ("qwen2", 2, ["--tensor-model-parallel-size", "2"]),
+         ("qwen3", 2, ["--pipeline-model-parallel-size", "2"]),
+         ("mixtral", 2, ["--expert-model-parallel-size", "2"]),
+         ("qwen3_moe", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+         ("qwen3_moe", 2, ["--expert-model-parallel-size", "2"])]
+
+
+@pytest.mark.parametrize("name, nproc, layout", CASES, ids=[f"{c[0]}-{'-'.join(c[2]) or 'tp1'}" for c in CASES])
+def test_an_hf_model_trains_with_transformers_loss(tmp_path, data, models, name, nproc, layout):
+    path, oracle = models[name]
+    rc, log = run(tmp_path, path, nproc, *printed_flags(path), "--data-path", data, *layout, "--preflight", "auto",
+                  base=BASE, port=29740, verify=False)
+    assert rc == 0, log[-4000:]
+    assert "loaded through the in-memory resharder (iteration 0" in log
+    assert first_loss(log) == pytest.approx(oracle, abs=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_the_offline_conversion_loads_in_plain_megatron(tmp_path, data, models, fmt):
+    path, oracle = models["qwen3_moe"]
+    out = str(tmp_path / "converted")
+    layout = ["--expert-model-parallel-size", "2"]
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", path, out, "--no-progress",
+                           "--ckpt-format", fmt, "--", *layout], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rc, log = run(tmp_path, out, 2, *printed_flags(path), "--data-path", data, *layout, "--ckpt-format", fmt,
+                  plugin=False, base=BASE, port=29741, verify=False)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(oracle, abs=1e-5)
+
+
+def test_check_stops_the_job_megatron_would_start_from_random_weights(tmp_path, data, models):
+    path, oracle = models["llama"]
+    rc, log = run(tmp_path, path, 1, *printed_flags(path), "--data-path", data, "--preflight", "check", base=BASE,
+                  port=29742, verify=False)
+    assert rc == 1 and "--preflight auto" in log and "lm loss" not in log
+    rc, log = run(tmp_path, path, 1, *printed_flags(path), "--data-path", data, plugin=False, base=BASE, port=29743,
+                  verify=False)
+    assert rc == 0 and "could not find the metadata file" in log  # Megatron alone: random weights, another loss
+    assert abs(first_loss(log) - oracle) > 1e-3
