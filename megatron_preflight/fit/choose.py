@@ -95,6 +95,8 @@ def load_of(layout: Layout, saved: ParallelLayout, cand: ParallelLayout, *, load
         except PreflightError:  # a placement that cannot be compared is a move
             same = False
     fmt = layout.format
+    if fmt == Format.HF:
+        return Load.PREFLIGHT_RESHARDS  # Megatron reads no Hugging Face model at any layout
     if fmt == Format.FSDP_DTENSOR:
         if fsdp_run and same_vocab:
             return Load.AS_SAVED if same else Load.MEGATRON_RESHARDS

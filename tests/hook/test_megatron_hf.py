@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.hook.test_megatron_lm import ROOT, megatron_env, run
+from tests.hook.test_megatron_lm import ROOT, TE_CPU, megatron_env, run
 
 pytestmark = pytest.mark.skipif(not ROOT, reason="MEGATRON_LM_ROOT is not set: no real Megatron-LM checkout here")
 PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,3 +106,19 @@ def test_check_stops_the_job_megatron_would_start_from_random_weights(tmp_path, 
                   verify=False)
     assert rc == 0 and "could not find the metadata file" in log  # Megatron alone: random weights, another loss
     assert abs(first_loss(log) - oracle) > 1e-3
+
+
+TE_CASES = [("llama", ["--tensor-model-parallel-size", "2"]),
+            ("qwen3_moe", ["--expert-model-parallel-size", "2", "--moe-grouped-gemm"])]
+
+
+@pytest.mark.skipif(not TE_CPU, reason="MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
+@pytest.mark.parametrize("name, layout", TE_CASES, ids=[c[0] for c in TE_CASES])
+def test_the_transformer_engine_spec_loads_it_alike(tmp_path, data, models, name, layout):
+    """Under the Transformer Engine spec (through te_cpu, a CPU stand-in for TE 2.17.1, not TE), grouped experts
+    included: the fused norms' names and the modules' extra state are the resharder's bridge."""
+    path, oracle = models[name]
+    rc, log = run(tmp_path, path, 2, *printed_flags(path), "--data-path", data, *layout, "--preflight", "auto",
+                  base=BASE, port=29744, verify=False, te=True)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(oracle, abs=1e-5)

@@ -1,0 +1,111 @@
+"""``check HF_DIR -- <run flags>``: the flags ``megatron-preflight flags`` prints pass as printed; each wrong model
+flag is named, fatal, with the fix that — applied as printed — clears it; the run is told what loads."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from megatron_preflight.check.hf_model import model_flags
+from megatron_preflight.check.plan import make_plan
+from megatron_preflight.check.runtime_args import from_cli
+from megatron_preflight.check.verdict import Verdict
+from megatron_preflight.reshard import open_index
+
+hf_models = pytest.importorskip("tests.helpers.hf_models")
+pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+RUN = ["--tensor-model-parallel-size", "2", "--transformer-impl", "local", "--tokenizer-type", "NullTokenizer",
+       "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: hf_models.write(name, str(root / name), rope_theta=500000.0 if name == "llama" else 10000.0)
+            for name in FAMILIES}
+
+
+def printed(path: str) -> list[str]:
+    return [w for f in model_flags(open_index(path).layout.saved_args) for w in shlex.split(f)]
+
+
+def fatal(path: str, flags: list[str]) -> dict[str, str]:
+    plan = make_plan(path, from_cli(flags + RUN))
+    return {f.field: f.fix for f in plan.fatal}
+
+
+def apply(flags: list[str], fix: str) -> list[str]:
+    """A fix as printed: ``set --flag V`` / ``add --flag`` / ``remove --flag`` (with its value)."""
+    verb, *rest = shlex.split(fix.split(";")[0])
+    out = list(flags)
+    if verb in ("set", "remove"):
+        for flag in [w for w in rest if w.startswith("--")]:
+            while flag in out:
+                i = out.index(flag)
+                del out[i:i + (2 if i + 1 < len(out) and not out[i + 1].startswith("--") else 1)]
+    if verb in ("set", "add"):
+        out += rest
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_printed_flags_pass_and_the_load_is_weights_only(models, name):
+    plan = make_plan(models[name], from_cli(printed(models[name]) + RUN))
+    assert plan.fatal == [] and plan.verdict == Verdict.RESHARD
+    assert not plan.load_optimizer and not plan.load_rng
+    assert any(f.field == "hf_model" for f in plan.findings)
+
+
+# (family, a wrong flag edit, the field named): every model flag an HF config fixes, on each family where it applies
+EDITS = [
+    ("num_layers", ["--num-layers", "3"]), ("hidden_size", ["--hidden-size", "64"]),
+    ("ffn_hidden_size", ["--ffn-hidden-size", "96"]), ("num_attention_heads", ["--num-attention-heads", "8"]),
+    ("num_query_groups", ["--num-query-groups", "1"]), ("kv_channels", ["--kv-channels", "4"]),
+    ("position_embedding_type", ["--position-embedding-type", "learned_absolute"]),
+    ("rotary_base", ["--rotary-base", "1234"]), ("normalization", ["--normalization", "LayerNorm"]),
+    ("norm_epsilon", ["--norm-epsilon", "0.001"]), ("use_rope_scaling", ["--use-rope-scaling"]),
+]
+MOE_EDITS = [("num_experts", ["--num-experts", "8"]), ("moe_ffn_hidden_size", ["--moe-ffn-hidden-size", "16"]),
+             ("moe_router_topk", ["--moe-router-topk", "1"]), ("moe_router_pre_softmax", ["--moe-router-pre-softmax"]),
+             ("moe_layer_freq", ["--moe-layer-freq", "([0]+[1]*1)"])]
+DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+         ("qk_layernorm", "--qk-layernorm"), ("add_qkv_bias", "--add-qkv-bias"),
+         ("add_bias_linear", "--disable-bias-linear"), ("group_query_attention", "--group-query-attention")]
+
+
+def _cases():
+    for name in FAMILIES:
+        for field, edit in EDITS + (MOE_EDITS if name in ("mixtral", "qwen3_moe") else []):
+            yield name, field, edit, None
+        for field, flag in DROPS:
+            yield name, field, None, flag
+
+
+@pytest.mark.parametrize("name, field, edit, drop", list(_cases()))
+def test_each_wrong_flag_is_named_and_its_fix_clears_it(models, name, field, edit, drop):
+    good = printed(models[name])
+    if drop is not None and drop not in good:
+        bad = good + [drop]  # present in the run, absent from the model
+    elif drop is not None:
+        bad = [w for w in good if w != drop]
+        if drop == "--group-query-attention":
+            bad = apply(bad, "remove --num-query-groups")
+    else:
+        bad = apply(good, "set " + " ".join(edit))
+    found = fatal(models[name], bad)
+    names = set(found)
+    if field == "group_query_attention":
+        field = "num_query_groups"  # GQA off means one group per head: the groups differ
+    assert field in names, f"{name}: {bad} -> {found}"
+    fixed = apply(bad, found[field])
+    assert field not in fatal(models[name], fixed), f"{name}: the fix {found[field]!r} did not clear {field}"
+
+
+def test_a_tokenizer_larger_than_the_model_is_fatal(models):
+    found = make_plan(models["llama"], from_cli(printed(models["llama"]) + RUN[:4] + ["--tokenizer-type",
+                                                                                       "NullTokenizer",
+                                                                                       "--vocab-size", "200"]))
+    assert "vocab_size" in {f.field for f in found.fatal}
