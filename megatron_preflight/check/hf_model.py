@@ -8,8 +8,10 @@ pattern — is compared here: the weights would load and train another model, si
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
+from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout.model import Layout
@@ -29,6 +31,12 @@ FUNCTION_FIELDS = (
     ("moe_router_pre_softmax", "whether the router's softmax is taken over all experts before top-k"),
     ("moe_router_score_function", "the router's score function"),
     ("moe_layer_freq", "which layers are MoE layers"),
+    ("moe_shared_expert_intermediate_size", "the shared experts' size"),
+    ("moe_router_enable_expert_bias", "the router's expert bias (DeepSeek-V3's e_score_correction_bias)"),
+    ("moe_router_num_groups", "the router's expert groups"),
+    ("moe_router_group_topk", "how many expert groups each token may use"),
+    ("moe_router_topk_scaling_factor", "the routed experts' scaling factor"),
+    ("rope_type", "the rotary embedding's kind (MLA takes yarn unless told)"),
 )
 
 # the model flags of a run, in the order a launch script lists them: (field, flag); a bool is the flag alone
@@ -44,10 +52,18 @@ MODEL_FLAGS = (
     ("normalization", "--normalization"), ("norm_epsilon", "--norm-epsilon"), ("swiglu", "--swiglu"),
     ("add_bias_linear", "--disable-bias-linear"), ("add_qkv_bias", "--add-qkv-bias"),
     ("qk_layernorm", "--qk-layernorm"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("multi_latent_attention", "--multi-latent-attention"), ("q_lora_rank", "--q-lora-rank"),
+    ("kv_lora_rank", "--kv-lora-rank"), ("qk_head_dim", "--qk-head-dim"),
+    ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"), ("v_head_dim", "--v-head-dim"), ("rope_type", "--rope-type"),
     ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"),
     ("num_experts", "--num-experts"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
     ("moe_router_topk", "--moe-router-topk"), ("moe_router_score_function", "--moe-router-score-function"),
     ("moe_router_pre_softmax", "--moe-router-pre-softmax"), ("moe_layer_freq", "--moe-layer-freq"),
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+    ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
+    ("moe_router_num_groups", "--moe-router-num-groups"), ("moe_router_group_topk", "--moe-router-group-topk"),
+    ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"), ("moe_router_dtype", "--moe-router-dtype"),
+    ("mtp_num_layers", "--mtp-num-layers"), ("transformer_impl", "--transformer-impl"),
     ("bf16", "--bf16"), ("fp16", "--fp16"),
 )
 
@@ -59,6 +75,8 @@ def _render(field: str, flag: str, value: Any) -> str | None:
         return flag if value else None
     if value is None:
         return None
+    if isinstance(value, (list, tuple)):
+        value = "[" + ",".join(str(v) for v in value) + "]"
     text = str(value)
     return f"{flag} '{text}'" if any(c in text for c in "()[], ") else f"{flag} {text}"
 
@@ -80,6 +98,8 @@ def model_flags(args: Any) -> list[str]:
             continue
         if field == "num_query_groups" and not get("group_query_attention"):
             continue
+        if field == "transformer_impl" and not get("multi_latent_attention"):
+            continue  # any spec builds the others; MLA is built with Transformer Engine's only
         rendered = _render(field, flag, value)
         if rendered is not None:
             out.append(rendered)
@@ -94,6 +114,16 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(a)))
     return str(a) == str(b) if not isinstance(a, bool) else bool(a) == bool(b)
+
+
+def _moe_layers(saved: Any, freq: Any) -> Any:
+    """``--moe-layer-freq`` as the 0/1 per layer Megatron makes of it (the value itself when it cannot be read)."""
+    if isinstance(freq, str) and freq.strip().isdigit():
+        freq = int(freq)
+    layers = reshard.moe_layers(argparse.Namespace(num_layers=getattr(saved, "num_layers", None),
+                                                   num_experts=getattr(saved, "num_experts", None),
+                                                   moe_layer_freq=freq))
+    return [int(m) for m in layers] if layers is not None else freq
 
 
 def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
@@ -117,8 +147,8 @@ def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         if ck is None and field != "rotary_seq_len_interpolation_factor":
             continue
         run = getattr(rt, field, None)
-        if field == "moe_layer_freq" and run is None:
-            run = 1
+        if field == "moe_layer_freq":  # compared as the layers it makes MoE layers
+            ck, run = _moe_layers(saved, ck), _moe_layers(saved, 1 if run is None else run)
         if ck is None and run is None:
             continue
         if not _same(ck, run):
@@ -127,6 +157,10 @@ def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             out.append(Finding(field, ck, run, FATAL, f"{what} differs from the Hugging Face model's "
                                f"({arch}): model {ck}, run {run}; the weights would load and compute another model",
                                fix))
+    if getattr(saved, "multi_latent_attention", False) and rt.transformer_impl == "local":
+        out.append(Finding("transformer_impl", "transformer_engine", "local", FATAL,
+                           "Megatron builds multi-latent attention with the Transformer Engine spec only",
+                           "set --transformer-impl transformer_engine"))
     rows = getattr(saved, "vocab_size", None)
     # Megatron's NullTokenizer has --vocab-size ids and an end-of-document one
     ids = rt.vocab_size + 1 if rt.vocab_size and rt.tokenizer_type == "NullTokenizer" else rt.vocab_size

@@ -69,6 +69,13 @@ class RuntimeArgs:
     moe_router_pre_softmax: bool = False
     moe_router_score_function: str = "softmax"
     moe_layer_freq: str | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_dtype: str | None = None
+    rope_type: str | None = None  # MLA's default is yarn
     multi_latent_attention: bool = False  # MLA, and its sizes (Megatron's defaults)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 32

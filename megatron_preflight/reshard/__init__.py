@@ -19,7 +19,7 @@ _EXPORTS = {
     "checkpoint_index": "", "has_legacy_grouped": "plan.index", "grouped_experts": "plan.spec",
     # the source's tensors and layout, as the planner of layouts reads them (megatron_preflight/fit)
     "iter_source_keys": "plan.index", "source_topology": "plan.topology", "is_tied": "plan.topology",
-    "saved_arg": "plan.topology", "mtp_index": "plan.rules", "target_vocab": "plan.planner",
+    "saved_arg": "plan.topology", "moe_layers": "plan.hybrid", "mtp_index": "plan.rules", "target_vocab": "plan.planner",
     # one checkpoint at one target layout
     "TargetLayout": "target", "Resharder": "resharder", "open_resharder": "resharder",
     "build_rank_state_dict": "resharder", "choose_optimizer": "resharder",
@@ -56,6 +56,7 @@ __all__ = [
     "is_tied",
     "iter_source_keys",
     "iter_plans",
+    "moe_layers",
     "mtp_index",
     "open_checked",
     "open_index",

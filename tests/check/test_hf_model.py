@@ -16,8 +16,9 @@ from megatron_preflight.reshard import open_index
 hf_models = pytest.importorskip("tests.helpers.hf_models")
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
-RUN = ["--tensor-model-parallel-size", "2", "--transformer-impl", "local", "--tokenizer-type", "NullTokenizer",
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"]
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
+RUN = ["--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
        "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2"]
 
 
@@ -61,16 +62,27 @@ def test_the_printed_flags_pass_and_the_load_is_weights_only(models, name):
 
 # (family, a wrong flag edit, the field named): every model flag an HF config fixes, on each family where it applies
 EDITS = [
-    ("num_layers", ["--num-layers", "3"]), ("hidden_size", ["--hidden-size", "64"]),
+    ("num_layers", ["--num-layers", "5"]), ("hidden_size", ["--hidden-size", "64"]),
     ("ffn_hidden_size", ["--ffn-hidden-size", "96"]), ("num_attention_heads", ["--num-attention-heads", "8"]),
     ("num_query_groups", ["--num-query-groups", "1"]), ("kv_channels", ["--kv-channels", "4"]),
     ("position_embedding_type", ["--position-embedding-type", "learned_absolute"]),
     ("rotary_base", ["--rotary-base", "1234"]), ("normalization", ["--normalization", "LayerNorm"]),
     ("norm_epsilon", ["--norm-epsilon", "0.001"]), ("use_rope_scaling", ["--use-rope-scaling"]),
 ]
-MOE_EDITS = [("num_experts", ["--num-experts", "8"]), ("moe_ffn_hidden_size", ["--moe-ffn-hidden-size", "16"]),
+MOE_EDITS = [("num_experts", ["--num-experts", "6"]), ("moe_ffn_hidden_size", ["--moe-ffn-hidden-size", "40"]),
              ("moe_router_topk", ["--moe-router-topk", "1"]), ("moe_router_pre_softmax", ["--moe-router-pre-softmax"]),
              ("moe_layer_freq", ["--moe-layer-freq", "([0]+[1]*1)"])]
+MLA_EDITS = [("q_lora_rank", ["--q-lora-rank", "8"]), ("kv_lora_rank", ["--kv-lora-rank", "8"]),
+             ("qk_head_dim", ["--qk-head-dim", "8"]), ("qk_pos_emb_head_dim", ["--qk-pos-emb-head-dim", "4"]),
+             ("v_head_dim", ["--v-head-dim", "8"]), ("rope_type", ["--rope-type", "yarn"]),
+             ("moe_router_score_function", ["--moe-router-score-function", "softmax"]),
+             ("moe_router_num_groups", ["--moe-router-num-groups", "4"]),
+             ("moe_router_topk_scaling_factor", ["--moe-router-topk-scaling-factor", "1.0"]),
+             ("moe_shared_expert_intermediate_size", ["--moe-shared-expert-intermediate-size", "32"]),
+             ("transformer_impl", ["--transformer-impl", "local"])]
+MLA_DROPS = [("multi_latent_attention", "--multi-latent-attention"),
+             ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias")]
+NOT_MLA = ("num_query_groups", "kv_channels", "group_query_attention")  # MLA has neither groups nor kv channels
 DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
          ("qk_layernorm", "--qk-layernorm"), ("add_qkv_bias", "--add-qkv-bias"),
          ("add_bias_linear", "--disable-bias-linear"), ("group_query_attention", "--group-query-attention")]
@@ -78,10 +90,13 @@ DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--unti
 
 def _cases():
     for name in FAMILIES:
-        for field, edit in EDITS + (MOE_EDITS if name in ("mixtral", "qwen3_moe") else []):
-            yield name, field, edit, None
-        for field, flag in DROPS:
-            yield name, field, None, flag
+        mla = name == "deepseek_v3"
+        for field, edit in EDITS + (MOE_EDITS if name in MOE else []) + (MLA_EDITS if mla else []):
+            if not (mla and field in NOT_MLA):
+                yield name, field, edit, None
+        for field, flag in DROPS + (MLA_DROPS if mla else []):
+            if not (mla and field in NOT_MLA):
+                yield name, field, None, flag
 
 
 @pytest.mark.parametrize("name, field, edit, drop", list(_cases()))
@@ -99,6 +114,8 @@ def test_each_wrong_flag_is_named_and_its_fix_clears_it(models, name, field, edi
     names = set(found)
     if field == "group_query_attention":
         field = "num_query_groups"  # GQA off means one group per head: the groups differ
+    if field == "moe_router_score_function" and name == "deepseek_v3":
+        names.discard("moe_router_enable_expert_bias")  # (an expert bias needs sigmoid: said as well)
     assert field in names, f"{name}: {bad} -> {found}"
     fixed = apply(bad, found[field])
     assert field not in fatal(models[name], fixed), f"{name}: the fix {found[field]!r} did not clear {field}"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import os
+
 import torch
 
 SEQ = 16
@@ -27,6 +29,14 @@ def configs() -> dict[str, Any]:
         "mixtral": T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
         "qwen3_moe": T.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                       norm_topk_prob=True, tie_word_embeddings=False),
+        # MLA (q and kv low rank, interleaved rotary rows), a dense first layer, 8 routed experts in 2 groups with a
+        # sigmoid router and its bias, a shared expert, a routed scaling factor
+        "deepseek_v3": T.DeepseekV3Config(**{**COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                                          moe_intermediate_size=16, n_shared_experts=1, n_routed_experts=8,
+                                          num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                          routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
+                                          qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                          tie_word_embeddings=False, rope_scaling=None),
     }
 
 
@@ -129,3 +139,29 @@ def load_and_forward(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, root: s
 
 
 
+
+
+def add_mtp(path: str, seed: int = 3) -> str:
+    """Give a DeepSeek-V3 dir written by ``transformers`` (which drops them) the multi-token prediction layer the hub's
+    files carry, as layer ``num_hidden_layers``: a copy of the last layer's weights, random norms and ``eh_proj``,
+    and copies of the embedding and head (test-only: ``transformers`` ignores these weights, so they change nothing
+    it computes)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(path, "config.json")) as fh:
+        n = json.load(fh)["num_hidden_layers"]
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    for k in [k for k in weights if k.startswith(last)]:
+        weights[mtp + k[len(last):]] = weights[k].clone() + 0.01 * torch.randn(weights[k].shape, generator=g)
+    hidden = weights["model.norm.weight"].shape[0]
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{mtp}{norm}.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
+    weights[mtp + "eh_proj.weight"] = 0.25 * torch.randn(hidden, 2 * hidden, generator=g)
+    weights[mtp + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights[mtp + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path

@@ -109,11 +109,15 @@ def test_check_stops_the_job_megatron_would_start_from_random_weights(tmp_path, 
 
 
 TE_CASES = [("llama", ["--tensor-model-parallel-size", "2"]),
-            ("qwen3_moe", ["--expert-model-parallel-size", "2", "--moe-grouped-gemm"])]
+            ("qwen3_moe", ["--expert-model-parallel-size", "2", "--moe-grouped-gemm"]),
+            # DeepSeek-V3: MLA (built with the TE spec only), a dense first layer, grouped sigmoid routing with the
+            # expert bias, a shared expert
+            ("deepseek_v3", []), ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
+            ("deepseek_v3", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-grouped-gemm"])]
 
 
 @pytest.mark.skipif(not TE_CPU, reason="MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
-@pytest.mark.parametrize("name, layout", TE_CASES, ids=[c[0] for c in TE_CASES])
+@pytest.mark.parametrize("name, layout", TE_CASES, ids=[f"{c[0]}-{'-'.join(c[1]) or 'tp1'}" for c in TE_CASES])
 def test_the_transformer_engine_spec_loads_it_alike(tmp_path, data, models, name, layout):
     """Under the Transformer Engine spec (through te_cpu, a CPU stand-in for TE 2.17.1, not TE), grouped experts
     included: the fused norms' names and the modules' extra state are the resharder's bridge."""
@@ -122,3 +126,22 @@ def test_the_transformer_engine_spec_loads_it_alike(tmp_path, data, models, name
                   base=BASE, port=29744, verify=False, te=True)
     assert rc == 0, log[-4000:]
     assert first_loss(log) == pytest.approx(oracle, abs=1e-5)
+
+
+@pytest.mark.skipif(not TE_CPU, reason="MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
+def test_deepseek_rotating_halves_and_its_mtp_layer(tmp_path, data):
+    """A DeepSeek-V3 whose rotary rows rotate in halves (rope_interleave: false; Megatron's MLA rotates interleaved
+    pairs: the rows are interleaved on the way), and one whose files carry the multi-token prediction layer the hub's
+    do (--mtp-num-layers 1, printed; transformers ignores it, so the lm loss is still its own)."""
+    from tests.helpers import hf_data, hf_models
+
+    halves = hf_models.write("deepseek_v3", str(tmp_path / "halves"), rope_interleave=False)
+    mtp = hf_models.add_mtp(hf_models.write("deepseek_v3", str(tmp_path / "mtp")))
+    assert "--mtp-num-layers" in printed_flags(mtp)
+    for path, layout in ((halves, ["--expert-model-parallel-size", "2"]),
+                         (mtp, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+        rc, log = run(tmp_path, path, 2, *printed_flags(path), "--data-path", data, *layout, "--preflight", "auto",
+                      base=BASE, port=29745, verify=False, te=True)
+        assert rc == 0, log[-4000:]
+        assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
+        assert ("mtp_1 loss" in log) == (path == mtp)

@@ -55,19 +55,40 @@ class HfConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     sliding_window: int | None = None
+    # DeepSeek-V3: multi-latent attention, shared experts, a sigmoid router with expert bias and groups, dense first
+    # layers, multi-token prediction layers (stored after the decoder's, as layers num_layers ..)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = False
+    shared_experts: int = 0
+    first_k_dense: int = 0
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float | None = None
+    scoring_func: str = "softmax"
+    mtp_layers: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def moe(self) -> bool:
-        return bool(self.num_experts)
+        """Whether any layer is a MoE layer (a config naming experts for no layer describes a dense model)."""
+        return bool(self.num_experts) and any(self.moe_layers())
 
     def moe_layers(self) -> list[bool]:
         """Whether each decoder layer is a MoE layer (Qwen3-MoE: every ``decoder_sparse_step``-th, minus
         ``mlp_only_layers``)."""
-        if not self.moe:
+        if not self.num_experts:
             return [False] * self.num_layers
         step = max(1, self.decoder_sparse_step)
-        return [i not in self.mlp_only_layers and (i + 1) % step == 0 for i in range(self.num_layers)]
+        return [i not in self.mlp_only_layers and (i + 1) % step == 0 and i >= self.first_k_dense
+                for i in range(self.num_layers)]
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank is not None
 
 
 def _first(raw: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -161,4 +182,13 @@ def normalise(raw: dict[str, Any], path: str) -> HfConfig:
         decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+        q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=raw.get("kv_lora_rank"),
+        qk_nope_head_dim=raw.get("qk_nope_head_dim"), qk_rope_head_dim=raw.get("qk_rope_head_dim"),
+        v_head_dim=raw.get("v_head_dim"), rope_interleave=bool(raw.get("rope_interleave", False)),
+        shared_experts=int(raw.get("n_shared_experts") or 0), first_k_dense=int(raw.get("first_k_dense_replace") or 0),
+        n_group=raw.get("n_group"), topk_group=raw.get("topk_group"),
+        routed_scaling_factor=raw.get("routed_scaling_factor"),
+        scoring_func=str(raw.get("scoring_func") or ("sigmoid" if raw.get("model_type") == "deepseek_v3"
+                                                      else "softmax")),
+        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
         raw=raw)

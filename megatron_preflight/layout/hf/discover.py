@@ -55,6 +55,12 @@ def discover_hf(path: str) -> Layout:
         layout.add("hf_unsupported", config_path, f"{arch}: Megatron's GPT model cannot express {reason}",
                    "convert it with a tool that maps this model (e.g. Megatron-Bridge), or train it elsewhere")
     args = saved_args(family, cfg, path)
+    depth = families.mtp_depth(cfg, {k: 1 for k in table.tensors})
+    if depth:
+        args.mtp_num_layers = depth
+    elif cfg.mtp_layers:
+        layout.notes.append(f"config.json names {cfg.mtp_layers} multi-token prediction layer(s) whose weights are not "
+                            "in these files (transformers drops them on save): the model loads without them")
     layout.saved_args = args
     layout.notes.append(f"Hugging Face {arch} ({family.name} family): read as a TP1 PP1 EP1 Megatron checkpoint, "
                         "weights only (iteration 0, no optimizer or RNG state)")
@@ -84,7 +90,8 @@ def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespa
     """The args a Megatron run that saved this model at TP1 would have saved."""
     values = families.megatron_args(family, cfg)
     values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-                  expert_tensor_parallel_size=1, context_parallel_size=1, transformer_impl="local",
+                  expert_tensor_parallel_size=1, context_parallel_size=1,
+                  transformer_impl="transformer_engine" if family.mla else "local",
                   moe_grouped_gemm=False, use_distributed_optimizer=False, ckpt_format="torch", iteration=0,
                   layernorm_epsilon=values["norm_epsilon"], consumed_train_samples=0,
                   params_dtype=dtypes.dtype(cfg.dtype if cfg.dtype in ("bfloat16", "float16") else "float32"),

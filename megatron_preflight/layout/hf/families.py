@@ -7,7 +7,11 @@ dim 0 of row blocks of Hugging Face tensors (:class:`Block`); the other dims are
 * ``copy``   — one HF tensor as is (norms, ``o_proj`` -> ``linear_proj``, ``down_proj`` -> ``linear_fc2``, embeddings);
 * ``glu``    — SwiGLU's fc1 is ``[gate; up]``: ``gate_proj`` rows, then ``up_proj`` rows;
 * ``qkv``    — Megatron's fused QKV is grouped per query group: for each group ``g`` its ``q`` heads, then its one
-  ``k`` head, then its ``v`` head (weight and bias alike).
+  ``k`` head, then its ``v`` head (weight and bias alike);
+* ``rope``   — DeepSeek's multi-latent attention rotates each head's rotary rows in interleaved pairs ``(2i, 2i+1)``
+  (``rope_interleave``, the default), and so does Megatron's MLA (it de-interleaves before rotating halves): the rows
+  are taken as they are. A model that rotates halves (``rope_interleave: false``) has its rows interleaved: row
+  ``2i`` from ``i``, row ``2i + 1`` from ``i + d/2`` (measured: without it the loss differs from ``transformers``').
 
 The same blocks read backwards split a Megatron tensor into its HF tensors, so a reader and a writer of HF models
 share this one table. The layer spec's other names (Transformer Engine's fused norms, grouped experts) are the
@@ -46,6 +50,7 @@ class Family:
     qkv_bias: str  # "always" (Qwen2), "config" (``attention_bias``), "never"
     qk_norm: bool  # per-head RMSNorm of q and k (Qwen3)
     moe: Moe | None = None
+    mla: bool = False  # multi-latent attention (DeepSeek-V3), which Megatron builds with the TE spec only
 
 
 FAMILIES = (
@@ -56,6 +61,8 @@ FAMILIES = (
            moe=Moe("block_sparse_moe", "gate", ("w1", "w3", "w2"))),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qkv_bias="config", qk_norm=True,
            moe=Moe("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))),
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), qkv_bias="never", qk_norm=False,
+           moe=Moe("mlp", "gate", ("gate_proj", "up_proj", "down_proj")), mla=True),
 )
 
 
@@ -98,8 +105,12 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear" and cfg.rope_scaling.factor is not None \
             and float(cfg.rope_scaling.factor) != int(cfg.rope_scaling.factor):
         out.append(f"linear RoPE scaling by {cfg.rope_scaling.factor} (Megatron takes an integer factor)")
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
+    if cfg.num_attention_heads % cfg.num_key_value_heads and not family.mla:
         out.append(f"{cfg.num_attention_heads} heads do not group over {cfg.num_key_value_heads} key-value heads")
+    if cfg.scoring_func not in ("softmax", "sigmoid"):
+        out.append(f"the router's scoring function {cfg.scoring_func!r}")
+    if cfg.scoring_func == "sigmoid" and cfg.norm_topk_prob is False and (cfg.experts_per_token or 1) > 1:
+        out.append("sigmoid routing without norm_topk_prob (Megatron normalises the top-k sigmoid scores)")
     return out
 
 
@@ -135,6 +146,14 @@ def megatron_args(family: Family, cfg: HfConfig) -> dict[str, Any]:
         "make_vocab_size_divisible_by": _divisor(cfg.vocab_size),
         "num_experts": None,
     }
+    if family.mla:
+        args.update({"multi_latent_attention": True, "q_lora_rank": cfg.q_lora_rank,
+                     "kv_lora_rank": cfg.kv_lora_rank, "qk_head_dim": cfg.qk_nope_head_dim,
+                     "qk_pos_emb_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+                     "kv_channels": None, "group_query_attention": False, "num_query_groups": None,
+                     # the q and kv low-rank norms: Megatron builds them (fused into the up projections) only
+                     # with --qk-layernorm
+                     "qk_layernorm": True, "rope_type": "rope"})
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
         args["use_rope_scaling"] = True
         args["rope_scaling_factor"] = cfg.rope_scaling.factor
@@ -148,8 +167,18 @@ def megatron_args(family: Family, cfg: HfConfig) -> dict[str, Any]:
             # Mixtral renormalises the top-k probabilities (Megatron's default: softmax over the top-k logits);
             # Qwen3-MoE only with norm_topk_prob; without it, softmax over all experts, then top-k
             "moe_router_pre_softmax": family.name == "qwen3_moe" and not cfg.norm_topk_prob,
-            "moe_layer_freq": 1 if all(moe_layers) else "([" + ",".join("1" if m else "0" for m in moe_layers) + "])",
+            # as Megatron's args hold it after parsing: 1 (every layer), or one 0/1 per layer
+            "moe_layer_freq": 1 if all(moe_layers) else [int(m) for m in moe_layers],
         })
+        if cfg.shared_experts:
+            args["moe_shared_expert_intermediate_size"] = cfg.shared_experts * int(cfg.moe_intermediate_size or 0)
+        if cfg.scoring_func == "sigmoid":
+            args.update(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                        moe_router_enable_expert_bias=True, moe_router_dtype="fp32")
+        if cfg.n_group and cfg.n_group > 1:
+            args.update(moe_router_num_groups=int(cfg.n_group), moe_router_group_topk=int(cfg.topk_group or 1))
+        if cfg.routed_scaling_factor not in (None, 1, 1.0):
+            args["moe_router_topk_scaling_factor"] = float(cfg.routed_scaling_factor)
     if cfg.dtype in ("bfloat16", "float16"):
         args["bf16" if cfg.dtype == "bfloat16" else "fp16"] = True
     return args
@@ -176,11 +205,28 @@ class Mapping:
 
 
 def _stack(names: list[tuple[str, int, int]]) -> tuple[Block, ...]:
+    """Blocks stacked along dim 0, each ``(hf, src0, rows)``."""
     out, at = [], 0
     for hf, src0, rows in names:
         out.append(Block(hf, src0, rows, at))
         at += rows
     return tuple(out)
+
+
+def _heads_with_rope(hf: str, heads: int, plain: int, rope: int, interleaved: bool, base: int = 0) -> list[tuple]:
+    """Row blocks of ``heads`` heads of ``plain + rope`` rows each from ``base``: the plain rows as they are, the
+    rotary rows as they are when the model interleaves them (Megatron's MLA does too), else interleaved here."""
+    out: list[tuple] = []
+    half = rope // 2
+    for h in range(heads):
+        at = base + h * (plain + rope)
+        if plain:
+            out.append((hf, at, plain))
+        if interleaved:
+            out.append((hf, at + plain, rope))
+        else:
+            out += [(hf, at + plain + i + j * half, 1) for i in range(half) for j in (0, 1)]
+    return out
 
 
 def _qkv(prefix: str, what: str, cfg: HfConfig) -> tuple[Block, ...]:
@@ -205,6 +251,23 @@ def mappings(family: Family, cfg: HfConfig, rows: dict[str, int]) -> list[Mappin
         return Mapping(key, _stack([(gate, 0, rows.get(gate, 0)), (up, 0, rows.get(up, 0))]))
 
     out = [copy("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    if family.mla:
+        for i, is_moe in enumerate(cfg.moe_layers()):
+            out += _mla_layer(family, cfg, f"model.layers.{i}.", f"decoder.layers.{i}.", is_moe, copy, glu)
+        out += [copy("decoder.final_layernorm.weight", "model.norm.weight"),
+                Mapping("decoder.final_layernorm._extra_state", ())]
+        for d in range(mtp_depth(cfg, rows)):
+            hf, mg = f"model.layers.{cfg.num_layers + d}.", f"mtp.layers.{d}."
+            for norm in ("enorm", "hnorm"):
+                out += [copy(f"{mg}{norm}.weight", f"{hf}{norm}.weight"), Mapping(f"{mg}{norm}._extra_state", ())]
+            out += [copy(mg + "eh_proj.weight", hf + "eh_proj.weight"), Mapping(mg + "eh_proj._extra_state", ())]
+            out += _mla_layer(family, cfg, hf, mg + "mtp_model_layer.", cfg.moe, copy, glu)
+            out += [copy(mg + "final_layernorm.weight", hf + "shared_head.norm.weight"),
+                    Mapping(mg + "final_layernorm._extra_state", ())]
+        if not cfg.tie_word_embeddings:
+            out.append(copy("output_layer.weight", "lm_head.weight"))
+        out.append(Mapping("output_layer._extra_state", ()))
+        return out
     bias = qkv_bias(family, cfg)
     for i, is_moe in enumerate(cfg.moe_layers()):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -243,6 +306,75 @@ def mappings(family: Family, cfg: HfConfig, rows: dict[str, int]) -> list[Mappin
     return out
 
 
+def mtp_depth(cfg: HfConfig, rows: dict[str, int]) -> int:
+    """How many multi-token prediction layers the files hold (DeepSeek-V3 stores them after the decoder's layers;
+    ``transformers`` drops them on save, so a model it wrote has none)."""
+    return sum(1 for d in range(cfg.mtp_layers) if f"model.layers.{cfg.num_layers + d}.eh_proj.weight" in rows)
+
+
+def _mla_layer(family: Family, cfg: HfConfig, hf: str, mg: str, is_moe: bool, copy: Any, glu: Any) -> list[Mapping]:
+    """A DeepSeek-V3 layer under the Transformer Engine spec's names (Megatron builds MLA with it only): a separate
+    input norm, the fused q/kv up projections' norms, sequential experts, shared experts, the router's expert bias."""
+    attn, heads = hf + "self_attn.", cfg.num_attention_heads
+    nope, rope, v = cfg.qk_nope_head_dim or 0, cfg.qk_rope_head_dim or 0, cfg.v_head_dim or 0
+    inter = cfg.rope_interleave
+
+    def extra(name: str) -> Mapping:
+        return Mapping(mg + name + "._extra_state", ())
+
+    out = [copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight"), extra("input_layernorm"),
+           extra("self_attention.core_attention"),
+           copy(mg + "self_attention.linear_proj.weight", attn + "o_proj.weight"), extra("self_attention.linear_proj")]
+    if cfg.q_lora_rank:
+        out += [copy(mg + "self_attention.linear_q_down_proj.weight", attn + "q_a_proj.weight"),
+                extra("self_attention.linear_q_down_proj"),
+                copy(mg + "self_attention.linear_q_up_proj.layer_norm_weight", attn + "q_a_layernorm.weight"),
+                Mapping(mg + "self_attention.linear_q_up_proj.weight",
+                        _stack(_heads_with_rope(attn + "q_b_proj.weight", heads, nope, rope, inter))),
+                extra("self_attention.linear_q_up_proj")]
+    else:
+        out += [Mapping(mg + "self_attention.linear_q_proj.weight",
+                        _stack(_heads_with_rope(attn + "q_proj.weight", heads, nope, rope, inter))),
+                extra("self_attention.linear_q_proj")]
+    kv_a = attn + "kv_a_proj_with_mqa.weight"
+    out += [Mapping(mg + "self_attention.linear_kv_down_proj.weight",
+                    _stack([(kv_a, 0, cfg.kv_lora_rank or 0)]
+                           + _heads_with_rope(kv_a, 1, 0, rope, inter, base=cfg.kv_lora_rank or 0))),
+            extra("self_attention.linear_kv_down_proj"),
+            copy(mg + "self_attention.linear_kv_up_proj.layer_norm_weight", attn + "kv_a_layernorm.weight"),
+            copy(mg + "self_attention.linear_kv_up_proj.weight", attn + "kv_b_proj.weight"),
+            extra("self_attention.linear_kv_up_proj")]
+    del v  # (kv_b_proj's rows per head, [k_nope, v], are Megatron's linear_kv_up_proj rows as they are)
+    if not is_moe:
+        return out + [copy(mg + "mlp.linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
+                      glu(mg + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                      extra("mlp.linear_fc1"), copy(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight"),
+                      extra("mlp.linear_fc2")]
+    assert family.moe is not None and cfg.num_experts
+    moe = hf + family.moe.block + "."
+    out += [copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"), extra("pre_mlp_layernorm"),
+            copy(mg + "mlp.router.weight", moe + family.moe.gate + ".weight")]
+    if cfg.scoring_func == "sigmoid":
+        out.append(copy(mg + "mlp.router.expert_bias", moe + family.moe.gate + ".e_score_correction_bias"))
+    g, u, d = family.moe.experts
+    for j in range(cfg.num_experts):
+        e, me = f"{moe}experts.{j}.", f"mlp.experts.local_experts.{j}."
+        out += [glu(mg + me + "linear_fc1.weight", f"{e}{g}.weight", f"{e}{u}.weight"), extra(me + "linear_fc1"),
+                copy(mg + me + "linear_fc2.weight", f"{e}{d}.weight"), extra(me + "linear_fc2")]
+    if cfg.shared_experts:
+        sh = moe + "shared_experts."
+        out += [glu(mg + "mlp.shared_experts.linear_fc1.weight", sh + f"{g}.weight", sh + f"{u}.weight"),
+                extra("mlp.shared_experts.linear_fc1"),
+                copy(mg + "mlp.shared_experts.linear_fc2.weight", sh + f"{d}.weight"),
+                extra("mlp.shared_experts.linear_fc2")]
+    return out
+
+
 def ignored(name: str, cfg: HfConfig) -> bool:
-    """HF tensors that are not weights of the Megatron model: rotary buffers, a tied model's copy of the head."""
-    return name.endswith(BUFFERS) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+    """HF tensors that are not weights of the Megatron model: rotary buffers, a tied model's copy of the head, an MTP
+    layer's copies of the embedding and the head (Megatron's MTP shares the model's)."""
+    if name.endswith(BUFFERS) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+        return True
+    return cfg.mtp_layers > 0 and any(name == f"model.layers.{cfg.num_layers + d}.{part}"
+                                      for d in range(cfg.mtp_layers)
+                                      for part in ("embed_tokens.weight", "shared_head.head.weight"))

@@ -222,13 +222,22 @@ def _new_entry(key: GlobalKey, swiglu: bool, value: Any = None, like: GlobalEntr
     return entry
 
 
+def _expert_head(key: GlobalKey) -> str:
+    """The module path an expert key's suffix starts with: none in a decoder layer (its layer number says where), an
+    MTP layer's transformer layer (``mtp.layers.0.mtp_model_layer.``) there."""
+    return "" if key.layer is not None else key.suffix[:key.suffix.index("linear_fc")]
+
+
 def _rename(key: GlobalKey, change: SpecChange, dense_layers: set[int]) -> GlobalKey | None:
     """The key's name in the target spec; None when the target modules have no such entry (extra state only)."""
     layer, expert, style, suffix = key
     to_te, to_local = change.source == LOCAL and change.target == TE, change.source == TE and change.target == LOCAL
-    if layer is None:
+    if layer is None and style == "plain":
         if to_local and suffix == _FINAL_NORM + "_extra_state":
             return None
+        if "." + EXPERTS_MODULE in suffix and "local_experts" not in suffix and \
+                suffix.endswith("._extra_state") and not change.target_grouped:
+            return None  # an MTP layer's grouped linear's extra state: the sequential experts get one each
         return key
     if style == "plain":
         if to_te:
@@ -259,10 +268,10 @@ def bridge(index: OrderedDict[GlobalKey, GlobalEntry], change: SpecChange, *,
     dense_layers = {k.layer for k in index if k.layer is not None and k.style == "plain"
                     and k.suffix.startswith("mlp.linear_fc1.")}
     moe_layers = {k.layer for k in index if k.layer is not None and k.expert is not None}
-    experts: dict[int, set[int]] = {}
+    experts: dict[tuple[int | None, str], set[int]] = {}  # (layer, an MTP layer's head) -> its experts
     for k in index:
-        if k.layer is not None and k.expert is not None:
-            experts.setdefault(k.layer, set()).add(k.expert)
+        if k.expert is not None:
+            experts.setdefault((k.layer, _expert_head(k)), set()).add(k.expert)
     out: OrderedDict[GlobalKey, GlobalEntry] = OrderedDict()
     renamed: dict[GlobalKey, GlobalKey] = {}
     for key, entry in index.items():
@@ -287,12 +296,12 @@ def bridge(index: OrderedDict[GlobalKey, GlobalEntry], change: SpecChange, *,
                 made.append(GlobalKey(layer, None, "plain", _MOE_NORM + "_extra_state"))
         if GlobalKey(None, None, "plain", _FINAL_NORM + "weight") in out:
             made.append(GlobalKey(None, None, "plain", _FINAL_NORM + "_extra_state"))
-    for layer, ids in experts.items():
+    for (layer, head), ids in experts.items():
         for linear in ("linear_fc1", "linear_fc2"):
             if change.target_grouped:
-                made.append(GlobalKey(layer, None, "plain", f"{EXPERTS_MODULE}{linear}._extra_state"))
+                made.append(GlobalKey(layer, None, "plain", f"{head}{EXPERTS_MODULE}{linear}._extra_state"))
             else:
-                made += [GlobalKey(layer, e, "seq_expert", f"{linear}._extra_state") for e in sorted(ids)]
+                made += [GlobalKey(layer, e, "seq_expert", f"{head}{linear}._extra_state") for e in sorted(ids)]
     for key in made:
         if key not in out:
             out[key] = _new_entry(key, swiglu)

@@ -15,13 +15,13 @@ from megatron_preflight.layout.model import Format
 hf_models = pytest.importorskip("tests.helpers.hf_models")
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]  # (DeepSeek-V3: its own tests below)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {name: hf_models.write(name, str(root / name)) for name in FAMILIES}
+    return {name: hf_models.write(name, str(root / name)) for name in FAMILIES + ["deepseek_v3"]}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -104,3 +104,52 @@ def test_weights_that_do_not_fit_the_config_are_named(models, tmp_path):
     assert any(p.code == "hf_shape" and "k_proj" in p.message for p in lay.problems)
     lay = discover(_edit_config(models["llama"], str(tmp_path / "l"), num_hidden_layers=1))
     assert any(p.code == "unmapped_tensor" and "model.layers.1." in p.message for p in lay.problems)
+
+
+def test_deepseek_v3_reads_under_the_te_specs_names(models):
+    """MLA exists in Megatron under the Transformer Engine spec only: the fused q/kv up-projection norms (with
+    --qk-layernorm), a separate input norm, the router's expert bias, shared experts, a dense first layer."""
+    lay = discover(models["deepseek_v3"])
+    assert lay.problems == []
+    args, model = lay.saved_args, lay.shards[0].meta["model"]
+    assert args.transformer_impl == "transformer_engine" and args.multi_latent_attention and args.qk_layernorm
+    assert (args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim) == \
+        (24, 16, 16, 8, 16)
+    assert args.moe_layer_freq == [0, 1, 1] and args.moe_shared_expert_intermediate_size == 16
+    assert args.moe_router_score_function == "sigmoid" and args.moe_router_enable_expert_bias
+    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (2, 1, 2.5)
+    assert not getattr(args, "mtp_num_layers", None)  # transformers drops the MTP layer on save: said in a note
+    assert any("multi-token prediction" in n for n in lay.notes)
+    layer0, layer1 = "decoder.layers.0.", "decoder.layers.1."
+    assert model[layer0 + "mlp.linear_fc1.layer_norm_weight"].shape == (32,)  # dense first layer
+    assert model[layer1 + "self_attention.linear_q_up_proj.layer_norm_weight"].shape == (24,)
+    assert model[layer1 + "self_attention.linear_kv_down_proj.weight"].shape == (16 + 8, 32)
+    assert model[layer1 + "mlp.router.expert_bias"].shape == (8,)
+    assert model[layer1 + "mlp.shared_experts.linear_fc1.weight"].shape == (32, 32)
+    assert model[layer1 + "input_layernorm._extra_state"] is None
+
+
+def test_rotary_rows_rotating_halves_are_interleaved_for_megatrons_mla(tmp_path):
+    """Megatron's MLA rotates interleaved pairs (as DeepSeek stores them); a model that rotates halves has its rotary
+    rows interleaved on the way: row 2i from i, row 2i + 1 from i + d/2 (the real-Megatron test proves the loss)."""
+    lay = discover(hf_models.write("deepseek_v3", str(tmp_path / "h"), rope_interleave=False))
+    down = lay.shards[0].meta["model"]["decoder.layers.0.self_attention.linear_kv_down_proj.weight"]
+    row = 32 * 4
+    first = down.runs[0].start  # the kv_lora_rank rows, as they are
+    assert [(r.start - first) // row for r in down.runs[1:]] == [16, 20, 17, 21, 18, 22, 19, 23]
+    assert lay.problems == []
+
+
+def test_an_mtp_layer_in_the_files_is_read_as_megatrons(models, tmp_path):
+    import shutil
+
+    path = hf_models.add_mtp(shutil.copytree(models["deepseek_v3"], str(tmp_path / "mtp")))
+    lay = discover(path)
+    assert lay.problems == [] and lay.saved_args.mtp_num_layers == 1
+    model = lay.shards[0].meta["model"]
+    for key in ("mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+                "mtp.layers.0.final_layernorm.weight",
+                "mtp.layers.0.mtp_model_layer.self_attention.linear_q_up_proj.weight",
+                "mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.7.linear_fc2.weight"):
+        assert key in model, key
+    assert model["mtp.layers.0.eh_proj.weight"].shape == (32, 64)

@@ -172,3 +172,22 @@ def test_module_order_of_a_te_layer():
     assert keys == ["self_attention.core_attention._extra_state", "self_attention.linear_proj.weight",
                     "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
                     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc2.weight"]
+
+
+def test_an_mtp_layers_experts_follow_the_expert_form_too():
+    """The experts of an MTP layer's MoE layer are renamed as the decoder's (grouped -> sequential and back), with
+    their extra states: Megatron's strict load of the other form named each one missing (measured in Megatron-LM
+    main: 'Missing key(s) ... mtp.layers.0.mtp_model_layer.mlp.experts.linear_fc1.weight0')."""
+    src = fixture_path("mtp_moe_te_ep2_torch")  # TE-grouped experts, EP2
+    seq = open_resharder(src, TargetLayout(ep=1, transformer_impl="transformer_engine", moe_grouped_gemm=False))
+    sd = seq.build(seq.plan_for_rank(0, 1))["model"]
+    mtp = [k for k in sd if k.startswith("mtp.") and ".mlp.experts." in k]
+    assert "mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.3.linear_fc1.weight" in mtp
+    assert "mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.3.linear_fc2._extra_state" in mtp
+    assert not any(".mlp.experts.linear_fc" in k for k in mtp)
+    grouped = open_resharder(src, TargetLayout(ep=1))
+    same = grouped.build(grouped.plan_for_rank(0, 1))["model"]
+    assert torch.equal(sd["mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.3.linear_fc1.weight"],
+                       same["mtp.layers.0.mtp_model_layer.mlp.experts.linear_fc1.weight3"])
+    back = bridge(seq.index, SpecChange("transformer_engine", "transformer_engine", False, True), swiglu=False)[0]
+    assert {k for k in back if k.layer is None} == {k for k in grouped.index if k.layer is None}
