@@ -5,9 +5,8 @@ the Megatron args megatron-preflight derives for them (test-only).
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
+from typing import Any
 
 import torch
 
