@@ -80,8 +80,9 @@ def family_for(architecture: str, path: str) -> Family:
     for f in FAMILIES:
         if architecture in f.architectures:
             return f
-    raise UnsupportedModel(f"the Hugging Face architecture {architecture} is not one megatron-preflight maps to "
-                           "Megatron's GPT model", path=path,
+    what = ("config.json names no architecture (no architectures, no model_type)" if architecture == "unknown" else
+            f"the Hugging Face architecture {architecture} is not one megatron-preflight maps to Megatron's GPT model")
+    raise UnsupportedModel(what, path=path,
                            fix="supported: " + ", ".join(supported()) + "; convert other models with the tool that "
                                "knows them (e.g. Megatron-Bridge)", code="hf_unsupported")
 

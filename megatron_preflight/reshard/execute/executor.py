@@ -79,8 +79,12 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
                 continue
         elif spans is not None:
             spans.append((0, 0, None))  # copied through the mapping: no CRC-32 taken
-        src = files.tensor(op.shard, op.ref)
-        s = pick(src)
+        part = files.rows(op.shard, op.ref, *rows) if rows is not None else None
+        if part is not None:  # the op's rows read alone (pick takes exactly these rows)
+            src = s = part
+        else:
+            src = files.tensor(op.shard, op.ref)
+            s = pick(src)
         if s.shape != d.shape:
             raise RuntimeError(f"plan error for {tp.key}: source slice {tuple(s.shape)} vs target {tuple(d.shape)}")
         d.copy_(s)

@@ -27,6 +27,8 @@ class Reader(Protocol):
 
     def tensor(self, shard: str, ref: Any, verify: bool = True) -> torch.Tensor: ...
 
+    def rows(self, shard: str, ref: Any, first: int, n: int) -> torch.Tensor | None: ...
+
     def item(self, shard: str, ref: Any) -> Any: ...
 
     def extent(self, shard: str, ref: Any) -> tuple[str, int, int] | None: ...
@@ -74,6 +76,12 @@ class SourceFiles:
         """The tensor ``ref`` points at (a lazy mmap view; a torch_dist piece is assembled from its chunks).
         ``verify=False``: a legacy record's CRC-32 is left for later (a sampled look at a few elements)."""
         return self.reader(ref).tensor(shard, ref, verify)
+
+    def rows(self, shard: str, ref: TensorRef, first: int, n: int) -> torch.Tensor | None:
+        """Rows ``first .. first + n`` (dim 0) of the piece ``ref`` read alone, where its format reads them cheaper
+        than the whole piece (a Hugging Face tensor made of several files' runs: a rank's share of a fused QKV or
+        SwiGLU fc1); None: take them from :meth:`tensor`."""
+        return self.reader(ref).rows(shard, ref, first, n)
 
     def extent(self, shard: str, ref: TensorRef) -> tuple[str, int, int] | None:
         """(file, byte offset, row pitch in bytes): where the piece ``ref`` (``ref.shape``, ``ref.dtype``) lies when

@@ -1,30 +1,30 @@
 """Hugging Face safetensors as a source of the resharder: :class:`HfReader` reads a
 :class:`~megatron_preflight.layout.hf.safetensors.SafeRef` (row blocks of safetensors tensors, each a contiguous run of
-bytes). A one-run tensor is a mapped view (the pages a rank's slice touches are all that is read); a tensor of several
-runs (fused QKV, SwiGLU's ``[gate; up]``) is read run by run with plain file I/O."""
+bytes) with plain file I/O into fresh tensors, never through a mapping: a rank's rows of a tensor (its share of a
+vocab, a fused QKV, SwiGLU's ``[gate; up]``) are read alone (:meth:`HfReader.rows`), a tensor split along another dim
+whole, once (kept until the next). Measured (benchmarks/bench_hf_import.py, 1 GiB Mixtral-shaped, TP2 EP2): with the
+one-run tensors mapped instead, each rank's peak RSS was its state plus every page it touched (1,191 MiB for 495 MiB
+held)."""
 
 from __future__ import annotations
 
 import math
-import mmap
 import os
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import crc, dtypes
 from megatron_preflight.errors import CorruptFileError
 from megatron_preflight.layout.hf.safetensors import SafeRef
-from megatron_preflight.torch_file import map_file
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
     import torch
 
 
 class HfReader:
-    """Reads the SafeRefs of one Hugging Face model dir (files mapped and opened once)."""
+    """Reads the SafeRefs of one Hugging Face model dir (each file opened once)."""
 
     def __init__(self, model_dir: str) -> None:
         self.model_dir = model_dir
-        self._maps: dict[str, mmap.mmap] = {}
         self._fds: dict[str, int] = {}
         self._last: tuple[SafeRef, torch.Tensor] | None = None
 
@@ -37,11 +37,6 @@ class HfReader:
                 raise CorruptFileError(f"cannot open the file ({exc.strerror})", path=path,
                                        fix="download the model again", code="unreadable_file") from None
         return self._fds[name]
-
-    def _map(self, name: str) -> mmap.mmap:
-        if name not in self._maps:
-            self._maps[name] = map_file(os.path.join(self.model_dir, name))
-        return self._maps[name]
 
     def _pread(self, name: str, start: int, out: memoryview) -> None:
         fd, got = self._fd(name), 0
@@ -59,17 +54,30 @@ class HfReader:
         if self._last is not None and self._last[0] is ref:
             return self._last[1]
         dtype = dtypes.to_torch(ref.dtype)
-        if len(ref.runs) == 1:  # a view of the mapped file: only the pages a slice touches are read
-            r = ref.runs[0]
-            view = torch.frombuffer(self._map(r.file), dtype=torch.uint8, count=r.nbytes, offset=r.start)
-            t = view.view(dtype).view(ref.shape)
-        else:
-            t = torch.empty(ref.shape, dtype=dtype)
-            buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            for r in ref.runs:
-                self._pread(r.file, r.start, buf[r.dst:r.dst + r.nbytes])
+        t = torch.empty(ref.shape, dtype=dtype)
+        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        for r in ref.runs:
+            self._pread(r.file, r.start, buf[r.dst:r.dst + r.nbytes])
         self._last = (ref, t)
         return t
+
+    def rows(self, shard: str, ref: SafeRef, first: int, n: int) -> torch.Tensor | None:
+        """Rows ``first .. first + n`` (dim 0), reading only the runs' bytes they hold."""
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+        if not ref.shape:
+            return None
+        if self._last is not None and self._last[0] is ref:
+            return self._last[1].narrow(0, first, n)
+        out = torch.empty((n, *ref.shape[1:]), dtype=dtypes.to_torch(ref.dtype))
+        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        lo = first * ref.row_bytes
+        hi = lo + n * ref.row_bytes
+        for r in ref.runs:
+            a, b = max(lo, r.dst), min(hi, r.dst + r.nbytes)
+            if a < b:
+                self._pread(r.file, r.start + a - r.dst, buf[a - lo:b - lo])
+        return out
 
     def item(self, shard: str, ref: SafeRef) -> Any:
         return self.tensor(shard, ref).item()
@@ -107,15 +115,9 @@ class HfReader:
 
     def release_pages(self) -> None:
         self._last = None
-        for m in self._maps.values():
-            try:
-                m.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError, AttributeError):
-                pass
 
     def close(self) -> None:
         self._last = None
-        self._maps.clear()  # a mapping with live tensor views is released with the last of them
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

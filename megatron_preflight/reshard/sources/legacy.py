@@ -53,6 +53,10 @@ class LegacyReader:
         for f in self._files.values():
             f.finish_crc()
 
+    def rows(self, shard: str, ref: TensorRef, first: int, n: int) -> Any:
+        """None: a slice is taken from :meth:`tensor` (a mapped view, or a piece assembled once)."""
+        return None
+
     def item(self, shard: str, ref: TensorRef) -> Any:
         """A one-element tensor as a number, from its bytes (no torch)."""
         return self.file_of(shard, ref).item(ref)

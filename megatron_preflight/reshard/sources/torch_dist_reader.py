@@ -276,6 +276,10 @@ class DistReader:
         for f, _ in self._files.values():
             f.finish_crc()
 
+    def rows(self, shard: str, ref: RegionRef, first: int, n: int) -> Any:
+        """None: a slice is taken from :meth:`tensor` (a mapped view, or a piece assembled once)."""
+        return None
+
     def item(self, shard: str, ref: RegionRef) -> Any:
         return self.tensor(shard, ref).item()
 
