@@ -84,6 +84,15 @@ def _run(ns: argparse.Namespace) -> int:
         target = dataclasses.replace(target, distributed_optimizer=ns.optimizer == "distributed")
     if ns.ckpt_format:
         target = dataclasses.replace(target, ckpt_format=ns.ckpt_format)
+    if (ns.hf_architecture or ns.dtype) and target.ckpt_format != "hf":
+        raise PreflightError("--hf-architecture and --dtype choose how a Hugging Face model is written",
+                             fix="add --ckpt-format hf (or leave them out)", code="usage")
+    if target.ckpt_format == "hf":
+        if ns.fingerprint:
+            raise PreflightError("--fingerprint stores Megatron fingerprints: an HF model has none", code="usage",
+                                 fix="leave --fingerprint out (`megatron-preflight diff HF_DIR CKPT` proves the "
+                                     "export)")
+        target = dataclasses.replace(target, hf_architecture=ns.hf_architecture, dtype=ns.dtype)
     if ns.optimizer_family:
         target = dataclasses.replace(target, optimizer_family=ns.optimizer_family)
     if ns.transformer_impl:
@@ -171,9 +180,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--padded-vocab-size")
     p.add_argument("--iteration")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="parallel processes")
-    p.add_argument("--ckpt-format", choices=("torch", "torch_dist", "fsdp_dtensor"),
+    p.add_argument("--hf-architecture", metavar="NAME",
+                   help="with --ckpt-format hf: the architecture to write (e.g. MistralForCausalLM; default: the first "
+                        "that expresses the model)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                   help="with --ckpt-format hf: the weights' dtype (default: the run's)")
+    p.add_argument("--ckpt-format", choices=("torch", "torch_dist", "fsdp_dtensor", "hf"),
                    help="the format to write (default: torch, legacy; torch_dist: Megatron's default, optimizer "
-                        "state in model space; fsdp_dtensor: Megatron-FSDP's, for --use-megatron-fsdp runs)")
+                        "state in model space; fsdp_dtensor: Megatron-FSDP's, for --use-megatron-fsdp runs; hf: a "
+                        "Hugging Face model, weights only, docs/hf.md)")
     p.add_argument("--verify", action="store_true",
                    help="first compare the source with the fingerprints stored beside it (if any: nothing is written "
                         "when they differ), then check every written tensor against its source slices")

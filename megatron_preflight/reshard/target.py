@@ -37,8 +37,13 @@ class TargetLayout:
     # The target run's --use-distributed-optimizer (None: as the source): the optimizer state is converted when it
     # differs.
     distributed_optimizer: bool | None = None
-    # The format to write: "torch" (legacy, the default) or "torch_dist" (see reshard/targets/torch_dist.py).
+    # The format to write: "torch" (legacy, the default), "torch_dist" (see reshard/targets/torch_dist.py),
+    # "fsdp_dtensor", or "hf" (a Hugging Face model: reshard/targets/hf.py)
     ckpt_format: str | None = None
+    # an HF export: the architecture to write (None: the first of the table that expresses the model) and the
+    # weights' dtype ("bf16", "fp16", "fp32"; None: the run's)
+    hf_architecture: str | None = None
+    dtype: str | None = None
     # The target run's layer spec (--transformer-impl: "local" or "transformer_engine") and expert form
     # (--moe-grouped-gemm); None: the checkpoint's. A change renames tensors (see reshard/plan/spec.py).
     transformer_impl: str | None = None

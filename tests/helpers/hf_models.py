@@ -52,18 +52,18 @@ def write(name: str, path: str, seed: int = 0, **overrides: Any) -> str:
     return path
 
 
-def tokens(batch: int = 2, seed: int = 7) -> torch.Tensor:
-    return torch.randint(0, COMMON["vocab_size"], (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+def tokens(batch: int = 2, seed: int = 7, vocab: int = COMMON["vocab_size"]) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def hf_logits(path: str) -> torch.Tensor:
+def hf_logits(path: str, ids: torch.Tensor | None = None) -> torch.Tensor:
     """``transformers``' own logits for :func:`tokens` (fp32, eager attention)."""
     import transformers as T
 
     model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
-        return model(tokens()).logits.float()
+        return model(tokens() if ids is None else ids).logits.float()
 
 
 def build_from_args(args: dict[str, Any], tp: int, pp: int = 1, ep: int = 1) -> list[torch.nn.Module]:
@@ -103,7 +103,7 @@ def build_from_args(args: dict[str, Any], tp: int, pp: int = 1, ep: int = 1) -> 
                                     normalization=args["normalization"])
     from megatron_preflight.parallel import pad_vocab
 
-    padded = pad_vocab(args["vocab_size"], args["make_vocab_size_divisible_by"], tp)
+    padded = pad_vocab(args["true_vocab"], args["make_vocab_size_divisible_by"], tp)
     model = GPTModel(cfg, spec, vocab_size=padded, max_sequence_length=SEQ,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
@@ -121,7 +121,16 @@ def load_and_forward(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, root: s
     from megatron_preflight.reshard.resharder import build_rank_state_dict
     from megatron_preflight.reshard.target import TargetLayout
 
-    args = vars(reshard.open_index(hf_dir).layout.saved_args)
+    from megatron_preflight.layout.hf.families import true_vocab
+
+    saved = reshard.open_index(hf_dir).layout.saved_args
+    args = dict(vars(saved))  # an HF dir's derived args, or a Megatron checkpoint's saved ones
+    if args.get("norm_epsilon") is None:  # (Megatron-LM main saves --norm-epsilon as layernorm_epsilon)
+        args["norm_epsilon"] = args.get("layernorm_epsilon", 1e-5)
+    for name, default in (("add_qkv_bias", False), ("qk_layernorm", False), ("rotary_percent", 1.0),
+                          ("moe_router_pre_softmax", False), ("moe_router_score_function", "softmax")):
+        args.setdefault(name, default)
+    vocab = args["true_vocab"] = true_vocab(saved)
     chunks = build_from_args(args, tp, pp, ep)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     sd = build_rank_state_dict(root or hf_dir, TargetLayout(tp=tp, pp=pp, ep=ep, etp=tp if ep == 1 else 1),
@@ -129,12 +138,12 @@ def load_and_forward(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, root: s
     chunks[0].load_state_dict(sd["model"], strict=True)
     if pp > 1:
         return {k: v.clone() for k, v in chunks[0].state_dict().items() if isinstance(v, torch.Tensor)}
-    ids = tokens()
+    ids = tokens(vocab=min(vocab, COMMON["vocab_size"]))
     pos = torch.arange(SEQ).unsqueeze(0).expand_as(ids)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
     with torch.no_grad():
         out = chunks[0](ids, pos, mask, runtime_gather_output=True)
-    return out[..., :args["vocab_size"]].clone() if rank == 0 else None
+    return out[..., :vocab].clone() if rank == 0 else None
 
 
 

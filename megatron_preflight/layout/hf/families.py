@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout.hf.config import HfConfig
+from megatron_preflight.layout.hf.config import HfConfig, RopeScaling
 
 # Megatron's extra state of the local spec's linears (``None``: no FP8 metadata), as megatron-core saves them
 LINEAR_EXTRA = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -241,15 +241,22 @@ def _qkv(prefix: str, what: str, cfg: HfConfig) -> tuple[Block, ...]:
     return _stack(parts)
 
 
-def mappings(family: Family, cfg: HfConfig, rows: dict[str, int]) -> list[Mapping]:
+def mappings(family: Family, cfg: HfConfig, rows: dict[str, int],
+             megatron_rows: dict[str, int] | None = None) -> list[Mapping]:
     """Every Megatron tensor of the model, in Megatron's state-dict order, with its HF blocks. ``rows``: each HF
-    tensor's dim-0 size (from the safetensors headers)."""
+    tensor's dim-0 size (from the safetensors headers); writing an HF model, ``megatron_rows`` instead: each Megatron
+    tensor's (a copied tensor has its rows, each SwiGLU half half of them)."""
+
+    def size(hf: str, key: str, parts: int) -> int:
+        if megatron_rows is not None:
+            return megatron_rows.get(key, 0) // parts
+        return rows.get(hf, 0)
 
     def copy(key: str, hf: str) -> Mapping:
-        return Mapping(key, _stack([(hf, 0, rows.get(hf, 0))]))
+        return Mapping(key, _stack([(hf, 0, size(hf, key, 1))]))
 
     def glu(key: str, gate: str, up: str) -> Mapping:
-        return Mapping(key, _stack([(gate, 0, rows.get(gate, 0)), (up, 0, rows.get(up, 0))]))
+        return Mapping(key, _stack([(gate, 0, size(gate, key, 2)), (up, 0, size(up, key, 2))]))
 
     out = [copy("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     if family.mla:
@@ -257,7 +264,7 @@ def mappings(family: Family, cfg: HfConfig, rows: dict[str, int]) -> list[Mappin
             out += _mla_layer(family, cfg, f"model.layers.{i}.", f"decoder.layers.{i}.", is_moe, copy, glu)
         out += [copy("decoder.final_layernorm.weight", "model.norm.weight"),
                 Mapping("decoder.final_layernorm._extra_state", ())]
-        for d in range(mtp_depth(cfg, rows)):
+        for d in range(mtp_depth(cfg, rows) if megatron_rows is None else cfg.mtp_layers):
             hf, mg = f"model.layers.{cfg.num_layers + d}.", f"mtp.layers.{d}."
             for norm in ("enorm", "hnorm"):
                 out += [copy(f"{mg}{norm}.weight", f"{hf}{norm}.weight"), Mapping(f"{mg}{norm}._extra_state", ())]
@@ -371,6 +378,19 @@ def _mla_layer(family: Family, cfg: HfConfig, hf: str, mg: str, is_moe: bool, co
     return out
 
 
+def mtp_copies(cfg: HfConfig, megatron_rows: dict[str, int]) -> list[Mapping]:
+    """What an HF DeepSeek-V3 file holds in each MTP layer beside its own weights: copies of the embedding and the
+    head (Megatron's MTP shares the model's). Written by an export; read by nothing (see :func:`ignored`)."""
+    head = "embedding.word_embeddings.weight" if cfg.tie_word_embeddings else "output_layer.weight"
+    out = []
+    for d in range(cfg.mtp_layers):
+        layer = f"model.layers.{cfg.num_layers + d}."
+        for key, hf in (("embedding.word_embeddings.weight", layer + "embed_tokens.weight"),
+                        (head, layer + "shared_head.head.weight")):
+            out.append(Mapping(key, _stack([(hf, 0, megatron_rows.get(key, 0))])))
+    return out
+
+
 def ignored(name: str, cfg: HfConfig) -> bool:
     """HF tensors that are not weights of the Megatron model: rotary buffers, a tied model's copy of the head, an MTP
     layer's copies of the embedding and the head (Megatron's MTP shares the model's)."""
@@ -379,3 +399,187 @@ def ignored(name: str, cfg: HfConfig) -> bool:
     return cfg.mtp_layers > 0 and any(name == f"model.layers.{cfg.num_layers + d}.{part}"
                                       for d in range(cfg.mtp_layers)
                                       for part in ("embed_tokens.weight", "shared_head.head.weight"))
+
+
+
+# -- the other direction: a Megatron model as an HF architecture -----------------------------------------------------
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def export_refusals(args: Any) -> list[str]:
+    """Why no HF architecture of the table expresses the Megatron model of ``args`` (empty: one does)."""
+    out = []
+    if _arg(args, "position_embedding_type", "learned_absolute") != "rope":
+        out.append(f"{_arg(args, 'position_embedding_type', 'learned_absolute')} position embeddings (the "
+                   "architectures here use RoPE)")
+    if not _arg(args, "swiglu", False):
+        out.append("an MLP without SwiGLU (the architectures here gate with silu)")
+    if str(_arg(args, "normalization", "LayerNorm")).lower() != "rmsnorm":
+        out.append(f"{_arg(args, 'normalization', 'LayerNorm')} (the architectures here use RMSNorm)")
+    if _arg(args, "add_bias_linear", True):
+        out.append("biases on every linear layer (--disable-bias-linear was not given)")
+    if float(_arg(args, "rotary_percent", 1.0)) != 1.0:
+        out.append(f"RoPE on {_arg(args, 'rotary_percent')} of each head")
+    if _arg(args, "apply_layernorm_1p", False) or _arg(args, "layernorm_zero_centered_gamma", False):
+        out.append("zero-centred norm weights (--apply-layernorm-1p)")
+    if _arg(args, "hybrid_layer_pattern") or _arg(args, "hybrid_override_pattern"):
+        out.append("a HybridModel (Mamba / gated delta net layers)")
+    if _arg(args, "num_experts") and _arg(args, "moe_shared_expert_intermediate_size") and \
+            not _arg(args, "multi_latent_attention", False):
+        out.append("shared experts without multi-latent attention (no architecture here has both)")
+    if _arg(args, "mtp_num_layers") and not _arg(args, "multi_latent_attention", False):
+        out.append("multi-token prediction layers without multi-latent attention (DeepSeek-V3's form)")
+    return out
+
+
+def fitting_families(args: Any) -> list[Family]:
+    """The families that express the Megatron model of ``args`` (best first)."""
+    mla, moe = bool(_arg(args, "multi_latent_attention", False)), bool(_arg(args, "num_experts"))
+    qk, bias = bool(_arg(args, "qk_layernorm", False)), bool(_arg(args, "add_qkv_bias", False))
+    by_name = {f.name: f for f in FAMILIES}
+    if mla:
+        return [by_name["deepseek_v3"]] if moe and _arg(args, "moe_router_score_function") == "sigmoid" and \
+            _arg(args, "moe_router_enable_expert_bias", False) else []
+    if moe:
+        if _arg(args, "moe_router_score_function", "softmax") != "softmax":
+            return []
+        names = ["qwen3_moe"] if qk else ["mixtral", "qwen3_moe"]
+        return [by_name[n] for n in names if not (bias and n == "mixtral")]
+    if qk:
+        return [] if bias else [by_name["qwen3"]]
+    return [by_name["qwen2"]] if bias else [by_name["llama"]]
+
+
+def family_for_args(args: Any, architecture: str | None, path: str) -> tuple[Family, str]:
+    """(the family an export writes, the architecture it names): ``architecture`` (``--hf-architecture``) when it
+    expresses the model, else the first that does; refused with the reason before anything is written."""
+    reasons = export_refusals(args)
+    fits = [] if reasons else fitting_families(args)
+    if architecture is not None:
+        chosen = next((f for f in FAMILIES if architecture in f.architectures), None)
+        if chosen is None:
+            raise UnsupportedModel(f"--hf-architecture {architecture} is not one the table writes", path=path,
+                                   fix="one of: " + ", ".join(supported()), code="usage")
+        if chosen not in fits:
+            why = "; ".join(reasons) or "its attention, experts or norms differ from the model's"
+            raise UnsupportedModel(f"{architecture} does not express this model ({why})", path=path,
+                                   fix="leave --hf-architecture out" + (
+                                       f" (this model writes as {fits[0].architectures[0]})" if fits else ""),
+                                   code="hf_unsupported")
+        return chosen, architecture
+    if not fits:
+        why = "; ".join(reasons) or "its combination of attention, experts and router has no HF architecture here"
+        raise UnsupportedModel(f"no Hugging Face architecture here expresses this model: {why}", path=path,
+                               fix="export it with a tool that maps this model, or keep it as a Megatron checkpoint",
+                               code="hf_unsupported")
+    return fits[0], fits[0].architectures[0]
+
+
+def true_vocab(args: Any) -> int:
+    """The model's real vocabulary rows (Megatron pads them to a multiple of its divisor × TP): the tokenizer's size
+    (``NullTokenizer``: --vocab-size ids and the end-of-document one), else the padded rows."""
+    vocab = _arg(args, "vocab_size")
+    padded = int(_arg(args, "padded_vocab_size", 0) or 0)
+    if vocab is None:
+        return padded
+    vocab = int(vocab) + (1 if _arg(args, "tokenizer_type") == "NullTokenizer" else 0)
+    return min(vocab, padded) if padded else vocab
+
+
+def config_from_args(family: Family, args: Any, path: str, architecture: str | None = None) -> HfConfig:
+    """The HF model (as :class:`HfConfig`) that holds the Megatron model of ``args``: the inverse of
+    :func:`megatron_args`."""
+    heads = int(_arg(args, "num_attention_heads"))
+    hidden = int(_arg(args, "hidden_size"))
+    layers = int(_arg(args, "num_layers"))
+    moe_layers = None
+    if _arg(args, "num_experts"):
+        freq = _arg(args, "moe_layer_freq", 1)
+        moe_layers = [i % freq == 0 for i in range(layers)] if isinstance(freq, int) else [bool(x) for x in freq]
+    first_dense = 0
+    if moe_layers is not None and family.mla:
+        first_dense = next((i for i, m in enumerate(moe_layers) if m), layers)
+    scaling = None
+    if _arg(args, "use_rope_scaling", False):
+        scaling = RopeScaling("llama3", float(_arg(args, "rope_scaling_factor", 8.0)), 1.0, 4.0, 8192)
+    elif _arg(args, "rotary_seq_len_interpolation_factor"):
+        scaling = RopeScaling("linear", float(_arg(args, "rotary_seq_len_interpolation_factor")))
+    groups = int(_arg(args, "num_query_groups", heads) or heads) if _arg(args, "group_query_attention", False) \
+        else heads
+    dtype = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
+    experts = _arg(args, "num_experts")
+    return HfConfig(
+        path=path, architecture=architecture or family.architectures[0], model_type=family.name,
+        vocab_size=true_vocab(args),
+        hidden_size=hidden, intermediate_size=int(_arg(args, "ffn_hidden_size", 4 * hidden)), num_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=groups,
+        head_dim=int(_arg(args, "kv_channels", hidden // heads) or hidden // heads),
+        max_position_embeddings=_arg(args, "max_position_embeddings"),
+        rope_theta=float(_arg(args, "rotary_base", 10000)), rope_scaling=scaling,
+        norm_eps=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
+        tie_word_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False), hidden_act="silu",
+        attention_bias=bool(_arg(args, "add_qkv_bias", False)), mlp_bias=False, dtype=dtype,
+        num_experts=int(experts) if experts else None, experts_per_token=_arg(args, "moe_router_topk", 2),
+        moe_intermediate_size=_arg(args, "moe_ffn_hidden_size", _arg(args, "ffn_hidden_size")),
+        norm_topk_prob=not _arg(args, "moe_router_pre_softmax", False),
+        mlp_only_layers=tuple(i for i, m in enumerate(moe_layers or []) if not m) if not family.mla else (),
+        q_lora_rank=_arg(args, "q_lora_rank"), kv_lora_rank=_arg(args, "kv_lora_rank") if family.mla else None,
+        qk_nope_head_dim=_arg(args, "qk_head_dim"), qk_rope_head_dim=_arg(args, "qk_pos_emb_head_dim"),
+        v_head_dim=_arg(args, "v_head_dim"), rope_interleave=True,
+        shared_experts=(int(_arg(args, "moe_shared_expert_intermediate_size", 0) or 0)
+                        // int(_arg(args, "moe_ffn_hidden_size", 1) or 1)) if family.mla else 0,
+        first_k_dense=first_dense, n_group=_arg(args, "moe_router_num_groups"),
+        topk_group=_arg(args, "moe_router_group_topk"),
+        routed_scaling_factor=_arg(args, "moe_router_topk_scaling_factor"),
+        scoring_func=_arg(args, "moe_router_score_function", "softmax"),
+        mtp_layers=int(_arg(args, "mtp_num_layers", 0) or 0))
+
+
+MODEL_TYPES = {"MistralForCausalLM": "mistral"}  # an architecture whose model_type is not its family's name
+
+
+def config_json(family: Family, cfg: HfConfig) -> dict[str, Any]:
+    """``config.json`` of the HF model ``cfg`` in the hub's spelling (read by transformers 4 and 5 alike)."""
+    out: dict[str, Any] = {
+        "architectures": [cfg.architecture], "model_type": MODEL_TYPES.get(cfg.architecture, family.name),
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings or 4096, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": cfg.dtype,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+    }
+    if cfg.rope_scaling is not None:
+        sc = cfg.rope_scaling
+        out["rope_scaling"] = {k: v for k, v in (("rope_type", sc.kind), ("factor", sc.factor),
+                                                 ("low_freq_factor", sc.low_freq_factor),
+                                                 ("high_freq_factor", sc.high_freq_factor),
+                                                 ("original_max_position_embeddings",
+                                                  sc.original_max_position_embeddings)) if v is not None}
+    if family.name in ("llama", "qwen3", "qwen3_moe"):
+        out["attention_bias"] = bool(cfg.attention_bias)
+    if family.name == "llama":
+        out["mlp_bias"] = False
+    if family.name in ("qwen2", "qwen3", "qwen3_moe", "mixtral"):
+        out["use_sliding_window"], out["sliding_window"] = False, None
+    if family.name == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   router_aux_loss_coef=0.0, output_router_logits=False)
+    if family.name == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob),
+                   decoder_sparse_step=1, mlp_only_layers=list(cfg.mlp_only_layers), router_aux_loss_coef=0.0)
+    if family.mla:
+        out.pop("head_dim")
+        out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=True,
+                   n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                   moe_intermediate_size=cfg.moe_intermediate_size, n_shared_experts=cfg.shared_experts,
+                   first_k_dense_replace=cfg.first_k_dense, n_group=cfg.n_group or 1,
+                   topk_group=cfg.topk_group or 1, routed_scaling_factor=cfg.routed_scaling_factor or 1.0,
+                   norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+                   num_nextn_predict_layers=cfg.mtp_layers)
+    return out

@@ -22,7 +22,7 @@ from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets import durable
 from megatron_preflight.reshard.targets.stream_save import save_streaming, save_tree
-from megatron_preflight.reshard.targets.unit import ShardResult, Tapping
+from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tapping
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFi
                                  code="verify")
 
 
-class LegacyTarget:
+class LegacyTarget(MegatronDirs):
     """``--ckpt-format torch``: one unit per shard dir of the target layout, written in parallel (workers, ranks)."""
 
     def units(self, r: Resharder) -> list[str]:

@@ -31,6 +31,7 @@ from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets import destination, durable, lifeline, share
 from megatron_preflight.reshard.targets.fsdp_dtensor import FsdpDtensorTarget
+from megatron_preflight.reshard.targets.hf import HfTarget
 from megatron_preflight.reshard.targets.legacy import LegacyTarget
 from megatron_preflight.reshard.targets.torch_dist import TorchDistTarget
 from megatron_preflight.reshard.targets.unit import ShardResult, Tapping, Target
@@ -116,7 +117,7 @@ def _init_worker(layout: bytes, target: TargetLayout, trust: bool, keep_optimize
 
 # The output formats: ``--ckpt-format`` -> its target (see targets/unit.py).
 TARGETS: dict[str, Target] = {"torch": LegacyTarget(), "torch_dist": TorchDistTarget(),
-                               "fsdp_dtensor": FsdpDtensorTarget()}
+                               "fsdp_dtensor": FsdpDtensorTarget(), "hf": HfTarget()}
 
 
 def target_of(target: TargetLayout) -> Target:
@@ -269,7 +270,7 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
                                      fix="pass a new directory (the source is never overwritten)", code="usage")
             tmp = dest.tmp
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(os.path.join(tmp, naming.iteration_dir_name(iteration_value)))
+            os.makedirs(out.out_dir(tmp, iteration_value), exist_ok=True)
         except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
             error = e
     _agree(grp, error)
@@ -278,7 +279,7 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
         tmp = grp.broadcast(tmp)  # after rank 0 made it
         owner = share.deal(out.weights(r), grp.world)
         mine = [n for n in names if owner[n] == grp.rank]
-    iter_out = os.path.join(tmp, naming.iteration_dir_name(iteration_value))
+    iter_out = out.out_dir(tmp, iteration_value)
     summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs, converted=r.converted)
     summary.source_notes = [f"note: the source's tracker is unusable ({p.message.split(';')[0]}): resharded "
                             f"iteration {r.layout.iteration}, the latest present; the new checkpoint's tracker names it"
@@ -320,7 +321,7 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
             if tapping is not None:
                 summary.added = tapping.finish(r, tapped, tmp, dst_abs)
             durable.fsync_tree(tmp)  # every shard file is already on disk; now the dirs that name them
-            durable.write_text(os.path.join(tmp, naming.TRACKER_FILENAME), str(iteration_value))  # the tracker last
+            summary.source_notes += out.seal(r, tmp, iteration_value)  # the tracker (an HF model's index) last
             durable.fsync_dir(tmp)
             if os.path.isdir(dst_abs):
                 os.rmdir(dst_abs)  # empty (checked above)

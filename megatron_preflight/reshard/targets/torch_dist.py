@@ -43,7 +43,7 @@ from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.sources.torch_dist import EXPERTS, SECTIONED, object_fqn
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.unit import ShardResult, Tap, Tapping
+from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tap, Tapping
 
 log = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLa
         tap.result() if tap is not None else None
 
 
-class TorchDistTarget:
+class TorchDistTarget(MegatronDirs):
     """``--ckpt-format torch_dist``: one unit, the checkpoint's global state (every tensor chunk by chunk)."""
 
     unit = "torch_dist"

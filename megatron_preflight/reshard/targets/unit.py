@@ -1,7 +1,8 @@
 """What every output format provides to the offline writer (:mod:`.offline`): the units it writes (a legacy
-target's shard dirs; a torch_dist target's one global state), what each weighs (to deal them to ranks), and how one
-is written (and verified) into the temp iteration dir. A new format is a class with these three methods and a row in
-``offline.TARGETS``.
+target's shard dirs; a torch_dist target's one global state; an HF model's safetensors files), what each weighs (to
+deal them to ranks), how one is written (and verified), where in the temp destination (``out_dir``), and what is
+written last, after every unit (``seal``: Megatron's tracker; an HF model's index). A new format is a class with these
+methods and a row in ``offline.TARGETS``; Megatron's formats share :class:`MegatronDirs`.
 A writer may be *tapped*: every tensor it writes is shown, a piece at a time, to a :class:`Tap` (what
 ``reshard --fingerprint`` uses to hash the output as it streams, without reading it back). The tap's kind comes from a
 higher layer (:class:`Tapping`, picklable: it travels to the worker processes); the writers only call it.
@@ -9,8 +10,12 @@ higher layer (:class:`Tapping`, picklable: it travels to the worker processes); 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from megatron_preflight.layout import naming
+from megatron_preflight.reshard.targets import durable
 
 if TYPE_CHECKING:  # annotations only: the resharder imports the targets' helpers, never the reverse at run time
     from megatron_preflight.reshard.plan.types import TensorPlan
@@ -53,5 +58,20 @@ class Target(Protocol):
 
     def weights(self, r: Resharder) -> dict[str, int]: ...
 
+    def out_dir(self, tmp: str, iteration: Any) -> str: ...
+
     def write(self, r: Resharder, unit: str, iter_out: str, verify: bool, tapping: Tapping | None = None
               ) -> ShardResult: ...
+
+    def seal(self, r: Resharder, tmp: str, iteration: Any) -> list[str]: ...
+
+
+class MegatronDirs:
+    """Megatron's layout: the units in the iteration dir (``iter_NNNNNNN/`` or ``release/``), the tracker last."""
+
+    def out_dir(self, tmp: str, iteration: Any) -> str:
+        return os.path.join(tmp, naming.iteration_dir_name(iteration))
+
+    def seal(self, r: Resharder, tmp: str, iteration: Any) -> list[str]:
+        durable.write_text(os.path.join(tmp, naming.TRACKER_FILENAME), str(iteration))
+        return []

@@ -1,0 +1,99 @@
+"""``reshard --ckpt-format hf``: a Megatron checkpoint written as a Hugging Face model. HF -> Megatron (any layout,
+legacy or torch_dist) -> HF is tensor-identical, every family; a real Megatron-LM checkpoint's export loads in
+``transformers`` as is and computes the logits a megatron-core model loaded from the checkpoint computes (fp32);
+a model no HF architecture expresses is refused before a byte is written; the files are the hub's layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from tests.conftest import fixture_path  # noqa: E402
+from tests.helpers import hf_models  # noqa: E402
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_preflight", *argv], capture_output=True, text=True,
+                          timeout=300)
+
+
+def tensors(path: str) -> dict:
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+ROUND_TRIPS = [("llama", ["--tensor-model-parallel-size", "2"], "torch"),
+               ("qwen2", ["--pipeline-model-parallel-size", "2"], "torch_dist"),
+               ("qwen3", ["--tensor-model-parallel-size", "2"], "torch_dist"),
+               ("mixtral", ["--expert-model-parallel-size", "2"], "torch"),
+               ("qwen3_moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+                "torch_dist"),
+               ("deepseek_v3", ["--expert-model-parallel-size", "2", "--transformer-impl", "transformer_engine",
+                                "--moe-grouped-gemm"], "torch")]
+
+
+@pytest.mark.parametrize("name, layout, fmt", ROUND_TRIPS, ids=[r[0] for r in ROUND_TRIPS])
+def test_hf_to_megatron_to_hf_is_tensor_identical(tmp_path, name, layout, fmt):
+    src = hf_models.write(name, str(tmp_path / "hf"))
+    if name == "deepseek_v3":
+        hf_models.add_mtp(src)  # the MTP layer travels both ways
+    mid, back = str(tmp_path / "megatron"), str(tmp_path / "back")
+    done = cli("reshard", src, mid, "--no-progress", "--ckpt-format", fmt, "--", *layout)
+    assert done.returncode == 0, done.stderr
+    done = cli("reshard", mid, back, "--no-progress", "--ckpt-format", "hf", "--verify")
+    assert done.returncode == 0, done.stderr
+    a, b = tensors(src), tensors(back)
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    with open(os.path.join(src, "config.json")) as fh:
+        before = json.load(fh)
+    with open(os.path.join(back, "config.json")) as fh:
+        after = json.load(fh)
+    assert after["architectures"] == before["architectures"]
+    assert cli("diff", src, back).returncode == 0
+    # the hub's layout: the files at the root, the index naming every tensor (written last)
+    with open(os.path.join(back, "model.safetensors.index.json")) as fh:
+        assert set(json.load(fh)["weight_map"]) == set(b)
+
+
+def test_a_real_megatron_checkpoint_computes_the_same_logits_in_transformers(mcore_pool, tmp_path):
+    """bf16_gqa_tp2_torch (written by Megatron-LM's pretrain_gpt.py: GQA, SwiGLU, RoPE, RMSNorm, untied, bf16 at
+    TP2, NullTokenizer's 100 ids + EOD): exported in fp32, its padding rows dropped (101 of 256 kept)."""
+    src = fixture_path("bf16_gqa_tp2_torch")
+    out = str(tmp_path / "hf")
+    done = cli("reshard", src, out, "--no-progress", "--ckpt-format", "hf", "--dtype", "fp32")
+    assert done.returncode == 0, done.stderr
+    assert "optimizer state was not written" in done.stdout
+    with open(os.path.join(out, "config.json")) as fh:
+        config = json.load(fh)
+    assert (config["architectures"], config["vocab_size"], config["num_key_value_heads"]) == \
+        (["LlamaForCausalLM"], 101, 2)
+    ref = mcore_pool.run("tests.helpers.hf_models:load_and_forward", hf_dir=src, tp=1)[0]
+    ours = hf_models.hf_logits(out, hf_models.tokens(vocab=101))
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_no_architecture_expresses_is_refused_before_writing(tmp_path):
+    out = str(tmp_path / "hf")
+    done = cli("reshard", fixture_path("moe_ep2_torch"), out, "--ckpt-format", "hf")  # GPT-2 style: learned, GELU
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "learned_absolute position embeddings" in done.stderr and not os.path.exists(out)
+    done = cli("reshard", fixture_path("bf16_gqa_tp2_torch"), out, "--ckpt-format", "hf", "--hf-architecture",
+               "Qwen3ForCausalLM")
+    assert done.returncode == 1 and "Qwen3ForCausalLM does not express" in done.stderr
+    done = cli("reshard", fixture_path("bf16_gqa_tp2_torch"), out, "--ckpt-format", "hf", "--hf-architecture",
+               "MistralForCausalLM", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    with open(os.path.join(out, "config.json")) as fh:
+        assert json.load(fh)["model_type"] == "mistral"
