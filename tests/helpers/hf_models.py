@@ -118,10 +118,9 @@ def load_and_forward(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, root: s
     in-memory reshard of ``hf_dir`` (or of the Megatron checkpoint ``root`` when given); rank 0's logits over the
     model's vocab (PP1), else each rank's state dict."""
     from megatron_preflight import reshard
+    from megatron_preflight.layout.hf.families import true_vocab
     from megatron_preflight.reshard.resharder import build_rank_state_dict
     from megatron_preflight.reshard.target import TargetLayout
-
-    from megatron_preflight.layout.hf.families import true_vocab
 
     saved = reshard.open_index(hf_dir).layout.saved_args
     args = dict(vars(saved))  # an HF dir's derived args, or a Megatron checkpoint's saved ones

@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.gc_budget import collect_rarely
-from megatron_preflight.layout import naming, transport
+from megatron_preflight.layout import transport
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex
 from megatron_preflight.reshard.execute.replicas import Drifted
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
