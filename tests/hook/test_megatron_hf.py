@@ -145,3 +145,44 @@ def test_deepseek_rotating_halves_and_its_mtp_layer(tmp_path, data):
         assert rc == 0, log[-4000:]
         assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
         assert ("mtp_1 loss" in log) == (path == mtp)
+
+
+# A model trained by real Megatron-LM from an HF start and saved in each form, then exported back (--ckpt-format
+# hf): transformers' loss on the tokens equals the loss Megatron computes when the saved model is loaded again (its
+# first iteration after a --finetune load: the saved weights, before any update).
+EXPORTS = [
+    ("llama", 2, ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch"], False),
+    ("qwen2", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tL",
+                  "--ckpt-format", "torch"], False),
+    ("qwen3_moe", 2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--ckpt-format",
+                      "torch_dist"], False),
+    ("qwen3_moe", 2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--ckpt-format", "torch_dist"],
+     True),
+    ("deepseek_v3", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format", "torch"], True),
+]
+
+
+@pytest.mark.parametrize("name, nproc, layout, te", EXPORTS,
+                         ids=[f"{e[0]}-{'-'.join(e[2][:2])}-{e[2][-1]}{'-te' if e[3] else ''}" for e in EXPORTS])
+def test_a_trained_model_handed_back_as_hf_computes_megatrons_loss(tmp_path, data, models, name, nproc, layout, te):
+    if te and not TE_CPU:
+        pytest.skip("MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
+    from tests.helpers import hf_data, hf_models
+
+    path = models[name][0]
+    if name == "deepseek_v3":
+        path = hf_models.add_mtp(hf_models.write(name, str(tmp_path / "dsv3_mtp")))
+    save = str(tmp_path / "saved")
+    rc, log = run(tmp_path, path, nproc, *printed_flags(path), "--data-path", data, *layout, "--preflight", "auto",
+                  "--save", save, "--save-interval", "2", "--train-iters", "2", base=BASE, port=29746, verify=False,
+                  te=te)
+    assert rc == 0 and os.path.isdir(save), log[-4000:]
+    out = str(tmp_path / "exported")
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", save, out, "--no-progress",
+                           "--ckpt-format", "hf", "--dtype", "fp32", "--verify"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rc, log = run(tmp_path, save, nproc, *printed_flags(path), "--data-path", data, *layout, "--finetune",
+                  "--no-load-rng", plugin=False, base=BASE, port=29747, verify=False, te=te)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(hf_data.hf_loss(out, SEQ, VOCAB), abs=1e-5)
