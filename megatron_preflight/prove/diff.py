@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.model import Format
 from megatron_preflight.prove import common_state
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
 from megatron_preflight.prove.lockstep import LockstepReader, int_view
@@ -387,6 +388,11 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
     if with_optimizer:
         report.steps = (ga.plain_step(), gb.plain_step())
         report.common += _group_differences(ga.choice.plain, gb.choice.plain)
+    if Format.HF in (ia.layout.format, ib.layout.format):
+        # an HF model carries a config.json, not Megatron's args or the state a resume reads: the weights are what
+        # an export (or an import) must keep
+        report.notes.append("a Hugging Face model: its weights compared (no Megatron args or resume state to compare)")
+        return report
     report.common = _common_differences(ia, ib, with_optimizer) + report.common
     report.args = _args_differences(ia.view.saved_args, ib.view.saved_args)
     return report

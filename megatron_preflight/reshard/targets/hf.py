@@ -179,10 +179,8 @@ def _chunks(e: Export, t: HfTensor) -> Any:
 def _rows_bytes(e: Export, tp: TensorPlan, a: int, b: int, files: SourceFiles) -> bytes:
     import torch  # deferred: torch only where tensors are made
 
-    if not tp.shape:
-        t = build_rows(tp, files, 0, 1)
-    else:
-        t = build_rows(tp, files, a, b)
+    # release: each source's mapped pages dropped once copied (the process holds a chunk, not the files it read)
+    t = build_rows(tp, files, 0, 1, release=True) if not tp.shape else build_rows(tp, files, a, b, release=True)
     t = t.to(dtypes.dtype(e.dtype)).contiguous()
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
