@@ -7,12 +7,13 @@ import argparse
 import json
 
 from megatron_preflight.cli.common import EXIT_OK, EXIT_PROBLEMS
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.model import Format
 
 
 def _run(ns: argparse.Namespace) -> int:
+    # loaded when flags runs (the CLI's parser loads none of a subcommand's work)
     from megatron_preflight.check.hf_model import model_flags
-    from megatron_preflight.errors import PreflightError
-    from megatron_preflight.layout.model import Format
     from megatron_preflight.reshard import open_index
 
     layout = open_index(ns.path, trust_checkpoint=ns.trust_checkpoint, shards="sample").layout

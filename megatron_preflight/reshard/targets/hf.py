@@ -28,13 +28,14 @@ from megatron_preflight.layout.hf.discover import TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import INDEX, NAMES
 from megatron_preflight.reshard.execute.executor import build_rows
 from megatron_preflight.reshard.plan.rules import canonical_name
+from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets.durable import write_text
 from megatron_preflight.reshard.targets.unit import ShardResult, Tapping
 
 if TYPE_CHECKING:
     from megatron_preflight.reshard.plan.types import TensorPlan
-    from megatron_preflight.reshard.resharder import Resharder
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,6 @@ def export_of(r: Resharder) -> Export:
 
 
 def _plan(r: Resharder) -> Export:
-    from megatron_preflight.reshard.resharder import open_resharder  # (the writers are imported by the resharder)
-    from megatron_preflight.reshard.target import TargetLayout
-
     args = r.layout.saved_args
     where = r.layout.iter_dir or r.layout.path
     if args is None:
