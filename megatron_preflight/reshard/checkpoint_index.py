@@ -78,7 +78,7 @@ class CheckpointIndex:
         """A fully read legacy checkpoint's shards agree with each other and with their saved args (metadata only):
         every disagreement becomes a problem of the layout, once (a layout sent by rank 0 carries them already)."""
         lay = self.layout
-        if lay.format not in (Format.TORCH, Format.HF) or lay.sampled or lay.consistency_checked:
+        if lay.format != Format.TORCH or lay.sampled or lay.consistency_checked:
             return
         lay.consistency_checked = True
         if [p for p in lay.problems if p.code not in _SOFT]:

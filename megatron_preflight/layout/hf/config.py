@@ -184,7 +184,9 @@ def normalise(raw: dict[str, Any], path: str) -> HfConfig:
         sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
         q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=raw.get("kv_lora_rank"),
         qk_nope_head_dim=raw.get("qk_nope_head_dim"), qk_rope_head_dim=raw.get("qk_rope_head_dim"),
-        v_head_dim=raw.get("v_head_dim"), rope_interleave=bool(raw.get("rope_interleave", False)),
+        v_head_dim=raw.get("v_head_dim"),
+        # transformers' DeepseekV3Config default: the hub's config.json does not say, and its rows are interleaved
+        rope_interleave=bool(raw.get("rope_interleave", True)),
         shared_experts=int(raw.get("n_shared_experts") or 0), first_k_dense=int(raw.get("first_k_dense_replace") or 0),
         n_group=raw.get("n_group"), topk_group=raw.get("topk_group"),
         routed_scaling_factor=raw.get("routed_scaling_factor"),

@@ -110,12 +110,16 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
     missing: list[str] = []
     needed: set[str] = set()
     errors: list[PreflightError] = []
-    for m in families.mappings(family, cfg, rows):
+    maps = families.mappings(family, cfg, rows)  # (a DeepSeek-V3: 31k tensors, computed once)
+    for m in maps:
         if not m.blocks:
             model[m.key] = None  # an extra state: no FP8 metadata
             continue
-        needed.update(b.hf for b in m.blocks)
-        gone = [b.hf for b in m.blocks if b.hf not in tensors]
+        gone = []
+        for b in m.blocks:
+            needed.add(b.hf)
+            if b.hf not in tensors:
+                gone.append(b.hf)
         if gone:
             missing.extend(n for n in dict.fromkeys(gone) if n not in missing)
             continue
@@ -124,7 +128,7 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
         except PreflightError as e:
             errors.append(e)
     taken: dict[str, int] = {}
-    for m in families.mappings(family, cfg, rows):
+    for m in maps:
         for b in m.blocks:
             taken[b.hf] = taken.get(b.hf, 0) + b.rows
     for name, n in taken.items():
@@ -138,12 +142,14 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
 
 def _ref(m: families.Mapping, tensors: dict[str, Any], path: str) -> SafeRef:
     first = tensors[m.blocks[0].hf]
-    tail = tuple(first.shape[1:])
+    if len(m.blocks) == 1 and m.blocks[0].src0 == 0 and m.blocks[0].rows == (first.shape[0] if first.shape else 1):
+        return safe_ref(m.key, first.dtype, first.shape, (Run(first.file, first.start, first.nbytes, 0),))  # a copy
+    tail = first.shape[1:]
     runs = []
     at = 0
     for b in m.blocks:
         t = tensors[b.hf]
-        if t.dtype != first.dtype or tuple(t.shape[1:]) != tail or b.src0 + b.rows > (t.shape[0] if t.shape else 1):
+        if t.dtype != first.dtype or t.shape[1:] != tail or b.src0 + b.rows > (t.shape[0] if t.shape else 1):
             raise PreflightError(f"tensor {b.hf!r} ({t.dtype}, {list(t.shape)}) does not fit {m.key} beside "
                                  f"{m.blocks[0].hf!r} ({first.dtype}, {list(first.shape)})",
                                  path=os.path.join(path, t.file), code="hf_shape",

@@ -21,7 +21,7 @@ resharder's bridge (:mod:`megatron_preflight.reshard.plan.spec`), not this table
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.hf.config import HfConfig, RopeScaling
@@ -80,7 +80,8 @@ def family_for(architecture: str, path: str) -> Family:
     for f in FAMILIES:
         if architecture in f.architectures:
             return f
-    what = ("config.json names no architecture (no architectures, no model_type)" if architecture == "unknown" else
+    what = ("this Hugging Face model dir's config.json names no architecture (no architectures, no model_type)"
+            if architecture == "unknown" else
             f"the Hugging Face architecture {architecture} is not one megatron-preflight maps to Megatron's GPT model")
     raise UnsupportedModel(what, path=path,
                            fix="supported: " + ", ".join(supported()) + "; convert other models with the tool that "
@@ -94,6 +95,11 @@ def qkv_bias(family: Family, cfg: HfConfig) -> bool:
 def refusals(family: Family, cfg: HfConfig) -> list[str]:
     """What in this model Megatron's GPT model cannot express (each a reason; empty: it can)."""
     out = []
+    quant = cfg.raw.get("quantization_config")
+    if isinstance(quant, dict):
+        out.append(f"quantized weights ({quant.get('quant_method', 'quantization_config')} "
+                   f"{quant.get('fmt', '')}".rstrip() + "): dequantize them to bf16 first (for DeepSeek-V3's FP8 "
+                   "blocks: DeepSeek's fp8_cast_bf16.py), then load the bf16 copy")
     if cfg.hidden_act not in ("silu", "swish"):
         out.append(f"hidden_act {cfg.hidden_act!r} (Megatron's gated MLP here is SwiGLU: silu)")
     if cfg.mlp_bias:
@@ -186,8 +192,7 @@ def megatron_args(family: Family, cfg: HfConfig) -> dict[str, Any]:
 
 
 # -- the names ------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Block:
+class Block(NamedTuple):  # (tuples: a DeepSeek-V3 is 31k mappings)
     """Rows ``src0 .. src0 + rows`` (dim 0) of HF tensor ``hf`` are rows ``dst0 ..`` of the Megatron tensor."""
 
     hf: str
@@ -196,8 +201,7 @@ class Block:
     dst0: int
 
 
-@dataclass(frozen=True)
-class Mapping:
+class Mapping(NamedTuple):
     """One Megatron tensor (a global legacy key) and the HF row blocks it is made of, in order (no blocks: an
     extra state, ``None``)."""
 

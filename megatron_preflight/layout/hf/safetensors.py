@@ -7,11 +7,13 @@ data_offsets}``, offsets relative to the end of the header) and the raw row-majo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError
@@ -26,10 +28,10 @@ DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
           "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32", "U64": "uint64"}
 NAMES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {k: dtypes.dtype(v).itemsize for k, v in DTYPES.items()}  # safetensors' name -> bytes per element
 
 
-@dataclass(frozen=True)
-class SafeTensor:
+class SafeTensor(NamedTuple):  # (a tuple: a DeepSeek-V3 dir holds 46k of them, read in well under a second)
     """One tensor of a safetensors file: where its bytes lie (absolute offsets in ``file``)."""
 
     name: str
@@ -92,13 +94,17 @@ def _file_tensors(model_dir: str, name: str, table: TensorTable) -> None:
         if key == "__metadata__":
             continue
         try:
-            dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            lo, hi = (int(o) for o in info["data_offsets"])
+            code = info["dtype"]
+            dtype, item = DTYPES[code], ITEMSIZE[code]
+            shape = tuple(info["shape"])
+            lo, hi = info["data_offsets"]
+            numel = math.prod(shape)
+            if type(numel) is not int or type(lo) is not int or type(hi) is not int:  # (JSON: ints or floats)
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise CorruptFileError(f"tensor {key!r}: its header entry is malformed ({info!r})", path=path,
                                    fix="download the file again", code="corrupt_file") from None
-        if hi - lo != math.prod(shape) * dtypes.dtype(dtype).itemsize or lo < 0:
+        if hi - lo != numel * item or lo < 0:
             raise CorruptFileError(f"tensor {key!r}: {hi - lo} bytes for shape {list(shape)} of {info['dtype']}",
                                    path=path, fix="download the file again", code="corrupt_file")
         if base + hi > size:
@@ -142,8 +148,7 @@ def tensor_table(model_dir: str) -> TensorTable:
     return table
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):
     """One contiguous byte run of a safetensors file: ``nbytes`` from byte ``start`` of ``file`` land at byte
     ``dst`` of the tensor a :class:`SafeRef` describes."""
 
@@ -181,9 +186,14 @@ class SafeRef(TensorRef):
                        row_major(tuple(shape)), runs=tuple(runs))
 
 
+@functools.cache
+def _dtype(name: str) -> Any:
+    return dtypes.dtype(name)
+
+
 def safe_ref(key: str, dtype: str, shape: tuple[int, ...], runs: tuple[Run, ...]) -> SafeRef:
     """The ref of a tensor of ``shape`` made of ``runs``."""
-    dt = dtypes.dtype(dtype)
+    dt = _dtype(dtype)
     n = math.prod(shape)
     return SafeRef(runs[0].file if runs else "", StorageRef(key, dt, n), 0, tuple(shape), row_major(tuple(shape)),
                    runs=runs)

@@ -153,3 +153,12 @@ def test_an_mtp_layer_in_the_files_is_read_as_megatrons(models, tmp_path):
                 "mtp.layers.0.mtp_model_layer.mlp.experts.local_experts.7.linear_fc2.weight"):
         assert key in model, key
     assert model["mtp.layers.0.eh_proj.weight"].shape == (32, 64)
+
+
+def test_quantized_weights_are_refused_with_the_way_forward(models, tmp_path):
+    """DeepSeek-V3's hub files are FP8 blocks with per-block scales (weight_scale_inv): never read as weights."""
+    lay = discover(_edit_config(models["deepseek_v3"], str(tmp_path / "q"),
+                                quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                     "weight_block_size": [128, 128]}))
+    p = next(p for p in lay.problems if p.code == "hf_unsupported")
+    assert "quantized weights (fp8 e4m3)" in p.message and "bf16" in p.message
