@@ -108,7 +108,7 @@ def test_check_stops_the_job_megatron_would_start_from_random_weights(tmp_path, 
     assert abs(first_loss(log) - oracle) > 1e-3
 
 
-TE_CASES = [("llama", ["--tensor-model-parallel-size", "2"]),
+TE_CASES = [("llama", ["--tensor-model-parallel-size", "2"]), ("llama", ["--context-parallel-size", "2"]),
             ("qwen3_moe", ["--expert-model-parallel-size", "2", "--moe-grouped-gemm"]),
             # DeepSeek-V3: MLA (built with the TE spec only), a dense first layer, grouped sigmoid routing with the
             # expert bias, a shared expert

@@ -280,7 +280,9 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
         owner = share.deal(out.weights(r), grp.world)
         mine = [n for n in names if owner[n] == grp.rank]
     iter_out = out.out_dir(tmp, iteration_value)
-    summary = Summary(shards=len(names), dropped=dict(r.dropped), destination=dst_abs, converted=r.converted)
+    # (an HF model holds weights only, said by its target: nothing else is "not carried")
+    summary = Summary(shards=len(names), dropped=dict(r.dropped) if target.ckpt_format != "hf" else {},
+                      destination=dst_abs, converted=r.converted)
     summary.source_notes = [f"note: the source's tracker is unusable ({p.message.split(';')[0]}): resharded "
                             f"iteration {r.layout.iteration}, the latest present; the new checkpoint's tracker names it"
                             for p in r.layout.problems if p.code in ("no_tracker", "bad_tracker")]

@@ -60,3 +60,20 @@ def test_offline_megatron_checkpoints_hold_the_same_model(mcore_pool, models, na
     for root in (pp2, dist):
         out = mcore_pool.run("tests.helpers.hf_models:load_and_forward", hf_dir=path, root=root)
         torch.testing.assert_close(out[0], ref, **TOL, msg=lambda m, root=root: f"{name} via {root}: {m}")
+
+
+def test_a_virtual_pipeline_layout_holds_the_same_model(mcore_pool, tmp_path):
+    """HF -> PP2 with two virtual stages per rank (4 layers: one per model chunk) on disk -> read back at TP1:
+    transformers' logits."""
+    path = hf_models.write("llama", str(tmp_path / "hf"), num_hidden_layers=4)
+    ref = hf_models.hf_logits(path)
+    vpp = str(tmp_path / "vpp")
+    _reshard(path, vpp, "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1")
+    import torch as _torch
+
+    from megatron_preflight.torch_file import read_torch_file
+
+    meta = read_torch_file(os.path.join(vpp, "release", "mp_rank_00_001", "model_optim_rng.pt"))
+    assert {"model0", "model1"} <= set(meta)  # the rank's two model chunks
+    out = mcore_pool.run("tests.helpers.hf_models:load_and_forward", hf_dir=path, root=vpp)
+    _torch.testing.assert_close(out[0], ref, **TOL)

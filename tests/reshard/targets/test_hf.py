@@ -40,10 +40,11 @@ ROUND_TRIPS = [("llama", ["--tensor-model-parallel-size", "2"], "torch"),
                ("qwen3_moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
                 "torch_dist"),
                ("deepseek_v3", ["--expert-model-parallel-size", "2", "--transformer-impl", "transformer_engine",
-                                "--moe-grouped-gemm"], "torch")]
+                                "--moe-grouped-gemm"], "torch"),
+               ("qwen3_moe", [], "fsdp_dtensor")]
 
 
-@pytest.mark.parametrize("name, layout, fmt", ROUND_TRIPS, ids=[r[0] for r in ROUND_TRIPS])
+@pytest.mark.parametrize("name, layout, fmt", ROUND_TRIPS, ids=[f"{r[0]}-{r[2]}" for r in ROUND_TRIPS])
 def test_hf_to_megatron_to_hf_is_tensor_identical(tmp_path, name, layout, fmt):
     src = hf_models.write(name, str(tmp_path / "hf"))
     if name == "deepseek_v3":
