@@ -5,10 +5,11 @@ a model no HF architecture expresses is refused before a byte is written; the fi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -16,13 +17,20 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
+from megatron_preflight.cli.main import main  # noqa: E402
 from tests.conftest import fixture_path  # noqa: E402
 from tests.helpers import hf_models  # noqa: E402
 
 
 def cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_preflight", *argv], capture_output=True, text=True,
-                          timeout=300)
+    """The command, in this process (a fresh interpreter per call cost the suite ~2 s each: torch's import)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(argv))
+        except SystemExit as exc:
+            rc = int(exc.code or 0)
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
 
 
 def tensors(path: str) -> dict:
