@@ -27,20 +27,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from hf_dirs import timed as run_timed  # noqa: E402
 
 
 def timed(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    t0 = time.perf_counter()
-    r = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env, timeout=3600)
-    wall = time.perf_counter() - t0
-    if r.returncode != 0:
-        raise SystemExit(f"{cmd[:3]} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1)) / 1024
-    return wall, rss, r.stdout + r.stderr
+    wall, rss, rc, text = run_timed(cmd, env=env)
+    if rc != 0:
+        raise SystemExit(f"{cmd[:3]} failed:\n{text[-4000:]}")
+    return wall, rss, text
 
 
 def tree_bytes(path: str) -> int:

@@ -21,15 +21,17 @@ import os
 import re
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from hf_dirs import timed as run_timed  # noqa: E402
+from hf_dirs import write_shards  # noqa: E402
 
 # Mixtral's shape, scaled to ~1 GB: 5 layers, hidden 1024, 16 heads over 4 groups, 8 experts of 3584, vocab 32000
 SHAPE = dict(hidden=1024, heads=16, groups=4, ffn=3584, experts=8, layers=5, vocab=32000)
@@ -54,29 +56,7 @@ def write_model(path: str) -> int:
             tensors += [(x + "w1.weight", (f, h)), (x + "w3.weight", (f, h)), (x + "w2.weight", (h, f))]
     tensors += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
     half = len(tensors) // 2
-    weight_map, total = {}, 0
-    for k, part in enumerate((tensors[:half], tensors[half:])):
-        name = f"model-{k + 1:05d}-of-00002.safetensors"
-        header, at = {}, 0
-        for t, shape in part:
-            size = 2
-            for d in shape:
-                size *= d
-            header[t] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + size]}
-            weight_map[t] = name
-            at += size
-        raw = json.dumps(header).encode()
-        with open(os.path.join(path, name), "wb") as fh:
-            fh.write(struct.pack("<Q", len(raw)) + raw)
-            left = at
-            while left:  # random bytes, exponent bits cleared (finite values, as weights are)
-                chunk = bytearray(os.urandom(min(left, 64 << 20)))
-                chunk[1::2] = bytes(b & 0x3F for b in chunk[1::2])
-                fh.write(chunk)
-                left -= len(chunk)
-        total += 8 + len(raw) + at
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh)
+    total = write_shards(path, [tensors[:half], tensors[half:]], hollow=False)
     config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": v, "hidden_size": h,
               "intermediate_size": f, "num_hidden_layers": n, "num_attention_heads": SHAPE["heads"],
               "num_key_value_heads": g, "num_local_experts": e, "num_experts_per_tok": 2, "hidden_act": "silu",
@@ -89,18 +69,15 @@ def write_model(path: str) -> int:
 
 def timed(cmd: list[str], env: dict | None = None, cwd: str | None = None, may_fail: bool = False) \
         -> tuple[float, float, str]:
-    """(wall s, peak RSS MiB, output) of ``cmd`` under /usr/bin/time -v (``may_fail``: a failure is returned, its
-    last error line in the output's last line)."""
-    t0 = time.perf_counter()
-    r = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env, cwd=cwd, timeout=3600)
-    wall = time.perf_counter() - t0
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1)) / 1024
-    if r.returncode != 0 and not may_fail:
-        raise SystemExit(f"{cmd[:4]} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    if r.returncode != 0:
-        errors = [line for line in (r.stdout + r.stderr).splitlines() if re.match(r"\w*Error: ", line.strip())]
-        return wall, rss, "FAILED: " + (errors[-1].strip() if errors else f"exit {r.returncode}")
-    return wall, rss, r.stdout + r.stderr
+    """(wall s, peak RSS MiB, output) of ``cmd`` (``may_fail``: a failure is returned, its last error line as the
+    output)."""
+    wall, rss, rc, text = run_timed(cmd, env=env, cwd=cwd)
+    if rc != 0 and not may_fail:
+        raise SystemExit(f"{cmd[:4]} failed:\n{text[-4000:]}")
+    if rc != 0:
+        errors = [line for line in text.splitlines() if re.match(r"\w*Error: ", line.strip())]
+        return wall, rss, "FAILED: " + (errors[-1].strip() if errors else f"exit {rc}")
+    return wall, rss, text
 
 
 def model_flags(path: str) -> list[str]:

@@ -11,17 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from hf_dirs import timed as run_timed  # noqa: E402
+from hf_dirs import write_shards  # noqa: E402
+
 FILES = 163
 
 CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
@@ -71,41 +73,18 @@ def table() -> list[tuple[str, tuple[int, ...]]]:
 
 def write(path: str) -> tuple[int, int]:
     """The hollow dir: (tensors, bytes the files claim)."""
-    os.makedirs(path, exist_ok=True)
     tensors = table()
     per = -(-len(tensors) // FILES)
-    weight_map, total = {}, 0
-    for k in range(FILES):
-        part = tensors[k * per:(k + 1) * per]
-        name = f"model-{k + 1:05d}-of-{FILES:06d}.safetensors"
-        header, at = {}, 0
-        for t, shape in part:
-            n = 2
-            for d in shape:
-                n *= d
-            header[t] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + n]}
-            weight_map[t] = name
-            at += n
-        raw = json.dumps(header).encode()
-        with open(os.path.join(path, name), "wb") as fh:
-            fh.write(struct.pack("<Q", len(raw)) + raw)
-            fh.truncate(8 + len(raw) + at)  # sparse: the size the header promises, no bytes
-        total += at
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh)
+    total = write_shards(path, [tensors[k * per:(k + 1) * per] for k in range(FILES)], hollow=True)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(CONFIG, fh)
     return len(tensors), total
 
 
 def timed(argv: list[str]) -> tuple[float, float, int]:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    t0 = time.perf_counter()
-    r = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "megatron_preflight", *argv], capture_output=True,
-                       text=True, env=env, timeout=600)
-    wall = time.perf_counter() - t0
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1)) / 1024
-    return wall, rss, r.returncode
+    wall, rss, rc, _ = run_timed([sys.executable, "-m", "megatron_preflight", *argv],
+                                 env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    return wall, rss, rc
 
 
 def main() -> None:

@@ -5,9 +5,9 @@ written offline (legacy PP2, torch_dist TP2 EP2) read back."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -42,9 +42,13 @@ def test_in_memory_logits_equal_transformers(mcore_pool, models, name):
 
 
 def _reshard(src: str, dst: str, *flags: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", src, dst, "--no-progress", *flags],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr + done.stdout
+    """The command as a user runs it (in this process: a fresh interpreter per call costs torch's import)."""
+    from megatron_preflight.cli.main import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["reshard", src, dst, "--no-progress", *flags])
+    assert rc == 0, err.getvalue()
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3_moe"])
