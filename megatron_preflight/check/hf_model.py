@@ -37,6 +37,9 @@ FUNCTION_FIELDS = (
     ("moe_router_group_topk", "how many expert groups each token may use"),
     ("moe_router_topk_scaling_factor", "the routed experts' scaling factor"),
     ("rope_type", "the rotary embedding's kind (MLA takes yarn unless told)"),
+    ("rotary_scaling_factor", "YaRN's scaling factor"),
+    ("mscale", "YaRN's attention scale (mscale)"),
+    ("mscale_all_dim", "YaRN's attention scale over all dims (mscale_all_dim)"),
 )
 
 # the model flags of a run, in the order a launch script lists them: (field, flag); a bool is the flag alone
@@ -55,6 +58,7 @@ MODEL_FLAGS = (
     ("multi_latent_attention", "--multi-latent-attention"), ("q_lora_rank", "--q-lora-rank"),
     ("kv_lora_rank", "--kv-lora-rank"), ("qk_head_dim", "--qk-head-dim"),
     ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"), ("v_head_dim", "--v-head-dim"), ("rope_type", "--rope-type"),
+    ("rotary_scaling_factor", "--rotary-scaling-factor"), ("mscale", "--mscale"), ("mscale_all_dim", "--mscale-all-dim"),
     ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"),
     ("num_experts", "--num-experts"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
     ("moe_router_topk", "--moe-router-topk"), ("moe_router_score_function", "--moe-router-score-function"),
@@ -137,6 +141,12 @@ def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                    "a Hugging Face model: Megatron-LM alone would not load it (it warns 'could not find the metadata "
                    "file' and trains from random weights); megatron-preflight builds each rank's weights from the "
                    "safetensors, as a release checkpoint: iteration 0, no optimizer or RNG state", "")]
+    if getattr(saved, "rope_type", None) == "yarn":
+        out.append(Finding("rope_type", "yarn", rt.rope_type, INFO,
+                           "YaRN RoPE as Megatron's multi-latent attention applies it (the factor and both attention "
+                           "scales from config.json; its original context 4,096 and betas 32 / 1 are Megatron's "
+                           "fixed values): mapped, not measured against transformers here (Megatron's YaRN embedding "
+                           "needs an accelerator)", ""))
     moe = bool(getattr(saved, "num_experts", None))
     for field, what in FUNCTION_FIELDS:
         ck = getattr(saved, field, None)

@@ -76,6 +76,9 @@ class RuntimeArgs:
     moe_router_topk_scaling_factor: float | None = None
     moe_router_dtype: str | None = None
     rope_type: str | None = None  # MLA's default is yarn
+    rotary_scaling_factor: float = 1.0  # YaRN (MLA)
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     multi_latent_attention: bool = False  # MLA, and its sizes (Megatron's defaults)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 32

@@ -131,7 +131,7 @@ def test_the_transformer_engine_spec_loads_it_alike(tmp_path, data, models, name
 @pytest.mark.skipif(not TE_CPU, reason="MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
 def test_deepseek_rotating_halves_and_its_mtp_layer(tmp_path, data):
     """A DeepSeek-V3 whose rotary rows rotate in halves (rope_interleave: false; Megatron's MLA rotates interleaved
-    pairs: the rows are interleaved on the way), and one whose files carry the multi-token prediction layer the hub's
+    pairs: the rows are interleaved on the way), one whose files carry the multi-token prediction layer the hub's
     do (--mtp-num-layers 1, printed; transformers ignores it, so the lm loss is still its own)."""
     from tests.helpers import hf_data, hf_models
 
@@ -186,3 +186,23 @@ def test_a_trained_model_handed_back_as_hf_computes_megatrons_loss(tmp_path, dat
                   "--no-load-rng", plugin=False, base=BASE, port=29747, verify=False, te=te)
     assert rc == 0, log[-4000:]
     assert first_loss(log) == pytest.approx(hf_data.hf_loss(out, SEQ, VOCAB), abs=1e-5)
+
+
+@pytest.mark.skipif(not TE_CPU, reason="MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
+def test_deepseek_yarn(tmp_path, data):
+    """DeepSeek-V3's own RoPE, YaRN with both attention scales (--rope-type yarn --rotary-scaling-factor --mscale
+    --mscale-all-dim, printed). Megatron's YarnRotaryEmbedding needs an accelerator: on the CPU runner it cannot be
+    built ('Cannot access accelerator device'), so there this test says so and skips; on a GPU runner it compares."""
+    from tests.helpers import hf_data, hf_models
+
+    path = hf_models.write("deepseek_v3", str(tmp_path / "yarn"), rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
+    flags = printed_flags(path)
+    assert flags[flags.index("--rope-type") + 1] == "yarn" and "--rotary-scaling-factor" in flags
+    rc, log = run(tmp_path, path, 1, *flags, "--data-path", data, "--preflight", "auto", base=BASE, port=29748,
+                  verify=False, te=True)
+    if rc != 0 and "Cannot access accelerator device" in log:
+        pytest.skip("Megatron's YarnRotaryEmbedding cannot be built without an accelerator (CPU runner)")
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)

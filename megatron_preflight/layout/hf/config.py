@@ -23,6 +23,11 @@ class RopeScaling:
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    # YaRN's (DeepSeek-V3: factor 40, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1, from 4,096 positions)
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,8 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         return float(v) if v is not None else None
     orig = merged.get("original_max_position_embeddings")
     return theta, RopeScaling(str(kind), num("factor"), num("low_freq_factor"), num("high_freq_factor"),
-                              int(orig) if orig is not None else None)
+                              int(orig) if orig is not None else None, num("beta_fast"), num("beta_slow"),
+                              num("mscale"), num("mscale_all_dim"))
 
 
 def load_raw(model_dir: str) -> tuple[dict[str, Any], str]:

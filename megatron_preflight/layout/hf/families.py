@@ -106,9 +106,16 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
         out.append("mlp_bias: the MLP projections have biases, which Megatron adds only with every linear's bias")
     if family.qkv_bias == "config" and cfg.attention_bias and family.name == "llama":
         out.append("attention_bias: Llama's o_proj bias has no Megatron counterpart without every linear's bias")
-    if cfg.rope_scaling is not None and cfg.rope_scaling.kind not in ("llama3", "linear"):
-        out.append(f"RoPE scaling {cfg.rope_scaling.kind!r} (Megatron's GPT model applies llama3 scaling "
-                   "(--use-rope-scaling) and linear interpolation (--rotary-seq-len-interpolation-factor))")
+    sc = cfg.rope_scaling
+    if sc is not None and sc.kind == "yarn" and family.mla:
+        fixed = {"original_max_position_embeddings": (sc.original_max_position_embeddings, MLA_YARN_ORIGINAL),
+                 "beta_fast": (sc.beta_fast, 32.0), "beta_slow": (sc.beta_slow, 1.0)}
+        for name, (value, megatron) in fixed.items():
+            if value is not None and float(value) != float(megatron):
+                out.append(f"YaRN's {name} {value} (Megatron's MLA takes {megatron}: its command line cannot set it)")
+    elif sc is not None and sc.kind not in ("llama3", "linear"):
+        out.append(f"RoPE scaling {sc.kind!r} (Megatron's GPT model applies llama3 scaling (--use-rope-scaling) and "
+                   "linear interpolation (--rotary-seq-len-interpolation-factor); YaRN with multi-latent attention)")
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear" and cfg.rope_scaling.factor is not None \
             and float(cfg.rope_scaling.factor) != int(cfg.rope_scaling.factor):
         out.append(f"linear RoPE scaling by {cfg.rope_scaling.factor} (Megatron takes an integer factor)")
@@ -122,6 +129,7 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
 
 
 MAX_TP = 8  # the vocab is kept unpadded up to this TP
+MLA_YARN_ORIGINAL = 4096  # MLATransformerConfig's original_max_position_embeddings (no flag sets it for MLA)
 
 
 def _divisor(vocab: int) -> int:
@@ -161,6 +169,11 @@ def megatron_args(family: Family, cfg: HfConfig) -> dict[str, Any]:
                      # the q and kv low-rank norms: Megatron builds them (fused into the up projections) only
                      # with --qk-layernorm
                      "qk_layernorm": True, "rope_type": "rope"})
+        sc = cfg.rope_scaling
+        if sc is not None and sc.kind == "yarn":  # MLA's YaRN: the factor and the two attention scales
+            args.update(rope_type="yarn", rotary_scaling_factor=float(sc.factor or 1.0),
+                        mscale=float(sc.mscale if sc.mscale is not None else 1.0),
+                        mscale_all_dim=float(sc.mscale_all_dim if sc.mscale_all_dim is not None else 0.0))
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
         args["use_rope_scaling"] = True
         args["rope_scaling_factor"] = cfg.rope_scaling.factor
@@ -506,7 +519,10 @@ def config_from_args(family: Family, args: Any, path: str, architecture: str | N
     if moe_layers is not None and family.mla:
         first_dense = next((i for i, m in enumerate(moe_layers) if m), layers)
     scaling = None
-    if _arg(args, "use_rope_scaling", False):
+    if family.mla and _arg(args, "rope_type") == "yarn":
+        scaling = RopeScaling("yarn", float(_arg(args, "rotary_scaling_factor", 1.0)), None, None, MLA_YARN_ORIGINAL,
+                              32.0, 1.0, float(_arg(args, "mscale", 1.0)), float(_arg(args, "mscale_all_dim", 0.0)))
+    elif _arg(args, "use_rope_scaling", False):
         scaling = RopeScaling("llama3", float(_arg(args, "rope_scaling_factor", 8.0)), 1.0, 4.0, 8192)
     elif _arg(args, "rotary_seq_len_interpolation_factor"):
         scaling = RopeScaling("linear", float(_arg(args, "rotary_seq_len_interpolation_factor")))
@@ -562,7 +578,9 @@ def config_json(family: Family, cfg: HfConfig) -> dict[str, Any]:
                                                  ("low_freq_factor", sc.low_freq_factor),
                                                  ("high_freq_factor", sc.high_freq_factor),
                                                  ("original_max_position_embeddings",
-                                                  sc.original_max_position_embeddings)) if v is not None}
+                                                  sc.original_max_position_embeddings), ("beta_fast", sc.beta_fast),
+                                                 ("beta_slow", sc.beta_slow), ("mscale", sc.mscale),
+                                                 ("mscale_all_dim", sc.mscale_all_dim)) if v is not None}
     if family.name in ("llama", "qwen3", "qwen3_moe"):
         out["attention_bias"] = bool(cfg.attention_bias)
     if family.name == "llama":

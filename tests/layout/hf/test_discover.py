@@ -162,3 +162,20 @@ def test_quantized_weights_are_refused_with_the_way_forward(models, tmp_path):
                                                      "weight_block_size": [128, 128]}))
     p = next(p for p in lay.problems if p.code == "hf_unsupported")
     assert "quantized weights (fp8 e4m3)" in p.message and "bf16" in p.message
+
+
+def test_deepseek_yarn_reads_as_megatrons_mla_yarn(models, tmp_path):
+    """DeepSeek-V3's RoPE is YaRN: --rope-type yarn with its factor and both attention scales; what Megatron's MLA
+    cannot be told (its original context 4096, beta 32 / 1 are fixed) is refused when the model differs."""
+    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    lay = discover(_edit_config(models["deepseek_v3"], str(tmp_path / "y"), rope_scaling=yarn, rope_parameters=None))
+    assert lay.problems == []
+    args = lay.saved_args
+    assert (args.rope_type, args.rotary_scaling_factor, args.mscale, args.mscale_all_dim) == ("yarn", 40.0, 1.0, 1.0)
+    other = dict(yarn, original_max_position_embeddings=8192)
+    lay = discover(_edit_config(models["deepseek_v3"], str(tmp_path / "o"), rope_scaling=other, rope_parameters=None))
+    assert any(p.code == "hf_unsupported" and "original_max_position_embeddings 8192" in p.message
+               for p in lay.problems)
+    lay = discover(_edit_config(models["llama"], str(tmp_path / "l"), rope_scaling=yarn, rope_parameters=None))
+    assert any(p.code == "hf_unsupported" and "'yarn'" in p.message for p in lay.problems)
