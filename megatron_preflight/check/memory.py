@@ -28,7 +28,8 @@ from typing import Any
 from megatron_preflight import parallel, reshard  # reshard: its modules load on first use (a lazy package)
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
-from megatron_preflight.layout import naming
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import naming, optimizer_kinds
 from megatron_preflight.layout.model import Format
 from megatron_preflight.units import human_bytes
 
@@ -65,6 +66,26 @@ def element_bytes(rt: RuntimeArgs) -> tuple[int, int, int]:
     grad = 4 if (not half or grad_fp32) else 2
     optim = 12 if half else 8  # fp32 master (half only), exp_avg, exp_avg_sq
     return param, grad, optim
+
+
+def state_bytes(rt: RuntimeArgs, key: str, shape: tuple[int, ...], adam_bytes: int) -> int:
+    """The optimizer state bytes of one parameter shard in the run's optimizer (layout/optimizer_kinds.py): its kind's
+    fp32 fields per element (an emerging optimizer hands the non-matrix tensors to its scalar one), the fp32 master of
+    a half-precision run, and SOAP's per-shard preconditioners (L, R and their eigenbases: two m x m and two n x n
+    fp32 matrices). ``adam_bytes``: Adam's per element (:func:`element_bytes`)."""
+    try:
+        kind = optimizer_kinds.kind_named(rt.optimizer)
+    except PreflightError:
+        kind = optimizer_kinds.KINDS["adam"]  # (the check names the unknown kind)
+    if optimizer_kinds.goes_to_scalar(key, shape, kind):
+        try:
+            kind = optimizer_kinds.kind_named(rt.muon_scalar_optimizer if kind.honours_use_muon else "adam")
+        except PreflightError:
+            kind = optimizer_kinds.KINDS["adam"]
+    n = math.prod(shape)
+    master = adam_bytes - optimizer_kinds.KINDS["adam"].state_bytes  # 4 in a bf16/fp16 run, else 0
+    local = 8 * (shape[0] ** 2 + shape[1] ** 2) if kind.has_local and len(shape) == 2 else 0
+    return n * (kind.state_bytes + master) + local
 
 
 def activation_estimate(rt: RuntimeArgs, layers_on_stage: int, moe_layers: int, num_microbatches: int | None,
@@ -117,23 +138,24 @@ def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]
     out = []
     for name, coords in naming.shard_writers(tgt).items():
         plan = r.plan_for_coords(coords, name)
-        dense = expert = 0
+        dense = expert = dense_state = expert_state = 0
         for tp in plan.tensors:
             if tp.shape is None or tp.key.endswith("_extra_state") or tp.key.endswith("expert_bias"):
                 continue
             n = math.prod(tp.shape)
+            state = state_bytes(rt, tp.key, tp.shape, o_bytes)
             if tp.gkey is not None and tp.gkey.expert is not None:
-                expert += n
+                expert, expert_state = expert + n, expert_state + state
             else:
-                dense += n
+                dense, dense_state = dense + n, dense_state + state
         numel = dense + expert
-        optimizer = numel * o_bytes if not rt.use_distributed_optimizer else \
-            math.ceil(dense * o_bytes / dp_cp) + math.ceil(expert * o_bytes / edp)
+        optimizer = dense_state + expert_state if not rt.use_distributed_optimizer else \
+            math.ceil(dense_state / dp_cp) + math.ceil(expert_state / edp)
         layers = {tp.gkey.layer for tp in plan.tensors if tp.gkey is not None and tp.gkey.layer is not None}
         moe_layers = {tp.gkey.layer for tp in plan.tensors if tp.gkey is not None and tp.gkey.expert is not None
                       and tp.gkey.layer is not None}  # (decoder layers: an MTP layer is not counted in either)
         acts = activation_estimate(rt, len(layers), len(moe_layers), microbatches) if coords["pp"] == 0 else 0
-        group = numel * o_bytes if rt.use_distributed_optimizer else 0  # once over the ranks sharing the dir
+        group = dense_state + expert_state if rt.use_distributed_optimizer else 0  # once over the ranks sharing it
         out.append(RankMemory(name, numel * p_bytes, numel * g_bytes, optimizer, acts, group))
     return out
 

@@ -26,6 +26,7 @@ from megatron_preflight.check.tokenizer import tokenizer_findings
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.fit.nearest import annotate
+from megatron_preflight.layout import optimizer_entry, optimizer_kinds
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.plan import drift
 
@@ -164,6 +165,11 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                            "the checkpoint has no optimizer state (saved with --no-save-optim); Megatron starts the "
                            "optimizer fresh", "add --no-load-optim to say so explicitly"))
         load_optim = False
+    if load_optim:
+        kind_findings = _optimizer_kind(index, rt, changed)
+        out.extend(kind_findings)
+        if any(f.severity == FATAL for f in kind_findings):
+            load_optim = False  # (one finding says why; the layout ones below would repeat it)
     if load_optim and layout.format == Format.TORCH_DIST and \
             layout.dist_optimizer_sharding == "fully_sharded_model_space" and rt.loads_flattened_range is not True:
         out.append(_flattened_range(index, rt))
@@ -196,10 +202,11 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                                    + "; or add --no-load-optim (and keep the weights)"))
             elif problem is None:
                 kind = status.kind if status is not None else "plain"
+                held = optimizer_kinds.describe_chain(saved, _saved_groups(layout))
                 what = ("the distributed optimizer's state (distrib_optim.pt: fp32 masters, exp_avg, exp_avg_sq) is "
                         "resharded with the weights and laid out in the run's DDP buffers" if kind == "distributed"
-                        else "the plain optimizer's state (exp_avg, exp_avg_sq, fp32 master copies) is resharded "
-                        "with the weights, by the same split rules")
+                        else f"the plain optimizer's state ({held}, and the fp32 master copies of a bf16/fp16 run) is "
+                        "resharded with the weights, by the same split rules")
                 out.append(Finding("optimizer", kind, "resharded", RESHARD, what, ""))
             else:
                 out.append(Finding("optimizer", "saved", "load", FATAL,
@@ -258,6 +265,68 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
         out.append(Finding("optimizer", "saved", "not loaded", INFO,
                            "--no-load-optim/--finetune: the optimizer state is not loaded", ""))
     return out, load_optim, load_rng
+
+
+def _saved_groups(layout: Layout) -> list[dict[str, Any]] | None:
+    """The saved optimizer's param groups (legacy: rank 0's file; torch_dist: the common state)."""
+    if layout.format == Format.TORCH and layout.shards and isinstance(layout.shards[0].meta, dict):
+        return optimizer_entry.param_groups(layout.shards[0].meta.get("optimizer"))
+    common = layout.common_state
+    return optimizer_entry.param_groups(common.get("optimizer")) if isinstance(common, dict) else None
+
+
+def _optimizer_kind(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bool) -> list[Finding]:
+    """The saved optimizer's kind against the run's (layout/optimizer_kinds.py), and what a kind decides about the
+    load: SGD's torch_dist state, which Megatron cannot load; SOAP's per-shard preconditioners at another TP/ETP."""
+    layout = index.layout
+    saved_args = layout.saved_args
+    if saved_args is None or layout.format == Format.HF:
+        return []
+    try:
+        saved = optimizer_kinds.primary_of(saved_args)
+    except PreflightError as e:
+        return [Finding("optimizer", getattr(saved_args, "optimizer", None), rt.optimizer, FATAL, e.message,
+                        "add --no-load-optim (and keep the weights)")]
+    out: list[Finding] = []
+    if "optimizer" in rt.given:
+        try:
+            run = optimizer_kinds.kind_named(rt.optimizer)
+        except PreflightError:
+            run = None  # a kind we do not know: Megatron says what it accepts
+        if run is not None and run != saved:
+            out.append(Finding(
+                "optimizer", saved.name, run.name, FATAL,
+                f"the checkpoint's optimizer state is {saved.describe()}'s; the run builds {run.name}, whose state "
+                "differs: Megatron would load it into the wrong optimizer (or fail after the build)",
+                f"run with --optimizer {getattr(saved_args, 'optimizer', saved.name)}, or add --no-load-optim (keep "
+                f"the weights, start {run.name}'s state fresh)"))
+            return out
+    if saved.has_local and changed and layout.format == Format.TORCH and (
+            (layout.tp or 1) != rt.tp or (layout.etp or layout.tp or 1) != rt.etp):
+        out.append(Finding("optimizer", f"{saved.name} TP{layout.tp} ETP{layout.etp or layout.tp}",
+                           f"TP{rt.tp} ETP{rt.etp}", FATAL,
+                           f"{saved.exact_note}: they cannot follow a change of TP or ETP (each shard's matrices are "
+                           "not pieces of a global one); a PP / DP / EP change at the same TP and ETP carries them",
+                           f"keep --tensor-model-parallel-size {layout.tp}"
+                           f"{'' if layout.etp in (None, layout.tp) else f' --expert-tensor-parallel-size {layout.etp}'}"
+                           ", or add --no-load-optim (keep the weights, start the optimizer fresh)"))
+    if saved.name == "sgd" and layout.format == Format.TORCH_DIST and not layout.dist_optimizer_sharding \
+            and rt.ckpt_format != "torch" and not rt.use_megatron_fsdp:
+        problem = index.source_problem()
+        fails = ("Megatron's torch_dist load of an SGD optimizer state fails after the model and the optimizer are "
+                 "built, at any layout ('TypeError: NoneType object is not callable': SGD has no init_state_fn in its "
+                 "sharded_state_dict)")
+        convert = advice.offline_fix(layout, rt, "--ckpt-format", "torch", load_flags="--ckpt-format torch")
+        if problem is None:
+            out.append(Finding("optimizer", "sgd (torch_dist)", "resharded", RESHARD,
+                               f"{fails}; the in-memory resharder reads it, so --preflight auto loads the weights and "
+                               "the momentum through it", f"run with --preflight auto; or convert it once to the "
+                               f"legacy form, which Megatron loads: {convert}"))
+        else:
+            out.append(Finding("optimizer", "sgd (torch_dist)", "not loadable", FATAL,
+                               f"{fails}, and the in-memory resharder cannot serve it either ({problem})",
+                               "add --no-load-optim (and keep the weights)"))
+    return out
 
 
 def _even(name: str, value: Any) -> Any:

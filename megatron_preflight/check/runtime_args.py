@@ -123,6 +123,10 @@ class RuntimeArgs:
     # (``param_group_identifier_keys``; check/param_groups.py); the hook asks megatron.core, None offline
     param_group_keys: tuple[str, ...] | None = None
     use_distributed_optimizer: bool = False
+    # --optimizer (Megatron's default adam; sgd; Megatron-LM main's emerging ones: muon, adaptive_muon, lion, soap, and
+    # their layer-wise dist_ forms) and the scalar optimizer of a Muon run (layout/optimizer_kinds.py)
+    optimizer: str = "adam"
+    muon_scalar_optimizer: str = "adam"
     overlap_grad_reduce: bool = False  # the DDP bucketing (check/ddp_buckets.py)
     ddp_bucket_size: int | None = None
     ckpt_format: str = "torch_dist"

@@ -294,4 +294,4 @@ def test_align_groups_to_the_running_optimizer():
     moved = groups[1] + groups[0]  # old indices in the new order
     assert all(torch.equal(out["state"][new]["exp_avg"], before[old]) for new, old in enumerate(moved))
     with pytest.raises(PreflightError):
-        align_groups(opt, [[((0.5, 1.0, False, False), 3)]])
+        align_groups(opt, [[((0.5, 1.0, False, False, None), 3)]])

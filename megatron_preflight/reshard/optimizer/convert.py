@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.layout.model import Layout
+from megatron_preflight.layout.optimizer_kinds import primary_of
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.optimizer.distributed import FIX, DistOptimizerIndex, source_params
 from megatron_preflight.reshard.optimizer.family import is_fused_adam, step_value
@@ -40,6 +41,12 @@ def plain_to_distributed(plain: OptimizerIndex, model: dict[GlobalKey, GlobalEnt
         master = fields.get(MASTER)
         if master is None:
             master = model.get(gkey)
+        kind = plain.kind(plain.membership[gkey])
+        if kind.name != "adam":  # Megatron-LM's distributed optimizer runs Adam (an emerging one fails at its start)
+            raise OptimizerNotReshardable(
+                f"the checkpoint's {kind.name} optimizer state cannot become a distributed optimizer's: Megatron's "
+                "distributed optimizer holds Adam's state only", fix="run without --use-distributed-optimizer, or "
+                "start with --no-load-optim (weights only)", code="optimizer")
         if not isinstance(master, GlobalEntry) or not all(isinstance(fields.get(n), GlobalEntry)
                                                           for n in ("exp_avg", "exp_avg_sq")):
             raise OptimizerNotReshardable(f"parameter {gkey.suffix} has no Adam moments to carry over", fix=FIX,
@@ -89,7 +96,7 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
         outer["fp32_from_fp16_params"] = None
         outer.update(dist.outer)
     template = SubOptimizer(half, outer, OrderedDict(), groups, [[] for _ in groups], {}, None)
-    plain = OptimizerIndex(template, dist.template_shard)
+    plain = OptimizerIndex(template, dist.template_shard, primary=primary_of(layout.saved_args or {}))
     expert_parallel = src.experts_are_expert_parallel()
     key_order = {k: i for i, k in enumerate(dist.settings[dist.order[0]])} if dist.order else {}
     for g in groups:
@@ -109,9 +116,9 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
             continue
         if sk.gkey in plain.membership:
             continue
-        traits = group_traits(sk, expert_parallel)
+        traits = group_traits(sk, expert_parallel, plain.primary)
         if traits not in chosen:
-            chosen[traits] = _candidates([template], sk, expert_parallel)
+            chosen[traits] = _candidates([template], sk, expert_parallel, plain.primary)
         cands = chosen[traits]
         if len({sigs[c[1]] for c in cands}) != 1:  # (the dense and expert parts' twins are one)
             raise OptimizerNotReshardable(f"cannot tell which param group holds {sk.key} ({len(cands)} candidates) "
@@ -123,10 +130,19 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
         fields = dist.fields.get(sk.gkey)
         if fields is None:
             raise OptimizerNotReshardable(f"no distributed optimizer state for {sk.key}", fix=FIX, code="optimizer")
-        # torch's Adam: a step tensor of its own per parameter (incremented in place); a fused Adam: none
-        out: OrderedDict[str, Any] = OrderedDict() if fused else OrderedDict(
-            [("step", SourcePiece(sk.shard, step_value(step), 0, 1))])
-        out["exp_avg"], out["exp_avg_sq"] = fields["exp_avg"], fields["exp_avg_sq"]
+        kind = plain.kind(sig)
+        # torch's Adam (and SOAP): a step of its own per parameter (a tensor, incremented in place); a fused Adam
+        # keeps it in its groups; momentum-only kinds (SGD, Lion, Muon) count none
+        out: OrderedDict[str, Any] = OrderedDict()
+        if not fused and "step" in kind.fields:
+            out["step"] = SourcePiece(sk.shard, step_value(step) if kind.name == "adam" else int(step), 0, 1)
+        missing = [n for n in kind.moments if n not in fields]
+        if missing and kind.name != "sgd":  # (SGD without momentum keeps no buffer)
+            raise OptimizerNotReshardable(f"no saved {' / '.join(missing)} for {sk.key} (its param group is "
+                                          f"{kind.name}'s)", fix=FIX, code="optimizer")
+        for name in kind.moments:
+            if name in fields:
+                out[name] = fields[name]
         if dtypes.name_of(p.dtype) in _HALF:
             out[MASTER] = fields["param"]
         plain.fields[sk.gkey] = out

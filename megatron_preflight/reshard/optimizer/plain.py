@@ -27,8 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight import dtypes
-from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Layout
+from megatron_preflight.layout.optimizer_kinds import (
+    KINDS,
+    Kind,
+    OptimizerNotReshardable,
+    Split,
+    goes_to_scalar,
+    group_kind,
+    kinds_of,
+    primary_of,
+)
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import PROVENANCE_KEY
 from megatron_preflight.reshard.plan.index import iter_source_keys
@@ -61,10 +70,6 @@ _HALF = frozenset({"float16", "bfloat16"})  # dtype names of a bf16 / fp16 run's
 
 
 _DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-class OptimizerNotReshardable(PreflightError):
-    """The optimizer state cannot be mapped to parameters safely."""
 
 
 @dataclass
@@ -146,6 +151,11 @@ class OptimizerIndex:
     # Megatron-LM before ~2026 orders each rank's groups by the first parameter it meets (then the groups only other
     # ranks have); newer ones sort them the same on every rank. True when the source shows per-rank orders.
     per_rank_order: bool = False
+    primary: Kind = KINDS["adam"]  # the optimizer the run was trained with (a chain's scalar part is named per group)
+
+    def kind(self, sig: str) -> Kind:
+        """The optimizer kind of the param group ``sig``."""
+        return group_kind(self.settings[sig], self.primary)
 
 
 def is_decoupled_group(settings: dict[str, Any]) -> bool:
@@ -159,20 +169,24 @@ def no_weight_decay(key: str, shape: tuple[int, ...]) -> bool:
     return key.endswith(".bias") or len(shape) == 1
 
 
-def group_traits(sk: SourceKey, expert_parallel: bool) -> tuple[bool, bool, bool]:
+def group_traits(sk: SourceKey, expert_parallel: bool, primary: Kind) -> tuple[bool, bool, bool, bool]:
     """What decides a parameter's param group by Megatron's default rules: (expert-parallel, no weight decay,
-    decoupled LR) — all :func:`_candidates` reads of it."""
-    return (sk.info.expert is not None and expert_parallel, no_weight_decay(sk.key, tuple(sk.value.shape)),
-            sk.info.suffix in _DECOUPLED)
+    decoupled LR, handed to an emerging optimizer's scalar optimizer) — all :func:`_candidates` reads of it."""
+    shape = tuple(sk.value.shape)
+    return (sk.info.expert is not None and expert_parallel, no_weight_decay(sk.key, shape),
+            sk.info.suffix in _DECOUPLED, goes_to_scalar(sk.key, shape, primary))
 
 
-def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) -> list[tuple[int, int]]:
-    expert, no_wd, decoupled = group_traits(sk, expert_parallel)
+def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool, primary: Kind) -> list[tuple[int, int]]:
+    expert, no_wd, decoupled, scalar = group_traits(sk, expert_parallel, primary)
     decoupled_any = any(is_decoupled_group(g) for sub in subs for g in sub.groups)
+    chained = primary.emerging and any("optimizer" in g for sub in subs for g in sub.groups)
     out = []
     for s, sub in enumerate(subs):
         for g, st in enumerate(sub.groups):
             if "is_expert_parallel" in st and bool(st["is_expert_parallel"]) != expert:
+                continue
+            if chained and ("optimizer" in st) != scalar:
                 continue
             wd = st.get("wd_mult", st.get("weight_decay"))
             if wd is not None and (float(wd) == 0.0) != no_wd:
@@ -180,19 +194,19 @@ def _candidates(subs: list[SubOptimizer], sk: SourceKey, expert_parallel: bool) 
             if decoupled_any and is_decoupled_group(st) != decoupled:
                 continue
             out.append((s, g))
-    if len({s for s, _ in out}) > 1 and len(subs) == 2:  # old chained dense + expert parts without the flag
+    if len({s for s, _ in out}) > 1 and len(subs) == 2 and not chained:  # old dense + expert parts without the flag
         out = [c for c in out if c[0] == (1 if expert else 0)]
     return out
 
 
-def _assign(subs: list[SubOptimizer], params: list[SourceKey], where: str,
-            expert_parallel: bool) -> dict[str, tuple[int, int, int, int | None]]:
+def _assign(subs: list[SubOptimizer], params: list[SourceKey], where: str, expert_parallel: bool,
+            primary: Kind) -> dict[str, tuple[int, int, int, int | None]]:
     """{chunk:key: (part, group, optimizer index, position among the group's fp32 masters)} for one shard, checked
     against the group sizes and the state shapes."""
     fix = "start the run with --no-load-optim (weights only), or reshard offline with --drop-optimizer"
     by_group: dict[tuple[int, int], list[SourceKey]] = {}
     for sk in params:
-        cands = _candidates(subs, sk, expert_parallel)
+        cands = _candidates(subs, sk, expert_parallel, primary)
         if len(cands) != 1:
             raise OptimizerNotReshardable(
                 f"cannot tell which optimizer param group holds {sk.key} ({len(cands)} candidates): the groups do "
@@ -214,9 +228,12 @@ def _assign(subs: list[SubOptimizer], params: list[SourceKey], where: str,
                     f"optimizer param group {g} holds {len(sub.masters[g])} fp32 master copies for {len(half)} "
                     "half-precision parameters", path=where, fix=fix, code="optimizer")
             master_pos = {id(sk): i for i, sk in enumerate(half)}
+            kind = group_kind(sub.groups[g], primary)
             for sk, idx in zip(members, ids, strict=True):
                 for name, v in sub.state.get(idx, {}).items():
-                    if isinstance(v, TensorRef) and v.shape and tuple(v.shape) != tuple(sk.value.shape):
+                    rule = kind.rule(name, where)
+                    if rule == Split.PARAM and isinstance(v, TensorRef) and v.shape and \
+                            tuple(v.shape) != tuple(sk.value.shape):
                         raise OptimizerNotReshardable(
                             f"optimizer state {name} of entry {idx} has shape {tuple(v.shape)}, but the parameter "
                             f"placed there ({sk.key}) has {tuple(sk.value.shape)}: the param order is not Megatron's",
@@ -268,7 +285,7 @@ def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | Non
     for sk in iter_source_keys(layout, src):
         by_shard.setdefault(sk.shard, []).append(sk)
     first = min(parsed, key=lambda n: [s.name for s in layout.shards].index(n))
-    index = OptimizerIndex(parsed[first][0], first)
+    index = OptimizerIndex(parsed[first][0], first, primary=primary_of(layout.saved_args or {}))
     expert_parallel = src.experts_are_expert_parallel()
     # An earlier reshard by this tool records the rule (a one-rank checkpoint cannot show it).
     marks = [s.meta.get(PROVENANCE_KEY) for s in shards]
@@ -285,7 +302,7 @@ def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | Non
         keys = by_shard.get(shard.name, [])
         params = [sk for sk in keys if is_param(sk.key, sk.value)]
         whole, packed = packed_params(layout, shard.name, params)
-        slots = _assign(subs, whole, shard.path, expert_parallel)
+        slots = _assign(subs, whole, shard.path, expert_parallel, index.primary)
         for sk in params:
             s, g, idx, mpos = slots[f"{sk.chunk}:{sk.key}"]
             n_packed = len(packed.get(f"{sk.chunk}:{sk.key}", ()))
@@ -298,8 +315,13 @@ def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | Non
                 raise OptimizerNotReshardable(f"{sk.key} sits in different optimizer groups on different shards",
                                               path=shard.path, code="optimizer")
             fields = index.fields.setdefault(sk.gkey, OrderedDict())
+            kind = group_kind(subs[s].groups[g], index.primary)
             for name, v in subs[s].state.get(idx, {}).items():
-                _add_field(fields, name, unpacked(v, sk, n_packed, shard.path) if n_packed else v, sk)
+                v = unpacked(v, sk, n_packed, shard.path) if n_packed else v
+                if kind.rule(name) in (Split.LOCAL, Split.PARAM_OR_LOCAL) and not _param_shaped(v, sk):
+                    fields.setdefault(name, LocalState(name, kind.exact_note)).pieces[sk.shard] = v
+                else:
+                    _add_field(fields, name, v, sk)
             masters = subs[s].masters
             if masters is not None and mpos is not None:
                 v = masters[g][mpos]
@@ -307,8 +329,34 @@ def index_optimizer(layout: Layout, src: ParallelLayout) -> OptimizerIndex | Non
     return index
 
 
+@dataclass
+class LocalState:
+    """A state field of each shard's own (SOAP's preconditioners): per source shard, its value; carried only to a
+    target whose piece of the parameter is exactly one source shard's."""
+
+    name: str
+    note: str
+    pieces: dict[str, Any] = field(default_factory=dict)
+
+    def carried(self, param: TensorPlan) -> Any:
+        """This field for the target piece ``param``, or raises when that piece is not one source shard's whole."""
+        op = param.ops[0] if len(param.ops) == 1 else None
+        if op is None or op.src is not None or op.dst is not None or param.zero_fill or op.shard not in self.pieces:
+            raise OptimizerNotReshardable(
+                f"the optimizer state {self.name} of {param.key} cannot follow this layout change: {self.note}, and "
+                "the target splits the parameter differently (it carries only where each parameter's shard stays the "
+                "same: a PP / DP / EP change at the same TP and ETP)",
+                fix="start the run with --no-load-optim (weights only), or reshard offline with --drop-optimizer",
+                code="optimizer")
+        return self.pieces[op.shard], op.shard
+
+
+def _param_shaped(value: Any, sk: SourceKey) -> bool:
+    return isinstance(value, TensorRef) and bool(value.shape) and tuple(value.shape) == tuple(sk.value.shape)
+
+
 def _add_field(fields: OrderedDict[str, Any], name: str, value: Any, sk: SourceKey) -> None:
-    if isinstance(value, TensorRef) and tuple(value.shape) == tuple(sk.value.shape) and value.shape:
+    if _param_shaped(value, sk):
         entry = fields.get(name)
         if entry is None:
             entry = fields[name] = GlobalEntry(sk.gkey, sk.info, sk.rule)
@@ -334,11 +382,8 @@ def plan_optimizer(index: OptimizerIndex, plan: RankPlan, src: ParallelLayout, t
     """The target rank's optimizer state, as a tree whose tensors are :class:`TensorPlan` leaves: one part (a dict),
     or a dense and an expert part (a list) when the target's experts are expert-parallel."""
     split = bool(index.expert) and tgt.experts_are_expert_parallel()
-    if split:
-        layout = [(False, [g for g in index.order if g in index.dense]),
-                  (True, [g for g in index.order if g in index.expert])]
-    else:
-        layout = [(False, [g for g in index.order if g in index.dense | index.expert])]
+    layout = part_layout(index, tgt)
+    part_of = {(sig, is_expert): p for p, (is_expert, sigs) in enumerate(layout) for sig in sigs}
     members: dict[tuple[int, str], list[TensorPlan]] = {}
     for tp in plan.tensors:
         if tp.shape is None or tp.gkey is None or not is_param(tp.key, tp):
@@ -347,14 +392,31 @@ def plan_optimizer(index: OptimizerIndex, plan: RankPlan, src: ParallelLayout, t
         if sig is None:
             raise OptimizerNotReshardable(f"no optimizer state found for parameter {tp.key}",
                                           fix="start the run with --no-load-optim", code="optimizer")
-        part = 1 if split and tp.gkey[1] is not None else 0
-        members.setdefault((part, sig), []).append(tp)
+        members.setdefault((part_of[(sig, split and tp.gkey[1] is not None)], sig), []).append(tp)
     if index.per_rank_order:  # this rank's groups in the order it meets their first parameter, then the others
         layout = [(is_expert, _first_met(sigs, [tp for (p, _), tps in members.items() if p == part for tp in tps],
                                          plan, index)) for part, (is_expert, sigs) in enumerate(layout)]
     parts = [_plan_part(index, plan, src, tgt, vocab, p, is_expert, sigs, members)
              for p, (is_expert, sigs) in enumerate(layout)]
     return parts if len(parts) > 1 else parts[0]
+
+
+def part_layout(index: OptimizerIndex, tgt: ParallelLayout) -> list[tuple[bool, list[str]]]:
+    """The target's optimizer parts as Megatron chains them: per optimizer kind (in the source's order: an emerging
+    optimizer, then its scalar one), the dense part, then the expert-parallel one where ``tgt`` makes experts
+    expert-parallel; each as (expert-parallel, its group signatures in order). One part is saved as a dict."""
+    split = bool(index.expert) and tgt.experts_are_expert_parallel()
+    out: list[tuple[bool, list[str]]] = []
+    for kind in kinds_of([index.settings[s] for s in index.order], index.primary):
+        sigs = [s for s in index.order if index.kind(s) == kind]
+        if not split:
+            out.append((False, [s for s in sigs if s in index.dense | index.expert]))
+            continue
+        for is_expert, pool in ((False, index.dense), (True, index.expert)):
+            mine = [s for s in sigs if s in pool]
+            if mine or not is_expert:
+                out.append((is_expert, mine))
+    return out
 
 
 def _first_met(sigs: list[str], tensors: list[TensorPlan], plan: RankPlan, index: OptimizerIndex) -> list[str]:
@@ -368,7 +430,7 @@ def _first_met(sigs: list[str], tensors: list[TensorPlan], plan: RankPlan, index
     return met + [g for g in sigs if g not in met]
 
 
-GROUP_KEY = ("wd_mult", "lr_mult", "is_decoupled_lr", "is_expert_parallel")
+GROUP_KEY = ("wd_mult", "lr_mult", "is_decoupled_lr", "is_expert_parallel", "optimizer")
 
 
 def align_groups(state: Any, live: list[list[tuple[tuple, int]]]) -> Any:
@@ -433,6 +495,9 @@ def _plan_part(index: OptimizerIndex, plan: RankPlan, src: ParallelLayout, tgt: 
                 if isinstance(f, GlobalEntry):
                     fp = plan_tensor(f, "optimizer", where, plan.coords, tgt, vocab)
                     fp.gkey, fp.param = None, tp
+                elif isinstance(f, LocalState):
+                    value, shard = f.carried(tp)
+                    fp = _carry(shard, value, where)
                 else:
                     fp = _carry(f.shard, f.ref, where)
                 if name == MASTER:

@@ -7,7 +7,9 @@ from typing import Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout import optimizer_entry
 from megatron_preflight.layout.model import Format, Layout
+from megatron_preflight.layout.optimizer_kinds import describe_chain, primary_of
 from megatron_preflight.reshard.optimizer.plain import parse_optimizer
 
 
@@ -69,7 +71,16 @@ def optimizer_status(layout: Layout, index: Any = None) -> OptimizerStatus | Non
     half = "fp32 masters (bf16/fp16 run)" if parts[0].wrapped else "fp32"
     plain = source.plain
     order = "ordered per rank" if plain and plain.per_rank_order else "in the same order on every rank"
-    return OptimizerStatus("plain", True, detail=f"{half}, {len(parts)} part(s), param groups {order}")
+    what = describe_chain(layout.saved_args, [g for p in parts for g in p.groups])
+    return OptimizerStatus("plain", True, detail=f"{what}; {half}, {len(parts)} part(s), param groups {order}"
+                           + _local_note(layout.saved_args))
+
+
+def _local_note(saved_args: Any) -> str:
+    """What a kind with per-shard state (SOAP) cannot carry."""
+    kind = primary_of(saved_args or {})
+    return (f"; {kind.exact_note}: carried only where each parameter's shard stays the same (TP and ETP unchanged)"
+            if kind.has_local else "")
 
 
 def _dist_status(layout: Layout) -> OptimizerStatus | None:
@@ -82,7 +93,11 @@ def _dist_status(layout: Layout) -> OptimizerStatus | None:
     both = ("Megatron reloads it at any TP/PP (not across an EP change); the resharder converts it to legacy at any "
             "layout")
     if not layout.dist_optimizer_sharding:
-        return OptimizerStatus("plain", True, detail=f"model space (exp_avg, exp_avg_sq per parameter): {both}")
+        what = describe_chain(layout.saved_args, optimizer_entry.param_groups(common["optimizer"]))
+        if primary_of(layout.saved_args or {}).name == "sgd":
+            both = ("Megatron cannot load it, at any layout (its torch_dist load of SGD's state fails after the "
+                    "build); `--preflight auto` loads it in memory; the resharder converts it to legacy at any layout")
+        return OptimizerStatus("plain", True, detail=f"model space, {what} per parameter: {both}")
     sharding = layout.dist_optimizer_sharding
     if sharding == "fully_reshardable":
         return OptimizerStatus("distributed", True, detail=f"{sharding} (model space): {both}")

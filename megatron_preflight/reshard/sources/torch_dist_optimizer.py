@@ -26,6 +26,7 @@ from megatron_preflight import dtypes
 from megatron_preflight.layout import naming, optimizer_entry
 from megatron_preflight.layout.dist import COMMON_PT, object_index, read_dcp_metadata, read_object
 from megatron_preflight.layout.model import Layout
+from megatron_preflight.layout.optimizer_kinds import KINDS, group_kind, primary_of
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.optimizer.distributed import FIX, DistOptimizerIndex
 from megatron_preflight.reshard.optimizer.plain import OptimizerNotReshardable, add_settings, is_param
@@ -41,8 +42,9 @@ if TYPE_CHECKING:
     import torch
 
 MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
-# torch_dist state name -> the name the index uses ("param": the fp32 master)
-FIELDS = {"param": "param", "fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+# torch_dist state name -> the name the index uses ("param": the fp32 master; then every kind's param-shaped fields)
+FIELDS = {"param": "param", "fp32_param": "param",
+          **{n: n for kind in KINDS.values() for n in kind.moments}}
 
 
 def _groups(common_optimizer: Any) -> list[dict[str, Any]]:
@@ -109,6 +111,7 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
             f"its distributed optimizer state is saved as {sharding!r} (flat buffers per DP rank), which is not read "
             "yet", path=iter_dir, fix=FIX, code="optimizer")
     saved = fsdp_dtensor.source_metadata(iter_dir, trust=trust).state_dict_metadata
+    _known_fields(saved, iter_dir)
     md = read_dcp_metadata(iter_dir, trust=trust)
     out = DistOptimizerIndex(template_shard=virtual.shards[0].name if virtual.shards else "")
     full = read_common(iter_dir, md, trust=trust) or {}
@@ -123,7 +126,9 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
     if sharding is None:
         found = _find(full.get("optimizer") if isinstance(full, dict) else None, "common_step")
         step = float(found) if isinstance(found, (int, float)) or hasattr(found, "item") else None
-        if step is None and not all("step" in g for g in _groups(common)):  # a fused Adam keeps it per group
+        primary = primary_of(source.saved_args or {})
+        counted = any("step" in group_kind(g, primary).fields for g in _groups(common))  # (SGD, Lion, Muon: none)
+        if step is None and counted and not all("step" in g for g in _groups(common)):  # a fused Adam: per group
             raise OptimizerNotReshardable("the plain optimizer's step is in neither the common state (common_step, "
                                           "torch's Adam) nor its param groups (a fused Adam)", path=iter_dir, fix=FIX,
                                           code="optimizer")
@@ -154,11 +159,23 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
             if entry is None:
                 entry = fields[name] = GlobalEntry(sk.gkey, sk.info, sk.rule)
             entry.add(SourcePiece(sk.shard, ref, sk.group_rank, sk.group_size))
-        missing = [n for n in ("exp_avg", "exp_avg_sq") if n not in fields]
-        if missing:
-            raise OptimizerNotReshardable(f"no saved {' / '.join(missing)} for {sk.key}", path=iter_dir, fix=FIX,
+        if not fields:
+            raise OptimizerNotReshardable(f"no saved optimizer state for {sk.key}", path=iter_dir, fix=FIX,
                                           code="optimizer")
     return out
+
+
+def _known_fields(saved: dict[str, Any], where: str) -> None:
+    """Every ``optimizer.state.<field>.`` tensor must be a field the kinds table names (never dropped)."""
+    names = {k.split(".", 3)[2] for k in saved if k.startswith("optimizer.state.") and k.count(".") >= 3}
+    unknown = sorted(n for n in names if n not in FIELDS)
+    if unknown:
+        local = [n for n in unknown if any(n in k.fields for k in KINDS.values())]
+        raise OptimizerNotReshardable(
+            f"the optimizer state holds {', '.join(unknown)} per parameter, " + (
+                "matrices of each shard's own (SOAP's preconditioners), which cannot be carried from model space"
+                if local else "a field megatron-preflight does not know how to carry"), path=where, fix=FIX,
+            code="optimizer")
 
 
 def fragments(state_shape: tuple[int, ...], param_shape: tuple[int, ...], dims: int) -> tuple[int, ...] | None:

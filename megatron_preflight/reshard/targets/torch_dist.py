@@ -28,12 +28,13 @@ import torch
 from megatron_preflight import pickling
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
+from megatron_preflight.layout.optimizer_kinds import Split
 from megatron_preflight.parallel import hybrid_pattern
 from megatron_preflight.reshard.carried import TO_TORCH_DIST
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_index
 from megatron_preflight.reshard.execute.executor import build_tensor
 from megatron_preflight.reshard.optimizer.family import FUSED, family_of
-from megatron_preflight.reshard.optimizer.plain import MASTER
+from megatron_preflight.reshard.optimizer.plain import MASTER, part_layout
 from megatron_preflight.reshard.plan.planner import plan_tensor
 from megatron_preflight.reshard.plan.rules import parse_key, torch_dist_name
 from megatron_preflight.reshard.plan.spec import ATTENTION_EXTRA, EXPERTS_MODULE, dist_suffix, is_local_spec
@@ -279,11 +280,17 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
         fqn = places[0].fqn
         master = fields.get(MASTER)
         half = half or master is not None
+        kind = idx.kind(idx.membership[gkey])
+        moments = {name: fields.get(name) for name in kind.moments}
+        unsplit = [n for n, f in fields.items() if n != MASTER and kind.rule(n) != Split.STEP and n not in moments]
+        if unsplit:  # (a per-shard matrix: no model-space form to write it in)
+            raise PreflightError(f"the {kind.name} optimizer state {unsplit[0]} of {fqn} is a matrix of each shard's "
+                                 "own, which torch_dist's model space cannot hold", path=g.layout.iter_dir,
+                                 fix="write --ckpt-format torch, or pass --drop-optimizer", code="optimizer")
         if distributed:
-            states = {"param": master if master is not None else g.index[gkey], "exp_avg": fields.get("exp_avg"),
-                      "exp_avg_sq": fields.get("exp_avg_sq")}
+            states = {"param": master if master is not None else g.index[gkey], **moments}
         else:
-            states = {"exp_avg": fields.get("exp_avg"), "exp_avg_sq": fields.get("exp_avg_sq")}
+            states = dict(moments)
             if master is not None:
                 states["fp32_param"] = master
         for name, entry in states.items():
@@ -302,9 +309,7 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
                           distributed and name == "param", rows=at.rows)
             if tap is not None:
                 tap.tensor(plan, 0, t)
-    split = bool(idx.expert) and tgt.experts_are_expert_parallel()
-    layout = ([(False, [s for s in idx.order if s in idx.dense]), (True, [s for s in idx.order if s in idx.expert])]
-              if split else [(False, [s for s in idx.order if s in idx.dense | idx.expert])])
+    layout = part_layout(idx, tgt)
     # a fused Adam (TE's or apex's FusedAdam) keeps its step in each param group, torch's Adam per parameter (saved
     # once, as the plain optimizer's common_step); the distributed optimizer keeps it in the groups for either
     fused = family_of([idx.settings[s] for s in idx.order]) == FUSED
@@ -322,8 +327,10 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
         if distributed:
             parts.append({"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"})
         else:
-            inner = {"param_groups": groups} if fused else {"state": {"common_step": torch.tensor(step)},
-                                                           "param_groups": groups}
+            # torch's Adam (and SOAP) count steps per parameter: saved once per part, as common_step
+            counted = not fused and bool(sigs) and "step" in idx.kind(sigs[0]).fields
+            inner = {"state": {"common_step": torch.tensor(step)}, "param_groups": groups} if counted else \
+                {"param_groups": groups}
             if half:
                 part = {"optimizer": inner}
                 for k, v in idx.template.outer.items():
