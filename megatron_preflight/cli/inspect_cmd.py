@@ -22,6 +22,10 @@ def _run(ns: argparse.Namespace) -> int:
         content = check_content(ns.path, iteration=ns.iteration, trust=ns.trust_checkpoint)
     if ns.json:
         doc = layout.to_json()
+        status = index.optimizer_status
+        if status is not None:  # the same answer the text report and check give
+            doc["optimizer"] = {"kind": status.kind, "reshardable": status.reshardable,
+                                "in_memory": status.in_memory, "describe": status.describe()}
         if content is not None:
             doc["content"] = content.to_json()
         print(to_json_text(doc, len(layout.shards)))

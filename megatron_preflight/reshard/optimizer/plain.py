@@ -341,7 +341,7 @@ class LocalState:
     def carried(self, param: TensorPlan) -> Any:
         """This field for the target piece ``param``, or raises when that piece is not one source shard's whole."""
         op = param.ops[0] if len(param.ops) == 1 else None
-        if op is None or op.src is not None or op.dst is not None or param.zero_fill or op.shard not in self.pieces:
+        if op is None or not _whole(op, param) or param.zero_fill or op.shard not in self.pieces:
             raise OptimizerNotReshardable(
                 f"the optimizer state {self.name} of {param.key} cannot follow this layout change: {self.note}, and "
                 "the target splits the parameter differently (it carries only where each parameter's shard stays the "
@@ -349,6 +349,14 @@ class LocalState:
                 fix="start the run with --no-load-optim (weights only), or reshard offline with --drop-optimizer",
                 code="optimizer")
         return self.pieces[op.shard], op.shard
+
+
+def _whole(op: CopyOp, param: TensorPlan) -> bool:
+    """Whether ``op`` copies one source tensor whole into the whole target piece (the same shard at both ends)."""
+    shape = tuple(op.ref.shape)
+    if param.shape is None or shape != tuple(param.shape):
+        return False
+    return all(run is None or (run[1] == 0 and run[2] == shape[run[0]]) for run in (op.src, op.dst))
 
 
 def _param_shaped(value: Any, sk: SourceKey) -> bool:

@@ -212,7 +212,7 @@ def open_checked(src: str, target: TargetLayout, *, iteration: Any, trust_checkp
         raise PreflightError(f"the source holds optimizer state that cannot be resharded ({p.message}); writing "
                              "the new layout would drop it", path=p.path or r.layout.iter_dir,
                              fix="pass --drop-optimizer to write the weights without it (then start the run with "
-                                 "--no-load-optim)", code="usage")
+                                 "--no-load-optim)", code="optimizer")  # a refusal: exit 1, not a usage error
     return r
 
 
