@@ -29,6 +29,7 @@ from megatron_preflight.reshard.checkpoint_index import open_index
 from megatron_preflight.reshard.plan.drift import drift_cause, key_of
 from megatron_preflight.reshard.plan.types import CopyOp, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
+from megatron_preflight.reshard.targets import assets
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,19 @@ class ContentReport:
     findings: list[Finding] = field(default_factory=list)
     cause: str = ""
     seconds: float = 0.0
+    integrity: str = ""  # Megatron's integrity.json checked: what it found ("" when the dir has none)
 
     @property
     def ok(self) -> bool:
         return not self.findings
 
     def render(self) -> str:
+        lines = self._render()
+        return f"integrity   {self.integrity}\n{lines}" if self.integrity else lines
+
+    def _render(self) -> str:
+        if self.fingerprints is None and self.findings:
+            return "CONTENT     " + "; ".join(f.render() for f in self.findings[:_SHOWN])
         if self.fingerprints is None:
             return (f"content     not verified: no fingerprints stored for iteration {self.iteration} (a job run with "
                     f"--preflight stores them at save; `megatron-preflight fingerprint {self.root} --iteration "
@@ -85,6 +93,7 @@ class ContentReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"fingerprints": self.fingerprints, "checked": self.checked, "ok": self.ok, "cause": self.cause,
+                "integrity": self.integrity,
                 "findings": [{"tensor": f.tensor, "problem": f.problem, "shards": list(f.shards),
                               "located": f.located} for f in self.findings]}
 
@@ -112,6 +121,11 @@ def check_content(root: str, *, iteration: Any = None, trust: bool = False, part
     base = layout.root or root
     stored = fingerprint.load(base, layout.iteration) if layout.iteration is not None else None
     report = ContentReport(base, layout.iteration, None)
+    manifest = assets.integrity_problems(layout.iter_dir) if layout.iter_dir else None
+    if manifest is not None:  # Megatron's own SHA-256 manifest (--verify-integrity), whatever the fingerprints
+        report.integrity = ("OK: every file matches its SHA-256 in integrity.json" if not manifest else
+                            f"{len(manifest)} file(s) differ from integrity.json")
+        report.findings += [Finding(p.split(":", 1)[0], p.split(": ", 1)[1]) for p in manifest]
     if stored is None:
         return report
     report.fingerprints = path_for(base, layout.iteration)

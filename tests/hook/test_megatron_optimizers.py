@@ -129,3 +129,25 @@ def test_soap_carries_its_preconditioners_across_a_pipeline_change_and_stops_at_
     rc, weights = _run(tmp_path, fixture_path("soap_tp2_torch"), 1, "--preflight", "auto", "--ckpt-format", "torch",
                        "--no-load-optim", *flags, port=29872)
     assert rc == 0 and loss(weights, 4, 4) is not None, weights[-3000:]
+
+
+@needs_emerging
+def test_a_torch_dist_output_passes_megatrons_verify_integrity_and_resumes_like_the_twin(tmp_path):
+    """Our torch_dist output (from the legacy Muon checkpoint, at TP1) loads in plain Megatron with --verify-integrity
+    and resumes like Megatron's own load of the twin; one byte changed and Megatron's check refuses it."""
+    from megatron_preflight.reshard import TargetLayout, write_resharded
+
+    out = tmp_path / "ours_dist"
+    write_resharded(fixture_path("muon_tp2_torch"), str(out), TargetLayout(tp=1, ckpt_format="torch_dist"))
+    flags = ["--optimizer", "muon", "--train-iters", "4", "--no-load-rng", "--ckpt-format", "torch_dist"]
+    rc, log = _run(tmp_path, str(out), 1, "--verify-integrity", *flags, plugin=False, port=29873)
+    assert rc == 0, log[-3000:]
+    rc, oracle = _run(tmp_path, fixture_path("muon_tp2_torch_dist"), 1, *flags, plugin=False, port=29874)
+    assert rc == 0, oracle[-3000:]
+    assert _losses(log)[1] is not None and _losses(log) == _losses(oracle)
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad / "ours_dist")
+    with open(bad / "ours_dist" / "iter_0000002" / "common.pt", "ab") as fh:
+        fh.write(b"x")
+    rc, refused = _run(bad, str(bad / "ours_dist"), 1, "--verify-integrity", *flags, plugin=False, port=29875)
+    assert rc != 0 and "integrity" in refused.lower(), refused[-3000:]

@@ -448,6 +448,8 @@ def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLa
 class TorchDistTarget(MegatronDirs):
     """``--ckpt-format torch_dist``: one unit, the checkpoint's global state (every tensor chunk by chunk)."""
 
+    integrity = True
+
     unit = "torch_dist"
 
     def units(self, r: Resharder) -> list[str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_preflight.layout import naming
-from megatron_preflight.reshard.targets import durable
+from megatron_preflight.reshard.targets import assets, durable
 
 if TYPE_CHECKING:  # annotations only: the resharder imports the targets' helpers, never the reverse at run time
     from megatron_preflight.reshard.plan.types import TensorPlan
@@ -72,6 +72,15 @@ class MegatronDirs:
     def out_dir(self, tmp: str, iteration: Any) -> str:
         return os.path.join(tmp, naming.iteration_dir_name(iteration))
 
+    integrity = False  # writes Megatron's integrity.json (torch_dist: what --verify-integrity checks)
+
     def seal(self, r: Resharder, tmp: str, iteration: Any) -> list[str]:
+        """The tokenizer assets and (torch_dist) the integrity manifest in the iteration dir, then the tracker."""
+        iter_out = self.out_dir(tmp, iteration)
+        notes = assets.copy_tokenizer(r.layout, iter_out)
+        if self.integrity:
+            assets.write_integrity(iter_out)
+            notes.append(f"{assets.INTEGRITY}: SHA-256 of every file of the iteration dir (Megatron's "
+                         "--verify-integrity checks it)")
         durable.write_text(os.path.join(tmp, naming.TRACKER_FILENAME), str(iteration))
-        return []
+        return notes

@@ -1,0 +1,44 @@
+"""The tokenizer assets and Megatron's integrity manifest in every written iteration dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from megatron_preflight.cli.main import main
+from megatron_preflight.reshard import TargetLayout, write_resharded
+from megatron_preflight.reshard.targets import assets
+from tests.conftest import fixture_path
+
+
+def test_a_torch_dist_output_carries_the_tokenizer_dir_and_a_manifest_megatron_can_check(tmp_path, capsys):
+    out = tmp_path / "out"
+    write_resharded(fixture_path("muon_tp2_torch_dist"), str(out), TargetLayout(tp=1, ckpt_format="torch_dist"))
+    it = out / "iter_0000002"
+    assert (it / "tokenizer").is_dir()  # a NullTokenizer run's: empty, as Megatron leaves it
+    manifest = json.loads((it / "integrity.json").read_text())
+    listed = set(manifest["files"])
+    assert manifest["algorithm"] == "sha256" and listed == {e.name for e in os.scandir(it)
+                                                            if e.is_file() and e.name != "integrity.json"}
+    assert ".metadata" in listed and assets.integrity_problems(str(it)) == []
+    assert main(["inspect", str(out), "--verify-content"]) == 0
+    assert "integrity   OK" in capsys.readouterr().out
+    with open(it / "common.pt", "ab") as fh:
+        fh.write(b"x")
+    assert assets.integrity_problems(str(it)) == ["common.pt: its SHA-256 no longer matches integrity.json"]
+    assert main(["inspect", str(out), "--verify-content"]) == 1
+    assert "common.pt: its SHA-256 no longer matches" in capsys.readouterr().out
+
+
+def test_a_hugging_face_models_tokenizer_goes_into_the_iteration_dir(tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(fixture_path("../hf/llama"), hf)
+    (hf / "tokenizer.json").write_text('{"model": {}}')
+    (hf / "tokenizer_config.json").write_text("{}")
+    out = tmp_path / "out"
+    write_resharded(str(hf), str(out), TargetLayout(tp=1))
+    copied = sorted(os.listdir(out / "release" / "tokenizer"))
+    assert copied == ["tokenizer.json", "tokenizer_config.json"]
+    assert (out / "release" / "tokenizer" / "tokenizer.json").read_text() == '{"model": {}}'
+    assert not (out / "release" / "integrity.json").exists()  # (legacy: Megatron checks no manifest)
