@@ -25,7 +25,6 @@ from megatron_preflight.check.schedule import horizon_findings, schedule_finding
 from megatron_preflight.check.tokenizer import tokenizer_findings
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.fit.nearest import annotate
 from megatron_preflight.layout import optimizer_entry, optimizer_kinds
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.plan import drift
@@ -532,7 +531,6 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
     else:
         loader = None
     findings += _unknown_key_findings(layout, loader)
-    annotate(findings, index, rt)  # a layout that cannot run: the nearest ones that can (fit/nearest.py)
     if any(f.severity == FATAL for f in findings):
         verdict = Verdict.FAIL
     elif loader == Loader.RESHARD:

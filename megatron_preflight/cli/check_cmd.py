@@ -25,6 +25,10 @@ def _run(ns: argparse.Namespace) -> int:
         releases.apply(rt, releases.facts(version))
     plan = make_plan(ns.path, rt, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                      shards="all" if ns.all_shards else "auto")
+    if plan.verdict == Verdict.FAIL:
+        from megatron_preflight.fit.nearest import annotate  # the planner: only for a run that cannot start
+
+        annotate(plan.findings, plan.index, rt)  # a layout that cannot run: the nearest ones that can
     plan.findings.append(Finding(
         "megatron_version", None, f"{version[0]}.{version[1]} ({source})" if version else "unknown", Severity.INFO,
         "judged for what that release of megatron-core loads (optimizer forms, param-group pairing, MTP and expert "

@@ -201,6 +201,10 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     plan = make_plan(load_dir, rt, trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)),
                      shards="auto")  # a sampled verdict on rank 0 at scale; the resharder reads what it needs
     STATE.indexes[os.path.abspath(load_dir)] = plan.index  # the loader reuses it: read and indexed once
+    if plan.verdict == Verdict.FAIL:
+        from megatron_preflight.fit.nearest import annotate  # the planner: only for a run that cannot start
+
+        annotate(plan.findings, plan.index, rt)  # a layout that cannot run: the nearest ones that can
     allow_missing = bool(getattr(args, "preflight_allow_missing_checkpoint", False))
     if allow_missing and plan.layout.format is None and any(
             p.code in ("not_megatron", "no_iterations") for p in plan.layout.problems):

@@ -52,8 +52,9 @@ def test_console_script_no_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("name, want", [
-    ("tp2_torch", "plain, fp32, 1 part(s), param groups in the same order on every rank; reshardable"),
-    ("moe_ep2_torch", "plain, fp32, 2 part(s)"),
+    ("tp2_torch", "plain, adam (step, exp_avg, exp_avg_sq); fp32, 1 part(s), param groups in the same order on every "
+                  "rank; reshardable"),
+    ("moe_ep2_torch", "fp32, 2 part(s)"),
     ("bf16_gqa_tp2_torch", "fp32 masters (bf16/fp16 run)"),
     ("v14_tp2pp2_torch", "param groups ordered per rank"),
     ("tp2_distopt_torch", "distributed, fp32, 1 part(s)"),

@@ -11,11 +11,20 @@ import sys
 
 import pytest
 
-from megatron_preflight.check.plan import make_plan
+from megatron_preflight.check import plan as check_plan
 from megatron_preflight.check.runtime_args import from_cli
 from megatron_preflight.fit.flags import without_layout
+from megatron_preflight.fit.nearest import annotate
 from tests.conftest import fixture_path
 from tests.helpers.run_flags import model_flags
+
+
+def make_plan(path, rt):
+    """The check as `check` and the hook render it: a failed one names the nearest layouts that fit."""
+    plan = check_plan.make_plan(path, rt)
+    if plan.verdict == check_plan.Verdict.FAIL:
+        annotate(plan.findings, plan.index, rt)
+    return plan
 
 MOE = "moe_ep2_torch"
 

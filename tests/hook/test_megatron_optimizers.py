@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tests.conftest import fixture_path
-from tests.hook.test_megatron_lm import ROOT, loss, run
+from tests.hook.test_megatron_lm import ROOT, loss, megatron_env, run
 
 EMERGING = os.environ.get("MEGATRON_LM_EMERGING")
 pytestmark = pytest.mark.skipif(not ROOT, reason="MEGATRON_LM_ROOT is not set: no real Megatron-LM checkout here")
@@ -28,8 +28,10 @@ needs_emerging = pytest.mark.skipif(not EMERGING, reason="MEGATRON_LM_EMERGING i
 
 
 def _run(tmp_path, ckpt, nproc, *flags, **kw):
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), EMERGING or "") if p)}
-    return run(tmp_path, ckpt, nproc, *flags, env_extra=env, verify=False, **kw)
+    """``run`` with the emerging-optimizers package on the path after the runner's own (the shim, Megatron-LM)."""
+    _python, env = megatron_env(ROOT)
+    path = os.pathsep.join(p for p in (env["PYTHONPATH"], EMERGING or "") if p)
+    return run(tmp_path, ckpt, nproc, *flags, env_extra={"PYTHONPATH": path}, verify=False, **kw)
 
 
 def _losses(log):
