@@ -12,7 +12,7 @@ setup(
     packages=find_packages(include=["megatron_preflight", "megatron_preflight.*"]),
     python_requires=">=3.10",
     # Install the torch you want first (see README): any torch >= 2.4 satisfies this, so pip adds nothing.
-    install_requires=["torch>=2.4", "pyyaml>=5.4"],
+    install_requires=["torch>=2.4", "pyyaml>=5.4", "numpy>=1.21"],  # numpy: fingerprints
     extras_require={
         "megatron": ["megatron-core>=0.12", "psutil"],
         # ISA-L's CRC-32 (~15 GiB/s, zlib's ~3): every record read is checked against its stored CRC

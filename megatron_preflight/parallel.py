@@ -614,3 +614,11 @@ def from_args(args: Any, **override: Any) -> ParallelLayout:
         pipeline_layout=_get(args, "pipeline_model_parallel_layout"),
         hybrid_pattern=pattern,
     )
+
+
+def gtp_sizes(args: Any, tp: int, etp: int) -> tuple[int, int]:
+    """(GTP, expert GTP): the weight-shard counts over TP (``--tensor-parallel-num-weight-shards`` / TP; 1 without)."""
+    get = args.get if isinstance(args, dict) else (lambda k: getattr(args, k, None))
+    shards, expert = get("tensor_parallel_num_weight_shards"), get("expert_tensor_parallel_num_weight_shards")
+    return (int(shards) // tp if isinstance(shards, int) and shards > tp else 1,
+            int(expert) // etp if isinstance(expert, int) and expert > etp else 1)

@@ -266,6 +266,34 @@ def _state_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
     return out, load_optim, load_rng
 
 
+def _gtp_findings(layout: Layout, rt: RuntimeArgs, changed: bool) -> list[Finding]:
+    """Generalized tensor parallelism: a checkpoint saved with it, or a run that uses it, at another layout."""
+    saved = layout.saved_args
+    if saved is None or layout.format in (Format.HF, Format.FSDP_DTENSOR):
+        return []
+    tp, etp = layout.tp or 1, layout.etp or layout.tp or 1
+    ck = parallel.gtp_sizes(saved, tp, etp)
+    run = parallel.gtp_sizes({"tensor_parallel_num_weight_shards":
+                    rt.tensor_parallel_num_weight_shards, "expert_tensor_parallel_num_weight_shards":
+                    rt.expert_tensor_parallel_num_weight_shards}, rt.tp, rt.etp)
+    if ck == (1, 1) and run == (1, 1):
+        return []
+    if ck == run and not changed:
+        return [Finding("tensor_parallel_num_weight_shards", f"GTP{ck[0]} expert GTP{ck[1]}",
+                        f"GTP{run[0]} expert GTP{run[1]}", INFO,
+                        "generalized tensor parallelism, as saved: Megatron loads it itself", "")]
+    as_saved = f"--tensor-model-parallel-size {tp} --tensor-parallel-num-weight-shards {tp * ck[0]}" + (
+        f" --expert-tensor-parallel-size {etp} --expert-tensor-parallel-num-weight-shards {etp * ck[1]}"
+        if ck[1] > 1 else "")
+    return [Finding("tensor_parallel_num_weight_shards", f"TP{tp} GTP{ck[0]} (expert ETP{etp} GTP{ck[1]})",
+                    f"TP{rt.tp} GTP{run[0]} (expert ETP{rt.etp} GTP{run[1]})", FATAL,
+                    "generalized tensor parallelism (Megatron-LM main's --tensor-parallel-num-weight-shards) splits "
+                    "each weight over TP x GTP; megatron-preflight does not reshard across it yet (its saved offsets "
+                    "are composite, tp_rank x GTP + gtp_rank: no GTP checkpoint could be written to prove a reshard, "
+                    "GTP needs Transformer Engine >= 2.19)",
+                    f"run at the saved split ({as_saved}) and the same other sizes")]
+
+
 def _saved_groups(layout: Layout) -> list[dict[str, Any]] | None:
     """The saved optimizer's param groups (legacy: rank 0's file; torch_dist: the common state)."""
     if layout.format == Format.TORCH and layout.shards and isinstance(layout.shards[0].meta, dict):
@@ -496,6 +524,7 @@ def plan_from_layout(checkpoint: Layout | reshard.CheckpointIndex, rt: RuntimeAr
         findings += _format_findings(layout, rt)
         findings += compare_architecture(layout, rt)
         lay, changed = _layout_findings(layout, rt)
+        lay += _gtp_findings(layout, rt, changed)
         family = _family_findings(index, rt)
         renamed = any(f.severity == RESHARD for f in findings
                       if f.field in ("transformer_impl", "moe_grouped_gemm", "mtp_layer_name", "hybrid_layer_pattern",

@@ -125,6 +125,10 @@ class RuntimeArgs:
     use_distributed_optimizer: bool = False
     # --optimizer (Megatron's default adam; sgd; Megatron-LM main's emerging ones: muon, adaptive_muon, lion, soap, and
     # their layer-wise dist_ forms) and the scalar optimizer of a Muon run (layout/optimizer_kinds.py)
+    # Generalized tensor parallelism (Megatron-LM main, 2026): each weight split into this many shards over TP x GTP
+    # (None: TP, no GTP); the same for the expert layers over ETP x expert GTP
+    tensor_parallel_num_weight_shards: int | None = None
+    expert_tensor_parallel_num_weight_shards: int | None = None
     optimizer: str = "adam"
     muon_scalar_optimizer: str = "adam"
     overlap_grad_reduce: bool = False  # the DDP bucketing (check/ddp_buckets.py)

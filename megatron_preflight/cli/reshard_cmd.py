@@ -159,7 +159,7 @@ def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("reshard", help="write a legacy checkpoint at another TP/PP/EP/ETP/VPP layout",
+    p = sub.add_parser("reshard", help="write a checkpoint at another TP/PP/EP/ETP/VPP layout (legacy, torch_dist, fsdp_dtensor or a Hugging Face model), with its optimizer state",
                        description="Sizes not given keep the source's; ETP follows the target TP unless given; no "
                                    "virtual pipeline unless given. Or give the new run's pretrain_gpt.py flags after "
                                    "--: they mean what they mean to Megatron (a size they leave out is Megatron's "

@@ -21,6 +21,7 @@ from concurrent.futures import TimeoutError as WaitTimedOut  # the builtin from 
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.gc_budget import collect_rarely
 from megatron_preflight.layout import transport
@@ -207,6 +208,13 @@ def open_checked(src: str, target: TargetLayout, *, iteration: Any, trust_checkp
     """The resharder for an offline run; refuses to drop optimizer state the user did not ask to drop."""
     r = open_resharder(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint,
                        keep_optimizer=not drop_optimizer)
+    saved = r.layout.saved_args
+    if saved is not None and parallel.gtp_sizes(saved, r.layout.tp or 1, r.layout.etp or r.layout.tp or 1) != (1, 1):
+        raise PreflightError("the checkpoint was saved with generalized tensor parallelism (--tensor-parallel-num-"
+                             "weight-shards above the TP size): its shards' offsets are composite (tp_rank x GTP + "
+                             "gtp_rank), which megatron-preflight does not reshard yet", path=r.layout.iter_dir,
+                             fix="load it at its saved TP and --tensor-parallel-num-weight-shards",
+                             code="unsupported")
     if r.optimizer_problem is not None and not drop_optimizer:
         p = r.optimizer_problem
         raise PreflightError(f"the source holds optimizer state that cannot be resharded ({p.message}); writing "
