@@ -73,6 +73,9 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.world_size < 1 or ns.gpus_per_node < 1:
         raise PreflightError("--world-size and --gpus-per-node must be positive", fix="pass e.g. --world-size 64",
                              code="usage")
+    if ns.device_memory is not None and not ns.device_memory > 0:  # (NaN too)
+        raise PreflightError(f"--device-memory must be a positive number of GiB, got {ns.device_memory:g}",
+                             fix="pass each GPU's memory, e.g. --device-memory 80", code="usage")
     index = open_index(ns.path, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                        shards="all" if ns.all_shards else "auto")
     layout = index.layout

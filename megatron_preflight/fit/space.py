@@ -45,7 +45,17 @@ class Split:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending (trial division up to its square root: a world of 10^9 ranks is 31,623
+    steps, not 10^9)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def stage_split(layers: int, pp: int, rt: RuntimeArgs, *, hybrid: bool) -> Split | None:
@@ -86,17 +96,22 @@ def layouts(profile: ModelProfile, rt: RuntimeArgs, world: int, gpus_per_node: i
     tp_gcd, etp_gcd = profile.tp_gcd(), profile.etp_gcd()
     bias = rt.add_bias_linear
     hybrid = src.hybrid_pattern is not None
-    splits = {pp: stage_split(layers, pp, rt, hybrid=hybrid) for pp in divisors(world)}
+    of_world = divisors(world)  # every size below divides the world: its divisors, found once
+
+    def sizes(n: int) -> list[int]:
+        return [d for d in of_world if d <= n and n % d == 0]
+
+    splits = {pp: stage_split(layers, pp, rt, hybrid=hybrid) for pp in of_world if pp <= max(layers, 1)}
     per_virtual = rt.num_layers_per_virtual_pipeline_stage
     for tp in divisors(min(world, gpus_per_node)):
         if world % tp or (tp_gcd and tp_gcd % tp):
             continue
         if fit_problems(ParallelLayout(tp=tp, etp=1), rt):  # heads, query groups, ffn, sections (TP alone)
             continue
-        for cp in divisors(world // tp):
+        for cp in sizes(world // tp):
             if not sequence_ok(rt, cp) or (cp > 1 and rt.transformer_impl == "local"):
                 continue  # (the local spec's attention asserts CP1: "only supported by TEDotProductAttention")
-            for pp in divisors(world // (tp * cp)):
+            for pp in sizes(world // (tp * cp)):
                 if pp > 1 and rt.use_megatron_fsdp:  # (Megatron-FSDP does not build with PP: check/fsdp.py)
                     continue
                 split = splits.get(pp)

@@ -115,3 +115,9 @@ def test_a_megatron_fsdp_run_of_an_fsdp_checkpoint_loads_it_at_other_layouts_onl
         cands = json.loads(capsys.readouterr().out)["candidates"]
         got = {c["tp"]: (c["load"], c["check"]["verdict"]) for c in cands if c["cp"] == 1}
         assert got == by_tp, (extra, got)
+
+
+def test_a_device_of_no_memory_is_a_usage_error(capsys):
+    for gib in ("0", "-3"):
+        assert main(["plan", fixture_path("tp2_torch"), "--world-size", "8", "--device-memory", gib]) == 2
+        assert "--device-memory must be a positive number of GiB" in capsys.readouterr().err

@@ -152,3 +152,11 @@ def test_megatron_lm_validate_args_accepts_every_listed_layouts_flags():
     for (world, flags), error in zip(cases, errors, strict=False):
         assert not error, (world, flags, error)
     assert all(errors[len(cases):]), errors[len(cases):]
+
+
+def test_divisors_by_trial_division_equal_the_plain_count():
+    from megatron_preflight.fit.space import divisors
+
+    for n in [*range(1, 400), 1024, 16384, 100000, 360360]:
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert len(divisors(1_000_000_000)) == 100  # 2^9 x 5^9: (9+1)^2 — found from 31,623 trials, not 10^9
