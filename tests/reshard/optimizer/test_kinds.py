@@ -19,7 +19,7 @@ from tests.conftest import fixture_path
 from tests.helpers.tiny import FLAGS as TINY
 
 FIXTURES = ["muon_tp2_torch", "muon_tp2_torch_dist", "lion_tp2_torch", "lion_tp2_torch_dist", "sgd_tp2_torch",
-            "sgd_tp2_torch_dist", "soap_tp2_torch"]
+            "sgd_tp2_torch_dist", "soap_tp2_torch", "muon_moe_ep2_torch", "muon_moe_ep2_torch_dist"]
 
 
 def _opt(name: str) -> str:
@@ -46,8 +46,9 @@ def test_inspect_check_and_reshard_agree(tmp_path, capsys, name):
     assert _opt(name) in opt and "not reshardable" not in opt
     local = "carried only where each parameter's shard stays the same" in opt
     assert local == (_opt(name) == "soap")
-    found = {f["field"]: f for f in _check(capsys, name, "--tensor-model-parallel-size", "1")["findings"]}
-    rc = main(["reshard", fixture_path(name), str(tmp_path / "out"), "--tp", "1", "--no-progress"])
+    moe = ["--num-experts", "4", "--moe-router-topk", "2"] if "moe" in name else []
+    found = {f["field"]: f for f in _check(capsys, name, "--tensor-model-parallel-size", "1", *moe)["findings"]}
+    rc = main(["reshard", fixture_path(name), str(tmp_path / "out"), "--tp", "1", "--ep", "1", "--no-progress"])
     err = capsys.readouterr().err
     if local:
         assert found["optimizer"]["severity"] == "fatal" and "SOAP's preconditioners" in found["optimizer"]["message"]
@@ -56,14 +57,14 @@ def test_inspect_check_and_reshard_agree(tmp_path, capsys, name):
     else:
         f = found.get("optimizer")
         # legacy: resharded with the weights; torch_dist: Megatron's own load reshards it (no finding), but not SGD's,
-        # which Megatron cannot load at all (served in memory)
-        if name.endswith("_torch") or name == "sgd_tp2_torch_dist":
+        # which Megatron cannot load at all, nor across an EP change (both served in memory)
+        if name.endswith("_torch") or name in ("sgd_tp2_torch_dist", "muon_moe_ep2_torch_dist"):
             assert f is not None and f["severity"] == "reshard", f
         else:
             assert f is None, f
         assert rc == 0, err
         out = discover(str(tmp_path / "out"))
-        assert _opt(name) in _inspect(capsys, str(tmp_path / "out")) and out.tp == 1
+        assert _opt(name) in _inspect(capsys, str(tmp_path / "out")) and out.tp == 1 and (out.ep or 1) == 1
 
 
 @pytest.mark.parametrize("opt", ["muon", "lion", "sgd"])
@@ -79,6 +80,28 @@ def test_the_legacy_and_torch_dist_twins_reshard_to_the_same_state(tmp_path, opt
     write_resharded(c + "_dist", c, TargetLayout(tp=1), verify=True)
     report = diff_checkpoints(a, c)
     assert report.equal, report.render()
+
+
+def _parts(path) -> list:
+    return [[(g.get("optimizer"), g["is_expert_parallel"], g["wd_mult"], len(g["params"])) for g in part["param_groups"]]
+            for part in _load(path)["optimizer"]]
+
+
+def test_a_muon_chain_with_experts_is_rebuilt_as_megatron_builds_it(tmp_path):
+    """EP2 as saved (four parts: Muon dense, Muon expert, Adam dense, Adam expert) from both twins, equal to the
+    source file's chain; EP1 merges the experts into the dense parts (two parts)."""
+    src = fixture_path("muon_moe_ep2_torch/iter_0000002/mp_rank_00_001/model_optim_rng.pt")
+    want = _parts(src)
+    assert [[g[:2] for g in p] for p in want] == [[(None, False)], [(None, True)], [("adam", False)] * 2,
+                                                  [("adam", True)]]
+    for name in ("muon_moe_ep2_torch", "muon_moe_ep2_torch_dist"):
+        out = tmp_path / name
+        write_resharded(fixture_path(name), str(out), TargetLayout(ep=2))
+        assert _parts(out / "iter_0000002" / "mp_rank_00_001" / "model_optim_rng.pt") == want
+        write_resharded(fixture_path(name), str(out) + "_ep1", TargetLayout(ep=1))
+        merged = _parts(tmp_path / f"{name}_ep1" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
+        assert [[g[:2] for g in p] for p in merged] == [[(None, False)], [("adam", False)] * 2]
+    assert diff_checkpoints(str(tmp_path / "muon_moe_ep2_torch_ep1"), str(tmp_path / "muon_moe_ep2_torch_dist_ep1")).equal
 
 
 def test_a_muon_chain_keeps_megatrons_parts_and_each_parameter_its_optimizer(tmp_path):
