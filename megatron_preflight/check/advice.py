@@ -74,6 +74,8 @@ def layout_flags(rt: RuntimeArgs) -> list[str]:
 def reshard_command(layout: Layout, rt: RuntimeArgs, *options: str) -> str:
     """``megatron-preflight reshard SRC NEW_DIR [options] -- <the run's layout flags>``, shell-quoted."""
     src = layout.root or layout.path
+    if (rt.no_load_optim or rt.finetune) and "--drop-optimizer" not in options:
+        options = (*options, "--drop-optimizer")  # the run loads none: writing it costs time, and may be refused
     return shlex.join(["megatron-preflight", "reshard", src, PLACEHOLDER, *options, "--", *layout_flags(rt)])
 
 

@@ -76,6 +76,9 @@ def test_the_printed_layout_flags_give_reshard_the_layout_check_compared(name, l
 def test_each_advised_reshard_run_as_printed_writes_what_the_run_loads(tmp_path, capsys, name, label, flags):
     root = os.path.join(FIXTURES, name)
     plan = _plan(root, flags)
+    if [f.field for f in plan.fatal] == ["optimizer"] and "add --no-load-optim" in plan.fatal[0].fix:
+        flags = [*flags, "--no-load-optim"]  # a state that cannot follow this layout (SOAP at another TP): as printed
+        plan = _plan(root, flags)
     commands = _commands(plan)
     assert plan.verdict != Verdict.FAIL, [(f.field, f.message) for f in plan.fatal]
     if plan.verdict == Verdict.RESHARD and plan.layout.format.value == "torch":

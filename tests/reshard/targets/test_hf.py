@@ -109,9 +109,8 @@ def test_a_model_no_architecture_expresses_is_refused_before_writing(tmp_path):
 
 
 def test_the_tokenizer_travels_with_the_model(tmp_path):
-    """An HF dir's tokenizer files are recorded as the run's tokenizer (--tokenizer-model) when imported, and copied
-    beside the exported model; Megatron-LM main's own copy in the iteration dir (--save-tokenizer-assets) is taken
-    first."""
+    """An HF dir's tokenizer files go into the imported checkpoint's iteration dir (where Megatron-LM main keeps its
+    tokenizer assets, --save-tokenizer-assets), and from there beside the exported model."""
     src = hf_models.write("llama", str(tmp_path / "hf"))
     files = {"tokenizer.json": '{"model": {"vocab": {}}}', "tokenizer_config.json": '{"model_max_length": 64}'}
     for name, text in files.items():
@@ -121,12 +120,12 @@ def test_the_tokenizer_travels_with_the_model(tmp_path):
     assert cli("reshard", src, mid, "--no-progress", "--tp", "2").returncode == 0
     done = cli("reshard", mid, back, "--no-progress", "--ckpt-format", "hf")
     assert done.returncode == 0, done.stderr
-    assert f"copied from {src}" in done.stdout
+    saved = os.path.join(mid, "release", "tokenizer")  # where Megatron-LM main saves its tokenizer's files
+    assert sorted(os.listdir(saved)) == sorted(files)
+    assert f"copied from {saved}" in done.stdout
     for name, text in files.items():
         with open(os.path.join(back, name)) as fh:
             assert fh.read() == text
-    saved = os.path.join(mid, "release", "tokenizer")  # where Megatron-LM main saves its tokenizer's files
-    os.makedirs(saved)
     with open(os.path.join(saved, "tokenizer.json"), "w") as fh:
         fh.write('{"saved": true}')
     again = str(tmp_path / "again")
