@@ -49,11 +49,8 @@ class Kind:
         """How ``field`` of this kind's state follows a layout change; raises for a field the table does not name."""
         rule = self.fields.get(field)
         if rule is None:
-            raise OptimizerNotReshardable(
-                f"the {self.name} optimizer state holds a field {field!r} that megatron-preflight does not know how to "
-                f"carry (it knows {', '.join(self.fields)})", path=where or None,
-                fix="start the run with --no-load-optim (weights only), or reshard offline with --drop-optimizer",
-                code="optimizer")
+            raise _unknown(f"the {self.name} optimizer state holds a field {field!r} that megatron-preflight does not "
+                           f"know how to carry (it knows {', '.join(self.fields)})", where)
         return rule
 
     @property
@@ -72,6 +69,12 @@ class Kind:
 class OptimizerNotReshardable(PreflightError):
     """The optimizer state cannot be mapped to parameters safely (or is of a kind, or holds a field, that the table
     does not know)."""
+
+
+def _unknown(message: str, where: str) -> OptimizerNotReshardable:
+    return OptimizerNotReshardable(message, path=where or None, code="optimizer",
+                                   fix="start the run with --no-load-optim (weights only), or reshard offline with "
+                                       "--drop-optimizer")
 
 
 _P, _S, _L = Split.PARAM, Split.STEP, Split.LOCAL
@@ -99,11 +102,8 @@ def kind_named(name: str | None, where: str = "") -> Kind:
     bare = _ALIASES.get(bare.removeprefix("dist_"), bare.removeprefix("dist_"))
     kind = KINDS.get(bare)
     if kind is None:
-        raise OptimizerNotReshardable(
-            f"the checkpoint was trained with --optimizer {name}, whose state megatron-preflight does not know (it "
-            f"knows {', '.join(KINDS)})", path=where or None,
-            fix="start the run with --no-load-optim (weights only), or reshard offline with --drop-optimizer",
-            code="optimizer")
+        raise _unknown(f"the checkpoint was trained with --optimizer {name}, whose state megatron-preflight does not "
+                       f"know (it knows {', '.join(KINDS)})", where)
     return kind
 
 

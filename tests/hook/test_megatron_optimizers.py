@@ -43,7 +43,8 @@ def _losses(log):
     ("muon", 1, []),
     ("lion", 1, []),
     ("muon", 2, ["--pipeline-model-parallel-size", "2"]),
-], ids=["muon tp2->tp1", "lion tp2->tp1", "muon tp2->tp1pp2"])
+    ("lion", 2, ["--pipeline-model-parallel-size", "2"]),
+], ids=["muon tp2->tp1", "lion tp2->tp1", "muon tp2->tp1pp2", "lion tp2->tp1pp2"])
 def test_an_emerging_optimizers_legacy_state_resumes_like_megatrons_own_reshard(tmp_path, opt, nproc, target):
     flags = ["--optimizer", opt, "--train-iters", "4", *target]
     rc, log = _run(tmp_path, fixture_path(f"{opt}_tp2_torch"), nproc, "--preflight", "auto", "--ckpt-format", "torch",
@@ -99,13 +100,14 @@ def test_sgd_torch_dist_that_megatron_cannot_load_resumes_with_auto(tmp_path):
                                "--tensor-model-parallel-size", "2", *flags, plugin=False, port=29867)
     assert rc == 0, legacy_at_saved[-3000:]
     assert _losses(at_saved)[1] is not None and _losses(at_saved) == _losses(legacy_at_saved)
-    results = []
-    for name, fmt in (("sgd_tp2_torch", "torch"), ("sgd_tp2_torch_dist", "torch_dist")):
-        rc, log = _run(tmp_path, fixture_path(name), 1, "--preflight", "auto", "--ckpt-format", fmt, *flags,
-                       port=29868)
-        assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
-        results.append(_losses(log))
-    assert results[0][1] is not None and results[0] == results[1]
+    for nproc, target in ((1, []), (2, ["--pipeline-model-parallel-size", "2"])):  # TP1, and TP1 PP2
+        results = []
+        for name, fmt in (("sgd_tp2_torch", "torch"), ("sgd_tp2_torch_dist", "torch_dist")):
+            rc, log = _run(tmp_path, fixture_path(name), nproc, "--preflight", "auto", "--ckpt-format", fmt, *flags,
+                           *target, port=29868)
+            assert rc == 0 and "loaded through the in-memory resharder" in log, log[-3000:]
+            results.append(_losses(log))
+        assert results[0][1] is not None and results[0] == results[1]
 
 
 @needs_emerging
