@@ -7,6 +7,7 @@ torch was imported, the layouts listed and the top one. Also its torch_dist form
 tensor's global shape: the planner is bound by reading it).
 
 Usage: python benchmarks/bench_planner.py [--work DIR] [--repeat 3] [--worlds 256,1024] [--torch-dist]
+       [--model deepseek-v3|kimi-k2]  (Kimi K2: the same structure at 1 T parameters, 384 experts, 6 per EP64 rank)
 """
 
 from __future__ import annotations
@@ -68,21 +69,24 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--worlds", default="256,1024,2048")
     ap.add_argument("--torch-dist", action="store_true", help="also the torch_dist form")
+    ap.add_argument("--model", choices=("deepseek-v3", "kimi-k2"), default="deepseek-v3",
+                    help="the hollow model: DeepSeek-V3 671B, or Kimi K2 1 T (384 experts, 64 heads, 1 dense layer)")
     ns = ap.parse_args()
     from tests.helpers.synthetic_dsv3 import DSV3, write_legacy, write_torch_dist
 
     work = ns.work or tempfile.mkdtemp(prefix="bench_planner_")
-    legacy = os.path.join(work, "dsv3_legacy")
-    m = DSV3()
+    legacy = os.path.join(work, f"{ns.model}_legacy")
+    m = DSV3() if ns.model == "deepseek-v3" else DSV3.kimi_k2()
     if not os.path.isdir(legacy):
         write_legacy(legacy, m)
     forms = [("legacy, 1,024 shard dirs", legacy)]
     if ns.torch_dist:
-        dist = os.path.join(work, "dsv3_torch_dist")
+        dist = os.path.join(work, f"{ns.model}_torch_dist")
         if not os.path.isdir(dist):
             write_torch_dist(dist, m, legacy)
         forms.append(("torch_dist", dist))
-    print(f"plan of DeepSeek-V3 671B (hollow, saved at TP{m.tp} PP{m.pp} EP{m.ep}), 80 GiB GPUs, 8 per node, run: "
+    name = "DeepSeek-V3 671B" if ns.model == "deepseek-v3" else "Kimi K2 1T"
+    print(f"plan of {name} (hollow, saved at TP{m.tp} PP{m.pp} EP{m.ep}), 80 GiB GPUs, 8 per node, run: "
           f"{' '.join(RUN)}; median of {ns.repeat} fresh processes")
     print(f"{'checkpoint':<26} {'world':>6} {'wall s':>7} {'plan s':>7} {'RSS MiB':>8} {'torch':>6} {'layouts':>8} "
           f"{'fit':>5}  top layout")

@@ -57,6 +57,15 @@ class DSV3:
         hidden=7168, heads=128, ffn=18432, moe_ffn=2048, shared_ffn=2048, q_lora=1536, kv_lora=512, qk=128, rope=64,
         v=128))
 
+    @classmethod
+    def kimi_k2(cls, **kw) -> "DSV3":
+        """Kimi K2 (1.04 T parameters): DeepSeek-V3's structure with 64 heads, one dense layer, 384 routed experts
+        (+1 shared), a 163,840-token vocab and no MTP layer (its config.json: first_k_dense_replace 1,
+        n_routed_experts 384, num_nextn_predict_layers 0)."""
+        widths = dict(hidden=7168, heads=64, ffn=18432, moe_ffn=2048, shared_ffn=2048, q_lora=1536, kv_lora=512,
+                      qk=128, rope=64, v=128)
+        return cls(**{"dense_layers": 1, "experts": 384, "vocab": 163840, "mtp_layers": 0, "widths": widths, **kw})
+
     def w(self, name: str) -> int:
         return max(1, self.widths[name] // (1 if name == "heads" else self.scale))
 
