@@ -311,9 +311,9 @@ def _optimizer_kind(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
         return []
     try:
         saved = optimizer_kinds.primary_of(saved_args)
-    except PreflightError as e:
+    except PreflightError as e:  # a kind the table does not know: Megatron loads it as saved; only a reshard needs it
         return [Finding("optimizer", getattr(saved_args, "optimizer", None), rt.optimizer, FATAL, e.message,
-                        "add --no-load-optim (and keep the weights)")]
+                        "add --no-load-optim (and keep the weights), or run at the saved layout")] if changed else []
     out: list[Finding] = []
     if "optimizer" in rt.given:
         try:

@@ -44,6 +44,7 @@ class Kind:
     emerging: bool = False  # built by Megatron-LM main's emerging-optimizer path (chained with a scalar optimizer)
     honours_use_muon: bool = False  # a tensor marked use_muon=False goes to the scalar optimizer
     exact_note: str = ""  # what cannot be carried across a change of a parameter's shard
+    optional: tuple[str, ...] = ()  # fields a state may lack (an option's: amsgrad's max_exp_avg_sq)
 
     def rule(self, field: str, where: str = "") -> Split:
         """How ``field`` of this kind's state follows a layout change; raises for a field the table does not name."""
@@ -55,7 +56,12 @@ class Kind:
 
     @property
     def moments(self) -> tuple[str, ...]:
-        """The fields split as the parameter (every such field a parameter of this kind must have saved)."""
+        """The fields split as the parameter that every parameter of this kind must have saved."""
+        return tuple(n for n, r in self.fields.items() if r == Split.PARAM and n not in self.optional)
+
+    @property
+    def param_fields(self) -> tuple[str, ...]:
+        """Every field split as the parameter (the required ones and the optional ones)."""
         return tuple(n for n, r in self.fields.items() if r == Split.PARAM)
 
     @property
@@ -63,7 +69,7 @@ class Kind:
         return any(r in (Split.LOCAL, Split.PARAM_OR_LOCAL) for r in self.fields.values())
 
     def describe(self) -> str:
-        return f"{self.name} ({', '.join(self.fields)})"
+        return f"{self.name} ({', '.join(n for n in self.fields if n not in self.optional)})"
 
 
 class OptimizerNotReshardable(PreflightError):
@@ -79,7 +85,9 @@ def _unknown(message: str, where: str) -> OptimizerNotReshardable:
 
 _P, _S, _L = Split.PARAM, Split.STEP, Split.LOCAL
 KINDS: dict[str, Kind] = {k.name: k for k in (
-    Kind("adam", {"step": _S, "exp_avg": _P, "exp_avg_sq": _P}, 8),
+    # (max_exp_avg_sq: torch's amsgrad; master_param: TE's FusedAdam keeping fp32 masters or their remainders)
+    Kind("adam", {"step": _S, "exp_avg": _P, "exp_avg_sq": _P, "max_exp_avg_sq": _P, "master_param": _P}, 8,
+         optional=("max_exp_avg_sq", "master_param")),
     Kind("sgd", {"momentum_buffer": _P}, 4),  # (no buffer at all with --sgd-momentum 0)
     Kind("lion", {"exp_avg": _P}, 4, emerging=True),
     Kind("muon", {"momentum_buffer": _P}, 4, emerging=True, honours_use_muon=True),

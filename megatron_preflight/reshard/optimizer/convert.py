@@ -140,7 +140,7 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
         if missing and kind.name != "sgd":  # (SGD without momentum keeps no buffer)
             raise OptimizerNotReshardable(f"no saved {' / '.join(missing)} for {sk.key} (its param group is "
                                           f"{kind.name}'s)", fix=FIX, code="optimizer")
-        for name in kind.moments:
+        for name in kind.param_fields:
             if name in fields:
                 out[name] = fields[name]
         if dtypes.name_of(p.dtype) in _HALF:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
 # torch_dist state name -> the name the index uses ("param": the fp32 master; then every kind's param-shaped fields)
 FIELDS = {"param": "param", "fp32_param": "param",
-          **{n: n for kind in KINDS.values() for n in kind.moments}}
+          **{n: n for kind in KINDS.values() for n in kind.param_fields}}
 
 
 def _groups(common_optimizer: Any) -> list[dict[str, Any]]:

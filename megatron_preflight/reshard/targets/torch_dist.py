@@ -281,7 +281,7 @@ def write_optimizer_state(g: Resharder, tgt: Any, distributed: bool, files: Sour
         master = fields.get(MASTER)
         half = half or master is not None
         kind = idx.kind(idx.membership[gkey])
-        moments = {name: fields.get(name) for name in kind.moments}
+        moments = {name: fields.get(name) for name in kind.param_fields if name in kind.moments or name in fields}
         unsplit = [n for n, f in fields.items() if n != MASTER and kind.rule(n) != Split.STEP and n not in moments]
         if unsplit:  # (a per-shard matrix: no model-space form to write it in)
             raise PreflightError(f"the {kind.name} optimizer state {unsplit[0]} of {fqn} is a matrix of each shard's "

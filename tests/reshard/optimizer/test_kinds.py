@@ -169,3 +169,28 @@ def test_check_names_the_runs_other_optimizer_and_predicts_its_memory(capsys):
         found = next(f for f in json.loads(capsys.readouterr().out)["findings"] if f["field"] == "memory")
         mem[opt] = found["runtime"]
     assert len(set(mem.values())) == 3  # Adam 8 bytes per element, Muon 4 for the matrices + Adam's, SGD 4
+
+
+def test_an_optimizer_the_table_does_not_know_loads_as_saved_and_stops_only_a_reshard(tmp_path, capsys):
+    """--optimizer laprop (an emerging-optimizers registry name Megatron-LM main accepts; saved args edited on a
+    real fixture — a FAKE of the name only): at the saved layout the check lets Megatron load it; at another it
+    stops with the reason, and reshard refuses (exit 1)."""
+    import glob
+    import shutil
+
+    from tests.helpers import ckpt_edit
+
+    src = tmp_path / "laprop"
+    shutil.copytree(fixture_path("sgd_tp2_torch"), src)
+    for path in glob.glob(str(src / "iter_*" / "mp_rank_*" / "model_optim_rng.pt")):
+        state = ckpt_edit.load(path)
+        state["args"].optimizer = "laprop"
+        ckpt_edit.save(state, path)
+    flags = ["--ckpt-format", "torch", "--world-size", "2"]
+    assert main(["check", str(src), "--json", "--", *TINY, *flags, "--tensor-model-parallel-size", "2"]) == 0
+    capsys.readouterr()
+    assert main(["check", str(src), "--json", "--", *TINY, *flags, "--tensor-model-parallel-size", "1"]) == 1
+    found = {f["field"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    assert "laprop" in found["optimizer"]["message"] and found["optimizer"]["severity"] == "fatal"
+    assert main(["reshard", str(src), str(tmp_path / "out"), "--tp", "1", "--no-progress"]) == 1
+    assert "laprop" in capsys.readouterr().err
