@@ -29,6 +29,7 @@ local target's linears get ``None`` as megatron-core's own modules save (FP8 sca
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -113,8 +114,13 @@ def dist_suffix(suffix: str, local_spec: bool) -> str:
 
 def rank_in(name: str, table: tuple[str, ...], fallback: int) -> int:
     """The place of ``name`` in a prefix ``table`` (``len(table) + fallback`` when no prefix matches)."""
-    hits = [i for i, prefix in enumerate(table) if name.startswith(prefix)]
-    return hits[0] if hits else len(table) + fallback
+    hit = _first_prefix(name, table)
+    return len(table) + fallback if hit is None else hit
+
+
+@functools.lru_cache(maxsize=65536)  # a model's key suffixes repeat in every layer: ~10^5 calls, a few hundred names
+def _first_prefix(name: str, table: tuple[str, ...]) -> int | None:
+    return next((i for i, prefix in enumerate(table) if name.startswith(prefix)), None)
 
 
 def param_rank(name: str) -> int:
