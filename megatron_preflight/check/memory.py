@@ -68,20 +68,28 @@ def element_bytes(rt: RuntimeArgs) -> tuple[int, int, int]:
     return param, grad, optim
 
 
-def state_bytes(rt: RuntimeArgs, key: str, shape: tuple[int, ...], adam_bytes: int) -> int:
-    """The optimizer state bytes of one parameter shard in the run's optimizer (layout/optimizer_kinds.py): its kind's
-    fp32 fields per element (an emerging optimizer hands the non-matrix tensors to its scalar one), the fp32 master of
-    a half-precision run, and SOAP's per-shard preconditioners (L, R and their eigenbases: two m x m and two n x n
-    fp32 matrices). ``adam_bytes``: Adam's per element (:func:`element_bytes`)."""
-    try:
-        kind = optimizer_kinds.kind_named(rt.optimizer)
-    except PreflightError:
-        kind = optimizer_kinds.KINDS["adam"]  # (the check names the unknown kind)
-    if optimizer_kinds.goes_to_scalar(key, shape, kind):
+def run_kinds(rt: RuntimeArgs) -> tuple[optimizer_kinds.Kind, optimizer_kinds.Kind]:
+    """The run's optimizer and the scalar one it hands non-matrix tensors to (layout/optimizer_kinds.py); Adam for a
+    kind the table does not know (the check names it)."""
+
+    def kind(name: str) -> optimizer_kinds.Kind:
         try:
-            kind = optimizer_kinds.kind_named(rt.muon_scalar_optimizer if kind.honours_use_muon else "adam")
+            return optimizer_kinds.kind_named(name)
         except PreflightError:
-            kind = optimizer_kinds.KINDS["adam"]
+            return optimizer_kinds.KINDS["adam"]
+
+    primary = kind(rt.optimizer)
+    return primary, kind(rt.muon_scalar_optimizer if primary.honours_use_muon else "adam")
+
+
+def state_bytes(kinds: tuple[optimizer_kinds.Kind, optimizer_kinds.Kind], key: str, shape: tuple[int, ...],
+                adam_bytes: int) -> int:
+    """The optimizer state bytes of one parameter shard under the run's ``kinds`` (:func:`run_kinds`): its kind's fp32
+    fields per element (an emerging optimizer hands the non-matrix tensors to its scalar one), the fp32 master of a
+    half-precision run, and SOAP's per-shard preconditioners (L, R and their eigenbases: two m x m and two n x n fp32
+    matrices). ``adam_bytes``: Adam's per element (:func:`element_bytes`)."""
+    primary, scalar = kinds
+    kind = scalar if optimizer_kinds.goes_to_scalar(key, shape, primary) else primary
     n = math.prod(shape)
     master = adam_bytes - optimizer_kinds.KINDS["adam"].state_bytes  # 4 in a bf16/fp16 run, else 0
     local = 8 * (shape[0] ** 2 + shape[1] ** 2) if kind.has_local and len(shape) == 2 else 0
@@ -128,6 +136,7 @@ def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]
                                  optimizer_family=None, ckpt_format=None)
     r = reshard.open_resharder(index, target, keep_optimizer=False)
     p_bytes, g_bytes, o_bytes = element_bytes(rt)
+    kinds = run_kinds(rt)
     tgt = r.tgt
     world = rt.world_size or tgt.min_world()
     dp = max(1, world // (tgt.tp * tgt.pp * rt.cp))  # (the target's CP is 1: CP does not shard weights)
@@ -143,7 +152,7 @@ def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]
             if tp.shape is None or tp.key.endswith("_extra_state") or tp.key.endswith("expert_bias"):
                 continue
             n = math.prod(tp.shape)
-            state = state_bytes(rt, tp.key, tp.shape, o_bytes)
+            state = state_bytes(kinds, tp.key, tp.shape, o_bytes)
             if tp.gkey is not None and tp.gkey.expert is not None:
                 expert, expert_state = expert + n, expert_state + state
             else:
