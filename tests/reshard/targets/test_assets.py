@@ -13,10 +13,14 @@ from tests.conftest import fixture_path
 
 
 def test_a_torch_dist_output_carries_the_tokenizer_dir_and_a_manifest_megatron_can_check(tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("muon_tp2_torch_dist"), src)
+    # A NullTokenizer run's assets dir is empty, as Megatron leaves it; git keeps no empty dir, so it is made here.
+    (src / "iter_0000002" / "tokenizer").mkdir(exist_ok=True)
     out = tmp_path / "out"
-    write_resharded(fixture_path("muon_tp2_torch_dist"), str(out), TargetLayout(tp=1, ckpt_format="torch_dist"))
+    write_resharded(str(src), str(out), TargetLayout(tp=1, ckpt_format="torch_dist"))
     it = out / "iter_0000002"
-    assert (it / "tokenizer").is_dir()  # a NullTokenizer run's: empty, as Megatron leaves it
+    assert (it / "tokenizer").is_dir() and os.listdir(it / "tokenizer") == []
     manifest = json.loads((it / "integrity.json").read_text())
     listed = set(manifest["files"])
     assert manifest["algorithm"] == "sha256" and listed == {e.name for e in os.scandir(it)
