@@ -7,7 +7,7 @@ torch was imported, the layouts listed and the top one. Also its torch_dist form
 tensor's global shape: the planner is bound by reading it).
 
 Usage: python benchmarks/bench_planner.py [--work DIR] [--repeat 3] [--worlds 256,1024] [--torch-dist]
-       [--model deepseek-v3|kimi-k2]  (Kimi K2: the same structure at 1 T parameters, 384 experts, 6 per EP64 rank)
+       [--model deepseek-v3|kimi-k2] [--commands inspect,check,plan]  (Kimi K2: the same structure at 1 T parameters, 384 experts, 6 per EP64 rank)
 """
 
 from __future__ import annotations
@@ -42,22 +42,30 @@ def hwm_mib():  # this process image's peak RSS (getrusage's ru_maxrss keeps the
 
 from megatron_preflight.cli.main import main
 import contextlib, io
+command, path, world, run = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 buf = io.StringIO()
+if command == "plan":
+    argv = ["plan", path, "--world-size", world, "--device-memory", "80", "--json", "--top", "1", "--check-top", "0",
+            "--", *run]
+elif command == "check":  # the saved layout at its own world size: the verdict a job start computes
+    argv = ["check", path, "--json", "--", "--world-size", world, *run]
+else:
+    argv = ["inspect", path, "--json"]
 with contextlib.redirect_stdout(buf):
-    rc = main(["plan", sys.argv[1], "--world-size", sys.argv[2], "--device-memory", "80", "--json", "--top", "1",
-               "--check-top", "0", "--", *sys.argv[3:]])
+    rc = main(argv)
 doc = json.loads(buf.getvalue())
-print(json.dumps({"rc": rc, "wall": time.perf_counter() - t0, "planned": doc["seconds"],
-                  "rss_mib": hwm_mib(), "torch": "torch" in sys.modules,
-                  "layouts": doc["layouts"], "fitting": doc["fitting"],
-                  "top": doc["candidates"][0] if doc["candidates"] else None}))
+out = {"rc": rc, "wall": time.perf_counter() - t0, "rss_mib": hwm_mib(), "torch": "torch" in sys.modules}
+if command == "plan":
+    out.update(planned=doc["seconds"], layouts=doc["layouts"], fitting=doc["fitting"],
+               top=doc["candidates"][0] if doc["candidates"] else None)
+print(json.dumps(out))
 """
 
 
-def run_plan(path: str, world: int) -> dict:
+def run_probe(command: str, path: str, world: int, run: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", PROBE, path, str(world), *RUN], capture_output=True, text=True, env=env,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", PROBE, command, path, str(world), *run], capture_output=True,
+                       text=True, env=env, timeout=600)
     if r.returncode != 0:
         raise SystemExit(r.stderr[-3000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -71,6 +79,8 @@ def main() -> None:
     ap.add_argument("--torch-dist", action="store_true", help="also the torch_dist form")
     ap.add_argument("--model", choices=("deepseek-v3", "kimi-k2"), default="deepseek-v3",
                     help="the hollow model: DeepSeek-V3 671B, or Kimi K2 1 T (384 experts, 64 heads, 1 dense layer)")
+    ap.add_argument("--commands", default="plan",
+                    help="comma-separated: inspect, check (the saved layout, DP4), plan (default: plan)")
     ns = ap.parse_args()
     from tests.helpers.synthetic_dsv3 import DSV3, write_legacy, write_torch_dist
 
@@ -86,13 +96,28 @@ def main() -> None:
             write_torch_dist(dist, m, legacy)
         forms.append(("torch_dist", dist))
     name = "DeepSeek-V3 671B" if ns.model == "deepseek-v3" else "Kimi K2 1T"
-    print(f"plan of {name} (hollow, saved at TP{m.tp} PP{m.pp} EP{m.ep}), 80 GiB GPUs, 8 per node, run: "
+    print(f"{name} (hollow, saved at TP{m.tp} PP{m.pp} EP{m.ep}), 80 GiB GPUs, 8 per node, run: "
           f"{' '.join(RUN)}; median of {ns.repeat} fresh processes")
-    print(f"{'checkpoint':<26} {'world':>6} {'wall s':>7} {'plan s':>7} {'RSS MiB':>8} {'torch':>6} {'layouts':>8} "
+    saved = ["--tensor-model-parallel-size", str(m.tp), "--pipeline-model-parallel-size", str(m.pp),
+             "--expert-model-parallel-size", str(m.ep)]
+    commands = ns.commands.split(",")
+    if "inspect" in commands or "check" in commands:
+        print(f"\n{'command':<8} {'checkpoint':<26} {'wall s':>7} {'RSS MiB':>8} {'torch':>6}  exit")
+        for command in (c for c in commands if c != "plan"):
+            for label, path in forms:
+                runs = [run_probe(command, path, m.tp * m.pp * m.ep * 4, [*saved, *RUN]) for _ in range(ns.repeat)]
+                print(f"{command:<8} {label:<26} {statistics.median(r['wall'] for r in runs):>7.2f} "
+                      f"{max(r['rss_mib'] for r in runs):>8.0f} {str(any(r['torch'] for r in runs)):>6}  "
+                      f"{runs[0]['rc']}")
+    if "plan" not in commands:
+        if not ns.work:
+            shutil.rmtree(work, ignore_errors=True)
+        return
+    print(f"\n{'checkpoint':<26} {'world':>6} {'wall s':>7} {'plan s':>7} {'RSS MiB':>8} {'torch':>6} {'layouts':>8} "
           f"{'fit':>5}  top layout")
     for label, path in forms:
         for world in (int(w) for w in ns.worlds.split(",")):
-            runs = [run_plan(path, world) for _ in range(ns.repeat)]
+            runs = [run_probe("plan", path, world, RUN) for _ in range(ns.repeat)]
             mid = statistics.median(r["wall"] for r in runs)
             top = runs[0]["top"]
             desc = "-" if top is None else (f"TP{top['tp']} PP{top['pp']} EP{top['ep']} ETP{top['etp']} CP{top['cp']} "

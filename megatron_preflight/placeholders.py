@@ -1,5 +1,5 @@
 """Inert stand-ins for classes a checkpoint's pickle names but that are never imported: Megatron's own classes
-(:class:`Placeholder`, its arguments and state kept as data) and torch.distributed.checkpoint's metadata dataclasses
+(:class:`Opaque`, its arguments and state kept as data) and torch.distributed.checkpoint's metadata dataclasses
 (:class:`Record`, fields as attributes, hashable by value)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Any
 
 
 class Placeholder:
-    """Inert stand-in for a class that is referenced by a pickle but deliberately not imported.
+    """Inert stand-in for a class that is referenced by a pickle but deliberately not imported (the base of both kinds:
+    :class:`Opaque` for Megatron's own classes, :class:`Record` for DCP's metadata dataclasses).
 
     Holds the constructor arguments (enums: ``Cls(value)``) and any state set by ``BUILD``.
     """
@@ -24,12 +25,6 @@ class Placeholder:
     _state: Any = None
     _called = False
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Placeholder":
-        obj = super().__new__(cls)
-        if args:
-            obj._new_args = args  # NEWOBJ: cls.__new__(cls, *args), no __init__
-        return obj
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # REDUCE: cls(*args)
         self._args = args
         self._kwargs = kwargs
@@ -40,9 +35,6 @@ class Placeholder:
         if self._called:
             return (type(self), self._args) if self._state is None else (type(self), self._args, self._state)
         return (copyreg.__newobj__, (type(self), *self._new_args), self._state)
-
-    def __setstate__(self, state: Any) -> None:
-        self._state = state
 
     @property
     def value(self) -> Any:
@@ -70,6 +62,19 @@ class Placeholder:
         return hash((self._module, self._name, repr(self._args)))
 
 
+class Opaque(Placeholder):
+    """A class of Megatron's (or TE's, ModelOpt's...): ``NEWOBJ`` arguments and ``BUILD`` state kept as data."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":
+        obj = super().__new__(cls)
+        if args:
+            obj._new_args = args  # NEWOBJ: cls.__new__(cls, *args), no __init__
+        return obj
+
+    def __setstate__(self, state: Any) -> None:
+        self._state = state
+
+
 _placeholder_classes: dict[tuple[str, str], type] = {}
 
 
@@ -77,38 +82,55 @@ def placeholder_class(module: str, name: str) -> type:
     """The (cached) placeholder class standing for ``module.name``."""
     key = (module, name)
     if key not in _placeholder_classes:
-        _placeholder_classes[key] = type(name, (Placeholder,), {"_module": module, "_name": name})
+        _placeholder_classes[key] = type(name, (Opaque,), {"_module": module, "_name": name})
     return _placeholder_classes[key]
 
 
 class Record(Placeholder):
     """Inert stand-in for one of torch.distributed.checkpoint's metadata dataclasses: its fields are attributes, and
-    it hashes by value (``MetadataIndex`` keys a dict)."""
+    it hashes by value (``MetadataIndex`` keys a dict).
 
-    def __setstate__(self, state: Any) -> None:
-        self._state = state
-        if type(state) is dict:  # the common case (a torch_dist .metadata holds ~10^5 records): the fields as they
-            self.__dict__.update(state)  # are (a name that is not a string is no attribute, and harms nothing)
-            return
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
-            state = {**(state[0] or {}), **state[1]}
-        if isinstance(state, dict):
-            self.__dict__.update({str(k): v for k, v in state.items()})
-        elif self._name == "TensorProperties" and isinstance(state, tuple) and len(state) == 5:
-            self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+    No ``__new__`` or ``__setstate__`` of its own: the C unpickler makes the instance and puts a dataclass's field
+    dict (or ``(dict, slots)`` pair) straight into its ``__dict__`` (a torch_dist ``.metadata`` holds ~10^5 records;
+    a Python call per record was most of its reading time). Any other state is refused by the unpickler as corrupt.
+    """
+
+    @property  # type: ignore[override]
+    def _state(self) -> dict[str, Any]:
+        return self.__dict__
 
     def __hash__(self) -> int:
-        state = self._state if isinstance(self._state, dict) else {}
+        state = self.__dict__
+        fqn = state.get("fqn")
+        if type(fqn) is str:  # MetadataIndex (what keys storage_data): equal records have equal fqn and offset
+            try:
+                return hash((self._name, fqn, state.get("offset")))
+            except TypeError:
+                return hash((self._name, fqn))
         try:  # fields in any order, as dict equality has them
             return hash((self._name, frozenset(state.items())))
         except TypeError:  # an unhashable field value: hash by the others (equal records still hash equal)
             return hash((self._name, frozenset((k, v) for k, v in state.items() if isinstance(v, Hashable))))
 
 
+class _TensorProperties(Record):
+    """DCP's ``TensorProperties``: torch pickles it as a 5-tuple (dtype, layout, requires_grad, memory_format,
+    pin_memory), older torch as its field dict."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+            state = {**(state[0] or {}), **state[1]}
+        if isinstance(state, dict):
+            self.__dict__.update({str(k): v for k, v in state.items()})
+        elif isinstance(state, tuple) and len(state) == 5:
+            self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+
+
 def record_class(module: str, name: str) -> type:
     key = (module, name)
     if key not in _record_classes:
-        _record_classes[key] = type(name, (Record,), {"_module": module, "_name": name})
+        base = _TensorProperties if name == "TensorProperties" else Record
+        _record_classes[key] = type(name, (base,), {"_module": module, "_name": name})
     return _record_classes[key]
 
 

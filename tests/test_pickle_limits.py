@@ -81,3 +81,18 @@ def test_huge_bytes_call_is_refused() -> None:
     data = b"\x80\x02c__builtin__\nbytes\n\x8a\x05\x00\x00\x00\x00\x01\x85R."  # bytes(2**32)
     with pytest.raises(UnsafePickleError, match="builtins.bytes"):
         _load(data)
+
+
+def test_the_scan_keeps_its_place_through_runs_of_every_plain_opcode() -> None:
+    """The opcodes with nothing to check are skipped by one regular expression; a memo store hidden after runs of
+    strings of every short length, longs, floats, ints and containers is found all the same (the scan stays aligned
+    with the opcode stream), at each of several places."""
+    obj = [["s" * n, b"b" * n, 2 ** (8 * (n % 40)), n * 0.5, -n, (n, [n])] for n in range(300)]
+    data = pickle.dumps(obj, protocol=2)  # protocol 2 memoises with BINPUT / LONG_BINPUT (index > 255)
+    puts = [pos for op, arg, pos in pickletools.genops(data) if op.name == "LONG_BINPUT"]
+    assert len(puts) > 100
+    pickle_limits.scan(data, "ok.pkl")  # its own indexes are small: nothing refused
+    for pos in (puts[0], puts[len(puts) // 2], puts[-1]):
+        forged = data[:pos + 1] + struct.pack("<I", 2**31) + data[pos + 5:]
+        with pytest.raises(UnsafePickleError, match="memo slot 2,147,483,648"):
+            pickle_limits.scan(forged, "hostile.pkl")

@@ -55,3 +55,23 @@ def test_a_path_object_loads_inert_and_a_path_method_stays_refused():
     for name in ("write_text", "unlink", "Path.write_text"):
         with pytest.raises(UnsafePickleError):
             safe_loads(f"cpathlib\n{name}\n(S'x'\ntR.".encode(), source="t")
+
+
+def test_dcp_records_get_their_fields_from_the_unpickler_and_hash_by_value():
+    """A DCP dataclass (MetadataIndex keys storage_data) is a Record: its fields put into ``__dict__`` by the C
+    unpickler (no Python call per record), equal records equal and hashing alike, usable as dict keys."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def load(fqn, offset, index):
+        return safe_loads(pickle.dumps(MetadataIndex(fqn, torch.Size(offset), index), protocol=4), source="t")
+
+    a, b, c = load("w", (0, 4), 1), load("w", (0, 4), 1), load("w", (2, 4), 1)
+    assert isinstance(a, Placeholder) and (a.fqn, tuple(a.offset), a.index) == ("w", (0, 4), 1)
+    assert a == b and hash(a) == hash(b) and a != c and {a: 1}[b] == 1
+    assert a._state is a.__dict__ and a._state["fqn"] == "w"
+
+    # a record whose state is no field dict (the class, EMPTY_TUPLE NEWOBJ, BININT1 5, BUILD): refused as corrupt
+    forged = pickle.dumps(MetadataIndex, protocol=4)[:-1] + b")\x81K\x05b."
+    with pytest.raises(pickle.UnpicklingError, match="state is not a dictionary"):
+        safe_loads(forged, source="t")

@@ -13,6 +13,7 @@ import math
 import os
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from megatron_preflight import dtypes
@@ -112,32 +113,39 @@ class ObjectReader:
 
     def __init__(self, iter_dir: str, *, trust: bool = False) -> None:
         self.iter_dir, self.trust = iter_dir, trust
-        self._fds: dict[str, int] = {}
-        self._parsed: dict[tuple[bytes, bool], Any] = {}
+        self._fds: dict[str, tuple[str, int]] = {}  # relative path -> (path, fd)
+        self._parsed: dict[tuple[bytes, bool, Any], Any] = {}
 
-    def read(self, fqn: str, info: Any, *, tensors: bool = False) -> Any:
-        path = os.path.join(self.iter_dir, info.relative_path)
-        fd = self._fds.get(path)
-        if fd is None:
+    def read(self, fqn: str, info: Any, *, tensors: bool = False,
+             describe: Callable[[Any], Any] | None = None) -> Any:
+        """The value of the item ``fqn`` (stored at ``info``); ``describe``: applied to a parsed value once per
+        distinct blob (its result shared: it must not be mutated)."""
+        opened = self._fds.get(info.relative_path)
+        if opened is None:
+            path = os.path.join(self.iter_dir, info.relative_path)
             require_regular_file(path)
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            opened = self._fds[info.relative_path] = (path, os.open(path, os.O_RDONLY))
+        path, fd = opened
         start, length = int(info.offset), int(info.length)
         raw = os.pread(fd, length, start) if start >= 0 and length > 0 else b""
         if len(raw) != length or length <= 0:  # truncated or malformed: the plain reader says what is wrong
-            return read_object(self.iter_dir, fqn, info, trust=self.trust, tensors=tensors)
-        key = (raw, tensors)
+            value = read_object(self.iter_dir, fqn, info, trust=self.trust, tensors=tensors)
+            return describe(value) if describe is not None else value
+        key = (raw, tensors, describe)
         value = self._parsed.get(key, _MISSING)
         if value is _MISSING:
             with warnings.catch_warnings():  # (torch.frombuffer on read-only bytes: copied at once)
                 warnings.simplefilter("ignore", UserWarning)
                 value = _load_object(TorchFile(path, trust=self.trust, window=(0, length), mapping=raw),  # type: ignore[arg-type]
                                      path, fqn, tensors)
+            if describe is not None:
+                value = describe(value)
             if len(self._parsed) < MAX_DISTINCT_OBJECTS:  # (FP8 extra states differ: a bounded cache)
                 self._parsed[key] = value
         return map_leaves(value, lambda v, _p: v.clone() if _is_tensor(v) else v) if tensors else value
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for _path, fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
         self._parsed.clear()

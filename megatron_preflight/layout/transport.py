@@ -67,7 +67,7 @@ def apply_delta(base: Any, d: ArgsDelta) -> Any:
 def _placeholder(module: str, name: str, new_args: tuple, args: tuple, kwargs: dict, state: Any,
                  called: bool) -> Placeholder:
     cls = placeholder_class(module, name)
-    obj = Placeholder.__new__(cls, *new_args)
+    obj = cls.__new__(cls, *new_args)
     obj._args, obj._kwargs, obj._state, obj._called = args, kwargs, state, called
     return obj
 

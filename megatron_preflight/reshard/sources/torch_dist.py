@@ -30,7 +30,15 @@ from megatron_preflight.layout.dist import ObjectReader, object_index
 from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
-from megatron_preflight.reshard.plan.rules import canonical_name, mtp_index, mtp_place, parse_key, rule_for, segments
+from megatron_preflight.reshard.plan.rules import (
+    Rule,
+    canonical_name,
+    mtp_index,
+    mtp_place,
+    parse_key,
+    rule_for,
+    segments,
+)
 from megatron_preflight.reshard.plan.spec import (
     MODULE_ORDER,
     grouped_experts,
@@ -117,6 +125,7 @@ class _Builder:
         self.objects = object_index(md)  # indexed once: a model has thousands of extra-state items
         self.reader = ObjectReader(self.iter_dir, trust=trust)
         self.trust = trust
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._by_place: dict[tuple[int | None, int | None], list[tuple[str, dict[str, int]]]] = {}
         for n, c in self.dirs.items():  # (a DeepSeek-V3 view: 1,024 dirs asked for ~100k times)
             for place in ((None, None), (c["pp"], None), (None, c["ep"]), (c["pp"], c["ep"])):
@@ -126,10 +135,12 @@ class _Builder:
         return self._by_place.get((stage, ep), [])
 
     def _ref(self, fqn: str, dtype: torch.dtype, lead: tuple[int, ...], shape: tuple[int, ...], key: str,
-             rank: int, size: int) -> RegionRef:
+             rank: int, size: int, rule: Rule | None = None) -> RegionRef:
         """The legacy piece of rank ``rank`` (of ``size``) of the tensor under ``key``: boxes of global ``fqn`` at
-        stacked index ``lead`` (layer, expert)."""
-        rule = rule_for(parse_key(key), swiglu=self.swiglu)
+        stacked index ``lead`` (layer, expert); ``rule``: the key's split rule where the caller knows it (the same
+        for every expert of a stacked tensor)."""
+        if rule is None:
+            rule = rule_for(parse_key(key), swiglu=self.swiglu)
         local = list(shape)
         slabs: list[Slab] = []
         if rule.dim is None or size == 1:
@@ -147,8 +158,12 @@ class _Builder:
                 offsets[dim], sizes[dim] = gstart, length
                 slabs.append(Slab(fqn, lead + tuple(offsets), tuple(1 for _ in lead) + tuple(sizes), dim, lstart))
                 local[dim] += length
-        return RegionRef(self.iter_dir, StorageRef(fqn, dtype, math.prod(local)), 0, tuple(local),
-                         row_major(tuple(local)), slabs=tuple(slabs))
+        shape_ = tuple(local)
+        strides = self._strides.get(shape_)
+        if strides is None:  # (every expert's piece has the same shape)
+            strides = self._strides[shape_] = row_major(shape_)
+        return RegionRef(self.iter_dir, StorageRef(fqn, dtype, math.prod(shape_)), 0, shape_, strides,
+                         slabs=tuple(slabs))
 
     def sectioned(self, parent: str, parts: list[tuple[str, Any]]) -> None:
         """A sectioned projection (:data:`SECTIONED`): each rank's legacy tensor is its TP share of every section, in
@@ -235,14 +250,17 @@ class _Builder:
             inner = shape[len(lead):]
             if rest.startswith(EXPERTS):
                 suffix = rest[len(EXPERTS):]
+                rule = None
                 for ge in range(inner[0]):
                     ep_rank, le = self.par.place_expert(ge)
                     key = f"{LAYERS}{local}.mlp.experts" + self._expert_key(suffix, le)
+                    if rule is None:  # (one rule for every expert's piece: the suffix decides it)
+                        rule = rule_for(parse_key(key), swiglu=self.swiglu)
                     sort, refs = self._layer_sort(g, EXPERTS + suffix, ge, pos), {}
                     for name, c in self._shards(stage, ep_rank):
                         if c["etp"] not in refs:
                             refs[c["etp"]] = self._ref(fqn, dtype, lead + (ge,), inner[1:], key, c["etp"],
-                                                       self.par.etp_eff)
+                                                       self.par.etp_eff, rule)
                         self._add(name, chunk, sort, key, refs[c["etp"]])
             else:
                 suffix = legacy_suffix(rest, self.local_spec)
@@ -316,7 +334,6 @@ class _Builder:
         else:
             g = layers[0][0]
         stage, chunk, local = self.par.place_layer(g)
-        value = self._bytes_item(fqn)
         pos = self.position[fqn]
         if rest.startswith(EXPERTS):
             if not index:
@@ -324,15 +341,17 @@ class _Builder:
             ep_rank, le = self.par.place_expert(index[0])
             suffix = rest[len(EXPERTS):]
             key = self._extra_expert_key(f"{LAYERS}{local}.mlp.experts", suffix, le)
-            if key is None:
+            if key is None:  # (TE's grouped experts: one module per rank; the other experts' items are not read)
                 return
             sort = self._layer_sort(g, EXPERTS + suffix, index[0], pos)
+            value = self._bytes_item(fqn)
             for name, _c in self._shards(stage, ep_rank):
                 self._add(name, chunk, sort, key, value)
             return
         suffix = legacy_suffix(rest, self.local_spec)
         key = f"{LAYERS}{local}.{suffix}"
         sort = self._layer_sort(g, suffix, 0, pos)
+        value = self._bytes_item(fqn)
         for name, _c in self._shards(stage):
             self._add(name, chunk, sort, key, value)
 
@@ -396,12 +415,14 @@ class _Builder:
     def _bytes_item(self, fqn: str) -> Any:
         info = self.objects.get(fqn)
         # a TE module's extra state is a small uint8 tensor: read into a tensor where one will be written (torch is
-        # loaded); a verdict (no torch) only needs to know what it is. Either way a value, never a piece to plan.
+        # loaded); a verdict (no torch) only needs to know what it is (described once per distinct blob). Either way
+        # a value, never a piece to plan. (Not skipped for a run saved without FP8: a run that resumed an FP8
+        # checkpoint with FP8 off saves TE's FP8 metadata again, and how many modules hold it is reported.)
         if info is None:
             return None
         if dtypes.torch_loaded():
             return self.reader.read(fqn, info, tensors=True)
-        return described(self.reader.read(fqn, info))
+        return self.reader.read(fqn, info, describe=described)
 
 
 def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool]:
