@@ -80,9 +80,10 @@ def main() -> None:
     ap.add_argument("--model", choices=("deepseek-v3", "kimi-k2"), default="deepseek-v3",
                     help="the hollow model: DeepSeek-V3 671B, or Kimi K2 1 T (384 experts, 64 heads, 1 dense layer)")
     ap.add_argument("--commands", default="plan",
-                    help="comma-separated: inspect, check (the saved layout, DP4), plan (default: plan)")
+                    help="comma-separated: inspect, check (the model's own flags at its saved layout, DP4: the verdict a job "
+                         "start computes), plan (default: plan)")
     ns = ap.parse_args()
-    from tests.helpers.synthetic_dsv3 import DSV3, write_legacy, write_torch_dist
+    from tests.helpers.synthetic_dsv3 import DSV3, dist_flags, write_legacy, write_torch_dist
 
     work = ns.work or tempfile.mkdtemp(prefix="bench_planner_")
     legacy = os.path.join(work, f"{ns.model}_legacy")
@@ -90,6 +91,7 @@ def main() -> None:
     if not os.path.isdir(legacy):
         write_legacy(legacy, m)
     forms = [("legacy, 1,024 shard dirs", legacy)]
+    dist = ""
     if ns.torch_dist:
         dist = os.path.join(work, f"{ns.model}_torch_dist")
         if not os.path.isdir(dist):
@@ -98,14 +100,13 @@ def main() -> None:
     name = "DeepSeek-V3 671B" if ns.model == "deepseek-v3" else "Kimi K2 1T"
     print(f"{name} (hollow, saved at TP{m.tp} PP{m.pp} EP{m.ep}), 80 GiB GPUs, 8 per node, run: "
           f"{' '.join(RUN)}; median of {ns.repeat} fresh processes")
-    saved = ["--tensor-model-parallel-size", str(m.tp), "--pipeline-model-parallel-size", str(m.pp),
-             "--expert-model-parallel-size", str(m.ep)]
+    own = {legacy: m.flags(), **({dist: dist_flags(m.flags(), False)} if ns.torch_dist else {})}
     commands = ns.commands.split(",")
     if "inspect" in commands or "check" in commands:
         print(f"\n{'command':<8} {'checkpoint':<26} {'wall s':>7} {'RSS MiB':>8} {'torch':>6}  exit")
         for command in (c for c in commands if c != "plan"):
             for label, path in forms:
-                runs = [run_probe(command, path, m.tp * m.pp * m.ep * 4, [*saved, *RUN]) for _ in range(ns.repeat)]
+                runs = [run_probe(command, path, m.tp * m.pp * m.ep * 4, own[path]) for _ in range(ns.repeat)]
                 print(f"{command:<8} {label:<26} {statistics.median(r['wall'] for r in runs):>7.2f} "
                       f"{max(r['rss_mib'] for r in runs):>8.0f} {str(any(r['torch'] for r in runs)):>6}  "
                       f"{runs[0]['rc']}")
