@@ -7,7 +7,8 @@ torch was imported, the layouts listed and the top one. Also its torch_dist form
 tensor's global shape: the planner is bound by reading it).
 
 Usage: python benchmarks/bench_planner.py [--work DIR] [--repeat 3] [--worlds 256,1024] [--torch-dist]
-       [--model deepseek-v3|kimi-k2] [--commands inspect,check,plan]  (Kimi K2: the same structure at 1 T parameters, 384 experts, 6 per EP64 rank)
+       [--model deepseek-v3|kimi-k2] [--commands inspect,check,plan]
+(Kimi K2: the same structure at 1 T parameters, 384 experts, 6 per EP64 rank; --commands: also inspect and check)
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def main() -> None:
     ap.add_argument("--model", choices=("deepseek-v3", "kimi-k2"), default="deepseek-v3",
                     help="the hollow model: DeepSeek-V3 671B, or Kimi K2 1 T (384 experts, 64 heads, 1 dense layer)")
     ap.add_argument("--commands", default="plan",
-                    help="comma-separated: inspect, check (the model's own flags at its saved layout, DP4: the verdict a job "
-                         "start computes), plan (default: plan)")
+                    help="comma-separated: inspect, check (the model's own flags at its saved layout, DP4: the "
+                         "verdict a job start computes), plan (default: plan)")
     ns = ap.parse_args()
     from tests.helpers.synthetic_dsv3 import DSV3, dist_flags, write_legacy, write_torch_dist
 

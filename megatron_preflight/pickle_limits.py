@@ -75,9 +75,9 @@ for _op in _LEN1:
 
 def _plain_run() -> re.Pattern[bytes]:
     """A run of opcodes that need nothing checked: no argument or a fixed-size one, a length byte and its data, MARK
-    and the opcodes that pop one (their nesting is bounded by the stream — the unpickler's mark stack takes a word per MARK byte — and the
-    objects they nest are :func:`check_shape`'s to refuse). Matched by the regex engine at C speed: a torch_dist
-    ``.metadata`` is ~5*10^6 opcodes, ~95% of them these."""
+    and the opcodes that pop one (their nesting is bounded by the stream — the unpickler's mark stack takes a word
+    per MARK byte — and the objects they nest are :func:`check_shape`'s to refuse). Matched by the regex engine at C
+    speed: a torch_dist ``.metadata`` is ~5*10^6 opcodes, ~95% of them these."""
     by_size: dict[int, list[int]] = {}
     for op, size in enumerate(_SKIP):
         if size >= 0 or size in (_OPENS, _CLOSES):
