@@ -144,10 +144,14 @@ class ObjectReader:
                 self._parsed[key] = value
         return map_leaves(value, lambda v, _p: v.clone() if _is_tensor(v) else v) if tensors else value
 
-    def close(self) -> None:
+    def close_files(self) -> None:
+        """Close the data files (reopened when read again); what was parsed is kept."""
         for _path, fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+    def close(self) -> None:
+        self.close_files()
         self._parsed.clear()
 
 

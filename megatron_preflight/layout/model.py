@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,26 @@ class Shard:
             "files": sorted(self.files),
             "bytes": sum(self.files.values()),
         }
+
+
+class LazyShard(Shard):
+    """A shard whose ``meta`` is made on first read by ``load(name)`` (a torch_dist checkpoint's legacy view: a
+    DeepSeek-V3 has 1,024 virtual shards, a verdict reads one per pipeline stage). Assigning ``meta`` sets it."""
+
+    def __init__(self, *, load: Callable[[str], dict[str, Any]], **fields: Any) -> None:
+        super().__init__(**fields)
+        self._load: Callable[[str], dict[str, Any]] | None = load
+        self._meta: dict[str, Any] | None = None
+
+    @property  # type: ignore[override]
+    def meta(self) -> dict[str, Any] | None:
+        if self._load is not None:
+            self._meta, self._load = self._load(self.name), None
+        return self._meta
+
+    @meta.setter
+    def meta(self, value: dict[str, Any] | None) -> None:
+        self._meta, self._load = value, None
 
 
 @dataclass

@@ -31,13 +31,17 @@ def source_topology(layout: Layout) -> ParallelLayout:
 def _observed_layer_counts(layout: Layout, topo: ParallelLayout) -> tuple[tuple[int, ...], ...] | None:
     """Layers per (chunk, stage) as the shards hold them: whatever scheme placed them (uneven stages, the
     embedding/loss counted as layers, a custom pipeline layout), the keys say where each layer is. None when a
-    stage was not read or the counts do not add up to the model's layers."""
+    stage was not read or the counts do not add up to the model's layers. Every shard of a stage holds the same
+    layers (the index checks each layer's pieces): the first read one of each stage is asked (a torch_dist view makes
+    a shard's entries when first read)."""
     dirs = naming.shard_writers(topo)
     counts: dict[tuple[int, int], int] = {}
+    stages: set[int] = set()
     for s in layout.shards:
         coords = dirs.get(s.name)
-        if coords is None or not isinstance(s.meta, dict):
+        if coords is None or coords["pp"] in stages or not isinstance(s.meta, dict):
             continue
+        stages.add(coords["pp"])
         for chunk, ck in model_chunks(s.meta):
             layers = {parse_key(k).layer for k in s.meta[ck]} - {None}
             key = (chunk, coords["pp"])
@@ -58,7 +62,7 @@ def model_chunks(meta: dict[str, Any]) -> list[tuple[int, str]]:
 def _count_layers(layout: Layout) -> int:
     total = 0
     for s in layout.shards:
-        if s.meta is None or s.tp_rank != 0 or s.ep_rank not in (0, None):
+        if s.tp_rank != 0 or s.ep_rank not in (0, None) or s.meta is None:
             continue
         for _, ck in model_chunks(s.meta):
             total += len({parse_key(k).layer for k in s.meta[ck] if parse_key(k).layer is not None})

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.dist import ObjectReader, object_index
-from megatron_preflight.layout.model import Format, Layout, Shard
+from megatron_preflight.layout.model import Format, Layout, LazyShard, Shard
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.carried import FROM_TORCH_DIST, REWRITTEN
 from megatron_preflight.reshard.plan.rules import (
@@ -94,6 +95,8 @@ def object_fqn(base: str, index: tuple[int, ...], count: tuple[int, ...]) -> str
     return f"{base}/shard_{'.'.join(map(str, index)) or '0'}_{'.'.join(map(str, count)) or '1'}"
 
 
+_UNREAD = object()
+
 NON_LAYER_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "embedding.",
                    "decoder.final_layernorm.", "decoder.final_norm.", "mtp.", "output_layer.")
 
@@ -119,26 +122,153 @@ class _Builder:
         self.local_spec = is_local_spec(args)
         self.te_grouped = grouped_experts(args)
         self.dirs = naming.shard_writers(par)
-        self.entries: dict[tuple[str, int], list[_Entry]] = {(n, c): [] for n in self.dirs for c in range(par.chunks)}
         self.position = {fqn: i for i, fqn in enumerate(md.state_dict_metadata)}
         self.iter_dir = layout.iter_dir or ""
         self.objects = object_index(md)  # indexed once: a model has thousands of extra-state items
         self.reader = ObjectReader(self.iter_dir, trust=trust)
         self.trust = trust
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._refs: dict[tuple, RegionRef] = {}  # a piece shared by the shards that hold it (every EP rank's)
+        self._values: dict[str, Any] = {}  # an extra state's value, read once
+        # what is made for a group of shards (one pipeline stage and EP rank): the work the metadata's items need,
+        # sorted by where it lands, so a shard's entries are made from its own items alone
+        self.everywhere: list[tuple[str, Any]] = []  # the few items outside the layers: each asks its shards
+        self.at_stage: dict[tuple[int, int | None], list[tuple]] = {}  # (stage, ep or None) -> work
+        self.has_mtp = False
+        self._extra_bases: dict[str, tuple[bool, bool, int | None, bool]] = {}
+        self.tied = True  # the output layer is the word embeddings (set from the saved args)
+        # the shards of the group being made (see materialize)
+        self.entries: dict[tuple[str, int], list[_Entry]] = {}
         self._by_place: dict[tuple[int | None, int | None], list[tuple[str, dict[str, int]]]] = {}
-        for n, c in self.dirs.items():  # (a DeepSeek-V3 view: 1,024 dirs asked for ~100k times)
-            for place in ((None, None), (c["pp"], None), (None, c["ep"]), (c["pp"], c["ep"])):
-                self._by_place.setdefault(place, []).append((n, c))
+        self._eps: dict[int, list[int]] = {}  # stage -> the EP ranks being made
+        self.made: dict[str, dict[str, Any]] = {}  # shard name -> its model dicts (chunk -> {key: value})
+        self.done: set[str] = set()  # the shards made (read or not)
+        self.stages_begun: set[int] = set()
+        self._by_stage: dict[int, dict[str, dict[str, int]]] = {}
+        self.lock = threading.Lock()
 
     def _shards(self, stage: int | None, ep: int | None = None) -> list[tuple[str, dict[str, int]]]:
         return self._by_place.get((stage, ep), [])
+
+    def _experts_made(self, stage: int, count: int) -> list[tuple[int, int, int]]:
+        """(global expert, EP rank, local expert) of the ``count`` experts of a layer on ``stage`` that the shards
+        being made hold."""
+        eps = self._eps.get(stage)
+        if not eps:
+            return []
+        n = count // self.par.ep if self.par.ep and count % self.par.ep == 0 else 0
+        if not n:  # (experts that do not divide over EP: placed one by one, as the layout's own rule says)
+            return [(ge, *self.par.place_expert(ge)) for ge in range(count) if self.par.place_expert(ge)[0] in eps]
+        return [(e * n + le, e, le) for e in eps for le in range(n)]
+
+    # -- planning: where each metadata item lands (once) ------------------------------------------------------------
+    def plan_tensor(self, fqn: str, tm: Any) -> None:
+        if not fqn.startswith(LAYERS):
+            self.everywhere.append(("tensor", (fqn, tm)))
+            return
+        shape = tuple(int(s) for s in tm.size)
+        layers, rest = self._layers_of(fqn, shape[0])
+        for g, lead in layers:
+            self.at_stage.setdefault((self.par.place_layer(g)[0], None), []).append(("layer", fqn, tm, g, lead, rest))
+
+    def plan_extra_state(self, fqn: str) -> None:
+        """Where a module's extra-state item lands (see :meth:`extra_state`); with TE's grouped experts the items of
+        an EP rank's other experts land nowhere (one module per rank)."""
+        base, _, shard = fqn.partition("/shard_")
+        how = self._extra_bases.get(base)
+        if how is None:  # (a stacked module has an item per layer, and per expert: ~30k items, ~200 modules)
+            experts = f".{EXPERTS}" in base if not base.startswith(LAYERS) else \
+                self._layers_of(base, None)[1].startswith(EXPERTS)
+            stacked = base.startswith(LAYERS) and not self._layers_of(base, None)[0]
+            layer = None if stacked or not base.startswith(LAYERS) else self._layers_of(base, None)[0][0][0]
+            if not base.startswith(LAYERS) and mtp_index(base) is None:
+                experts = False
+            how = self._extra_bases[base] = (base.startswith(LAYERS), stacked, layer, experts)
+        in_layers, stacked, layer, experts = how
+        index = shard.partition("_")[0].split(".")
+        if in_layers:
+            g = int(index[0]) if stacked else layer
+            rest = index[1:] if stacked else index
+            stage = self.par.place_layer(g)[0]  # type: ignore[arg-type]
+        else:
+            stage, rest = self.par.pp - 1, index
+        ep = None
+        if experts and rest and rest[0]:
+            ep, le = self.par.place_expert(int(rest[0]))
+            if le and self.te_grouped:
+                return
+        self.at_stage.setdefault((stage, ep), []).append(("extra", fqn))
+
+    # -- making a group of shards' entries ----------------------------------------------------------------------------
+    def materialize(self, name: str) -> dict[str, Any]:
+        """The model dicts of shard ``name``, made once: with the shards of its pipeline stage and EP rank (they
+        differ in TP rank only) the first time its stage is asked for (a verdict reads one shard per stage), with
+        every shard of the stage not made yet the next time (a reshard reads them all: each item is then handled once
+        per stage, not once per EP rank)."""
+        with self.lock:
+            if name not in self.made:
+                self._make(name)
+            return self.made.pop(name)
+
+    def _make(self, name: str) -> None:
+        c = self.dirs[name]
+        stage = c["pp"]
+        if stage in self.stages_begun:
+            group = {n: d for n, d in self._stage_dirs(stage).items() if n not in self.done}
+        else:
+            group = self._group_of(c)
+            self.stages_begun.add(stage)
+        self.done.update(group)
+        self.entries = {(n, k): [] for n in group for k in range(self.par.chunks)}
+        self._by_place = {}
+        for n, d in group.items():
+            for place in ((None, None), (d["pp"], None), (None, d["ep"]), (d["pp"], d["ep"])):
+                self._by_place.setdefault(place, []).append((n, d))
+        eps = sorted({d["ep"] for d in group.values()})
+        self._eps = {stage: eps}
+        try:
+            for kind, item in self.everywhere:
+                if kind == "tensor":
+                    self.tensor(*item)
+                else:
+                    self.sectioned(*item)
+            for place in ((stage, None), *((stage, ep) for ep in eps)):
+                for work in self.at_stage.get(place, ()):
+                    if work[0] == "layer":
+                        self.layer_tensor(*work[1:])
+                    else:
+                        self.extra_state(work[1])
+            self.tied_output(self.tied)
+            self.mtp_embedding()
+            self.output_extra_state()
+            self.attention_extra_state()
+        finally:
+            self.reader.close_files()  # (a view of 1,024 shards reads as many data files: none held open)
+        for n in group:
+            self.made[n] = {k: {e.key: e.value for e in sorted(self.entries[(n, k)], key=lambda e: e.sort)}
+                            for k in range(self.par.chunks)}
+        self.entries, self._by_place, self._eps = {}, {}, {}
+
+    def _group_of(self, c: dict[str, int]) -> dict[str, dict[str, int]]:
+        """The shards that share ``c``'s stage and EP rank."""
+        return {n: d for n, d in self._stage_dirs(c["pp"]).items() if d["ep"] == c["ep"]}
+
+    def _stage_dirs(self, stage: int) -> dict[str, dict[str, int]]:
+        """The shards of a pipeline stage (indexed once: a DeepSeek-V3 view has 1,024)."""
+        if not self._by_stage:
+            for n, d in self.dirs.items():
+                self._by_stage.setdefault(d["pp"], {})[n] = d
+        return self._by_stage[stage]
 
     def _ref(self, fqn: str, dtype: torch.dtype, lead: tuple[int, ...], shape: tuple[int, ...], key: str,
              rank: int, size: int, rule: Rule | None = None) -> RegionRef:
         """The legacy piece of rank ``rank`` (of ``size``) of the tensor under ``key``: boxes of global ``fqn`` at
         stacked index ``lead`` (layer, expert); ``rule``: the key's split rule where the caller knows it (the same
         for every expert of a stacked tensor)."""
+        memo = (fqn, lead, key, rank, size)
+        ref = self._refs.get(memo)
+        if ref is not None:
+            return ref
         if rule is None:
             rule = rule_for(parse_key(key), swiglu=self.swiglu)
         local = list(shape)
@@ -162,8 +292,9 @@ class _Builder:
         strides = self._strides.get(shape_)
         if strides is None:  # (every expert's piece has the same shape)
             strides = self._strides[shape_] = row_major(shape_)
-        return RegionRef(self.iter_dir, StorageRef(fqn, dtype, math.prod(shape_)), 0, shape_, strides,
-                         slabs=tuple(slabs))
+        ref = self._refs[memo] = RegionRef(self.iter_dir, StorageRef(fqn, dtype, math.prod(shape_)), 0, shape_,
+                                           strides, slabs=tuple(slabs))
+        return ref
 
     def sectioned(self, parent: str, parts: list[tuple[str, Any]]) -> None:
         """A sectioned projection (:data:`SECTIONED`): each rank's legacy tensor is its TP share of every section, in
@@ -228,48 +359,48 @@ class _Builder:
         return [(g, (g,)) for g in range(count or 0)], rest
 
     def tensor(self, fqn: str, tm: Any) -> None:
+        """A tensor outside the decoder layers, in the shards being made."""
         shape = tuple(int(s) for s in tm.size)
         dtype = tm.properties.dtype
         pos = self.position[fqn]
-        if not fqn.startswith(LAYERS):
-            if mtp_index(fqn) is not None and f".{EXPERTS}" in fqn:
-                self._mtp_experts(fqn, dtype, shape, pos)
-                return
-            first = fqn.startswith("embedding.")
-            stage, chunk = (0, 0) if first else (self.par.pp - 1, self.par.chunks - 1)
-            key = canonical_name(fqn)  # torch_dist's `transformer_layer` of an MTP layer: the newer legacy name
-            sort, refs = self._top_sort(key, pos), {}
-            for name, c in self._shards(stage):
-                if c["tp"] not in refs:  # (the same piece for every EP rank of the stage: made once)
-                    refs[c["tp"]] = self._ref(fqn, dtype, (), shape, key, c["tp"], self.par.tp)
-                self._add(name, chunk, sort, key, refs[c["tp"]])
+        if mtp_index(fqn) is not None and f".{EXPERTS}" in fqn:
+            self._mtp_experts(fqn, dtype, shape, pos)
             return
-        layers, rest = self._layers_of(fqn, shape[0])
-        for g, lead in layers:
-            stage, chunk, local = self.par.place_layer(g)
-            inner = shape[len(lead):]
-            if rest.startswith(EXPERTS):
-                suffix = rest[len(EXPERTS):]
-                rule = None
-                for ge in range(inner[0]):
-                    ep_rank, le = self.par.place_expert(ge)
-                    key = f"{LAYERS}{local}.mlp.experts" + self._expert_key(suffix, le)
-                    if rule is None:  # (one rule for every expert's piece: the suffix decides it)
-                        rule = rule_for(parse_key(key), swiglu=self.swiglu)
-                    sort, refs = self._layer_sort(g, EXPERTS + suffix, ge, pos), {}
-                    for name, c in self._shards(stage, ep_rank):
-                        if c["etp"] not in refs:
-                            refs[c["etp"]] = self._ref(fqn, dtype, lead + (ge,), inner[1:], key, c["etp"],
-                                                       self.par.etp_eff, rule)
-                        self._add(name, chunk, sort, key, refs[c["etp"]])
-            else:
-                suffix = legacy_suffix(rest, self.local_spec)
-                key = f"{LAYERS}{local}.{suffix}"
-                sort, refs = self._layer_sort(g, suffix, 0, pos), {}
-                for name, c in self._shards(stage):
-                    if c["tp"] not in refs:  # (the same piece for every EP rank of the stage: made once)
-                        refs[c["tp"]] = self._ref(fqn, dtype, lead, inner, key, c["tp"], self.par.tp)
-                    self._add(name, chunk, sort, key, refs[c["tp"]])
+        first = fqn.startswith("embedding.")
+        stage, chunk = (0, 0) if first else (self.par.pp - 1, self.par.chunks - 1)
+        shards = self._shards(stage)
+        if not shards:
+            return
+        key = canonical_name(fqn)  # torch_dist's `transformer_layer` of an MTP layer: the newer legacy name
+        sort = self._top_sort(key, pos)
+        for name, c in shards:
+            self._add(name, chunk, sort, key, self._ref(fqn, dtype, (), shape, key, c["tp"], self.par.tp))
+
+    def layer_tensor(self, fqn: str, tm: Any, g: int, lead: tuple[int, ...], rest: str) -> None:
+        """Layer ``g``'s piece of a ``decoder.layers.`` tensor (stacked: at index ``lead``), in the shards being
+        made."""
+        shape = tuple(int(s) for s in tm.size)
+        dtype = tm.properties.dtype
+        pos = self.position[fqn]
+        stage, chunk, local = self.par.place_layer(g)
+        inner = shape[len(lead):]
+        if rest.startswith(EXPERTS):
+            suffix = rest[len(EXPERTS):]
+            rule = None
+            for ge, ep_rank, le in self._experts_made(stage, inner[0]):
+                key = f"{LAYERS}{local}.mlp.experts" + self._expert_key(suffix, le)
+                if rule is None:  # (one rule for every expert's piece: the suffix decides it)
+                    rule = rule_for(parse_key(key), swiglu=self.swiglu)
+                sort = self._layer_sort(g, EXPERTS + suffix, ge, pos)
+                for name, c in self._shards(stage, ep_rank):
+                    self._add(name, chunk, sort, key, self._ref(fqn, dtype, lead + (ge,), inner[1:], key, c["etp"],
+                                                                self.par.etp_eff, rule))
+            return
+        suffix = legacy_suffix(rest, self.local_spec)
+        key = f"{LAYERS}{local}.{suffix}"
+        sort = self._layer_sort(g, suffix, 0, pos)
+        for name, c in self._shards(stage):
+            self._add(name, chunk, sort, key, self._ref(fqn, dtype, lead, inner, key, c["tp"], self.par.tp))
 
     def _top_sort(self, key: str, pos: int, expert: int = 0) -> tuple:
         """A non-layer legacy key's place in its model chunk: embedding, final norm, MTP layers (layer by layer, each
@@ -297,8 +428,7 @@ class _Builder:
         stacked over the experts (dim 0), in the last stage's legacy files of each expert's EP rank."""
         head, _, suffix = fqn.partition(f".{EXPERTS}")
         stage, chunk = self.par.pp - 1, self.par.chunks - 1
-        for ge in range(shape[0]):
-            ep_rank, le = self.par.place_expert(ge)
+        for ge, ep_rank, le in self._experts_made(stage, shape[0]):
             key = canonical_name(f"{head}.mlp.experts" + self._expert_key(suffix, le))
             for name, c in self._shards(stage, ep_rank):
                 ref = self._ref(fqn, dtype, (ge,), shape[1:], key, c["etp"], self.par.etp_eff)
@@ -326,7 +456,7 @@ class _Builder:
                 key = canonical_name(base)
                 for name, _c in self._shards(self.par.pp - 1):
                     self._add(name, self.par.chunks - 1, self._top_sort(key, pos), key, self._bytes_item(fqn))
-            return
+            return  # (_bytes_item reads an item only for a shard being made that holds it)
         index = [int(i) for i in shard.split("_")[0].split(".")]
         layers, rest = self._layers_of(base, None)
         if not layers:  # stacked: the layer is the first index
@@ -341,18 +471,22 @@ class _Builder:
             ep_rank, le = self.par.place_expert(index[0])
             suffix = rest[len(EXPERTS):]
             key = self._extra_expert_key(f"{LAYERS}{local}.mlp.experts", suffix, le)
-            if key is None:  # (TE's grouped experts: one module per rank; the other experts' items are not read)
-                return
+            shards = self._shards(stage, ep_rank)
+            if key is None or not shards:  # (TE's grouped experts: one module per rank; the other experts' items
+                return  # are not read)
             sort = self._layer_sort(g, EXPERTS + suffix, index[0], pos)
             value = self._bytes_item(fqn)
-            for name, _c in self._shards(stage, ep_rank):
+            for name, _c in shards:
                 self._add(name, chunk, sort, key, value)
+            return
+        shards = self._shards(stage)
+        if not shards:
             return
         suffix = legacy_suffix(rest, self.local_spec)
         key = f"{LAYERS}{local}.{suffix}"
         sort = self._layer_sort(g, suffix, 0, pos)
         value = self._bytes_item(fqn)
-        for name, _c in self._shards(stage):
+        for name, _c in shards:
             self._add(name, chunk, sort, key, value)
 
     def tied_output(self, tied: bool) -> None:
@@ -373,7 +507,7 @@ class _Builder:
     def mtp_embedding(self) -> None:
         """With MTP and PP > 1 the last stage builds its own word embedding (the MTP layers embed the next tokens):
         its legacy files hold a copy (torch_dist saves the embedding once)."""
-        if self.par.pp == 1 or not any(mtp_index(fqn) is not None for fqn in self.md.state_dict_metadata):
+        if self.par.pp == 1 or not self.has_mtp:
             return
         for fqn in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
             tm = self.md.state_dict_metadata.get(fqn)
@@ -420,14 +554,20 @@ class _Builder:
         # checkpoint with FP8 off saves TE's FP8 metadata again, and how many modules hold it is reported.)
         if info is None:
             return None
-        if dtypes.torch_loaded():
-            return self.reader.read(fqn, info, tensors=True)
-        return self.reader.read(fqn, info, describe=described)
+        value = self._values.get(fqn, _UNREAD)
+        if value is _UNREAD:  # (read once: every shard of the stage holds it)
+            value = self._values[fqn] = (self.reader.read(fqn, info, tensors=True) if dtypes.torch_loaded() else
+                                         self.reader.read(fqn, info, describe=described))
+        return value
 
 
 def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool]:
     """The legacy shards a save of ``layout``'s torch_dist checkpoint at its own layout would have written, their
-    tensors as :class:`RegionRef` (read them with :func:`dist_reader`); and whether it holds optimizer state."""
+    tensors as :class:`RegionRef` (read them with :func:`dist_reader`); and whether it holds optimizer state.
+
+    The metadata is sorted once by where each item lands; a shard's ``meta`` is made when first read
+    (:class:`LazyShard`), with the other shards of its stage and EP rank: a verdict that reads one shard per stage
+    makes (and reads the extra states of) those alone."""
     if layout.format not in (Format.TORCH_DIST, Format.FSDP_DTENSOR) or layout.iter_dir is None:
         raise PreflightError("not a torch_dist or fsdp_dtensor checkpoint", path=layout.path, code="format")
     if layout.saved_args is None or layout.parallel is None:
@@ -437,41 +577,37 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
     md = fsdp_dtensor.source_metadata(layout.iter_dir, trust=trust)  # (an fsdp_dtensor save: renamed as torch_dist's)
     par = layout.parallel
     b = _Builder(layout, par, md, trust)
-    try:
-        has_optimizer = False
-        sectioned: dict[str, list[tuple[str, Any]]] = {}
-        for fqn, tm in md.state_dict_metadata.items():
-            if fqn.startswith("optimizer.") or (fqn.startswith("chained_") and ".optimizer." in fqn):
-                has_optimizer = True
-                continue
-            if "/shard_" in fqn and fqn.split("/")[0].endswith("_extra_state"):
-                b.extra_state(fqn)
-                continue
-            if not hasattr(tm, "size") or fqn.startswith(("rng_state", "rerun_state")):
-                continue
-            section = section_of(fqn)
-            if section is not None:
-                sectioned.setdefault(section[0], []).append((fqn, tm))
-                continue
-            b.tensor(fqn, tm)
-        for parent, parts in sectioned.items():
-            b.sectioned(parent, parts)
-        b.tied_output(not bool(getattr(layout.saved_args, "untie_embeddings_and_output_weights", False)))
-        b.mtp_embedding()
-        b.output_extra_state()
-        b.attention_extra_state()
-    finally:
-        b.reader.close()
+    has_optimizer = False
+    sectioned: dict[str, list[tuple[str, Any]]] = {}
+    for fqn, tm in md.state_dict_metadata.items():
+        if fqn.startswith("optimizer.") or (fqn.startswith("chained_") and ".optimizer." in fqn):
+            has_optimizer = True
+            continue
+        if "/shard_" in fqn and fqn.split("/")[0].endswith("_extra_state"):
+            b.plan_extra_state(fqn)
+            continue
+        if not hasattr(tm, "size") or fqn.startswith(("rng_state", "rerun_state")):
+            continue
+        b.has_mtp = b.has_mtp or mtp_index(fqn) is not None
+        section = section_of(fqn)
+        if section is not None:
+            sectioned.setdefault(section[0], []).append((fqn, tm))
+            continue
+        b.plan_tensor(fqn, tm)
+    b.everywhere += [("sectioned", (parent, parts)) for parent, parts in sectioned.items()]
+    b.tied = not bool(getattr(layout.saved_args, "untie_embeddings_and_output_weights", False))
     common = layout.common_state or {}
     head = {k: common[k] for k in REWRITTEN + FROM_TORCH_DIST if k in common}  # what a legacy file holds at top level
-    shards: list[Shard] = []
-    for name, coords in b.dirs.items():
+
+    def load(name: str) -> dict[str, Any]:
         meta: dict[str, Any] = dict(head)
-        for chunk in range(par.chunks):
-            items = sorted(b.entries[(name, chunk)], key=lambda e: e.sort)
-            meta["model" if par.chunks == 1 else f"model{chunk}"] = {e.key: e.value for e in items}
-        shards.append(Shard(name=name, tp_rank=coords["tp"], pp_rank=coords["pp"], ep_rank=coords["ep"],
-                            path=os.path.join(layout.iter_dir, name), meta=meta))
+        for chunk, model in b.materialize(name).items():
+            meta["model" if par.chunks == 1 else f"model{chunk}"] = model
+        return meta
+
+    shards: list[Shard] = [LazyShard(name=name, tp_rank=c["tp"], pp_rank=c["pp"], ep_rank=c["ep"],
+                                     path=os.path.join(layout.iter_dir, name), load=load)
+                           for name, c in b.dirs.items()]
     virtual = dataclasses.replace(layout, format=Format.TORCH, shards=shards, problems=list(layout.problems),
                                   notes=list(layout.notes))
     return virtual, has_optimizer
