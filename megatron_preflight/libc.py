@@ -30,3 +30,15 @@ def madvise(addr: int, nbytes: int, advice: int) -> bool:
         return False
     lo = addr - addr % mmap.PAGESIZE
     return _MADVISE(lo, addr + nbytes - lo, advice) == 0
+
+
+_SYNC_FILE_RANGE = function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint))
+SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
+
+
+def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+    """Linux's ``sync_file_range`` (start, or wait for, the writeback of a byte range of a file); False where there is
+    none or it fails (e.g. a file system without it): the caller's fsync still makes the file durable."""
+    if _SYNC_FILE_RANGE is None or nbytes <= 0:
+        return False
+    return _SYNC_FILE_RANGE(fd, offset, nbytes, flags) == 0

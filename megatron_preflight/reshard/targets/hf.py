@@ -31,7 +31,7 @@ from megatron_preflight.reshard.plan.rules import canonical_name
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.durable import write_text
+from megatron_preflight.reshard.targets.durable import Writeback, write_text
 from megatron_preflight.reshard.targets.unit import ShardResult, Tapping
 
 if TYPE_CHECKING:
@@ -206,6 +206,7 @@ class HfTarget:
         read = written = checked = 0
         try:
             with open(path, "wb") as fh:
+                writeback = Writeback(fh)
                 head = _header(e, e.files[unit])
                 fh.write(head)
                 written += len(head)
@@ -213,6 +214,7 @@ class HfTarget:
                     for tp, a, b in _chunks(e, e.tensors[name]):
                         data = _rows_bytes(e, tp, a, b, files)
                         fh.write(data)
+                        writeback.advance()
                         written += len(data)
                         read += len(data)
                 fh.flush()

@@ -44,6 +44,7 @@ from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.sources.torch_dist import EXPERTS, SECTIONED, object_fqn
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.durable import Writeback
 from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tap, Tapping
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class ChunkWriter:
 
     def __init__(self, iter_dir: str) -> None:
         self.fh = open(os.path.join(iter_dir, DATA_FILE), "wb")  # noqa: SIM115 - closed by close()
+        self.writeback = Writeback(self.fh)
         self.items: list[Item] = []
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
         self.objects: set[str] = set()
@@ -101,6 +103,7 @@ class ChunkWriter:
         torch.save(value, self.fh, pickle_module=pickling)
         length = self.fh.tell() - start
         self.bytes_written += length
+        self.writeback.advance()
         return start, length
 
     def put(self, fqn: str, offsets: tuple[int, ...] | None, value: Any) -> Item:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight import crc
+from megatron_preflight.reshard.targets.durable import Writeback
 
 ALIGN = 64
 _PAD_ID = 0x4246  # "FB", the padding extra field torch's own writer uses
@@ -107,6 +108,7 @@ class TorchZipWriter:
     def __init__(self, path: str, archive: str = "archive") -> None:
         self.archive = archive
         self._fh = open(path, "wb")  # noqa: SIM115 - closed (after an fsync) in close()
+        self._writeback = Writeback(self._fh)
         self._entries: list[_Entry] = []
         self._current: _Entry | None = None
         self._left = 0
@@ -135,6 +137,7 @@ class TorchZipWriter:
         entry.crc = crc.crc32(view, entry.crc) if running_crc is None else running_crc
         self._fh.write(view)
         self._left -= view.nbytes
+        self._writeback.advance()
 
     def end(self) -> None:
         """Finish the current record: its size checked, its CRC written into its header."""
