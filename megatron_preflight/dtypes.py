@@ -104,3 +104,23 @@ def is_tensor(value: Any) -> bool:
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     return isinstance(value, torch.Tensor)
+
+
+def int_view(value: Any) -> Any:
+    """The integer ``torch.dtype`` of ``value``'s width (bool: uint8), to compare bits rather than values."""
+    import torch  # deferred: torch only where tensors are compared
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[to_torch(value).itemsize]
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Whether two tensors hold the same bits in the same shape (NaNs and -0.0 included): compared in place through
+    integer views of their own strides, nothing copied."""
+    import torch  # deferred: torch only where tensors are compared
+
+    if a.shape != b.shape or a.element_size() != b.element_size():
+        return False
+    if a.dtype == torch.bool or b.dtype == torch.bool:
+        return bool(torch.equal(a.to(torch.uint8), b.to(torch.uint8)))
+    ints = int_view(a.dtype)
+    return bool(torch.equal(a.view(ints), b.view(ints)))

@@ -48,3 +48,21 @@ def test_item_reads_scalars_without_torch(tmp_path, dtype):
         assert f.item(meta["step"]) == values["step"].item()
         assert f.item(meta["row"]) == values["row"].item()  # an offset into a shared storage
         assert f.item(meta["big"]) is meta["big"]  # not a scalar: left as a reference
+
+
+def test_same_bits_compares_bits_in_place():
+    """Bits, not values: a NaN equals its own bits, -0.0 is not 0.0; strided views compare without a copy; a shape or
+    width difference is a difference; bool tensors compare too."""
+    import torch
+
+    from megatron_preflight import dtypes
+
+    a = torch.tensor([1.0, float("nan"), 0.0], dtype=torch.bfloat16)
+    assert dtypes.same_bits(a, a.clone())
+    assert not dtypes.same_bits(a, torch.tensor([1.0, float("nan"), -0.0], dtype=torch.bfloat16))
+    m = torch.arange(12, dtype=torch.float32).view(3, 4)
+    assert dtypes.same_bits(m[:, 1:3], m.clone()[:, 1:3]) and not dtypes.same_bits(m[:, 1:3], m[:, 2:4])
+    assert not dtypes.same_bits(m, m.view(4, 3)) and not dtypes.same_bits(m, m.double())
+    assert dtypes.same_bits(torch.tensor([True, False]), torch.tensor([True, False]))
+    assert not dtypes.same_bits(torch.tensor([True, False]), torch.tensor([True, True]))
+    assert dtypes.int_view(torch.float16) == torch.int16 and dtypes.int_view(dtypes.dtype("bfloat16")) == torch.int16

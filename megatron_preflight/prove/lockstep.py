@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes, libc
+from megatron_preflight.dtypes import int_view  # noqa: F401 - (its users import it from here too)
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.torch_file import row_major
@@ -203,7 +204,7 @@ class LockstepReader:
         if a is None or b is None:
             return None
         dtype = dtypes.to_torch(tpa.dtype)
-        ints = int_view(dtype)
+        ints = dtypes.int_view(dtype)
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
         if row_bytes == 0 or n_rows == 0:
             return True
@@ -461,8 +462,3 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor, ints: torch.dtype) -> bool:
     return bool(torch.equal(x.view(ints), y.view(ints)))
 
 
-def int_view(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype of ``dtype``'s width (bool: uint8), to compare bits rather than values."""
-    import torch  # deferred: torch only where tensors are compared
-
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]

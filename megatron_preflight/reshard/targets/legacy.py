@@ -7,11 +7,11 @@ from __future__ import annotations
 import io
 import logging
 import os
-import zlib
 from typing import Any
 
 import torch
 
+from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.reshard.execute.executor import build_tensor
@@ -57,10 +57,6 @@ def write_shard(r: Resharder, name: str, iter_out: str, verify: bool, tapping: T
         files.close()
 
 
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) if t.numel() else 0
-
-
 def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
     """Re-read a written shard and check every planned slice (model and optimizer state) against its source slice
     (crc32). Returns the number of tensors checked; raises on any difference."""
@@ -98,7 +94,7 @@ def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
             covered = torch.zeros(fp.numel, dtype=torch.bool)
             for start, tp in fp.parts:
                 want = build_tensor(tp, files).reshape(-1).to(fp.dtype)
-                if _crc(want) != _crc(flat[start:start + want.numel()]):
+                if not dtypes.same_bits(want, flat[start:start + want.numel()]):
                     raise PreflightError(f"verify: {tp.key} in {fp.key} does not match its source slices", path=path,
                                          code="verify")
                 covered[start:start + want.numel()] = True
@@ -127,13 +123,15 @@ def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFi
     if not isinstance(written, TensorRef) or tuple(written.shape) != tuple(tp.shape):
         raise PreflightError(f"verify: {tp.key} is missing or has the wrong shape", path=path, code="verify")
     dst = out.tensor(written)
-    for op in tp.ops:
+    for op in tp.ops:  # (bit for bit, in place: no copy of either side)
         src = files.tensor(op.shard, op.ref)
         s = src if op.src is None else src.narrow(*op.src)
         d = dst if op.dst is None else dst.narrow(*op.dst)
-        if _crc(s) != _crc(d):
+        if not dtypes.same_bits(s, d):
             raise PreflightError(f"verify: {tp.key} does not match its source slice in {op.shard}", path=path,
                                  code="verify")
+        del s, src
+        files.release(op.shard, op.ref)  # (the source's mapped pages: the resident set stays near one tensor)
     dim = next((op.dst[0] for op in tp.ops if op.dst is not None), 0)
     for start, length in tp.zero_fill:
         if bool(dst.narrow(dim, start, length).any()):

@@ -177,3 +177,55 @@ def test_tiled_crc_only_from_spans_that_cover_the_rows_each_with_a_crc():
     assert tiled_crc(spans[:1], 300) is None  # a gap
     assert tiled_crc([*spans, (0, 0, None)], 300) is None  # an op copied through a mapping
     assert tiled_crc([], 0) == 0
+
+
+@pytest.mark.parametrize("crc_checked", [True, False])
+@pytest.mark.parametrize("where", ["model", "optimizer"])
+def test_verify_finds_a_byte_changed_between_write_and_read_back(tmp_path, monkeypatch, where, crc_checked):
+    """--verify reads every written slice back: a byte flipped in the written file before the read-back (a bad disk,
+    a bad copy) stops the reshard, nothing renamed into place — by the record's CRC-32, and, where the CRC matches
+    the wrong bytes (a writer that built them wrong; here the read-back's CRC check is switched off to stand for it),
+    by the bit-for-bit comparison with the source slice."""
+    import zipfile
+
+    from megatron_preflight.reshard.targets import legacy
+
+    real = legacy.verify_shard
+    if not crc_checked:
+        class NoCrc(legacy.TorchFile):
+            def tensor(self, ref, verify=True):
+                return super().tensor(ref, verify=False)
+
+        monkeypatch.setattr(legacy, "TorchFile", NoCrc)
+
+    def flip_then_verify(plan, path, files):
+        with zipfile.ZipFile(path) as z:
+            info = next(i for i in z.infolist() if i.filename.endswith(f"/data/{_record_of(path, where)}"))
+        with open(path, "r+b") as fh:  # (a byte inside the record's data: its local header, then 5 bytes in)
+            fh.seek(info.header_offset + 30 + len(info.filename) + len(info.extra) + 5)
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0x40]))
+        return real(plan, path, files)
+
+    monkeypatch.setattr(legacy, "verify_shard", flip_then_verify)
+    why = "does not match the CRC-32" if crc_checked else "verify: .* does not match its source slice"
+    with pytest.raises(PreflightError, match=why):
+        write_resharded(fixture_path("tp2_torch"), str(tmp_path / "out"), TargetLayout(tp=1), verify=True)
+    assert not (tmp_path / "out").exists()
+
+
+def _record_of(path, where):
+    """The storage record of the first tensor (more than 8 elements) of the file's model, or optimizer state."""
+    from megatron_preflight.torch_file import TensorRef, TorchFile
+
+    with TorchFile(path) as f:
+        meta = f.load_metadata()
+    stack = [meta["model"] if where == "model" else meta["optimizer"]["state"]]
+    while stack:
+        v = stack.pop(0)
+        if isinstance(v, TensorRef) and v.numel > 8:
+            return v.storage.key
+        if isinstance(v, dict):
+            stack.extend(v.values())
+    raise AssertionError("no tensor")
