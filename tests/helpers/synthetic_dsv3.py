@@ -356,12 +356,12 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def _hollow_writer(iter_dir: str, m: DSV3) -> Any:
+    from megatron_preflight.reshard.targets.stream_save import blob_size
     from megatron_preflight.reshard.targets.torch_dist import ChunkWriter, Item
 
     assert m.tp == 1, "the hollow torch_dist places chunks for TP1"
     stage_of = {g: s for s, layers in enumerate(m.stage_layers()) for g in layers}
     per_expert_rank = m.experts // m.ep
-    header: dict[torch.dtype, int] = {}
 
     class HollowChunks(ChunkWriter):
         """Each chunk in its saving rank's data file; no bytes written (the files are made sparse at close)."""
@@ -389,10 +389,8 @@ def _hollow_writer(iter_dir: str, m: DSV3) -> Any:
                     fh.truncate(start)
                     fh.write(blob)
                 length = len(blob)
-            else:
-                if value.dtype not in header:
-                    header[value.dtype] = len(_saved(torch.zeros(0, dtype=value.dtype)))
-                length = value.numel() * value.element_size() + header[value.dtype]
+            else:  # (the size the real writer's blob has: nothing made)
+                length = blob_size(value.dtype, tuple(value.shape))
             self.ends[file] = start + length
             self.bytes_written += length
             return Item(fqn, offsets, start, length, file)

@@ -45,6 +45,7 @@ from megatron_preflight.reshard.sources.torch_dist import EXPERTS, SECTIONED, ob
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets.durable import Writeback
+from megatron_preflight.reshard.targets.stream_save import can_write_blob, write_tensor_blob
 from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tap, Tapping
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,12 @@ class ChunkWriter:
         """One ``torch.save`` blob appended to the data file, written straight into it (no copy in memory), as
         PyTorch's own DCP writer does."""
         start = self.fh.tell()
-        torch.save(value, self.fh, pickle_module=pickling)
+        if isinstance(value, torch.Tensor) and can_write_blob(value):
+            # (a torch_dist save is a blob per chunk, ~10^4-10^5: torch.save's per-call cost was most of a
+            # conversion's time)
+            write_tensor_blob(self.fh, value)
+        else:  # an object may hold Megatron's classes (placeholders here): pickled back as their globals
+            torch.save(value, self.fh, pickle_module=pickling)
         length = self.fh.tell() - start
         self.bytes_written += length
         self.writeback.advance()

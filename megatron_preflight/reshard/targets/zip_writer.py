@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from megatron_preflight import crc
 from megatron_preflight.reshard.targets.durable import Writeback
@@ -105,10 +105,16 @@ class _Entry:
 
 
 class TorchZipWriter:
-    def __init__(self, path: str, archive: str = "archive") -> None:
+    """A torch zip archive written record by record: to ``path`` (a file of its own, fsynced on close), or into an
+    open file ``fh`` at its current position (an archive inside a bigger file — a torch_dist chunk's blob —: its
+    offsets counted from where it starts; the file left open, its caller makes it durable)."""
+
+    def __init__(self, path: str | None, archive: str = "archive", *, fh: IO[bytes] | None = None) -> None:
         self.archive = archive
-        self._fh = open(path, "wb")  # noqa: SIM115 - closed (after an fsync) in close()
-        self._writeback = Writeback(self._fh)
+        self._own = fh is None
+        self._fh = open(path, "wb") if fh is None else fh  # type: ignore[arg-type]  # noqa: SIM115 - see close()
+        self._base = 0 if fh is None else fh.tell()
+        self._writeback = Writeback(self._fh) if self._own else None
         self._entries: list[_Entry] = []
         self._current: _Entry | None = None
         self._left = 0
@@ -118,7 +124,7 @@ class TorchZipWriter:
         if self._current is not None:
             raise ValueError("another record of this archive is still being written")
         fname = f"{self.archive}/{name}".encode()
-        offset = self._fh.tell()
+        offset = self._fh.tell() - self._base
         zip64 = _local_zip64(size)
         pad = _local_extra_len(offset, len(fname), zip64) - 4
         self._current = _Entry(fname, size, offset, struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad, zip64)
@@ -137,7 +143,8 @@ class TorchZipWriter:
         entry.crc = crc.crc32(view, entry.crc) if running_crc is None else running_crc
         self._fh.write(view)
         self._left -= view.nbytes
-        self._writeback.advance()
+        if self._writeback is not None:
+            self._writeback.advance()
 
     def end(self) -> None:
         """Finish the current record: its size checked, its CRC written into its header."""
@@ -146,7 +153,7 @@ class TorchZipWriter:
         if self._left:
             raise ValueError(f"record {entry.name.decode()} is {self._left} bytes short of its declared {entry.size}")
         here = self._fh.tell()
-        self._fh.seek(entry.offset)
+        self._fh.seek(self._base + entry.offset)
         self._fh.write(entry.local_header())
         self._fh.seek(here)
         self._entries.append(entry)
@@ -159,7 +166,7 @@ class TorchZipWriter:
         self.end()
 
     def _end_records(self) -> bytes:
-        start = self._fh.tell()
+        start = self._fh.tell() - self._base
         central = b"".join(e.central_header() for e in self._entries)
         count, size = len(self._entries), len(central)
         out = central
@@ -170,7 +177,11 @@ class TorchZipWriter:
         return out + _END.pack(b"PK\x05\x06", 0, 0, count, count, size, start, 0)
 
     def close(self) -> None:
-        """Finish the archive and make it durable (fsync) before the caller records it as written."""
+        """Finish the archive and make it durable (fsync) before the caller records it as written (an archive inside
+        a caller's file: finished only)."""
+        if not self._own:
+            self._fh.write(self._end_records())
+            return
         try:
             if not self._fh.closed:
                 self._fh.write(self._end_records())

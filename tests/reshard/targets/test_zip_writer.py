@@ -108,3 +108,63 @@ def test_a_record_must_be_its_declared_size(tmp_path):
         zw.append(b"12")
         with pytest.raises(ValueError, match="2 bytes short"):
             zw.end()
+
+
+@pytest.mark.parametrize("make", [
+    lambda torch: torch.randn(5, 3), lambda torch: torch.randn(2, 3, 4).to(torch.bfloat16),
+    lambda torch: torch.arange(7, dtype=torch.int64), lambda torch: torch.tensor(3.5, dtype=torch.float16),
+    lambda torch: torch.zeros(0, 4), lambda torch: torch.tensor([True, False, True]),
+    lambda torch: torch.arange(256, dtype=torch.uint8).view(16, 16),
+], ids=["fp32", "bf16-3d", "int64", "fp16-0d", "empty", "bool", "uint8"])
+def test_a_tensor_blob_inside_a_file_loads_as_torch_saves_does(tmp_path, make):
+    """A torch_dist chunk's blob written by write_tensor_blob in the middle of a data file (after another blob and
+    odd bytes) is a torch zip archive of its own: torch.load of its byte range, weights_only as DCP reads it, gives
+    the tensor, bit for bit; twice the same shape (the cached pickle) too."""
+    import io
+
+    import torch
+
+    from megatron_preflight.reshard.targets.stream_save import can_write_blob, write_tensor_blob
+
+    t = make(torch)
+    assert can_write_blob(t)
+    path = tmp_path / "__0_0.distcp"
+    spans = []
+    with open(path, "wb") as fh:
+        fh.write(b"xyz")
+        for _ in range(2):
+            start = fh.tell()
+            write_tensor_blob(fh, t)
+            spans.append((start, fh.tell() - start))
+            fh.write(b"\0" * 5)
+    data = path.read_bytes()
+    for start, length in spans:
+        got = torch.load(io.BytesIO(data[start:start + length]), weights_only=True)
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+        with zipfile.ZipFile(io.BytesIO(data[start:start + length])) as z:
+            assert z.testzip() is None  # every record's CRC-32
+
+
+def test_a_view_is_not_written_as_a_blob():
+    """A view of a bigger storage (torch.save would write the whole storage) is left to torch.save."""
+    import torch
+
+    from megatron_preflight.reshard.targets.stream_save import can_write_blob
+
+    base = torch.randn(4, 4)
+    assert not can_write_blob(base[1:]) and not can_write_blob(base.t()) and can_write_blob(base[1:].clone())
+
+
+def test_blob_size_is_what_the_blob_writer_writes():
+    """The hollow checkpoints of the benchmarks place chunks by blob_size without making a tensor."""
+    import io
+
+    import torch
+
+    from megatron_preflight.reshard.targets.stream_save import blob_size, write_tensor_blob
+
+    for t in (torch.randn(3, 70000), torch.zeros(0, dtype=torch.bfloat16), torch.ones(2, 2, 2, 2, dtype=torch.int8)):
+        buf = io.BytesIO()
+        write_tensor_blob(buf, t)
+        assert len(buf.getvalue()) == blob_size(t.dtype, tuple(t.shape))
