@@ -14,6 +14,7 @@ space (see :func:`write_optimizer_state`). RNG states are not written (``--no-lo
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -84,6 +85,22 @@ def _homogeneous(args: Any) -> bool:
         getattr(args, "heterogeneous_layers_config_encoded_json", None) is None
 
 
+def _object_key(value: Any) -> tuple | None:
+    """A key equal for objects whose saved blobs are equal: a sharded object's one-element list of None, bytes, a
+    BytesIO (TE's extra state) or a small uint8 tensor (TE's newer form); None for anything else (saved each time)."""
+    if not (isinstance(value, list) and len(value) == 1):
+        return None
+    v = value[0]
+    if v is None or isinstance(v, bytes):
+        return ("value", v)
+    if isinstance(v, io.BytesIO):
+        return ("BytesIO", v.getvalue())
+    if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 and v.numel() <= 1 << 16 and \
+            v.is_contiguous() and v.storage_offset() == 0 and v.untyped_storage().nbytes() == v.numel():
+        return ("uint8", v.numpy().tobytes())
+    return None
+
+
 class ChunkWriter:
     """The data file of a torch_dist iteration dir, chunk by chunk, and the ``.metadata`` that indexes it."""
 
@@ -94,6 +111,8 @@ class ChunkWriter:
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
         self.objects: set[str] = set()
         self.bytes_written = 0
+        self._objects: dict[tuple, bytes] = {}  # an object's blob by its value (a model's thousands of TE extra
+        # states are a few distinct ones)
         # for --verify: (fqn, offsets, sizes, plan, as float, the rows of the plan's tensor written there)
         self.planned: list[tuple[str, tuple[int, ...], tuple[int, ...], TensorPlan, bool, tuple[int, int] | None]] = []
 
@@ -106,7 +125,15 @@ class ChunkWriter:
             # conversion's time)
             write_tensor_blob(self.fh, value)
         else:  # an object may hold Megatron's classes (placeholders here): pickled back as their globals
-            torch.save(value, self.fh, pickle_module=pickling)
+            key = _object_key(value)
+            blob = self._objects.get(key) if key is not None else None
+            if blob is None:
+                buf = io.BytesIO()
+                torch.save(value, buf, pickle_module=pickling)
+                blob = buf.getvalue()
+                if key is not None and len(self._objects) < 4096:
+                    self._objects[key] = blob
+            self.fh.write(blob)
         length = self.fh.tell() - start
         self.bytes_written += length
         self.writeback.advance()

@@ -238,3 +238,30 @@ def _shape_of(value):
     if isinstance(value, (TensorRef, torch.Tensor)):
         return ("tensor", tuple(value.shape), str(value.dtype))
     return value
+
+
+def test_an_objects_blob_is_reused_only_for_an_equal_value(tmp_path):
+    """A sharded object's blob is saved once per distinct value (TE's extra states: thousands, a few distinct) and
+    every copy loads back as its own value; an object the key does not cover is saved each time."""
+    import io
+
+    import torch
+
+    from megatron_preflight.reshard.targets.torch_dist import ChunkWriter, _object_key
+
+    w = ChunkWriter(str(tmp_path))
+    values = [io.BytesIO(b"a"), io.BytesIO(b"a"), io.BytesIO(b"b"), None, torch.tensor([1, 2], dtype=torch.uint8),
+              torch.tensor([1, 3], dtype=torch.uint8), {"other": 1}]
+    for i, v in enumerate(values):
+        w.obj(f"x{i}/shard_0_1", v)
+    w.close()
+    assert len(w._objects) == 5 and _object_key([{"other": 1}]) is None
+    raw = (tmp_path / w.items[0].file).read_bytes()
+    for item, v in zip(w.items, values, strict=True):
+        got = torch.load(io.BytesIO(raw[item.start:item.start + item.length]), weights_only=False)[0]
+        if isinstance(v, io.BytesIO):
+            assert got.getvalue() == v.getvalue()
+        elif isinstance(v, torch.Tensor):
+            assert torch.equal(got, v)
+        else:
+            assert got == v
