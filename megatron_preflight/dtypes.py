@@ -120,7 +120,5 @@ def same_bits(a: Any, b: Any) -> bool:
 
     if a.shape != b.shape or a.element_size() != b.element_size():
         return False
-    if a.dtype == torch.bool or b.dtype == torch.bool:
-        return bool(torch.equal(a.to(torch.uint8), b.to(torch.uint8)))
-    ints = int_view(a.dtype)
+    ints = int_view(a.dtype)  # (a bool tensor's bytes as uint8)
     return bool(torch.equal(a.view(ints), b.view(ints)))

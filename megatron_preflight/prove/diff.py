@@ -19,11 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_preflight.dtypes import int_view, same_bits
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format
 from megatron_preflight.prove import common_state
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
-from megatron_preflight.prove.lockstep import LockstepReader, int_view
+from megatron_preflight.prove.lockstep import LockstepReader
 from megatron_preflight.reshard.checkpoint_index import open_index
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -205,8 +206,6 @@ def bitwise_equal_in_place(tpa: Any, tpb: Any, fa: SourceFiles, fb: SourceFiles,
 
 
 def _compare_spans(a_spans: list, b_spans: list, dim: int, limit: int, rows: int | None) -> bool:
-    import torch  # deferred: see compare_tensors
-
     covered = 0
     for sa, ea, va in a_spans:
         for sb, eb, vb in b_spans:
@@ -216,17 +215,10 @@ def _compare_spans(a_spans: list, b_spans: list, dim: int, limit: int, rows: int
             x, y = va.narrow(dim, lo - sa, hi - lo), vb.narrow(dim, lo - sb, hi - lo)
             if rows is not None and dim != 0:
                 x, y = x.narrow(0, 0, rows), y.narrow(0, 0, rows)
-            if x.shape != y.shape or not torch.equal(_bits(x), _bits(y)):
+            if not same_bits(x, y):
                 return False
             covered += hi - lo
     return covered == limit
-
-
-def _bits(x: Any) -> Any:
-    """The tensor's bits as integers of its width, without a copy (any strides)."""
-    import torch  # deferred: see compare_tensors
-
-    return x if x.dtype == torch.bool else x.view(int_view(x.dtype))
 
 
 def _as_ints(x: Any) -> Any:

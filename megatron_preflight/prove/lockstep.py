@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes, libc
-from megatron_preflight.dtypes import int_view  # noqa: F401 - (its users import it from here too)
 from megatron_preflight.reshard.plan.types import TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.torch_file import row_major

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from megatron_preflight import dtypes
 from megatron_preflight.prove import lockstep
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
 from megatron_preflight.reshard.checkpoint_index import open_index
@@ -29,7 +30,7 @@ def _plans(path, like=None):
 def _bits_equal(x, y):
     if x.shape != y.shape or x.dtype != y.dtype:
         return False
-    return torch.equal(x.contiguous().view(lockstep.int_view(x.dtype)), y.contiguous().view(lockstep.int_view(y.dtype)))
+    return torch.equal(x.contiguous().view(dtypes.int_view(x.dtype)), y.contiguous().view(dtypes.int_view(y.dtype)))
 
 
 @pytest.mark.parametrize("name", ["tp2_torch", "tp2_torch_dist", "moe_shared_tp2pp2ep2_torch_dist",

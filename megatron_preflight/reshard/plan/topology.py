@@ -32,8 +32,9 @@ def _observed_layer_counts(layout: Layout, topo: ParallelLayout) -> tuple[tuple[
     """Layers per (chunk, stage) as the shards hold them: whatever scheme placed them (uneven stages, the
     embedding/loss counted as layers, a custom pipeline layout), the keys say where each layer is. None when a
     stage was not read or the counts do not add up to the model's layers. Every shard of a stage holds the same
-    layers (the index checks each layer's pieces): the first read one of each stage is asked (a torch_dist view makes
-    a shard's entries when first read)."""
+    layers (that they agree — every split tensor has a piece from every rank of its group — is
+    reshard/plan/consistency's to check): the first read shard of each stage is asked (a torch_dist view makes a
+    shard's entries when first read)."""
     dirs = naming.shard_writers(topo)
     counts: dict[tuple[int, int], int] = {}
     stages: set[int] = set()

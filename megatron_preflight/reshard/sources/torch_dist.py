@@ -135,15 +135,14 @@ class _Builder:
         self.everywhere: list[tuple[str, Any]] = []  # the few items outside the layers: each asks its shards
         self.at_stage: dict[tuple[int, int | None], list[tuple]] = {}  # (stage, ep or None) -> work
         self.has_mtp = False
-        self._extra_bases: dict[str, tuple[bool, bool, int | None, bool]] = {}
-        self.tied = True  # the output layer is the word embeddings (set from the saved args)
+        self._extra_bases: dict[str, tuple[int | None, str, bool]] = {}  # module -> (layer, name in it, experts)
+        # the output layer is the word embeddings
+        self.tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
         # the shards of the group being made (see materialize)
         self.entries: dict[tuple[str, int], list[_Entry]] = {}
         self._by_place: dict[tuple[int | None, int | None], list[tuple[str, dict[str, int]]]] = {}
         self._eps: dict[int, list[int]] = {}  # stage -> the EP ranks being made
         self.made: dict[str, dict[str, Any]] = {}  # shard name -> its model dicts (chunk -> {key: value})
-        self.done: set[str] = set()  # the shards made (read or not)
-        self.stages_begun: set[int] = set()
         self._by_stage: dict[int, dict[str, dict[str, int]]] = {}
         self.lock = threading.Lock()
 
@@ -171,31 +170,38 @@ class _Builder:
         for g, lead in layers:
             self.at_stage.setdefault((self.par.place_layer(g)[0], None), []).append(("layer", fqn, tm, g, lead, rest))
 
-    def plan_extra_state(self, fqn: str) -> None:
-        """Where a module's extra-state item lands (see :meth:`extra_state`); with TE's grouped experts the items of
-        an EP rank's other experts land nowhere (one module per rank)."""
+    def _extra_site(self, fqn: str) -> tuple[str, int | None, list[int], str, bool]:
+        """An extra-state item ``…_extra_state/shard_<index>_<count>``: (its module, the module's global layer — None
+        outside the layers —, the index after the layer (an expert module's: the expert first), the name inside the
+        layer, whether it is an expert module's). The index gives the layer first when the module is stacked."""
         base, _, shard = fqn.partition("/shard_")
+        index = [int(i) for i in shard.partition("_")[0].split(".")]
         how = self._extra_bases.get(base)
-        if how is None:  # (a stacked module has an item per layer, and per expert: ~30k items, ~200 modules)
-            experts = f".{EXPERTS}" in base if not base.startswith(LAYERS) else \
-                self._layers_of(base, None)[1].startswith(EXPERTS)
-            stacked = base.startswith(LAYERS) and not self._layers_of(base, None)[0]
-            layer = None if stacked or not base.startswith(LAYERS) else self._layers_of(base, None)[0][0][0]
-            if not base.startswith(LAYERS) and mtp_index(base) is None:
-                experts = False
-            how = self._extra_bases[base] = (base.startswith(LAYERS), stacked, layer, experts)
-        in_layers, stacked, layer, experts = how
-        index = shard.partition("_")[0].split(".")
-        if in_layers:
-            g = int(index[0]) if stacked else layer
-            rest = index[1:] if stacked else index
-            stage = self.par.place_layer(g)[0]  # type: ignore[arg-type]
-        else:
-            stage, rest = self.par.pp - 1, index
+        if how is None:  # (per module, not per item: ~30k items of ~200 modules)
+            if base.startswith(LAYERS):
+                layers, rest = self._layers_of(base, None)
+                how = (layers[0][0] if layers else None, rest, rest.startswith(EXPERTS))
+            else:
+                how = (None, base, mtp_index(base) is not None and f".{EXPERTS}" in base)
+            self._extra_bases[base] = how
+        layer, rest, experts = how
+        if base.startswith(LAYERS) and layer is None:  # stacked: the layer is the first index
+            return base, index[0], index[1:], rest, experts
+        return base, layer, index, rest, experts
+
+    def _keeps_expert_item(self, local_expert: int) -> bool:
+        """Whether an expert module's extra state is in a legacy file: with TE's grouped experts one module per EP
+        rank (its first expert's item), one per local expert otherwise."""
+        return not self.te_grouped or local_expert == 0
+
+    def plan_extra_state(self, fqn: str) -> None:
+        """Where a module's extra-state item lands (see :meth:`extra_state`); an item no legacy file holds, nowhere."""
+        _base, g, index, _rest, experts = self._extra_site(fqn)
+        stage = self.par.pp - 1 if g is None else self.par.place_layer(g)[0]
         ep = None
-        if experts and rest and rest[0]:
-            ep, le = self.par.place_expert(int(rest[0]))
-            if le and self.te_grouped:
+        if experts and index:
+            ep, le = self.par.place_expert(index[0])
+            if not self._keeps_expert_item(le):
                 return
         self.at_stage.setdefault((stage, ep), []).append(("extra", fqn))
 
@@ -205,20 +211,17 @@ class _Builder:
         differ in TP rank only) the first time its stage is asked for (a verdict reads one shard per stage), with
         every shard of the stage not made yet the next time (a reshard reads them all: each item is then handled once
         per stage, not once per EP rank)."""
-        with self.lock:
+        with self.lock:  # (kept once made: two threads reading one shard's meta get the same dicts)
             if name not in self.made:
                 self._make(name)
-            return self.made.pop(name)
+            return self.made[name]
 
     def _make(self, name: str) -> None:
         c = self.dirs[name]
         stage = c["pp"]
-        if stage in self.stages_begun:
-            group = {n: d for n, d in self._stage_dirs(stage).items() if n not in self.done}
-        else:
-            group = self._group_of(c)
-            self.stages_begun.add(stage)
-        self.done.update(group)
+        rest = {n: d for n, d in self._stage_dirs(stage).items() if n not in self.made}
+        begun = len(rest) < len(self._stage_dirs(stage))  # (a shard of this stage was made before)
+        group = rest if begun else self._group_of(c)
         self.entries = {(n, k): [] for n in group for k in range(self.par.chunks)}
         self._by_place = {}
         for n, d in group.items():
@@ -238,7 +241,7 @@ class _Builder:
                         self.layer_tensor(*work[1:])
                     else:
                         self.extra_state(work[1])
-            self.tied_output(self.tied)
+            self.tied_output()
             self.mtp_embedding()
             self.output_extra_state()
             self.attention_extra_state()
@@ -419,9 +422,9 @@ class _Builder:
     def _extra_expert_key(self, prefix: str, suffix: str, local_expert: int) -> str | None:
         """The legacy key of an expert module's extra state (``prefix`` ends in ``mlp.experts``): one grouped module
         per rank with TE's grouped experts (None for the others), one per local expert otherwise."""
-        if self.te_grouped:
-            return f"{prefix}.{suffix}" if local_expert == 0 else None
-        return prefix + self._expert_key(suffix, local_expert)
+        if not self._keeps_expert_item(local_expert):
+            return None
+        return f"{prefix}.{suffix}" if self.te_grouped else prefix + self._expert_key(suffix, local_expert)
 
     def _mtp_experts(self, fqn: str, dtype: Any, shape: tuple[int, ...], pos: int) -> None:
         """An MoE MTP layer's experts: ``mtp.layers.<i>.transformer_layer.mlp.experts.experts.<linear>.<param>``,
@@ -441,13 +444,13 @@ class _Builder:
 
     def extra_state(self, fqn: str) -> None:
         """A module's extra state (None without Transformer Engine FP8), read from its bytes item:
-        ``…_extra_state/shard_<index>_<count>``, the index giving the layer when stacked, then the expert."""
-        base, _, shard = fqn.partition("/shard_")
-        if not base.startswith(LAYERS):  # outside the layers (a TE final norm, MTP): in the last stage's legacy files
+        ``…_extra_state/shard_<index>_<count>`` (see :meth:`_extra_site`)."""
+        base, g, index, rest, experts = self._extra_site(fqn)
+        if g is None:  # outside the layers (a TE final norm, MTP): in the last stage's legacy files
             pos = self.position[fqn]
-            if mtp_index(base) is not None and f".{EXPERTS}" in base:  # an MoE MTP layer's: indexed by expert
+            if experts:  # an MoE MTP layer's: indexed by expert
                 head, _, suffix = base.partition(f".{EXPERTS}")
-                ge = int(shard.split("_")[0])
+                ge = index[0]
                 ep_rank, le = self.par.place_expert(ge)
                 key = self._extra_expert_key(canonical_name(head + ".mlp.experts"), suffix, le)
                 for name, _c in self._shards(self.par.pp - 1, ep_rank) if key is not None else ():
@@ -457,15 +460,9 @@ class _Builder:
                 for name, _c in self._shards(self.par.pp - 1):
                     self._add(name, self.par.chunks - 1, self._top_sort(key, pos), key, self._bytes_item(fqn))
             return  # (_bytes_item reads an item only for a shard being made that holds it)
-        index = [int(i) for i in shard.split("_")[0].split(".")]
-        layers, rest = self._layers_of(base, None)
-        if not layers:  # stacked: the layer is the first index
-            g, index = index[0], index[1:]
-        else:
-            g = layers[0][0]
         stage, chunk, local = self.par.place_layer(g)
         pos = self.position[fqn]
-        if rest.startswith(EXPERTS):
+        if experts:
             if not index:
                 return
             ep_rank, le = self.par.place_expert(index[0])
@@ -489,10 +486,10 @@ class _Builder:
         for name, _c in shards:
             self._add(name, chunk, sort, key, value)
 
-    def tied_output(self, tied: bool) -> None:
+    def tied_output(self) -> None:
         """With tied embeddings and PP > 1 the last stage's legacy file holds its copy of the word embeddings as
         ``output_layer.weight`` (torch_dist saves the embedding once)."""
-        if not tied or self.par.pp == 1:
+        if not self.tied or self.par.pp == 1:
             return
         tm = self.md.state_dict_metadata.get("embedding.word_embeddings.weight")
         if tm is None:
@@ -595,7 +592,6 @@ def virtual_layout(layout: Layout, *, trust: bool = False) -> tuple[Layout, bool
             continue
         b.plan_tensor(fqn, tm)
     b.everywhere += [("sectioned", (parent, parts)) for parent, parts in sectioned.items()]
-    b.tied = not bool(getattr(layout.saved_args, "untie_embeddings_and_output_weights", False))
     common = layout.common_state or {}
     head = {k: common[k] for k in REWRITTEN + FROM_TORCH_DIST if k in common}  # what a legacy file holds at top level
 

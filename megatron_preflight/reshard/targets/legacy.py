@@ -58,8 +58,8 @@ def write_shard(r: Resharder, name: str, iter_out: str, verify: bool, tapping: T
 
 
 def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
-    """Re-read a written shard and check every planned slice (model and optimizer state) against its source slice
-    (crc32). Returns the number of tensors checked; raises on any difference."""
+    """Re-read a written shard and check every planned slice (model and optimizer state) against its source slice,
+    bit for bit (each record's CRC-32 checked as it is read). Returns the number of tensors checked; raises on any difference."""
     checked = 0
     with TorchFile(path) as out:
         meta = out.load_metadata()

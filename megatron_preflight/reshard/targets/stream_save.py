@@ -193,11 +193,16 @@ def blob_size(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return zip_size(records, "archive")
 
 
+def owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its whole storage, contiguous (torch.save writes a tensor's whole storage: a view of a bigger
+    one would carry the rest)."""
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def can_write_blob(t: torch.Tensor) -> bool:
-    """Whether :func:`write_tensor_blob` writes ``t`` (a dtype with a storage class torch.save names; whole, contiguous
+    """Whether :func:`write_tensor_blob` writes ``t`` (a dtype with a storage class torch.save names; its whole
     storage)."""
-    return t.dtype in _STORAGE_NAMES and t.is_contiguous() and t.storage_offset() == 0 and \
-        t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t.dtype in _STORAGE_NAMES and owns_storage(t)
 
 
 def write_tensor_blob(fh: Any, t: torch.Tensor) -> None:

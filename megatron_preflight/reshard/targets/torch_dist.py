@@ -46,7 +46,7 @@ from megatron_preflight.reshard.sources.torch_dist import EXPERTS, SECTIONED, ob
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets.durable import Writeback
-from megatron_preflight.reshard.targets.stream_save import can_write_blob, write_tensor_blob
+from megatron_preflight.reshard.targets.stream_save import can_write_blob, owns_storage, write_tensor_blob
 from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tap, Tapping
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def _object_key(value: Any) -> tuple | None:
     if isinstance(v, io.BytesIO):
         return ("BytesIO", v.getvalue())
     if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 and v.numel() <= 1 << 16 and \
-            v.is_contiguous() and v.storage_offset() == 0 and v.untyped_storage().nbytes() == v.numel():
+            owns_storage(v):
         return ("uint8", v.numpy().tobytes())
     return None
 
@@ -141,10 +141,8 @@ class ChunkWriter:
 
     def put(self, fqn: str, offsets: tuple[int, ...] | None, value: Any) -> Item:
         """Store one chunk (a tensor) or object (``offsets`` None); returns where its bytes are."""
-        if offsets is not None:
-            whole = (value.is_contiguous() and value.storage_offset() == 0
-                     and value.untyped_storage().nbytes() == value.numel() * value.element_size())
-            value = value if whole else value.contiguous().clone()  # never a bigger storage
+        if offsets is not None and not owns_storage(value):
+            value = value.contiguous().clone()  # never a bigger storage
         start, length = self._blob(value)
         return Item(fqn, offsets, start, length)
 
