@@ -22,7 +22,7 @@ from megatron_preflight import reshard  # its modules load on first use (a lazy 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
-from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.parallel import LayoutError, ParallelLayout
 from megatron_preflight.torch_file import TensorRef
 
 SKIPPED_SUFFIXES = ("_extra_state", "expert_bias")  # not parameters: no gradient, no optimizer state
@@ -83,6 +83,9 @@ class ModelProfile:
     embedding: Part  # the word embeddings (vocab rows)
     source: ParallelLayout  # the checkpoint's layout (layer and expert counts, placement)
     padded_vocab: int  # the checkpoint's embedding rows
+    _stage_memo: dict[Any, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _numel_memo: dict[Any, list[tuple[int, int]]] = field(default_factory=dict, repr=False, compare=False)
+    _first_memo: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -107,15 +110,18 @@ class ModelProfile:
 
     def stage_numel(self, tgt: ParallelLayout, vocab_rows: int) -> list[tuple[int, int]]:
         """(dense, expert) parameter elements of one rank of each pipeline stage of ``tgt`` (every TP and EP rank of
-        a stage holds as many), with ``vocab_rows`` padded vocabulary rows."""
+        a stage holds as many), with ``vocab_rows`` padded vocabulary rows. Kept per placement and TP / EP / ETP
+        size: the planner asks for thousands of layouts that differ only in DP or CP."""
+        stages = self._stages(tgt)  # (raises LayoutError when the layout cannot hold the layers)
         tp, ep, etp, last = tgt.tp, tgt.ep, tgt.etp_eff, tgt.pp - 1
+        key = (stages, tgt.pp, tp, ep, etp, vocab_rows)
+        known = self._numel_memo.get(key)
+        if known is not None:
+            return known
         out = [[0, 0] for _ in range(tgt.pp)]
-        tgt.chunk_layer_counts()  # (raises LayoutError when the layout cannot hold the layers)
-        for layer, block in enumerate(self.layers):
-            stage = tgt.place_layer(layer)[0]
-            e = block.expert_on_rank(ep, etp)
+        for stage, block in zip(stages, self.layers):  # noqa: B905 - one stage per layer (see _stages)
             out[stage][0] += block.dense.on_rank(tp, vocab_rows)
-            out[stage][1] += e
+            out[stage][1] += block.expert_on_rank(ep, etp)
         out[0][0] += self.first.dense.on_rank(tp, vocab_rows)
         if self.mtp and last > 0:  # the MTP layers' input embedding, on the last stage
             out[last][0] += self.first.dense.on_rank(tp, vocab_rows)
@@ -123,13 +129,31 @@ class ModelProfile:
         out[last][1] += self.last.expert_on_rank(ep, etp)
         if self.tied and last > 0:
             out[last][0] += self.embedding.on_rank(tp, vocab_rows)
-        return [(d, x) for d, x in out]
+        known = self._numel_memo[key] = [(d, x) for d, x in out]
+        return known
 
     def layers_on_first_stage(self, tgt: ParallelLayout) -> tuple[int, int]:
         """(decoder layers, MoE layers) on the first pipeline stage of ``tgt``."""
-        on = [i for i in range(self.num_layers) if tgt.place_layer(i)[0] == 0]
-        moe = self.moe_layers
-        return len(on), sum(1 for i in on if i in moe)
+        stages = self._stages(tgt)
+        known = self._first_memo.get(stages)
+        if known is None:
+            on = [i for i, stage in enumerate(stages) if stage == 0]
+            moe = self.moe_layers
+            known = self._first_memo[stages] = (len(on), sum(1 for i in on if i in moe))
+        return known
+
+    def _stages(self, tgt: ParallelLayout) -> tuple[int, ...]:
+        """The pipeline stage of each decoder layer at ``tgt`` (global layer order: Megatron numbers the layers
+        chunk-major), from its layer counts."""
+        counts = tgt.chunk_layer_counts()
+        key = (tgt.pp, tuple(map(tuple, counts)))
+        stages = self._stage_memo.get(key)
+        if stages is None:
+            stages = self._stage_memo[key] = tuple(p for row in counts for p, c in enumerate(row) for _ in range(c))
+            if len(stages) < self.num_layers:
+                raise LayoutError(f"{tgt.describe()} places {len(stages)} decoder layers, the model has "
+                                  f"{self.num_layers}", field="num_layers")
+        return stages
 
 
 def _sample(layout: Layout, src: ParallelLayout) -> Layout:
