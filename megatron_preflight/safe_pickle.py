@@ -116,7 +116,7 @@ def _torch_free_global(module: str, name: str) -> Any:
         if name in dtypes.NAMES:
             return dtypes.dtype(name)
         if name == "Size":
-            return tuple
+            return _SIZE
         if name in _TORCH_VALUES:
             return placeholder_class(module, name)
         return None
@@ -128,6 +128,10 @@ def _torch_free_global(module: str, name: str) -> Any:
         return placeholder_class(module, name)
     return None
 
+
+# torch.Size without torch: its pickle is ``Size(tuple)`` (``Size.__reduce__``), and ``().__add__`` gives back an exact
+# tuple itself, at C speed, unguarded (a .metadata makes ~10^5 of them); anything else is refused (TypeError)
+_SIZE = ().__add__
 
 _DCP = "torch.distributed.checkpoint"
 # torch.distributed.checkpoint's metadata dataclasses (read as Records without torch) ...
@@ -206,7 +210,7 @@ class SafeUnpickler(pickle.Unpickler):
         elif value is None and (key in _DCP_VALUES or key in _PATH_CLASSES):
             value = placeholder_class(module, name)
         if value is not None:
-            if self._budget is not None and key in _BUILDERS:
+            if self._budget is not None and key in _BUILDERS and value is not _SIZE:
                 return self._budget.guard(f"{module}.{name}", value)
             return value
         if module.startswith(PLACEHOLDER_PREFIXES) or module in ("megatron",):
@@ -231,20 +235,22 @@ _BUILDERS = frozenset({
 })
 
 
-def bounded_load(data: bytes, *, source: str, trust: bool = False, **kwargs: Any) -> Any:
+def bounded_load(data: bytes, *, source: str, trust: bool = False,
+                 check: Callable[[Any, int, str], None] = pickle_limits.check_shape, **kwargs: Any) -> Any:
     """Unpickle ``data`` with :class:`SafeUnpickler` inside the bounds of :mod:`megatron_preflight.pickle_limits`:
-    the stream is scanned first, allow-listed builders are charged to a budget, and the result's shape is checked."""
+    the stream is scanned first, allow-listed builders are charged to a budget, and the result's shape is checked
+    (by ``check``: the generic walk, or one that proves the same bound for a pickle of known shape)."""
     pickle_limits.scan(data, source)
     budget = pickle_limits.CallBudget(len(data), source)
     collecting = gc.isenabled()
     if collecting:  # building ~10^6 objects (a large .metadata) sets off collections that walk all of them again
-        gc.disable()  # and again, finding nothing: all are reachable until the load returns
+        gc.disable()  # and again, finding nothing: all are reachable until the load (and its check) returns
     try:
         obj = SafeUnpickler(io.BytesIO(data), source=source, trust=trust, budget=budget, **kwargs).load()
+        check(obj, len(data), source)
     finally:
         if collecting:
             gc.enable()
-    pickle_limits.check_shape(obj, len(data), source)
     return obj
 
 

@@ -9,7 +9,6 @@ are read.
 from __future__ import annotations
 
 import json
-import math
 import os
 import types
 import warnings
@@ -19,6 +18,7 @@ from typing import Any
 from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError, require_regular_file
 from megatron_preflight.layout import completeness, optimizer_entry
+from megatron_preflight.layout.dcp_index import DcpFacts, bounded_facts
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.placeholders import Placeholder
 from megatron_preflight.safe_pickle import safe_loads
@@ -31,12 +31,22 @@ COMMON_PT = "common.pt"
 
 
 # keyed by the file's version, the trust mode and whether torch is loaded (its dtypes are torch's then, named before)
-_METADATA_CACHE: dict[tuple[str, int, int, bool, bool], Any] = {}
+_METADATA_CACHE: dict[tuple[str, int, int, bool, bool], tuple[Any, DcpFacts]] = {}
 
 
 def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
     """The DCP ``.metadata`` of a torch_dist iteration dir, unpickled once per file version (discovery, the check,
     the resharder and its reader all ask for it; treat the result as read-only)."""
+    return _read_cached(iter_dir, trust)[0]
+
+
+def metadata_facts(iter_dir: str, *, trust: bool = False) -> DcpFacts:
+    """What a verdict reads from the ``.metadata`` (:mod:`~megatron_preflight.layout.dcp_index`), gathered when it
+    was read."""
+    return _read_cached(iter_dir, trust)[1]
+
+
+def _read_cached(iter_dir: str, trust: bool) -> tuple[Any, DcpFacts]:
     path = os.path.join(iter_dir, DCP_METADATA)
     require_regular_file(path)
     try:
@@ -46,19 +56,24 @@ def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
         key = None
     if key is not None and key in _METADATA_CACHE:
         return _METADATA_CACHE[key]
-    md = _read_dcp_metadata(path, trust)
+    read = _read_dcp_metadata(path, trust)
     if key is not None:
         if len(_METADATA_CACHE) >= 8:
             _METADATA_CACHE.pop(next(iter(_METADATA_CACHE)))
-        _METADATA_CACHE[key] = md
-    return md
+        _METADATA_CACHE[key] = read
+    return read
 
 
-def _read_dcp_metadata(path: str, trust: bool) -> Any:
+def _read_dcp_metadata(path: str, trust: bool) -> tuple[Any, DcpFacts]:
     with open(path, "rb") as fh:
         data = fh.read()
+    gathered: list[DcpFacts] = []
+
+    def bound(obj: Any, stream_bytes: int, source: str) -> None:  # the shape check, gathering the facts on the way
+        gathered.append(bounded_facts(obj, stream_bytes, source))
+
     try:
-        md = safe_loads(data, source=path, trust=trust)
+        md = safe_loads(data, source=path, trust=trust, check=bound)
     except PreflightError:
         raise
     except Exception as exc:
@@ -72,7 +87,7 @@ def _read_dcp_metadata(path: str, trust: bool) -> Any:
         raise PreflightError(f"the DCP metadata holds a {type(md).__name__}, not checkpoint metadata", path=path,
                              fix="this is not a torch_dist checkpoint Megatron wrote; check the --load dir",
                              code="corrupt_file")
-    return md
+    return md, gathered[0]
 
 
 def object_index(md: Any) -> dict[str, Any]:
@@ -224,6 +239,7 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
                    f"unknown sharded_backend {backend!r}", "use a Megatron version that wrote this checkpoint")
     common: Any = None
     md = None
+    facts = DcpFacts()
     if layout.format in (Format.TORCH_DIST, Format.TORCH_DCP):
         if DCP_METADATA not in entries:
             layout.add("missing_file", os.path.join(iter_dir, DCP_METADATA),
@@ -232,15 +248,13 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
         else:
             try:
                 md = read_dcp_metadata(iter_dir, trust=trust)
+                facts = metadata_facts(iter_dir, trust=trust)
             except PreflightError as exc:
                 layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
     if md is not None:
-        _check_data_files(layout, iter_dir, md)
-        _check_chunks(layout, os.path.join(iter_dir, DCP_METADATA), md)
-        for key, value in md.state_dict_metadata.items():
-            size = getattr(value, "size", None)
-            if size is not None:
-                layout.dist_tensors[key] = (tuple(size), str(value.properties.dtype))
+        _check_data_files(layout, iter_dir, facts)
+        _check_chunks(layout, os.path.join(iter_dir, DCP_METADATA), facts)
+        layout.dist_tensors.update(facts.tensors)
         if any(k.startswith("model.") for k in layout.dist_tensors) and layout.format == Format.TORCH_DCP:
             layout.format = Format.FSDP_DTENSOR
         broken = completeness.unpaired(layout.dist_tensors)
@@ -302,12 +316,8 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
                    'write it back: {"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
 
 
-def _check_data_files(layout: Layout, iter_dir: str, md: Any) -> None:
-    needed: dict[str, int] = {}
-    for info in getattr(md, "storage_data", {}).values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for rel, end in sorted(needed.items()):
+def _check_data_files(layout: Layout, iter_dir: str, facts: DcpFacts) -> None:
+    for rel, end in sorted(facts.file_ends.items()):
         path = os.path.join(iter_dir, rel)
         try:
             size = os.path.getsize(path)
@@ -321,43 +331,12 @@ def _check_data_files(layout: Layout, iter_dir: str, md: Any) -> None:
                        "restore it from a complete copy, or load an earlier iteration with --ckpt-step")
 
 
-MAX_CHUNK_PROBLEMS = 5
-
-
-def _inside(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
-    for o, n, g in zip(offsets, sizes, shape):  # noqa: B905 - the lengths are checked first
-        if o < 0 or n < 0 or o + n > g:
-            return False
-    return True
-
-
-def _check_chunks(layout: Layout, path: str, md: Any) -> None:
-    """Every tensor in ``.metadata`` is covered by its chunks: each chunk inside the global shape, their volumes adding
-    up to the whole tensor, and each chunk's bytes listed in the storage index. (Volume and bounds: overlapping chunks
-    that also leave a gap of the same size are not told apart from a clean tiling; torch's own check is no stronger.)"""
-    stored = {(getattr(i, "fqn", None), tuple(map(int, getattr(i, "offset", None) or ())))
-              for i in getattr(md, "storage_data", {})}
-    found = 0
-    for key, value in md.state_dict_metadata.items():
-        size, chunks = getattr(value, "size", None), getattr(value, "chunks", None)
-        if size is None or chunks is None:
-            continue
-        shape = tuple(map(int, size))
-        total, covered, why = math.prod(shape), 0, ""
-        for c in chunks:
-            off, sz = tuple(map(int, c.offsets)), tuple(map(int, c.sizes))
-            if len(off) != len(shape) or len(sz) != len(shape) or not _inside(off, sz, shape):
-                why = f"a chunk at offset {off} of size {sz} lies outside its global shape {shape}"
-                break
-            if stored and (key, off) not in stored:
-                why = f"the chunk at offset {off} has no entry in the storage index (its bytes cannot be found)"
-                break
-            covered += math.prod(sz)
-        if not why and covered != total:
-            why = f"its chunks cover {covered:,} of its {total:,} elements"
-        if why:
-            found += 1
-            layout.add("corrupt_file", path, f"tensor {key}: {why}",
-                       "restore the iteration dir from a complete copy, or load an earlier one with --ckpt-step")
-            if found >= MAX_CHUNK_PROBLEMS:
-                return
+def _check_chunks(layout: Layout, path: str, facts: DcpFacts) -> None:
+    """Every tensor in ``.metadata`` is covered by its chunks, and every entry reads as torch writes it."""
+    fix = "restore the iteration dir from a complete copy, or load an earlier one with --ckpt-step"
+    for fqn, why in facts.chunk_problems:
+        layout.add("corrupt_file", path, f"tensor {fqn}: {why}", fix)
+    if facts.unreadable:
+        more = f" and {len(facts.unreadable) - 3} more" if len(facts.unreadable) > 3 else ""
+        layout.add("corrupt_file", path, f"entries of the storage index are not of the form torch writes: "
+                   f"{', '.join(facts.unreadable[:3])}{more}", fix)
