@@ -216,10 +216,7 @@ def write_tensor_blob(fh: Any, t: torch.Tensor) -> None:
     zw.write("byteorder", _BYTEORDER)
     raw = t.reshape(-1).view(torch.uint8).numpy()
     nbytes = raw.nbytes
-    zw.begin("data/0", nbytes)  # (the one storage's key: _records numbers them from 0)
-    if nbytes:
-        zw.append(raw)
-    zw.end()
+    zw.write("data/0", raw)  # (the one storage's key: _records numbers them from 0)
     zw.write("version", _VERSION)
     zw.write(".data/serialization_id", _serialization_id("archive", nbytes).encode())
     zw.close()

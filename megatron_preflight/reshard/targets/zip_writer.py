@@ -82,6 +82,7 @@ class _Entry:
     pad_extra: bytes
     zip64: bool
     crc: int = 0
+    known: bool = False  # the CRC was given before the data (not taken, not rewritten)
 
     def local_header(self) -> bytes:
         extra = self.pad_extra
@@ -119,17 +120,19 @@ class TorchZipWriter:
         self._current: _Entry | None = None
         self._left = 0
 
-    def begin(self, name: str, size: int) -> None:
-        """Start record ``name`` of exactly ``size`` bytes (its data: :meth:`append`, then :meth:`end`)."""
+    def begin(self, name: str, size: int, *, crc32: int | None = None) -> None:
+        """Start record ``name`` of exactly ``size`` bytes (its data: :meth:`append`, then :meth:`end`). ``crc32``:
+        the record's CRC-32 when known before its data (its header is then written once, with no seek back)."""
         if self._current is not None:
             raise ValueError("another record of this archive is still being written")
         fname = f"{self.archive}/{name}".encode()
         offset = self._fh.tell() - self._base
         zip64 = _local_zip64(size)
         pad = _local_extra_len(offset, len(fname), zip64) - 4
-        self._current = _Entry(fname, size, offset, struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad, zip64)
+        self._current = _Entry(fname, size, offset, struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad, zip64,
+                               crc32 or 0, crc32 is not None)
         self._left = size
-        self._fh.write(self._current.local_header())  # its CRC is rewritten once the data is through
+        self._fh.write(self._current.local_header())  # (an unknown CRC is rewritten once the data is through)
 
     def append(self, data: Any, running_crc: int | None = None) -> None:
         """The next bytes of the current record (any buffer: a numpy array's memory is written without a copy).
@@ -140,7 +143,8 @@ class TorchZipWriter:
         view = memoryview(data).cast("B")
         if view.nbytes > self._left:
             raise ValueError(f"record {entry.name.decode()} is longer than its declared {entry.size} bytes")
-        entry.crc = crc.crc32(view, entry.crc) if running_crc is None else running_crc
+        if not entry.known:
+            entry.crc = crc.crc32(view, entry.crc) if running_crc is None else running_crc
         self._fh.write(view)
         self._left -= view.nbytes
         if self._writeback is not None:
@@ -152,17 +156,19 @@ class TorchZipWriter:
         assert entry is not None, "end() outside a record"
         if self._left:
             raise ValueError(f"record {entry.name.decode()} is {self._left} bytes short of its declared {entry.size}")
-        here = self._fh.tell()
-        self._fh.seek(self._base + entry.offset)
-        self._fh.write(entry.local_header())
-        self._fh.seek(here)
+        if not entry.known:  # (a seek flushes the file's buffer: a blob of small records would pay it per record)
+            here = self._fh.tell()
+            self._fh.seek(self._base + entry.offset)
+            self._fh.write(entry.local_header())
+            self._fh.seek(here)
         self._entries.append(entry)
         self._current = None
 
-    def write(self, name: str, data: bytes) -> None:
-        """One whole record."""
-        self.begin(name, len(data))
-        self.append(data)
+    def write(self, name: str, data: Any) -> None:
+        """One whole record (any buffer): its CRC-32 taken first, its header written once."""
+        view = memoryview(data).cast("B")
+        self.begin(name, view.nbytes, crc32=crc.crc32(view))
+        self.append(view)
         self.end()
 
     def _end_records(self) -> bytes:
