@@ -22,5 +22,5 @@ setup(
         "fast-crc": ["isal>=1.0"],  # (kept for older install commands: now a default dependency)
         "test": ["pytest>=7", "hypothesis>=6", "ruff", "psutil"],
     },
-    entry_points={"console_scripts": ["megatron-preflight=megatron_preflight.cli.main:main"]},
+    entry_points={"console_scripts": ["megatron-preflight=megatron_preflight.cli.main:entry"]},
 )

@@ -55,7 +55,7 @@ elif command == "check":  # the saved layout at its own world size: the verdict 
 else:
     argv = ["inspect", path, "--json"]
 with contextlib.redirect_stdout(buf):
-    rc = main(argv)
+    rc = main(argv, process_ends=True)  # (as the program runs it: see cli.main.entry)
 doc = json.loads(buf.getvalue())
 out = {"rc": rc, "wall": time.perf_counter() - t0, "rss_mib": hwm_mib(), "torch": "torch" in sys.modules}
 if command == "plan":

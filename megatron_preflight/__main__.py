@@ -1,5 +1,5 @@
 import sys
 
-from megatron_preflight.cli.main import main
+from megatron_preflight.cli.main import entry
 
-sys.exit(main())
+sys.exit(entry())

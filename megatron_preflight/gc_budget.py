@@ -33,3 +33,19 @@ def fewer_collections() -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(*before)
+
+
+@contextmanager
+def no_collections(*, restore: bool = True) -> Iterator[None]:
+    """No cyclic collections within the block: for a command that answers in a few seconds and builds only acyclic
+    structures (a verdict over a 1 T-parameter checkpoint's ~2 * 10^6 metadata objects spent ~0.13 s in the
+    collections :func:`fewer_collections` still makes, finding nothing). The previous state comes back on exit,
+    unless ``restore`` is False: when the process ends with the block, turning collections back on would start a
+    full collection of everything built (the same 0.13 s), for nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled and restore:
+            gc.enable()

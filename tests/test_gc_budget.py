@@ -34,3 +34,18 @@ def test_a_process_the_tool_owns_keeps_rare_collections(thresholds):
     gc.set_threshold(700, 10, 10)
     assert collect_rarely() == (700, 10, 10)
     assert gc.get_threshold()[0] == YOUNG
+
+
+def test_no_collections_turns_them_off_and_back_on_unless_the_process_ends():
+    from megatron_preflight.gc_budget import no_collections
+
+    assert gc.isenabled()
+    with no_collections():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with no_collections(restore=False):
+            pass
+        assert not gc.isenabled()  # (the program exits next: no full collection of what it built)
+    finally:
+        gc.enable()

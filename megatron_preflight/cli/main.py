@@ -21,7 +21,7 @@ from megatron_preflight.cli import (
 )
 from megatron_preflight.cli.common import EXIT_PROBLEMS, EXIT_USAGE
 from megatron_preflight.errors import PreflightError, environment_error
-from megatron_preflight.gc_budget import fewer_collections
+from megatron_preflight.gc_budget import fewer_collections, no_collections
 
 log = logging.getLogger("megatron_preflight")
 
@@ -74,7 +74,17 @@ def _missing_dependency(exc: BaseException) -> str | None:
     return None if top == __name__.split(".")[0] else top
 
 
-def main(argv: list[str] | None = None) -> int:
+# commands that read metadata only and answer in seconds: no cyclic garbage collection while they run (gc_budget)
+VERDICTS = frozenset({"inspect", "check", "plan"})
+
+
+def entry() -> int:
+    """The ``megatron-preflight`` program (its console script, ``python -m megatron_preflight``): :func:`main` in a
+    process that ends when it returns."""
+    return main(process_ends=True)
+
+
+def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:  # megatron flags after `--` go to the subcommand untouched
@@ -88,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()  # signals can only be set there
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        with fewer_collections():
+        with no_collections(restore=not process_ends) if ns.command in VERDICTS else fewer_collections():
             return func(ns)
     except Terminated:
         print("megatron-preflight: terminated (SIGTERM); nothing was left at the destination", file=sys.stderr)

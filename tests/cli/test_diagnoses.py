@@ -133,7 +133,7 @@ def test_disk_full_read_only_and_permission_say_what_the_system_did(tmp_path, mo
 
     code = getattr(errno, errno_name)
 
-    def failing_open(self, name, size):
+    def failing_open(self, name, size, **_given):
         raise OSError(code, os.strerror(code), str(tmp_path / "out"))
 
     monkeypatch.setattr(zip_writer.TorchZipWriter, "begin", failing_open)
