@@ -150,9 +150,9 @@ class ModelProfile:
         stages = self._stage_memo.get(key)
         if stages is None:
             stages = self._stage_memo[key] = tuple(p for row in counts for p, c in enumerate(row) for _ in range(c))
-            if len(stages) < self.num_layers:
-                raise LayoutError(f"{tgt.describe()} places {len(stages)} decoder layers, the model has "
-                                  f"{self.num_layers}", field="num_layers")
+        if len(stages) < self.num_layers:
+            raise LayoutError(f"{tgt.describe()} places {len(stages)} decoder layers, the model has "
+                              f"{self.num_layers}", field="num_layers")
         return stages
 
 

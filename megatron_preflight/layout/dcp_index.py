@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight import dtypes
-from megatron_preflight.pickle_limits import EXPANSION_FACTOR, EXPANSION_FLOOR, check_shape
+from megatron_preflight.pickle_limits import check_shape
 from megatron_preflight.placeholders import Placeholder, Record, record_class
 
 _DCP = "torch.distributed.checkpoint"
@@ -75,7 +75,7 @@ def bounded_facts(obj: Any, stream_bytes: int, source: str) -> DcpFacts:
     """Prove ``obj`` (a ``.metadata`` just unpickled) bounded as :func:`check_shape` does, and gather its facts."""
     try:
         fields = _fields(obj)
-        storage, tensors, rest = _strict_rows(fields, EXPANSION_FACTOR * stream_bytes + EXPANSION_FLOOR)
+        storage, tensors, rest = _strict_rows(fields)
     except _Departs:
         check_shape(obj, stream_bytes, source)
         return _facts(*_lenient_rows(obj))
@@ -96,10 +96,10 @@ def _fields(obj: Any) -> dict[Any, Any]:
 StorageRow = tuple[str, "Shape | None", str, int, int]  # fqn, chunk offset (None: a bytes item), file, offset, length
 
 
-def _strict_rows(fields: dict[Any, Any], limit: int) -> tuple[list[StorageRow], dict[str, TensorRow], list[Any]]:
+def _strict_rows(fields: dict[Any, Any]) -> tuple[list[StorageRow], dict[str, TensorRow], list[Any]]:
     """The rows of both tables, each record checked to have torch's shape on the way (else :class:`_Departs`), and the
-    values left for the generic walk (which also refuses, by its count of ``limit`` objects, a chunk list shared by
-    many tensors: the one amplifier this shape allows, so this pass departs at the first one)."""
+    values left for the generic walk. A chunk list shared by several tensors is the one amplifier this shape allows
+    (torch never writes one): the pass departs at the first, and the generic walk counts it at each reference."""
     storage, tensors = fields.get("storage_data"), fields.get("state_dict_metadata")
     if type(storage) is not dict or type(tensors) is not dict:
         raise _Departs

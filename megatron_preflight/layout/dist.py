@@ -247,8 +247,7 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
                        "restore the iteration dir from a complete copy")
         else:
             try:
-                md = read_dcp_metadata(iter_dir, trust=trust)
-                facts = metadata_facts(iter_dir, trust=trust)
+                md, facts = _read_cached(iter_dir, trust)
             except PreflightError as exc:
                 layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
     if md is not None:

@@ -33,7 +33,7 @@ def _strict(data: bytes, source: str) -> dcp_index.DcpFacts:
 
     def check(obj, n, s):
         fields = dcp_index._fields(obj)
-        rows, tensors, _rest = dcp_index._strict_rows(fields, 1 << 40)  # raises _Departs off torch's shape
+        rows, tensors, _rest = dcp_index._strict_rows(fields)  # raises _Departs off torch's shape
         got.append(dcp_index._facts(rows, tensors, []))
 
     safe_loads(data, source=source, check=check)
@@ -81,7 +81,7 @@ def test_a_chunk_list_shared_by_every_tensor_is_refused_and_quickly():
     data = pickle.dumps(Metadata(state_dict_metadata=tensors, storage_data={}))
     assert len(data) < 1_000_000
     with pytest.raises(dcp_index._Departs):  # the one pass departs at the second reference ...
-        safe_loads(data, source="x/.metadata", check=lambda obj, n, s: dcp_index._strict_rows(obj.__dict__, 1 << 40))
+        safe_loads(data, source="x/.metadata", check=lambda obj, n, s: dcp_index._strict_rows(obj.__dict__))
     start = time.perf_counter()
     with pytest.raises(UnsafePickleError, match="expands"):  # ... and the generic walk refuses it
         safe_loads(data, source="x/.metadata", check=dcp_index.bounded_facts)

@@ -204,17 +204,15 @@ class _Builder:
         one layer (or outside the layers), indexed by the expert alone — TE's grouped experts: ~5 * 10^4 items in a
         1 T-parameter MoE — placed by integer arithmetic over the module's items, not one parse each."""
         layer, _rest, experts = self._module_site(base)
-        n = self.par.num_experts // self.par.ep if self.par.num_experts and self.par.num_experts % self.par.ep == 0 \
-            else 0
         cut = len(base) + len("/shard_")
-        heads = [fqn[cut:].partition("_")[0] for fqn in fqns] if experts and n else []
+        heads = [fqn[cut:].partition("_")[0] for fqn in fqns] if experts and self.par.num_experts else []
         if not heads or (base.startswith(LAYERS) and layer is None) or not all(map(str.isdigit, heads)):
-            for fqn in fqns:  # (stacked modules, items of several dims, experts that do not divide over EP)
+            for fqn in fqns:  # (stacked modules, items of several dims)
                 self.plan_extra_state(fqn)
             return
         stage = self.par.pp - 1 if layer is None else self.par.place_layer(layer)[0]
         for fqn, head in zip(fqns, heads):  # noqa: B905 - one head per item
-            ep, local = divmod(int(head), n)  # (ParallelLayout.place_expert: contiguous experts per EP rank)
+            ep, local = self.par.place_expert(int(head))
             if self._keeps_expert_item(local):
                 self.at_stage.setdefault((stage, ep), []).append(("extra", fqn))
 
