@@ -32,7 +32,11 @@ from megatron_preflight.errors import UnsafePickleError
 from megatron_preflight.placeholders import Placeholder, Record
 
 MAX_OBJECT_DEPTH = 200  # Megatron's state nests < 10 deep
-EXPANSION_FACTOR = 64  # a tree may hold at most this many nodes per byte of its stream (plus a floor)
+# a tree may hold at most this many references per byte of its stream (plus a floor). Without shared containers a
+# pickle makes at most ~1 per byte (each reference costs an opcode); Megatron's own make <= 0.19 (every .pt and
+# .metadata in the fixtures, written by Megatron-LM 0.13 ... main). The walk lists up to this many before refusing,
+# 8 bytes each: 4 keeps a hostile 17 MB stream under ~0.6 GB (64 let it reach ~9 GB).
+EXPANSION_FACTOR = 4
 EXPANSION_FLOOR = 1_000_000
 CALL_BUDGET_FACTOR = 16  # allow-listed calls may build this many elements per stream byte (plus a floor)
 CALL_BUDGET_FLOOR = 10_000_000

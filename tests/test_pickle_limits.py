@@ -6,6 +6,7 @@ import pickle
 import pickletools
 import struct
 import time
+import tracemalloc
 
 import pytest
 
@@ -67,6 +68,24 @@ def test_billion_laughs_is_refused_quickly() -> None:
     with pytest.raises(UnsafePickleError, match="expands"):
         _load(data)
     assert time.perf_counter() - start < 30  # bounded by the expansion limit, not by 2**40
+
+
+def test_a_dense_unshared_tree_loads_and_a_wide_amplifier_is_refused_within_bounded_memory() -> None:
+    """Without sharing a pickle makes about one reference per byte, and loads; a 1 MB stream that references one
+    memoised 1,000-element list 100,000 times (10^8 references) is refused, and the walk's lists stay well below
+    what that many references would take (8 bytes each: 800 MB; the limit lets it list ~5 * 10^6 before refusing)."""
+    dense = pickle.dumps([None] * 2_000_000, protocol=2)  # 'N' per element: ~1 reference per byte
+    assert len(_load(dense)) == 2_000_000  # type: ignore[arg-type]
+    body = b"\x80\x02]q\x00(" + b"N" * 1_000 + b"e" + b"(" + b"h\x00" * 100_000 + b"l."
+    assert len(body) < 250_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafePickleError, match="expands"):
+            _load(body)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 * 2**20, f"{peak / 2**20:.0f} MiB"
 
 
 def test_quadratic_copying_through_an_allowed_builtin_is_refused() -> None:
