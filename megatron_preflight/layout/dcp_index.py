@@ -8,8 +8,9 @@ and each tensor's global shape and dtype. Each of those was one more pass over ~
 
 Here one pass gathers the rows those facts are computed from, checking on the way that every record has the shape
 torch writes — records of the known kinds, their known fields, strings, ints and tuples of at most
-:data:`MAX_DIMS` ints — which proves the bound itself: such a tree nests a fixed number of levels and holds one
-object per reference. The other fields (planner data, storage meta, Megatron's own data) go through the generic walk.
+:data:`MAX_DIMS` ints — which proves the bound itself: such a tree nests a fixed number of levels, and the
+references a walk over it makes (shared records and shapes counted at each reference) are counted on the way against
+the generic walk's limit. The other fields (planner data, storage meta, Megatron's own data) go through the generic walk.
 A ``.metadata`` that departs from that shape anywhere is walked whole by the generic walk and its rows gathered
 leniently (``getattr``, ``int``), as before: the bound never depends on the file being well formed, and the facts
 are computed from the rows in one place either way.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight import dtypes
-from megatron_preflight.pickle_limits import check_shape
+from megatron_preflight.pickle_limits import EXPANSION_FACTOR, EXPANSION_FLOOR, check_shape
 from megatron_preflight.placeholders import Placeholder, Record, record_class
 
 _DCP = "torch.distributed.checkpoint"
@@ -75,7 +76,7 @@ def bounded_facts(obj: Any, stream_bytes: int, source: str) -> DcpFacts:
     """Prove ``obj`` (a ``.metadata`` just unpickled) bounded as :func:`check_shape` does, and gather its facts."""
     try:
         fields = _fields(obj)
-        storage, tensors, rest = _strict_rows(fields)
+        storage, tensors, rest = _strict_rows(fields, EXPANSION_FACTOR * stream_bytes + EXPANSION_FLOOR)
     except _Departs:
         check_shape(obj, stream_bytes, source)
         return _facts(*_lenient_rows(obj))
@@ -96,10 +97,14 @@ def _fields(obj: Any) -> dict[Any, Any]:
 StorageRow = tuple[str, "Shape | None", str, int, int]  # fqn, chunk offset (None: a bytes item), file, offset, length
 
 
-def _strict_rows(fields: dict[Any, Any]) -> tuple[list[StorageRow], dict[str, TensorRow], list[Any]]:
+def _strict_rows(fields: dict[Any, Any], limit: float = math.inf,
+                 ) -> tuple[list[StorageRow], dict[str, TensorRow], list[Any]]:
     """The rows of both tables, each record checked to have torch's shape on the way (else :class:`_Departs`), and the
-    values left for the generic walk. A chunk list shared by several tensors is the one amplifier this shape allows
-    (torch never writes one): the pass departs at the first, and the generic walk counts it at each reference."""
+    values left for the generic walk. A chunk list shared by several tensors is the amplifier this shape allows
+    (torch never writes one): the pass departs at the first, and the generic walk counts it at each reference.
+    Records and shapes shared within the tables expand a walk by a bounded factor (a shape holds at most
+    :data:`MAX_DIMS` ints); the references a walk makes are counted against ``limit`` all the same, and the pass
+    departs past it (the generic walk then refuses the file, as it would have)."""
     storage, tensors = fields.get("storage_data"), fields.get("state_dict_metadata")
     if type(storage) is not dict or type(tensors) is not dict:
         raise _Departs
@@ -112,6 +117,7 @@ def _strict_rows(fields: dict[Any, Any]) -> tuple[list[StorageRow], dict[str, Te
 
     rest: list[Any] = []
     rows: list[StorageRow] = []
+    left = limit - 16 * len(storage)  # a storage entry: two records of at most four fields (names and values)
     try:
         for key, info in storage.items():
             if type(key) is not _INDEX or type(info) is not _STORAGE:
@@ -124,7 +130,9 @@ def _strict_rows(fields: dict[Any, Any]) -> tuple[list[StorageRow], dict[str, Te
             if not (type(fqn) is str and type(path) is str and type(start) is int and type(length) is int
                     and (index is None or type(index) is int)):
                 raise _Departs
-            rows.append((fqn, None if offset is None else shape(offset), path, start, length))
+            if offset is not None:
+                left -= len(shape(offset))
+            rows.append((fqn, offset, path, start, length))
             if v.get("transform_descriptors") is not None:
                 rest.append(v["transform_descriptors"])
         described: dict[str, TensorRow] = {}
@@ -149,14 +157,18 @@ def _strict_rows(fields: dict[Any, Any]) -> tuple[list[StorageRow], dict[str, Te
                 c = chunk.__dict__ if type(chunk) is _CHUNK else None
                 if c is None or not c.keys() <= _CHUNK_FIELDS:
                     raise _Departs
-                pairs.append((shape(c.get("offsets")), shape(c.get("sizes"))))
+                offsets, sizes = shape(c.get("offsets")), shape(c.get("sizes"))
+                left -= 6 + len(offsets) + len(sizes)
+                if left < 0:
+                    raise _Departs
+                pairs.append((offsets, sizes))
             for value in props.__dict__.values():
                 if type(value) not in _ATOMS:
                     small[id(value)] = value
             described[fqn] = TensorRow(shape(d.get("size")), str(props.__dict__.get("dtype")), pairs)
     except (TypeError, AttributeError):  # sum() over a non-number, a record kind without a dict
         raise _Departs from None
-    if not all(map(_small, small.values())):
+    if not all(map(_small, small.values())) or left < 0:
         raise _Departs
     return rows, described, rest
 

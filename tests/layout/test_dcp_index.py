@@ -88,6 +88,21 @@ def test_a_chunk_list_shared_by_every_tensor_is_refused_and_quickly():
     assert time.perf_counter() - start < 30
 
 
+def test_one_wide_chunk_record_referenced_by_every_chunk_is_counted_and_refused():
+    # one tensor whose 300,000 chunks are one memoised record of two 64-dim shapes: a ~1.5 MB stream whose walk makes
+    # ~4 * 10^7 references (every record shared, each expanding to 128 ints); torch's own shape otherwise
+    shape = torch.Size([1] * 64)
+    chunk = ChunkStorageMetadata(torch.Size([0] * 64), shape)
+    tensors = {"t": TensorStorageMetadata(_properties(), shape, [chunk] * 300_000)}
+    data = pickle.dumps(Metadata(state_dict_metadata=tensors, storage_data={}))
+    assert len(data) < 2_000_000
+    dcp_index._strict_rows(safe_loads(data, source="x/.metadata", check=lambda *_: None).__dict__)  # shape: torch's
+    start = time.perf_counter()
+    with pytest.raises(UnsafePickleError, match="expands"):  # counted past the limit: the generic walk refuses it
+        safe_loads(data, source="x/.metadata", check=dcp_index.bounded_facts)
+    assert time.perf_counter() - start < 30
+
+
 def _properties():
     from torch.distributed.checkpoint.metadata import TensorProperties
 
