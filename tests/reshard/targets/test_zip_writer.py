@@ -168,3 +168,53 @@ def test_blob_size_is_what_the_blob_writer_writes():
         buf = io.BytesIO()
         write_tensor_blob(buf, t)
         assert len(buf.getvalue()) == blob_size(t.dtype, tuple(t.shape))
+
+
+def test_a_blob_is_byte_for_byte_the_archive_the_writer_lays_out_record_by_record():
+    """write_tensor_blob writes a cached frame around the data with the data's CRC-32 patched in (local header and
+    central directory): the same bytes as laying the six records out one by one, for tensors of one dtype and shape
+    whose values differ (the frame reused) and for the edge shapes."""
+    import io
+
+    import torch
+
+    from megatron_preflight.reshard.targets import stream_save as ss
+    from megatron_preflight.reshard.targets.zip_writer import TorchZipWriter
+
+    def by_records(t):
+        out = io.BytesIO()
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        zw = TorchZipWriter(None, "archive", fh=out)
+        for name, data in (("data.pkl", ss._blob_pickle(t.dtype, tuple(t.shape))),
+                           (".format_version", ss._FORMAT_VERSION), ("byteorder", ss._BYTEORDER), ("data/0", raw),
+                           ("version", ss._VERSION),
+                           (".data/serialization_id", ss._serialization_id("archive", raw.nbytes).encode())):
+            zw.write(name, data)
+        zw.close()
+        return out.getvalue()
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(5, 7), torch.randn(5, 7), torch.randn(3, 9).to(torch.bfloat16), torch.zeros(0, 3),
+               torch.tensor(2.5), torch.arange(1000, dtype=torch.int64)]
+    for t in tensors:
+        buf = io.BytesIO()
+        buf.write(b"odd")  # (the blob's offsets count from its own start)
+        ss.write_tensor_blob(buf, t)
+        assert buf.getvalue()[3:] == by_records(t)
+
+
+def test_the_frame_of_a_chunk_past_the_zip64_limit_is_laid_out_without_its_data():
+    """A 3 GiB chunk's frame (zip64 sizes in its data record's headers) is laid out without making or reading its
+    data (an untouched read-only mapping stands for it), and frame plus data is blob_size's count."""
+    import resource
+
+    import torch
+
+    from megatron_preflight.reshard.targets import stream_save as ss
+
+    n = 3 * 2**30
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    head, tail, at_head, at_tail = ss._blob_frame(torch.uint8, (n,), n)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB: no data made
+    assert len(head) + n + len(tail) == ss.blob_size(torch.uint8, (n,))
+    assert head.rfind(b"PK\x03\x04") < at_head < len(head) and tail.find(b"PK\x01\x02") < at_tail
