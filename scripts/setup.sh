@@ -8,4 +8,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install -q -r requirements-test.txt
+.venv/bin/pip install -q -r requirements-parallel.txt || echo "pytest-xdist not installed: the tests will run serially" >&2
 .venv/bin/pip install -q --no-deps -e .

@@ -8,7 +8,9 @@ export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1
 # serial run ~19 min, two workers ~13). PYTEST_WORKERS=0 runs serially.
 workers=${PYTEST_WORKERS:-2}
 parallel=()
-if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
+if [ "$workers" -gt 1 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
+  parallel=(-n "$workers" --dist loadfile)
+fi
 set +e
 .venv/bin/python -m pytest -q ${parallel[@]+"${parallel[@]}"} "$@"
 rc=$?
