@@ -334,14 +334,19 @@ def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8, sha
         picks = sorted({0, n // 3, n // 2, n - 1, *range(0, n, max(1, n // sample))})
         same = torch.equal(flat_m[picks].to(flat_w.dtype), flat_w[picks])
         del w, m, flat_w, flat_m
-        files.release_pages()  # keep the resident set small: a few elements of every parameter were read
+        if checked % _RELEASE_EVERY == _RELEASE_EVERY - 1:  # keep the resident set small: a few pages of every
+            files.release_pages()  # parameter were read (each release spans every open file's whole mapping)
         if not same:
             raise OptimizerNotReshardable(
                 "the fp32 masters in distrib_optim.pt do not line up with the model's weights: its buffer layout is "
                 "not the one modelled (another Megatron version or DDP settings)",
                 path=os.path.join(files.iter_dir, shard, naming.DISTRIB_OPTIM_FILENAME), fix=FIX, code="optimizer")
         checked += 1
+    files.release_pages()
     return checked
+
+
+_RELEASE_EVERY = 64  # parameters checked between two releases of the mapped pages read
 
 
 # -- the target side --------------------------------------------------------------------------------------------
