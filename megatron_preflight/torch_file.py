@@ -273,6 +273,7 @@ class TorchFile:
         self._records: dict[str, Record] = {}
         self._crc_checked: set[str] = set()  # storage records whose bytes matched their CRC-32
         self._crc_chain: dict[str, tuple[int, int]] = {}  # record -> (bytes read in order so far, their CRC-32)
+        self._touched = True  # mapped pages may have been read since the last release_pages
         self._open()
 
     # -- opening -------------------------------------------------------------------------------------------------
@@ -306,6 +307,7 @@ class TorchFile:
 
     def _read_at(self, offset: int, n: int) -> bytes:
         assert self._fh is not None
+        self._touched = self._touched or self._window is not None  # (a window reads through the mapping)
         self._fh.seek(offset)
         return self._fh.read(n)
 
@@ -450,8 +452,9 @@ class TorchFile:
     def release_pages(self) -> None:
         """Drop the mapped pages read so far from this process's memory (they are re-read from the file if needed).
         Keeps the resident set at about one tensor while streaming through a big shard."""
-        if self._mmap is None:
-            return
+        if self._mmap is None or not self._touched:  # (rows read with pread touch no mapped page: a streaming
+            return  # writer asks after every piece, and each release walks the whole mapping)
+        self._touched = False
         if self._window is None:
             release_mapped(self._mmap, 0, len(self._mmap))
         else:  # a window of a big file (a torch_dist chunk): only its pages, not the whole mapping's range
@@ -483,6 +486,7 @@ class TorchFile:
             raise CorruptFileError(f"storage {ref.storage.key} is shorter than its tensor", path=self.path,
                                    code="corrupt_file", fix="restore the file from a complete copy")
         assert self._fh is not None
+        self._touched = self._touched or self._window is not None
         self._fh.seek(start + ref.offset * size)
         return _item(self._fh.read(size), name)
 
@@ -501,6 +505,7 @@ class TorchFile:
             self._crc_chain.pop(ref.storage.key, None)
             self._check_crc(ref.storage.key, start, nbytes)
         count = nbytes // dtype.itemsize
+        self._touched = True
         flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
 
@@ -592,6 +597,7 @@ class TorchFile:
         """The error a storage record's bytes make against their CRC-32 (None: they match), computed over the
         mapping as it is paged in (nothing copied)."""
         assert self._mmap is not None
+        self._touched = True
         with memoryview(self._mmap) as whole, whole[self._base + start:self._base + start + nbytes] as data:
             got = crc32(data)
         return self._crc_error(key, nbytes, got)
