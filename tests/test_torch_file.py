@@ -361,3 +361,32 @@ def test_rows_read_in_part_are_checked_by_finish_which_reads_the_rest(tmp_path):
     with TorchFile(path) as f:  # read out of order: the record is checked whole at once
         with pytest.raises(PreflightError, match="CRC-32"):
             _rows_into(f, ref, 10, 4)
+
+
+@pytest.mark.parametrize("name", ["moe_ep2_torch", "distopt_tp2dp2_torch"])
+def test_sampled_bytes_are_the_tensors_samples(name):
+    """A replica's sampled check reads each piece's first, middle and last 32 elements as bytes (no tensor made):
+    for every tensor of real Megatron-LM files, exactly the bytes the tensor path samples, or None (not contiguous,
+    empty: left to the tensor path) — a column slice of a matrix too."""
+    from megatron_preflight.reshard.execute.replicas import SAMPLE, _bytes, _sample_values
+    from megatron_preflight.tree import iter_leaves
+
+    root = fixture_path(name) + "/iter_0000002"
+    shard = sorted(os.listdir(root))[0]
+    for fname in sorted(os.listdir(os.path.join(root, shard))):
+        path = os.path.join(root, shard, fname)
+        refs = [v for _p, v in iter_leaves(read_torch_file(path)) if isinstance(v, TensorRef)]
+        assert refs
+        with TorchFile(path) as f:
+            got = 0
+            for ref in refs:
+                sampled = f.sample_bytes(ref, SAMPLE)
+                if sampled is not None:
+                    got += 1
+                    assert sampled == _bytes(_sample_values(f.tensor(ref))).numpy().tobytes(), ref
+            column = next((r for r in refs if len(r.shape) == 2 and r.shape[1] > 1 and r.shape[0] > 1), None)
+            if column is not None:  # (a distributed optimizer's file holds flat buffers)
+                half = TensorRef(column.file, column.storage, column.offset + 1,
+                                 (column.shape[0], column.shape[1] - 1), column.stride)
+                assert f.sample_bytes(half, SAMPLE) is None  # rows apart: not one run
+        assert got > len(refs) // 2

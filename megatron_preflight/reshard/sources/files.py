@@ -31,6 +31,8 @@ class Reader(Protocol):
 
     def item(self, shard: str, ref: Any) -> Any: ...
 
+    def sample_bytes(self, shard: str, ref: Any, k: int) -> bytes | None: ...
+
     def extent(self, shard: str, ref: Any) -> tuple[str, int, int] | None: ...
 
     def read_rows(self, shard: str, ref: Any, row0: int, out: Any) -> int | None: ...
@@ -107,6 +109,11 @@ class SourceFiles:
     def item(self, shard: str, ref: TensorRef) -> Any:
         """A one-element tensor as a number."""
         return self.reader(ref).item(shard, ref)
+
+    def sample_bytes(self, shard: str, ref: Any, k: int) -> bytes | None:
+        """The bytes of ``ref``'s first, middle and last ``k`` elements (all when it has at most ``3 k``) read without
+        a tensor, where its format can (a contiguous legacy piece); None: take them from :meth:`tensor`."""
+        return self.reader(ref).sample_bytes(shard, ref, k)
 
     def release(self, shard: str, ref: TensorRef) -> None:
         """Drop the mapped pages ``ref`` was read from."""

@@ -82,6 +82,9 @@ class HfReader:
     def item(self, shard: str, ref: SafeRef) -> Any:
         return self.tensor(shard, ref).item()
 
+    def sample_bytes(self, shard: str, ref: SafeRef, k: int) -> bytes | None:
+        return None  # (a model dir holds no replicas)
+
     def extent(self, shard: str, ref: SafeRef) -> tuple[str, int, int] | None:
         if len(ref.runs) != 1 or not ref.shape:
             return None

@@ -43,6 +43,10 @@ class LegacyReader:
         at = f.byte_extent(ref)
         return None if at is None else (f.path, *at)
 
+    def sample_bytes(self, shard: str, ref: TensorRef, k: int) -> bytes | None:
+        """The bytes of ``ref``'s first, middle and last ``k`` elements (:meth:`TorchFile.sample_bytes`)."""
+        return self.file_of(shard, ref).sample_bytes(ref, k)
+
     def read_rows(self, shard: str, ref: TensorRef, row0: int, out: Any) -> int | None:
         """Rows of ``ref`` from ``row0`` into ``out`` with plain file I/O (:meth:`TorchFile.read_rows`): their CRC-32,
         None when not read."""

@@ -283,6 +283,9 @@ class DistReader:
     def item(self, shard: str, ref: RegionRef) -> Any:
         return self.tensor(shard, ref).item()
 
+    def sample_bytes(self, shard: str, ref: RegionRef, k: int) -> bytes | None:
+        return None  # (torch_dist saves each piece once: no replicas)
+
     def release(self, shard: str, ref: RegionRef) -> None:
         self._last = None
         self.release_pages()
