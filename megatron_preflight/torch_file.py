@@ -307,7 +307,9 @@ class TorchFile:
 
     def _read_at(self, offset: int, n: int) -> bytes:
         assert self._fh is not None
-        self._touched = self._touched or self._window is not None  # (a window reads through the mapping)
+        if self._window is None:  # a positional read: n bytes, not a buffer refill after a seek; thread-safe
+            return os.pread(self._fh.fileno(), n, offset) if n > 0 else b""
+        self._touched = True  # (a window reads through the mapping)
         self._fh.seek(offset)
         return self._fh.read(n)
 
@@ -513,10 +515,7 @@ class TorchFile:
         if (ref.offset + 1) * size > nbytes:
             raise CorruptFileError(f"storage {ref.storage.key} is shorter than its tensor", path=self.path,
                                    code="corrupt_file", fix="restore the file from a complete copy")
-        assert self._fh is not None
-        self._touched = self._touched or self._window is not None
-        self._fh.seek(start + ref.offset * size)
-        return _item(self._fh.read(size), name)
+        return _item(self._read_at(start + ref.offset * size, size), name)
 
     def tensor(self, ref: TensorRef, verify: bool = True) -> Any:
         """The tensor ``ref`` points at, as a view of a copy-on-write mmap (lazy: pages are read on access).
