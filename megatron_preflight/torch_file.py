@@ -273,7 +273,9 @@ class TorchFile:
         self._records: dict[str, Record] = {}
         self._crc_checked: set[str] = set()  # storage records whose bytes matched their CRC-32
         self._crc_chain: dict[str, tuple[int, int]] = {}  # record -> (bytes read in order so far, their CRC-32)
-        self._touched = True  # mapped pages may have been read since the last release_pages
+        # whether mapped pages may have been read since the last release_pages: set when a view or a mapped read is
+        # made (a view made before a release and read after it keeps its pages until something sets it again)
+        self._touched = True
         self._open()
 
     # -- opening -------------------------------------------------------------------------------------------------

@@ -185,14 +185,13 @@ def _blob_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
 
 
 def blob_size(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """The bytes :func:`write_tensor_blob` writes for a tensor of ``dtype`` and ``shape`` (no tensor made)."""
+    """The bytes :func:`write_tensor_blob` writes for a tensor of ``dtype`` and ``shape`` (no tensor made): its
+    frame and its data."""
     n = dtype.itemsize
     for size in shape:
         n *= size
-    records = [("data.pkl", len(_blob_pickle(dtype, tuple(shape)))), (".format_version", len(_FORMAT_VERSION)),
-               ("byteorder", len(_BYTEORDER)), ("data/0", n), ("version", len(_VERSION)),
-               (".data/serialization_id", len(_serialization_id("archive", n)))]
-    return zip_size(records, "archive")
+    head, tail, _, _ = _blob_frame(dtype, tuple(shape), n)
+    return len(head) + n + len(tail)
 
 
 def owns_storage(t: torch.Tensor) -> bool:
