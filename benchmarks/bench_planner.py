@@ -10,6 +10,8 @@ Usage: python benchmarks/bench_planner.py [--work DIR] [--repeat 3] [--worlds 25
        [--model deepseek-v3|kimi-k2] [--commands inspect,check,plan]
 (Kimi K2: the same structure at 1 T parameters, 384 experts, 6 per EP64 rank; --commands: also inspect and check)
 Bytecode is cached as in an installed package (a temp PYTHONPYCACHEPREFIX), whatever PYTHONDONTWRITEBYTECODE says.
+"first s" (and its peak RSS): the first run after the metadata index (layout/dcp_cache.py, a temp dir here) is emptied:
+a torch_dist .metadata read in full, as at the first job start after a save; "wall s": the median of the runs after it.
 """
 
 from __future__ import annotations
@@ -69,12 +71,23 @@ print(json.dumps(out))
 # package's sources in every fresh process costs ~0.17 s): a temp cache, filled by an untimed first run
 _PYC = tempfile.mkdtemp(prefix="bench_planner_pyc_")
 atexit.register(shutil.rmtree, _PYC, True)
+# the index of a torch_dist .metadata once read (layout/dcp_cache.py): its own dir here, emptied before each "first"
+_INDEX = tempfile.mkdtemp(prefix="bench_planner_index_")
+atexit.register(shutil.rmtree, _INDEX, True)
 _warm: list[bool] = []
+
+
+def runs_of(command: str, path: str, world: int, run: list[str], repeat: int) -> tuple[dict, list[dict]]:
+    """The first run after the index is emptied (the .metadata read in full), then ``repeat`` runs as they come."""
+    run_probe(command, path, world, run)  # (the bytecode cache filled)
+    shutil.rmtree(os.path.join(_INDEX, "dcp-index"), ignore_errors=True)
+    first = run_probe(command, path, world, run)
+    return first, [run_probe(command, path, world, run) for _ in range(repeat)]
 
 
 def run_probe(command: str, path: str, world: int, run: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONPYCACHEPREFIX=_PYC)
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONPYCACHEPREFIX=_PYC, MEGATRON_PREFLIGHT_CACHE=_INDEX)
     if not _warm:
         _warm.append(True)
         for c in ("inspect", "check", "plan"):
@@ -119,28 +132,31 @@ def main() -> None:
     own = {legacy: m.flags(), **({dist: dist_flags(m.flags(), False)} if ns.torch_dist else {})}
     commands = ns.commands.split(",")
     if "inspect" in commands or "check" in commands:
-        print(f"\n{'command':<8} {'checkpoint':<26} {'wall s':>7} {'RSS MiB':>8} {'torch':>6}  exit")
+        print(f"\n{'command':<8} {'checkpoint':<26} {'first s':>7} {'MiB':>5} {'wall s':>7} {'RSS MiB':>8} "
+              f"{'torch':>6}  exit")
         for command in (c for c in commands if c != "plan"):
             for label, path in forms:
-                runs = [run_probe(command, path, m.tp * m.pp * m.ep * 4, own[path]) for _ in range(ns.repeat)]
-                print(f"{command:<8} {label:<26} {statistics.median(r['wall'] for r in runs):>7.2f} "
+                first, runs = runs_of(command, path, m.tp * m.pp * m.ep * 4, own[path], ns.repeat)
+                print(f"{command:<8} {label:<26} {first['wall']:>7.2f} {first['rss_mib']:>5.0f} "
+                      f"{statistics.median(r['wall'] for r in runs):>7.2f} "
                       f"{max(r['rss_mib'] for r in runs):>8.0f} {str(any(r['torch'] for r in runs)):>6}  "
                       f"{runs[0]['rc']}")
     if "plan" not in commands:
         if not ns.work:
             shutil.rmtree(work, ignore_errors=True)
         return
-    print(f"\n{'checkpoint':<26} {'world':>6} {'wall s':>7} {'plan s':>7} {'RSS MiB':>8} {'torch':>6} {'layouts':>8} "
-          f"{'fit':>5}  top layout")
+    print(f"\n{'checkpoint':<26} {'world':>6} {'first s':>7} {'wall s':>7} {'plan s':>7} {'RSS MiB':>8} {'torch':>6} "
+          f"{'layouts':>8} {'fit':>5}  top layout")
     for label, path in forms:
         for world in (int(w) for w in ns.worlds.split(",")):
-            runs = [run_probe("plan", path, world, RUN) for _ in range(ns.repeat)]
+            first, runs = runs_of("plan", path, world, RUN, ns.repeat)
             mid = statistics.median(r["wall"] for r in runs)
             top = runs[0]["top"]
             desc = "-" if top is None else (f"TP{top['tp']} PP{top['pp']} EP{top['ep']} ETP{top['etp']} CP{top['cp']} "
                                             f"DP{top['dp']} ({top['load']}, "
                                             f"{top['memory']['total'] / 2**30:.1f} GiB)")
-            print(f"{label:<26} {world:>6} {mid:>7.2f} {statistics.median(r['planned'] for r in runs):>7.2f} "
+            print(f"{label:<26} {world:>6} {first['wall']:>7.2f} {mid:>7.2f} "
+                  f"{statistics.median(r['planned'] for r in runs):>7.2f} "
                   f"{max(r['rss_mib'] for r in runs):>8.0f} {str(any(r['torch'] for r in runs)):>6} "
                   f"{runs[0]['layouts']:>8} {runs[0]['fitting']:>5}  {desc}")
     if not ns.work:

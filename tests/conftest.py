@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "megatron-lm")
+
+# the index of a .metadata once read (megatron_preflight/layout/dcp_cache.py): the suite's own, not the user's cache
+if "MEGATRON_PREFLIGHT_CACHE" not in os.environ:
+    _INDEX = tempfile.mkdtemp(prefix="preflight-test-index-")
+    atexit.register(shutil.rmtree, _INDEX, True)
+    os.environ["MEGATRON_PREFLIGHT_CACHE"] = _INDEX
 
 
 def fixture_path(name: str) -> str:

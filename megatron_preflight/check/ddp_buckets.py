@@ -16,7 +16,7 @@ from typing import Any
 
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
-from megatron_preflight.layout.dist import read_dcp_metadata
+from megatron_preflight.layout.dist import metadata_facts
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.optimizer.distributed import bucket_size, read_dist_meta
 
@@ -90,12 +90,12 @@ def _largest_buffer(layout: Layout) -> int | None:
 def _largest_dist_buffer(layout: Layout) -> int | None:
     """The largest gradient buffer of a dp_reshardable torch_dist state: the sum of its buckets' sizes."""
     try:
-        md = read_dcp_metadata(layout.iter_dir or "")
+        tensors = metadata_facts(layout.iter_dir or "").tensors
     except Exception:  # noqa: BLE001 - unreadable: reported elsewhere
         return None
     buffers: dict[str, int] = {}
-    for fqn, tm in md.state_dict_metadata.items():
-        if _BUCKET.match(fqn) and hasattr(tm, "size"):
+    for fqn, (shape, _dtype) in tensors.items():
+        if _BUCKET.match(fqn) and shape:
             key = fqn.split(".bucket_idx_")[0]
-            buffers[key] = buffers.get(key, 0) + int(tm.size[0])
+            buffers[key] = buffers.get(key, 0) + int(shape[0])
     return max(buffers.values()) if buffers else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_preflight import dtypes
 from megatron_preflight.pickle_limits import EXPANSION_FACTOR, EXPANSION_FLOOR, check_shape
@@ -58,6 +58,14 @@ class TensorRow:
     chunks: list[tuple[Shape, Shape]] | None  # None: none recorded (not checked)
 
 
+class StoredItem(NamedTuple):
+    """Where a bytes item (a sharded object: extra state, common state, ...) lies: as torch's ``_StorageInfo``."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
 @dataclass
 class DcpFacts:
     """What a verdict reads from a ``.metadata`` (see the module doc)."""
@@ -66,6 +74,8 @@ class DcpFacts:
     file_ends: dict[str, int] = field(default_factory=dict)  # data file -> the end of its last item
     chunk_problems: list[tuple[str, str]] = field(default_factory=list)  # (fqn, why), the first few
     unreadable: list[str] = field(default_factory=list)  # entries not of the shape torch writes (lenient read)
+    order: list[str] = field(default_factory=list)  # every entry of the tensor table (tensors and bytes items)
+    objects: dict[str, StoredItem] = field(default_factory=dict)  # bytes item -> where it lies
 
 
 class _Departs(Exception):
@@ -76,13 +86,13 @@ def bounded_facts(obj: Any, stream_bytes: int, source: str) -> DcpFacts:
     """Prove ``obj`` (a ``.metadata`` just unpickled) bounded as :func:`check_shape` does, and gather its facts."""
     try:
         fields = _fields(obj)
-        storage, tensors, rest = _strict_rows(fields, EXPANSION_FACTOR * stream_bytes + EXPANSION_FLOOR)
+        storage, tensors, rest, order = _strict_rows(fields, EXPANSION_FACTOR * stream_bytes + EXPANSION_FLOOR)
     except _Departs:
         check_shape(obj, stream_bytes, source)
         return _facts(*_lenient_rows(obj))
     others = [v for k, v in fields.items() if k not in _TABLES]
     check_shape([*fields, *others, *rest], stream_bytes, source)
-    return _facts(storage, tensors, [])
+    return _facts(storage, tensors, [], order)
 
 
 def _fields(obj: Any) -> dict[Any, Any]:
@@ -98,9 +108,9 @@ StorageRow = tuple[str, "Shape | None", str, int, int]  # fqn, chunk offset (Non
 
 
 def _strict_rows(fields: dict[Any, Any], limit: float = math.inf,
-                 ) -> tuple[list[StorageRow], dict[str, TensorRow], list[Any]]:
-    """The rows of both tables, each record checked to have torch's shape on the way (else :class:`_Departs`), and the
-    values left for the generic walk. A chunk list shared by several tensors is the amplifier this shape allows
+                 ) -> tuple[list[StorageRow], dict[str, TensorRow], list[Any], list[str]]:
+    """The rows of both tables, each record checked to have torch's shape on the way (else :class:`_Departs`), the
+    values left for the generic walk, and the tensor table's order. A chunk list shared by several tensors is the amplifier this shape allows
     (torch never writes one): the pass departs at the first, and the generic walk counts it at each reference.
     Records and shapes shared within the tables expand a walk by a bounded factor (a shape holds at most
     :data:`MAX_DIMS` ints); the references a walk makes are counted against ``limit`` all the same, and the pass
@@ -117,6 +127,7 @@ def _strict_rows(fields: dict[Any, Any], limit: float = math.inf,
 
     rest: list[Any] = []
     rows: list[StorageRow] = []
+    order: list[str] = []
     left = limit - 16 * len(storage)  # a storage entry: two records of at most four fields (names and values)
     try:
         for key, info in storage.items():
@@ -142,8 +153,10 @@ def _strict_rows(fields: dict[Any, Any], limit: float = math.inf,
             kind = type(meta)
             if type(fqn) is not str or kind is not _TENSOR:
                 if kind is _BYTES and type(fqn) is str and not meta.__dict__:
+                    order.append(fqn)
                     continue
                 raise _Departs
+            order.append(fqn)
             d = meta.__dict__
             chunks, props = d.get("chunks"), d.get("properties")
             if not (d.keys() <= _TENSOR_FIELDS and type(chunks) is list and type(props) is _PROPERTIES
@@ -170,7 +183,7 @@ def _strict_rows(fields: dict[Any, Any], limit: float = math.inf,
         raise _Departs from None
     if not all(map(_small, small.values())) or left < 0:
         raise _Departs
-    return rows, described, rest
+    return rows, described, rest, order
 
 
 def _small(value: Any) -> bool:
@@ -183,7 +196,7 @@ def _small(value: Any) -> bool:
     return type(value).__module__ == "torch" and type(value).__name__ in ("dtype", "layout", "memory_format")
 
 
-def _lenient_rows(md: Any) -> tuple[list[StorageRow], dict[str, TensorRow], list[str]]:
+def _lenient_rows(md: Any) -> tuple[list[StorageRow], dict[str, TensorRow], list[str], list[str]]:
     """The rows of a metadata that departs from torch's shape (bounded by the generic walk already): fields read by
     name, numbers converted; an entry that cannot be read is named instead."""
     if isinstance(md, Placeholder) and isinstance(md._state, dict):
@@ -199,8 +212,13 @@ def _lenient_rows(md: Any) -> tuple[list[StorageRow], dict[str, TensorRow], list
         except (AttributeError, TypeError, ValueError):
             unreadable.append(f"the storage entry of {getattr(key, 'fqn', key)!r}")
     described: dict[str, TensorRow] = {}
+    order: list[str] = []
     tensors = getattr(md, "state_dict_metadata", None)
     for fqn, meta in (tensors.items() if isinstance(tensors, dict) else ()):
+        if not isinstance(fqn, str):
+            unreadable.append(f"the tensor table's key {fqn!r}")
+            continue
+        order.append(fqn)
         size, chunks = getattr(meta, "size", None), getattr(meta, "chunks", None)
         if size is None:
             continue
@@ -209,19 +227,22 @@ def _lenient_rows(md: Any) -> tuple[list[StorageRow], dict[str, TensorRow], list
             described[fqn] = TensorRow(tuple(map(int, size)), str(meta.properties.dtype), pairs)
         except (AttributeError, TypeError, ValueError):
             unreadable.append(f"tensor {fqn!r}")
-    return rows, described, unreadable
+    return rows, described, unreadable, order
 
 
-def _facts(storage: list[StorageRow], tensors: dict[str, TensorRow], unreadable: list[str]) -> DcpFacts:
+def _facts(storage: list[StorageRow], tensors: dict[str, TensorRow], unreadable: list[str],
+           order: list[str]) -> DcpFacts:
     """The facts from the rows: data files' ends, each tensor's chunks checked (each inside the global shape, found in
     the storage index, their volumes adding up to the whole tensor: overlapping chunks that also leave a gap of the
     same size are not told apart from a clean tiling; torch's own check is no stronger)."""
-    facts = DcpFacts(unreadable=unreadable)
-    ends = facts.file_ends
-    for _fqn, _offset, path, start, length in storage:
+    facts = DcpFacts(unreadable=unreadable, order=order)
+    ends, objects = facts.file_ends, facts.objects
+    for fqn, offset, path, start, length in storage:
         end = start + length
         if end > ends.get(path, 0):
             ends[path] = end
+        if offset is None and isinstance(fqn, str):
+            objects[fqn] = StoredItem(path, start, length)
     stored = {(fqn, offset) for fqn, offset, _path, _start, _length in storage if offset is not None}
     for fqn, row in tensors.items():
         facts.tensors[fqn] = (tuple(row.shape), row.dtype)

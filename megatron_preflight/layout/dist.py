@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError, require_regular_file
-from megatron_preflight.layout import completeness, optimizer_entry
+from megatron_preflight.layout import completeness, dcp_cache, optimizer_entry
 from megatron_preflight.layout.dcp_index import DcpFacts, bounded_facts
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.placeholders import Placeholder
@@ -32,41 +32,69 @@ COMMON_PT = "common.pt"
 
 # keyed by the file's version, the trust mode and whether torch is loaded (its dtypes are torch's then, named before)
 _METADATA_CACHE: dict[tuple[str, int, int, bool, bool], tuple[Any, DcpFacts]] = {}
+_FACTS_CACHE: dict[tuple[str, int, int, bool], DcpFacts] = {}  # (the facts hold names only: torch or not)
 
 
 def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
-    """The DCP ``.metadata`` of a torch_dist iteration dir, unpickled once per file version (discovery, the check,
-    the resharder and its reader all ask for it; treat the result as read-only)."""
+    """The DCP ``.metadata`` of a torch_dist iteration dir, unpickled once per file version (the resharder and its
+    reader ask for it; treat the result as read-only). A verdict reads :func:`metadata_facts` instead."""
     return _read_cached(iter_dir, trust)[0]
 
 
 def metadata_facts(iter_dir: str, *, trust: bool = False) -> DcpFacts:
-    """What a verdict reads from the ``.metadata`` (:mod:`~megatron_preflight.layout.dcp_index`), gathered when it
-    was read."""
-    return _read_cached(iter_dir, trust)[1]
-
-
-def _read_cached(iter_dir: str, trust: bool) -> tuple[Any, DcpFacts]:
+    """What a verdict reads from the ``.metadata`` (:mod:`~megatron_preflight.layout.dcp_index`): gathered when it
+    was read, or from its index once read (:mod:`~megatron_preflight.layout.dcp_cache`); treat as read-only."""
     path = os.path.join(iter_dir, DCP_METADATA)
     require_regular_file(path)
+    key = _version(path, trust)
+    facts = _FACTS_CACHE.get(key[:4]) if key is not None else None
+    if facts is not None:
+        return facts
+    if key is not None and key in _METADATA_CACHE:
+        return _METADATA_CACHE[key][1]
+    data = _read_bytes(path)
+    indexed = dcp_cache.key_of(data, trust)
+    facts = dcp_cache.load(indexed)
+    if facts is None:
+        facts = _read_cached(iter_dir, trust, data)[1]
+        dcp_cache.store(indexed, facts)
+    if key is not None:
+        _remember(_FACTS_CACHE, key[:4], facts)
+    return facts
+
+
+def _version(path: str, trust: bool) -> tuple[str, int, int, bool, bool] | None:
     try:
         st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, trust, dtypes.torch_loaded())
     except OSError:
-        key = None
+        return None
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns, trust, dtypes.torch_loaded()
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) >= 8:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def _read_cached(iter_dir: str, trust: bool, data: bytes | None = None) -> tuple[Any, DcpFacts]:
+    path = os.path.join(iter_dir, DCP_METADATA)
+    require_regular_file(path)
+    key = _version(path, trust)
     if key is not None and key in _METADATA_CACHE:
         return _METADATA_CACHE[key]
-    read = _read_dcp_metadata(path, trust)
+    read = _read_dcp_metadata(path, trust, _read_bytes(path) if data is None else data)
     if key is not None:
-        if len(_METADATA_CACHE) >= 8:
-            _METADATA_CACHE.pop(next(iter(_METADATA_CACHE)))
-        _METADATA_CACHE[key] = read
+        _remember(_METADATA_CACHE, key, read)
     return read
 
 
-def _read_dcp_metadata(path: str, trust: bool) -> tuple[Any, DcpFacts]:
-    with open(path, "rb") as fh:
-        data = fh.read()
+def _read_dcp_metadata(path: str, trust: bool, data: bytes) -> tuple[Any, DcpFacts]:
     gathered: list[DcpFacts] = []
 
     def bound(obj: Any, stream_bytes: int, source: str) -> None:  # the shape check, gathering the facts on the way
@@ -174,8 +202,8 @@ def _is_tensor(v: Any) -> bool:
     return type(v).__name__ == "Tensor" and hasattr(v, "clone")
 
 
-def _common_from_metadata(iter_dir: str, md: Any, trust: bool) -> Any:
-    for fqn, info in object_index(md).items():
+def _common_from_metadata(iter_dir: str, facts: DcpFacts, trust: bool) -> Any:
+    for fqn, info in facts.objects.items():
         if fqn.startswith("common_state"):
             return read_object(iter_dir, fqn, info, trust=trust)
     return None
@@ -188,10 +216,10 @@ FSDP_MODEL = "model."
 FSDP_OPTIMIZER_STATE = "optimizer.state."
 
 
-def _fsdp_common(iter_dir: str, md: Any, trust: bool) -> dict[str, Any] | None:
+def _fsdp_common(iter_dir: str, facts: DcpFacts, trust: bool) -> dict[str, Any] | None:
     """The common state of an fsdp_dtensor save, from its top-level bytes items (``args``, ``iteration``, the
     scheduler's ``opt_param_scheduler.<field>`` items); None when it has no ``args`` item (not Megatron's)."""
-    objects = object_index(md)
+    objects = facts.objects
     if "args" not in objects:
         return None
     reader = ObjectReader(iter_dir, trust=trust)
@@ -238,8 +266,7 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
         layout.add("unknown_backend", os.path.join(iter_dir, METADATA_JSON),
                    f"unknown sharded_backend {backend!r}", "use a Megatron version that wrote this checkpoint")
     common: Any = None
-    md = None
-    facts = DcpFacts()
+    facts: DcpFacts | None = None
     if layout.format in (Format.TORCH_DIST, Format.TORCH_DCP):
         if DCP_METADATA not in entries:
             layout.add("missing_file", os.path.join(iter_dir, DCP_METADATA),
@@ -247,10 +274,10 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
                        "restore the iteration dir from a complete copy")
         else:
             try:
-                md, facts = _read_cached(iter_dir, trust)
+                facts = metadata_facts(iter_dir, trust=trust)
             except PreflightError as exc:
                 layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
-    if md is not None:
+    if facts is not None:
         _check_data_files(layout, iter_dir, facts)
         _check_chunks(layout, os.path.join(iter_dir, DCP_METADATA), facts)
         layout.dist_tensors.update(facts.tensors)
@@ -268,11 +295,11 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
             common = read_torch_file(os.path.join(iter_dir, COMMON_PT), trust=trust)
         except PreflightError as exc:
             layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
-    elif md is not None:
+    elif facts is not None:
         try:
-            common = _common_from_metadata(iter_dir, md, trust)
+            common = _common_from_metadata(iter_dir, facts, trust)
             if common is None and layout.format in (Format.FSDP_DTENSOR, Format.TORCH_DCP):
-                common = _fsdp_common(iter_dir, md, trust)
+                common = _fsdp_common(iter_dir, facts, trust)
         except PreflightError as exc:
             layout.add(exc.code, exc.path or iter_dir, exc.message, exc.fix or "")
     if isinstance(common, list) and common and isinstance(common[0], dict):
@@ -292,7 +319,7 @@ def inspect_dist(layout: Layout, iter_dir: str, *, trust: bool = False) -> None:
             layout.add("iteration_mismatch", iter_dir,
                        f"the checkpoint says iteration {it} but sits in the dir for iteration {layout.iteration}",
                        "check the tracker and dir names")
-    elif layout.format == Format.TORCH_DIST and md is not None and not layout.problems:
+    elif layout.format == Format.TORCH_DIST and facts is not None and not layout.problems:
         # Megatron's load reads the common state (args, iteration, ...) from common.pt or the .distcp files
         layout.add("missing_file", os.path.join(iter_dir, COMMON_PT),
                    "the common state (args, iteration, RNG, ...) is missing: no common.pt and no common_state item "

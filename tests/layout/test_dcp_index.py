@@ -33,8 +33,8 @@ def _strict(data: bytes, source: str) -> dcp_index.DcpFacts:
 
     def check(obj, n, s):
         fields = dcp_index._fields(obj)
-        rows, tensors, _rest = dcp_index._strict_rows(fields)  # raises _Departs off torch's shape
-        got.append(dcp_index._facts(rows, tensors, []))
+        rows, tensors, _rest, order = dcp_index._strict_rows(fields)  # raises _Departs off torch's shape
+        got.append(dcp_index._facts(rows, tensors, [], order))
 
     safe_loads(data, source=source, check=check)
     return got[0]
