@@ -213,8 +213,9 @@ class _Builder:
                 self.plan_extra_state(fqn)
             return
         stage = self.par.pp - 1 if layer is None else self.par.place_layer(layer)[0]
+        per_rank = self.par.experts_per_rank()
         for fqn, head in zip(fqns, heads):  # noqa: B905 - one head per item
-            ep, local = self.par.place_expert(int(head))
+            ep, local = divmod(int(head), per_rank)  # (ParallelLayout.place_expert, its size asked once)
             if self._keeps_expert_item(local):
                 self.at_stage.setdefault((stage, ep), []).append(("extra", fqn))
 
