@@ -43,21 +43,28 @@ def read_dcp_metadata(iter_dir: str, *, trust: bool = False) -> Any:
 
 def metadata_facts(iter_dir: str, *, trust: bool = False) -> DcpFacts:
     """What a verdict reads from the ``.metadata`` (:mod:`~megatron_preflight.layout.dcp_index`): gathered when it
-    was read, or from its index once read (:mod:`~megatron_preflight.layout.dcp_cache`); treat as read-only."""
+    was read, or from its index once read (:mod:`~megatron_preflight.layout.dcp_cache`); treat as read-only. A
+    trusted reader also takes a safe read's facts (trust changes only what the allow-list refuses, and that read
+    refused nothing: the same objects); a safe reader never takes a trusted read's."""
     path = os.path.join(iter_dir, DCP_METADATA)
     require_regular_file(path)
     key = _version(path, trust)
-    facts = _FACTS_CACHE.get(key[:4]) if key is not None else None
-    if facts is not None:
-        return facts
-    if key is not None and key in _METADATA_CACHE:
-        return _METADATA_CACHE[key][1]
+    modes = (False, True) if trust else (False,)
+    if key is not None:
+        for mode in modes:
+            facts = _FACTS_CACHE.get((*key[:3], mode))
+            if facts is not None:
+                return facts
+        if key in _METADATA_CACHE:
+            return _METADATA_CACHE[key][1]
     data = _read_bytes(path)
-    indexed = dcp_cache.key_of(data, trust)
-    facts = dcp_cache.load(indexed)
-    if facts is None:
+    for mode in modes:
+        facts = dcp_cache.load(dcp_cache.key_of(data, mode))
+        if facts is not None:
+            break
+    else:
         facts = _read_cached(iter_dir, trust, data)[1]
-        dcp_cache.store(indexed, facts)
+        dcp_cache.store(dcp_cache.key_of(data, trust), facts)
     if key is not None:
         _remember(_FACTS_CACHE, key[:4], facts)
     return facts
@@ -86,8 +93,11 @@ def _read_cached(iter_dir: str, trust: bool, data: bytes | None = None) -> tuple
     path = os.path.join(iter_dir, DCP_METADATA)
     require_regular_file(path)
     key = _version(path, trust)
-    if key is not None and key in _METADATA_CACHE:
-        return _METADATA_CACHE[key]
+    if key is not None:
+        for mode in (False, True) if trust else (False,):  # (a safe read serves a trusted reader: see metadata_facts)
+            cached = _METADATA_CACHE.get((*key[:3], mode, key[4]))
+            if cached is not None:
+                return cached
     read = _read_dcp_metadata(path, trust, _read_bytes(path) if data is None else data)
     if key is not None:
         _remember(_METADATA_CACHE, key, read)

@@ -100,3 +100,33 @@ def test_a_failure_in_the_background_hashing_is_a_preflight_error_not_a_tracebac
 
     with pytest.raises(PreflightError, match="hashing failed .*the model went away"):
         save_fingerprint.DuringSave(placed, Broken(), None, False).join()
+
+
+def test_the_saved_metadata_is_indexed_for_the_next_job_start(tmp_path, monkeypatch, real_fixture):
+    # the index read at save (trusted: the job's own files) first reads a torch_dist .metadata as the next job start
+    # will (through the allow-list), so that start takes its facts from the index (layout/dcp_cache.py)
+    from megatron_preflight.layout import dcp_cache, dist
+
+    monkeypatch.setenv(dcp_cache.ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(dcp_cache, "MIN_BYTES", 0)
+    dist._FACTS_CACHE.clear()
+    dist._METADATA_CACHE.clear()
+    save = real_fixture("bf16_gqa_tp2_torch_dist")
+    iteration = int(open(f"{save}/latest_checkpointed_iteration.txt").read())
+    try:
+        index = save_fingerprint._saved_index(save, iteration)
+        assert index.trust and index.layout.format.value == "torch_dist"
+        (entry,) = (tmp_path / "cache" / "dcp-index").iterdir()
+        assert entry.name.startswith(f"v{dcp_cache.VERSION}-safe-")
+        # a .metadata the allow-list refuses is read trusted, as before, and not indexed
+        iter_dir = f"{save}/{naming.iteration_dir_name(iteration)}"
+        dist._FACTS_CACHE.clear()
+        dist._METADATA_CACHE.clear()
+        entry.unlink()
+        with open(f"{iter_dir}/.metadata", "wb") as fh:
+            fh.write(b"cos\nsystem\n(S'echo pwned'\ntR.")
+        save_fingerprint._facts_for_the_next_start(save, iteration)  # (no error: best effort)
+        assert not list((tmp_path / "cache" / "dcp-index").iterdir())
+    finally:
+        dist._FACTS_CACHE.clear()
+        dist._METADATA_CACHE.clear()

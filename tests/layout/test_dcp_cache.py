@@ -139,3 +139,34 @@ def test_a_dir_that_cannot_be_written_is_skipped(tmp_path, monkeypatch):
         assert dist.metadata_facts(_DIRS[0]).tensors
     finally:
         _forget()
+
+
+def _count_full_reads(monkeypatch) -> list[bool]:
+    calls: list[bool] = []
+    real = dist._read_dcp_metadata
+
+    def counted(path, trust, data):
+        calls.append(trust)
+        return real(path, trust, data)
+
+    monkeypatch.setattr(dist, "_read_dcp_metadata", counted)
+    return calls
+
+
+def test_a_trusted_reader_takes_a_safe_reads_facts_and_not_the_other_way(index, monkeypatch):
+    iter_dir = _DIRS[0]
+    calls = _count_full_reads(monkeypatch)
+    safe = dist.metadata_facts(iter_dir)
+    assert dist.metadata_facts(iter_dir, trust=True) == safe  # (from memory)
+    _forget()
+    assert dist.metadata_facts(iter_dir, trust=True) == safe  # (from the index)
+    assert dist.read_dcp_metadata(iter_dir, trust=True) is not None and calls == [False, True]
+    # a trusted read proves nothing about the allow-list: a safe reader reads the file itself
+    for entry in index.iterdir():
+        entry.unlink()
+    _forget()
+    dist.metadata_facts(iter_dir, trust=True)
+    _forget()
+    dist.metadata_facts(iter_dir)
+    assert calls == [False, True, True, False]
+    assert sorted(p.name.split("-")[1] for p in index.iterdir()) == ["safe", "trusted"]
