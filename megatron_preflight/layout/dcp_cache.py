@@ -11,7 +11,8 @@ read again. The source checkpoint is never written to.
 
 Where: ``$MEGATRON_PREFLIGHT_CACHE`` (``off`` turns it off), else ``$XDG_CACHE_HOME/megatron-preflight``, else
 ``~/.cache/megatron-preflight``; files under :data:`MIN_BYTES` are read directly (they take milliseconds). A cache
-dir that cannot be written is skipped (the facts are read as before).
+dir that cannot be written is skipped (the facts are read as before). The least recently used entries go past
+:data:`MAX_TOTAL` bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 ENV = "MEGATRON_PREFLIGHT_CACHE"
 VERSION = 1  # of the index's form and of what the pass that proves a file bounded checks: bump on either's change
 MIN_BYTES = 1 << 20  # smaller .metadata files are read whole each time (the index would not save a millisecond)
+MAX_TOTAL = 256 << 20  # the index dir's size: past it the least recently used entries go (a run that saves every
+# hour indexes each save: a 1 T-parameter MoE's entry is ~5 MB)
 _SUBDIR = "dcp-index"
 
 
@@ -63,7 +66,12 @@ def load(key: str | None) -> DcpFacts | None:
     try:
         with open(path, "rb") as fh:
             doc = json.loads(fh.read())
-        return _decode(doc, key or "")
+        facts = _decode(doc, key or "")
+        try:
+            os.utime(path)  # (used: the last to go)
+        except OSError:
+            pass
+        return facts
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError, KeyError, IndexError) as exc:
@@ -87,8 +95,33 @@ def store(key: str | None, facts: DcpFacts) -> None:
         except BaseException:
             os.unlink(tmp)
             raise
+        _trim(os.path.dirname(path), keep=path)
     except OSError as exc:
         log.info("could not write the metadata index %s (%s)", path, exc)
+
+
+def _trim(where: str, keep: str) -> None:
+    """Remove the least recently used entries while the dir holds more than :data:`MAX_TOTAL` bytes (never ``keep``,
+    the one just written)."""
+    entries = []
+    for entry in os.scandir(where):
+        try:
+            if entry.name.endswith(".json") and entry.is_file():
+                st = entry.stat()
+                entries.append((st.st_mtime_ns, st.st_size, entry.path))
+        except OSError:
+            continue
+    total = sum(size for _, size, _ in entries)
+    for _, size, old in sorted(entries):
+        if total <= MAX_TOTAL:
+            break
+        if old == keep:
+            continue
+        try:
+            os.unlink(old)
+            total -= size
+        except OSError:
+            pass
 
 
 def _encode(facts: DcpFacts, key: str) -> dict[str, Any]:

@@ -170,3 +170,19 @@ def test_a_trusted_reader_takes_a_safe_reads_facts_and_not_the_other_way(index, 
     dist.metadata_facts(iter_dir)
     assert calls == [False, True, True, False]
     assert sorted(p.name.split("-")[1] for p in index.iterdir()) == ["safe", "trusted"]
+
+
+def test_the_least_recently_used_entries_go_past_the_size_limit(index, monkeypatch):
+    dirs = _DIRS[:3]
+    for d in dirs:
+        dist.metadata_facts(d)
+    sizes = {p.name: p.stat().st_size for p in index.iterdir()}
+    assert len(sizes) == 3
+    first = dcp_cache.key_of(open(os.path.join(dirs[0], ".metadata"), "rb").read(), False) + ".json"
+    os.utime(index / first, ns=(1, 1))  # (the oldest use)
+    monkeypatch.setattr(dcp_cache, "MAX_TOTAL", sum(sizes.values()) - 1)
+    _forget()
+    dist.metadata_facts(_DIRS[3])  # a fourth entry: the least recently used ones go until the rest fit
+    left = {p.name for p in index.iterdir()}
+    assert first not in left and len(left) < 4
+    assert dcp_cache.key_of(open(os.path.join(_DIRS[3], ".metadata"), "rb").read(), False) + ".json" in left
