@@ -41,8 +41,13 @@ def cache_dir() -> str | None:
     where = os.environ.get(ENV)
     if where is not None:
         return None if where.strip().lower() in ("", "off", "0", "no", "false") else where
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megatron-preflight")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):  # (no home to name: not a dir relative to wherever the job runs)
+            return None
+        base = os.path.join(home, ".cache")
+    return os.path.join(os.path.abspath(base), "megatron-preflight")
 
 
 def key_of(data: bytes, trust: bool) -> str | None:

@@ -186,3 +186,14 @@ def test_the_least_recently_used_entries_go_past_the_size_limit(index, monkeypat
     left = {p.name for p in index.iterdir()}
     assert first not in left and len(left) < 4
     assert dcp_cache.key_of(open(os.path.join(_DIRS[3], ".metadata"), "rb").read(), False) + ".json" in left
+
+
+def test_where_the_index_lives(monkeypatch, tmp_path):
+    monkeypatch.delenv(dcp_cache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert dcp_cache.cache_dir() == str(tmp_path / "xdg" / "megatron-preflight")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert dcp_cache.cache_dir() == str(tmp_path / "home" / ".cache" / "megatron-preflight")
+    monkeypatch.setattr(os.path, "expanduser", lambda p: p)  # (no home: ~ stays ~)
+    assert dcp_cache.cache_dir() is None
