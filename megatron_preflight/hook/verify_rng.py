@@ -18,7 +18,7 @@ import zlib
 from typing import Any
 
 from megatron_preflight.layout import naming
-from megatron_preflight.layout.dist import object_index, read_dcp_metadata, read_object
+from megatron_preflight.layout.dist import metadata_facts, read_object
 from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.sources.torch_dist import object_fqn
 from megatron_preflight.torch_file import TensorRef, TorchFile
@@ -53,10 +53,10 @@ def saved_entry(index: Any, coords: dict[str, int], shard_name: str, dp_rank: in
             value = meta.get("rng_state") if isinstance(meta, dict) else None
             value = map_leaves(value, lambda v, _p: f.tensor(v).clone() if isinstance(v, TensorRef) else v)
     elif layout.format == Format.TORCH_DIST:
-        md = read_dcp_metadata(layout.iter_dir or "", trust=trust)
         par = layout.parallel
         fqn = object_fqn("rng_state", (coords["pp"], coords["tp"]), (par.pp if par else 1, par.tp if par else 1))
-        info = object_index(md).get(fqn)
+        # (where the item lies: the facts every rank's check read, or their index — not the whole table decoded)
+        info = metadata_facts(layout.iter_dir or "", trust=trust).objects.get(fqn)
         value = read_object(layout.iter_dir or "", fqn, info, trust=trust, tensors=True) if info else None
     else:
         return None

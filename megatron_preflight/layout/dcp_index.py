@@ -110,8 +110,9 @@ StorageRow = tuple[str, "Shape | None", str, int, int]  # fqn, chunk offset (Non
 def _strict_rows(fields: dict[Any, Any], limit: float = math.inf,
                  ) -> tuple[list[StorageRow], dict[str, TensorRow], list[Any], list[str]]:
     """The rows of both tables, each record checked to have torch's shape on the way (else :class:`_Departs`), the
-    values left for the generic walk, and the tensor table's order. A chunk list shared by several tensors is the amplifier this shape allows
-    (torch never writes one): the pass departs at the first, and the generic walk counts it at each reference.
+    values left for the generic walk, and the tensor table's order. A chunk list shared by several tensors is the
+    amplifier this shape allows (torch never writes one): the pass departs at the first, and the generic walk counts
+    it at each reference.
     Records and shapes shared within the tables expand a walk by a bounded factor (a shape holds at most
     :data:`MAX_DIMS` ints); the references a walk makes are counted against ``limit`` all the same, and the pass
     departs past it (the generic walk then refuses the file, as it would have)."""
