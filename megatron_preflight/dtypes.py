@@ -106,6 +106,15 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+def byte_element(value: Any) -> Any:
+    """The numpy dtype of unsigned integers as wide as ``value``'s elements (a bf16 element as a uint16): an array of
+    a tensor's bytes, for code that copies them without their meaning (imports numpy, not torch)."""
+    import numpy as np  # deferred: numpy only where arrays are made (a verdict loads neither it nor torch)
+
+    size = value.itemsize
+    return np.dtype(f"<u{size}") if size in (1, 2, 4, 8) else np.dtype((np.void, size))
+
+
 def int_view(value: Any) -> Any:
     """The integer ``torch.dtype`` of ``value``'s width (bool: uint8), to compare bits rather than values."""
     import torch  # deferred: torch only where tensors are compared

@@ -18,8 +18,8 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
     assert err == "", err
 
 
-def test_a_missing_dependency_is_named_with_its_fix_not_called_a_bug(tmp_path):
-    """torch hidden from the interpreter (a broken install): reshard names the package and the fix, exit 1."""
+def _without_torch(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI with torch hidden from the interpreter (a broken install)."""
     blocker = tmp_path / "sitecustomize.py"  # a meta path finder that refuses torch, for this subprocess only
     blocker.write_text("import sys\n"
                        "class _NoTorch:\n"
@@ -30,9 +30,22 @@ def test_a_missing_dependency_is_named_with_its_fix_not_called_a_bug(tmp_path):
     import os
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
-    p = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fixture_path("tp2_torch"),
-                        str(tmp_path / "out"), "--no-progress", "--", "--tensor-model-parallel-size", "1"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "megatron_preflight", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_a_missing_dependency_is_named_with_its_fix_not_called_a_bug(tmp_path):
+    """torch hidden: a reshard that makes tensors (a torch_dist output) names the package and the fix, exit 1."""
+    p = _without_torch(tmp_path, "reshard", fixture_path("tp2_torch"), str(tmp_path / "out"), "--no-progress",
+                       "--ckpt-format", "torch_dist", "--", "--tensor-model-parallel-size", "1")
     assert p.returncode == 1, p.stderr
     assert "needs the Python package 'torch'" in p.stderr and "internal error" not in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_legacy_reshard_runs_without_torch(tmp_path):
+    """torch hidden: a legacy -> legacy reshard moves bytes only, and needs none of it."""
+    p = _without_torch(tmp_path, "reshard", fixture_path("tp2_torch"), str(tmp_path / "out"), "--no-progress",
+                       "--", "--tensor-model-parallel-size", "1")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "out" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").is_file(), p.stdout

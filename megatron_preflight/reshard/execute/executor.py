@@ -8,6 +8,8 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import crc, dtypes
+from megatron_preflight.held_tensor import HeldTensor
+from megatron_preflight.reshard.execute.arrays import TORCH, Kit
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.tree import map_leaves
@@ -16,11 +18,10 @@ if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costin
     import torch
 
 
-def _narrow(t: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
+def _narrow(t: torch.Tensor, spec: tuple[int, int, int] | None, kit: Kit = TORCH) -> torch.Tensor:
     if spec is None:
         return t
-    dim, start, length = spec
-    return t.narrow(dim, start, length)
+    return kit.narrow(t, *spec)
 
 
 def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> torch.Tensor:
@@ -31,72 +32,70 @@ def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> t
 
 
 def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False,
-               out: torch.Tensor | None = None, spans: list[Span] | None = None) -> torch.Tensor:
+               out: Any = None, spans: list[Span] | None = None, kit: Kit = TORCH) -> Any:
     """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time.
 
     With ``out`` (a flat uint8 buffer of at least the rows' bytes, reused by the caller) the rows are built in it, and
     a source slice that is one contiguous run of a file is read straight into place with plain file I/O
     (:meth:`SourceFiles.read_rows`); the caller then owes :meth:`SourceFiles.finish` before trusting the bytes.
     ``spans`` (with ``out``) gets a :data:`Span` per op: where its bytes went and their CRC-32 when they were read
-    that way (:func:`tiled_crc` makes the rows' CRC-32 from them)."""
-    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
-
+    that way (:func:`tiled_crc` makes the rows' CRC-32 from them). ``kit``: the kind of array (torch tensors; or
+    numpy arrays of the elements' bytes, :data:`~.arrays.BYTES`, from legacy sources without torch)."""
     assert tp.shape is not None
     whole = not tp.shape or (r0 == 0 and r1 == tp.shape[0])
     shape = tp.shape if whole else (r1 - r0, *tp.shape[1:])
-    dtype = dtypes.to_torch(tp.dtype)
     if out is None:
-        dst = torch.zeros(shape, dtype=dtype) if tp.zero_fill else torch.empty(shape, dtype=dtype)  # planned padding
+        dst = kit.new(shape, tp.dtype, bool(tp.zero_fill))  # planned padding: zeros
     else:
         n = 1
         for size in shape:
             n *= size
-        dst = out[:n * dtype.itemsize].view(dtype).view(shape)
+        dst = kit.view(out, tp.dtype, shape, n)
         if tp.zero_fill:
-            dst.zero_()
+            kit.zero(dst)
     for op in tp.ops:
         # d: where the op's part of rows r0:r1 goes; rows: the source rows it takes when it takes whole rows of one
         # run; pick: that part of the source tensor
         if whole:
-            d, rows = _narrow(dst, op.dst), _rows(op.src, getattr(op.ref, "shape", None))
-            pick = functools.partial(_narrow, spec=op.src)
+            d, rows = _narrow(dst, op.dst, kit), _rows(op.src, getattr(op.ref, "shape", None))
+            pick = functools.partial(_narrow, spec=op.src, kit=kit)
         elif op.dst is None or op.dst[0] != 0:  # whole tensor, or split along another dim: rows line up
-            d, rows = _narrow(dst, op.dst), (r0, r1 - r0) if op.src is None else None
-            pick = functools.partial(_rows_then, r0=r0, n=r1 - r0, spec=op.src)
+            d, rows = _narrow(dst, op.dst, kit), (r0, r1 - r0) if op.src is None else None
+            pick = functools.partial(_rows_then, r0=r0, n=r1 - r0, spec=op.src, kit=kit)
         else:  # split along dim 0: the part of this op that falls in r0:r1
             assert op.src is not None
             _, d_start, n = op.dst
             lo, hi = max(d_start, r0), min(d_start + n, r1)
             if lo >= hi:
                 continue
-            d, rows = dst.narrow(0, lo - r0, hi - lo), (op.src[1] + lo - d_start, hi - lo)
-            pick = functools.partial(_rows_then, r0=rows[0], n=rows[1], spec=None)
+            d, rows = kit.narrow(dst, 0, lo - r0, hi - lo), (op.src[1] + lo - d_start, hi - lo)
+            pick = functools.partial(_rows_then, r0=rows[0], n=rows[1], spec=None, kit=kit)
         if out is not None and rows is not None:
-            value = _read_direct(op, files, d, rows)
+            value = _read_direct(op, files, d, rows, tp.dtype, kit)
             if spans is not None:
-                spans.append((d.data_ptr() - dst.data_ptr(), d.numel() * d.element_size(), value))
+                spans.append((kit.address(d) - kit.address(dst), kit.nbytes(d), value))
             if value is not None:
                 continue
         elif spans is not None:
             spans.append((0, 0, None))  # copied through the mapping: no CRC-32 taken
-        part = files.rows(op.shard, op.ref, *rows) if rows is not None else None
+        part = kit.rows(files, op.shard, op.ref, *rows) if rows is not None else None
         if part is not None:  # the op's rows read alone (pick takes exactly these rows)
             src = s = part
         else:
-            src = files.tensor(op.shard, op.ref)
+            src = kit.source(files, op.shard, op.ref)
             s = pick(src)
-        if s.shape != d.shape:
+        if tuple(s.shape) != tuple(d.shape):
             raise RuntimeError(f"plan error for {tp.key}: source slice {tuple(s.shape)} vs target {tuple(d.shape)}")
-        d.copy_(s)
-        files.bytes_read += s.numel() * s.element_size()
+        kit.copy(d, s)
+        files.bytes_read += kit.nbytes(s)
         if release:
             del s, src
             files.release(op.shard, op.ref)
     return dst
 
 
-def _rows_then(t: torch.Tensor, r0: int, n: int, spec: tuple[int, int, int] | None) -> torch.Tensor:
-    return _narrow(t.narrow(0, r0, n), spec)
+def _rows_then(t: Any, r0: int, n: int, spec: tuple[int, int, int] | None, kit: Kit = TORCH) -> Any:
+    return _narrow(kit.narrow(t, 0, r0, n), spec, kit)
 
 
 def _rows(spec: tuple[int, int, int] | None, shape: tuple[int, ...] | None) -> tuple[int, int] | None:
@@ -108,16 +107,14 @@ def _rows(spec: tuple[int, int, int] | None, shape: tuple[int, ...] | None) -> t
     return (spec[1], spec[2]) if spec[0] == 0 else None
 
 
-def _read_direct(op: Any, files: SourceFiles, d: torch.Tensor, rows: tuple[int, int]) -> int | None:
-    """Read the op's source rows straight into ``d`` when they are one run of a file, of ``d``'s shape and dtype:
-    the CRC-32 of the bytes read; None when not read."""
-    import torch  # deferred, as above
-
+def _read_direct(op: Any, files: SourceFiles, d: Any, rows: tuple[int, int], dtype: Any, kit: Kit) -> int | None:
+    """Read the op's source rows straight into ``d`` (elements of ``dtype``) when they are one run of a file, of
+    ``d``'s shape and dtype: the CRC-32 of the bytes read; None when not read."""
     ref = op.ref
-    if not d.is_contiguous() or d.numel() == 0 or tuple(d.shape) != (rows[1], *ref.shape[1:]) or \
-            dtypes.name_of(ref.dtype) != dtypes.name_of(d.dtype):
+    if not kit.contiguous(d) or kit.nbytes(d) == 0 or tuple(d.shape) != (rows[1], *ref.shape[1:]) or \
+            dtypes.name_of(ref.dtype) != dtypes.name_of(dtype):
         return None
-    return files.read_rows(op.shard, ref, rows[0], d.reshape(-1).view(torch.uint8).numpy())
+    return files.read_rows(op.shard, ref, rows[0], kit.as_bytes(d))
 
 
 # (byte offset in the built rows, bytes, their CRC-32 or None when none was taken): where one op's bytes went
@@ -157,12 +154,19 @@ def build_tree(tree: Any, files: SourceFiles) -> Any:
         if isinstance(v, FlatPlan):
             return build_flat(v, files)
         if isinstance(v, TensorPlan):
-            return v.value if v.shape is None else build_tensor(v, files)
+            return _value(v.value) if v.shape is None else build_tensor(v, files)
+        if isinstance(v, HeldTensor):
+            return v.to_torch()
         if isinstance(v, torch.Tensor):  # a value the plan carries: every state dict gets its own copy (torch's
             return v.clone()  # optimizers update their state in place)
         return v
 
     return map_leaves(tree, leaf)
+
+
+def _value(value: Any) -> Any:
+    """A carried value as a state dict holds it (bytes held without torch: the tensor)."""
+    return value.to_torch() if isinstance(value, HeldTensor) else value
 
 
 def execute(plan: RankPlan, files: SourceFiles) -> dict[str, Any]:
@@ -172,7 +176,7 @@ def execute(plan: RankPlan, files: SourceFiles) -> dict[str, Any]:
     # copied out of the files' mappings: into fresh tensors that measured faster than pread (the DSV3-width slice of
     # bench_scale part G built in memory: 4.3-5.3 s mapped, 5.5-5.8 s with pread; docs/performance.md)
     for tp in plan.tensors:
-        out[tp.chunk][tp.key] = tp.value if tp.shape is None else build_tensor(tp, files)
+        out[tp.chunk][tp.key] = _value(tp.value) if tp.shape is None else build_tensor(tp, files)
     if plan.optimizer is not None:
         out["optimizer"] = build_tree(plan.optimizer, files)
     return out

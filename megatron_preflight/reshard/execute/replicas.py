@@ -80,8 +80,6 @@ def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, sa
     sampled. Returns the number of replicas compared; raises :class:`ReplicaMismatch` on the first difference, except
     for a tensor Megatron lets drift in this checkpoint (``saved_args``: :func:`drift_cause`), whose difference is
     measured into ``drifted`` (the main copy, TP rank 0's, is the one used)."""
-    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
-
     seen: set[tuple] = set()
     compared = 0
     for tp in planned(plan):
@@ -99,6 +97,8 @@ def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, sa
                     if sample is not None and sample == files.sample_bytes(shard, ref, SAMPLE):
                         compared += 1
                         continue
+                import torch  # deferred: samples that differ, or a whole compare (equal samples need no torch)
+
                 a, b = files.tensor(op.shard, op.ref, verify=full), files.tensor(shard, ref, verify=full)
                 pick = (lambda t: t) if full else _sample_values
                 same = torch.equal(_bytes(pick(a)), _bytes(pick(b)))

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
+from megatron_preflight.held_tensor import HeldTensor
 from megatron_preflight.reshard.plan.types import GlobalKey, SourcePiece
 
 if TYPE_CHECKING:  # the indexes' modules load where a state is converted, not for a verdict's family question
@@ -37,10 +38,10 @@ _TORCH_ONLY = tuple(_TORCH_OPTIONS)
 
 
 def step_value(step: float) -> Any:
-    """A parameter's ``step`` in torch's Adam: a tensor of its own (incremented in place); the float while torch is
-    not loaded (the check indexes without making tensors; the writers always run with torch)."""
+    """A parameter's ``step`` in torch's Adam: a tensor of its own (incremented in place); its bytes while torch is
+    not loaded (a :class:`~megatron_preflight.held_tensor.HeldTensor`: a legacy writer saves it as that tensor)."""
     if not dtypes.torch_loaded():
-        return step
+        return HeldTensor.scalar(step)
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     return torch.tensor(step)

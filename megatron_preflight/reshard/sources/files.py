@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from megatron_preflight import dtypes
+from megatron_preflight.held_tensor import HeldTensor
 from megatron_preflight.layout.hf.safetensors import SafeRef
 from megatron_preflight.reshard.sources.hf import HfReader
 from megatron_preflight.reshard.sources.legacy import LegacyReader
@@ -79,6 +81,14 @@ class SourceFiles:
         ``verify=False``: a legacy record's CRC-32 is left for later (a sampled look at a few elements)."""
         return self.reader(ref).tensor(shard, ref, verify)
 
+    def array(self, shard: str, ref: TensorRef, verify: bool = True) -> Any:
+        """:meth:`tensor` without torch, for a legacy piece: a numpy view of its elements' bytes (a lazy mmap view;
+        each element an unsigned integer of its dtype's width)."""
+        reader = self.reader(ref)
+        if not isinstance(reader, LegacyReader):
+            raise TypeError(f"a {type(ref).__name__} is read as a tensor (torch), not as bytes")
+        return reader.array(shard, ref, verify)
+
     def rows(self, shard: str, ref: TensorRef, first: int, n: int) -> torch.Tensor | None:
         """Rows ``first .. first + n`` (dim 0) of the piece ``ref`` read alone, where its format reads them cheaper
         than the whole piece (a Hugging Face tensor made of several files' runs: a rank's share of a fused QKV or
@@ -120,11 +130,18 @@ class SourceFiles:
         self.reader(ref).release(shard, ref)
 
     def materialize(self, shard: str, value: Any) -> Any:
-        """A copy of ``value`` with every TensorRef inside replaced by its tensor (for carried non-model state)."""
+        """A copy of ``value`` with every TensorRef inside replaced by its tensor (for carried non-model state); by
+        a :class:`~megatron_preflight.held_tensor.HeldTensor` of its bytes while torch is not loaded (a legacy
+        writer saves it as the tensor)."""
+        held = not dtypes.torch_loaded()
 
         def leaf(v: Any, _path: tuple) -> Any:
             if not isinstance(v, TensorRef):
                 return v
+            if held and isinstance(self.reader(v), LegacyReader):
+                data = self.array(shard, v).copy().tobytes()
+                self.bytes_read += len(data)
+                return HeldTensor(v.dtype, tuple(v.shape), data)
             t = self.tensor(shard, v).clone()
             self.bytes_read += t.numel() * t.element_size()
             return t

@@ -37,6 +37,10 @@ class LegacyReader:
     def tensor(self, shard: str, ref: TensorRef, verify: bool = True) -> torch.Tensor:
         return self.file_of(shard, ref).tensor(ref, verify)
 
+    def array(self, shard: str, ref: TensorRef, verify: bool = True) -> Any:
+        """:meth:`tensor` as a numpy array of the elements' bytes (:meth:`TorchFile.array`: no torch)."""
+        return self.file_of(shard, ref).array(ref, verify)
+
     def extent(self, shard: str, ref: TensorRef) -> tuple[str, int, int] | None:
         """(file, byte offset, row pitch in bytes) of ``ref`` when each of its rows is stored contiguously."""
         f = self.file_of(shard, ref)

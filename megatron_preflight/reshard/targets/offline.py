@@ -8,6 +8,7 @@ tensors, in this process). Under torchrun every rank writes its share.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import resource
@@ -21,20 +22,17 @@ from concurrent.futures import TimeoutError as WaitTimedOut  # the builtin from 
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_preflight import parallel
+from megatron_preflight import dtypes, parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.gc_budget import collect_rarely
 from megatron_preflight.layout import transport
+from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex
 from megatron_preflight.reshard.execute.replicas import Drifted
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets import destination, durable, lifeline, share
-from megatron_preflight.reshard.targets.fsdp_dtensor import FsdpDtensorTarget
-from megatron_preflight.reshard.targets.hf import HfTarget
-from megatron_preflight.reshard.targets.legacy import LegacyTarget
-from megatron_preflight.reshard.targets.torch_dist import TorchDistTarget
 from megatron_preflight.reshard.targets.unit import ShardResult, Tapping, Target
 
 
@@ -105,24 +103,34 @@ Progress = Callable[[int, int, str], None]  # (shards done, shards in all, the s
 _WORKER: Resharder | None = None
 
 
-def _init_worker(layout: bytes, target: TargetLayout, trust: bool, keep_optimizer: bool, parent_pid: int) -> None:
+def _init_worker(layout: bytes, target: TargetLayout, trust: bool, keep_optimizer: bool, parent_pid: int,
+                 with_torch: bool = True) -> None:
     """A worker's resharder, from the layout the main process discovered and checked (sent compact: no worker lists,
-    parses or checks the source again; each builds its one index)."""
+    parses or checks the source again; each builds its one index), read as the main process read it (``with_torch``:
+    torch loaded first)."""
     global _WORKER
     lifeline.die_with_parent(parent_pid)  # a killed main process takes its workers with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (and to stop us)
     collect_rarely()
+    if with_torch:
+        import torch  # noqa: F401 - the layout's values read as torch's, as in the main process
     _WORKER = open_resharder(CheckpointIndex(transport.loads(layout), trust=trust), target,
                              keep_optimizer=keep_optimizer)
 
 
-# The output formats: ``--ckpt-format`` -> its target (see targets/unit.py).
-TARGETS: dict[str, Target] = {"torch": LegacyTarget(), "torch_dist": TorchDistTarget(),
-                               "fsdp_dtensor": FsdpDtensorTarget(), "hf": HfTarget()}
+# The output formats: ``--ckpt-format`` -> its target's module and class (see targets/unit.py), imported when a run
+# writes that format (a legacy output is written without torch: the others' modules import it)
+TARGETS: dict[str, tuple[str, str]] = {"torch": ("legacy", "LegacyTarget"), "torch_dist": ("torch_dist", "TorchDistTarget"),
+                                       "fsdp_dtensor": ("fsdp_dtensor", "FsdpDtensorTarget"), "hf": ("hf", "HfTarget")}
+_MADE: dict[str, Target] = {}
 
 
 def target_of(target: TargetLayout) -> Target:
-    return TARGETS[target.ckpt_format or "torch"]
+    fmt = target.ckpt_format or "torch"
+    if fmt not in _MADE:
+        module, cls = TARGETS[fmt]
+        _MADE[fmt] = getattr(importlib.import_module(f"{__package__}.{module}"), cls)()
+    return _MADE[fmt]
 
 
 def _write_shard(name: str, iter_out: str, verify: bool, tapping: Tapping | None,
@@ -203,6 +211,21 @@ def check_destination(src: str, dst: str) -> None:
                              code="usage")
 
 
+def _bytes_only(src: str, target: TargetLayout, tapping: Tapping | None, verify: bool) -> bool:
+    """Whether the run may start without torch: a legacy output, neither tapped nor verified (both compare tensors),
+    from what looks like a legacy source (a shard dir, no DCP metadata, in the dir or its iteration dirs). A legacy -> legacy reshard moves bytes and never
+    loads torch (~2 s of a fresh process); any other source is read with torch loaded first (the run opens it again
+    if the look was wrong)."""
+    if (target.ckpt_format or "torch") != "torch" or tapping is not None or verify:
+        return False
+    try:
+        dirs = [src] + [os.path.join(src, d) for d in os.listdir(src) if d.startswith("iter_")]
+        names = [n for d in dirs if os.path.isdir(d) for n in os.listdir(d)]
+    except OSError:
+        return False  # (the open says what is wrong)
+    return ".metadata" not in names and any(n.startswith("mp_rank_") for n in names)
+
+
 def open_checked(src: str, target: TargetLayout, *, iteration: Any, trust_checkpoint: bool,
                  drop_optimizer: bool) -> Resharder:
     """The resharder for an offline run; refuses to drop optimizer state the user did not ask to drop."""
@@ -234,8 +257,15 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
     r: Resharder | None = None
     try:
         check_destination(src, dst)
+        if not _bytes_only(src, target, tapping, verify):
+            import torch  # noqa: F401 - loaded before the source is read: its values read as tensors
         r = open_checked(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint,
                          drop_optimizer=drop_optimizer)
+        if r.source_format != Format.TORCH and not dtypes.torch_loaded():  # (not the legacy source it looked like)
+            import torch  # noqa: F401 - as above
+
+            r = open_checked(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint,
+                             drop_optimizer=drop_optimizer)
         files = SourceFiles(r.layout.iter_dir or "", trust=trust_checkpoint)
         try:
             r.check_masters(files)
@@ -386,7 +416,7 @@ def _write_shards(r: Resharder, names: list[str], iter_out: str, src: str, targe
         ctx = mp.get_context("spawn")
         pool = ProcessPoolExecutor(max_workers=min(workers, len(names)), mp_context=ctx, initializer=_init_worker,
                                    initargs=(transport.dumps(r.checkpoint.layout), target, trust, keep_optimizer,
-                                             os.getpid()))
+                                             os.getpid(), dtypes.torch_loaded()))
         try:
             # Workers start inside submit(); with SIGINT blocked meanwhile they (and the resource tracker) start with
             # it blocked, so a Ctrl-C while one is still importing cannot print a half traceback from it. A Ctrl-C

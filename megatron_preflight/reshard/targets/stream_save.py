@@ -6,6 +6,10 @@ size in RAM. Here the object tree is pickled first with small stubs in place of 
 source slices about CHUNK_BYTES of whole rows at a time, in a few reused buffers (a contiguous source run read
 straight into place with ``pread``), and written as its storage record by a second thread. Peak memory ≈ four
 pieces. ``torch.load`` (and Megatron) read the result like any other checkpoint.
+
+From a legacy source the pieces are numpy arrays of the elements' bytes (:data:`~..execute.arrays.BYTES`) and the
+pickle names torch's globals without importing torch: a legacy -> legacy reshard never loads it (~2 s of a process's
+start). Torch tensors are built where a source is another format's, or a tap hashes the values.
 """
 
 from __future__ import annotations
@@ -17,29 +21,48 @@ import queue
 import struct
 import zlib
 from collections import OrderedDict
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import crc, dtypes, pickling
+from megatron_preflight.held_tensor import HeldTensor
+from megatron_preflight.placeholders import placeholder_class
+from megatron_preflight.reshard.execute.arrays import BYTES, TORCH, Kit
 from megatron_preflight.reshard.execute.executor import Span, build_rows, tiled_crc
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets.unit import Tap
 from megatron_preflight.reshard.targets.write_behind import WriteBehind
 from megatron_preflight.reshard.targets.zip_writer import TorchZipWriter, zip_size
+from megatron_preflight.torch_file import TensorRef
 from megatron_preflight.tree import map_leaves
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK_BYTES = 16 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
 
-# torch dtype -> the legacy storage class torch.save names for it (the reverse of the reader's table)
-_STORAGE_NAMES = {dtypes.dtype(name): cls for cls, name in dtypes.STORAGE_DTYPES.items()
-                  if cls != "UntypedStorage" and hasattr(torch, cls)}
+# dtype name -> the legacy storage class torch.save names for it (the reverse of the reader's table; the float8
+# dtypes have none in torch)
+_STORAGE_NAMES = {name: cls for cls, name in dtypes.STORAGE_DTYPES.items()
+                  if cls != "UntypedStorage" and not cls.startswith("Float8")}
+# what torch.save's pickle names, as the globals they are (written by name: torch need not be loaded)
+_REBUILD = placeholder_class("torch._utils", "_rebuild_tensor_v2")
+_SIZE = placeholder_class("torch", "Size")
 
 
 class _StorageStub:
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+    def __init__(self, key: str, dtype: Any, numel: int) -> None:
         self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _Size:
+    """Pickles as ``torch.Size(shape)``."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def __reduce__(self) -> Any:
+        return (_SIZE, (self.shape,))
 
 
 class _TensorStub:
@@ -53,14 +76,14 @@ class _TensorStub:
         for s in reversed(self.shape):
             stride.append(acc)
             acc *= s
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, OrderedDict()))
+        return (_REBUILD, (self.storage, 0, _Size(self.shape), tuple(reversed(stride)), False, OrderedDict()))
 
 
 class _Pickler(pickling.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageStub):
-            return ("storage", getattr(torch, _STORAGE_NAMES[dtypes.to_torch(obj.dtype)]), obj.key, "cpu", obj.numel)
+            cls = placeholder_class("torch", _STORAGE_NAMES[dtypes.name_of(obj.dtype) or ""])
+            return ("storage", cls, obj.key, "cpu", obj.numel)
         return None
 
 
@@ -97,7 +120,11 @@ def _records(tree: Any) -> tuple[bytes, list[tuple[_StorageStub, Any]]]:
             storage = _StorageStub(str(len(pending)), value.dtype, n)
             pending.append((storage, value))
             return _TensorStub(storage, value.shape)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, HeldTensor):
+            storage = _StorageStub(str(len(pending)), value.dtype, len(value.data) // value.dtype.itemsize)
+            pending.append((storage, value))
+            return _TensorStub(storage, value.shape)
+        if dtypes.is_tensor(value):
             value = value.contiguous()
             storage = _StorageStub(str(len(pending)), value.dtype, value.numel())
             pending.append((storage, value))
@@ -133,6 +160,7 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
     :class:`FlatPlan`) from its source slices a piece at a time (each piece shown to ``tap``); returns the bytes of
     tensor data written."""
     data, pending = _records(tree)
+    kit = TORCH if tap is not None or not all(_bytes_only(source) for _, source in pending) else BYTES
     written = 0
     # the file is written by a second thread while this one builds the next piece (write_behind: both release the
     # GIL); every call on the archive goes through it, in order
@@ -140,13 +168,13 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
         behind.submit(zw.write, "data.pkl", data)
         behind.submit(zw.write, ".format_version", _FORMAT_VERSION)
         behind.submit(zw.write, "byteorder", _BYTEORDER)
-        buffers = _Buffers(behind)
+        buffers = _Buffers(behind, kit)
         for storage, source in pending:
             nbytes = storage.numel * storage.dtype.itemsize
             behind.submit(zw.begin, f"data/{storage.key}", nbytes)
             value = 0
-            for plan, r0, part, buf, piece_crc in _pieces(source, files, buffers):
-                raw = part.reshape(-1).view(torch.uint8).numpy()
+            for plan, r0, part, buf, piece_crc in _pieces(source, files, buffers, kit):
+                raw = kit.as_bytes(part)
                 # the record's CRC-32 is taken here (the writer thread, which waits on the file system, only writes):
                 # from the CRC-32s the reads took of the piece's bytes, or over the bytes when they were not all read so
                 value = crc.crc32(raw, value) if piece_crc is None else crc.combine(value, piece_crc, raw.nbytes)
@@ -163,6 +191,15 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
         behind.submit(zw.write, "version", _VERSION)
         behind.submit(zw.write, ".data/serialization_id", _serialization_id(path, written).encode())
     return written
+
+
+def _bytes_only(source: Any) -> bool:
+    """Whether a storage to write is built from legacy pieces (or held bytes) alone: then without torch."""
+    if isinstance(source, FlatPlan):
+        return all(_bytes_only(tp) for _, tp in source.parts)
+    if isinstance(source, TensorPlan):
+        return all(type(op.ref) is TensorRef for op in source.ops)
+    return isinstance(source, HeldTensor)
 
 
 _BLOB_PICKLES: dict[tuple[Any, tuple[int, ...]], bytes] = {}
@@ -203,7 +240,7 @@ def owns_storage(t: torch.Tensor) -> bool:
 def can_write_blob(t: torch.Tensor) -> bool:
     """Whether :func:`write_tensor_blob` writes ``t`` (a dtype with a storage class torch.save names; its whole
     storage)."""
-    return t.dtype in _STORAGE_NAMES and owns_storage(t)
+    return dtypes.name_of(t.dtype) in _STORAGE_NAMES and owns_storage(t)
 
 
 def write_tensor_blob(fh: Any, t: torch.Tensor) -> None:
@@ -211,7 +248,7 @@ def write_tensor_blob(fh: Any, t: torch.Tensor) -> None:
     the storage record, the format records — without ``torch.save``'s per-call cost (a torch_dist save writes one per
     chunk, ~10^4-10^5 of them): the archive around the data is the same for every tensor of a dtype and shape but for
     the data's CRC-32 (:func:`_blob_frame`), so a blob is three writes. ``t`` must pass :func:`can_write_blob`."""
-    raw = t.reshape(-1).view(torch.uint8).numpy()
+    raw = TORCH.as_bytes(t)
     head, tail, at_head, at_tail = _blob_frame(t.dtype, tuple(t.shape), raw.nbytes)
     value = crc.crc32(raw)
     head, tail = bytearray(head), bytearray(tail)
@@ -307,28 +344,29 @@ class _Buffers:
     """The piece buffers of one file, reused: one is filled while the others wait for the writer thread, which hands
     each back once its bytes are written (no fresh pages to fault in and zero for every piece)."""
 
-    def __init__(self, behind: WriteBehind, count: int = 4) -> None:
+    def __init__(self, behind: WriteBehind, kit: Kit, count: int = 4) -> None:
         self._behind = behind
-        self._free: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()
+        self._kit = kit
+        self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
         for _ in range(count):
             self._free.put(None)  # allocated on first use
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int) -> Any:
         while True:
             try:
                 buf = self._free.get(timeout=0.5)
                 break
             except queue.Empty:
                 self._behind.check()  # the writer failed: it hands nothing back
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        if buf is None or self._kit.nbytes(buf) < nbytes:
+            buf = self._kit.buffer(max(nbytes, CHUNK_BYTES))
         return buf
 
-    def give_back(self, buf: torch.Tensor) -> None:
+    def give_back(self, buf: Any) -> None:
         self._free.put(buf)
 
 
-def _pieces(source: Any, files: SourceFiles, buffers: _Buffers) -> Any:
+def _pieces(source: Any, files: SourceFiles, buffers: _Buffers, kit: Kit) -> Any:
     """A target tensor in row chunks of about CHUNK_BYTES, each as (its plan, its first row, the rows, the buffer
     to hand back once they are written, the rows' CRC-32 when the reads that built them took it, else None) — a
     carried tensor: whole, no plan; a flat world tensor: its parameters' states one after the other (flattened),
@@ -337,15 +375,18 @@ def _pieces(source: Any, files: SourceFiles, buffers: _Buffers) -> Any:
         pos = 0
         for start, tp in sorted(source.parts, key=lambda x: x[0]):
             if start > pos:
-                yield None, 0, torch.zeros(start - pos, dtype=source.dtype), None, None
+                yield None, 0, kit.zeros(start - pos, source.dtype), None, None
             pos = start
-            for plan, r0, piece, buf, piece_crc in _pieces(tp, files, buffers):
-                if piece.dtype != source.dtype:  # other bytes than those read
-                    piece, piece_crc = piece.to(source.dtype), None
-                pos += piece.numel()
+            for plan, r0, piece, buf, piece_crc in _pieces(tp, files, buffers, kit):
+                if dtypes.name_of(tp.dtype) != dtypes.name_of(source.dtype):  # other bytes than those read
+                    piece, piece_crc = kit.converted(piece, tp.dtype, source.dtype), None
+                pos += kit.nbytes(piece) // source.dtype.itemsize
                 yield plan, r0, piece, buf, piece_crc
         if pos < source.numel:
-            yield None, 0, torch.zeros(source.numel - pos, dtype=source.dtype), None, None
+            yield None, 0, kit.zeros(source.numel - pos, source.dtype), None, None
+        return
+    if isinstance(source, HeldTensor):
+        yield None, 0, kit.held(source), None, None
         return
     if not isinstance(source, TensorPlan):
         yield None, 0, source.contiguous(), None, None
@@ -363,8 +404,8 @@ def _pieces(source: Any, files: SourceFiles, buffers: _Buffers) -> Any:
     for r0, r1 in bounds:
         buf = buffers.take(max(r1 - r0, 1) * row)
         spans: list[Span] = []
-        rows = build_rows(source, files, r0, r1, release=True, out=buf, spans=spans)
-        yield source, r0, rows, buf, tiled_crc(spans, rows.numel() * rows.element_size())
+        rows = build_rows(source, files, r0, r1, release=True, out=buf, spans=spans, kit=kit)
+        yield source, r0, rows, buf, tiled_crc(spans, kit.nbytes(rows))
 
 
 def _serialization_id(path: str, nbytes: int) -> str:

@@ -1,0 +1,155 @@
+"""The two kinds of array a plan is executed into: torch tensors (a state dict for a job; the torch_dist, fsdp_dtensor
+and HF writers) and numpy arrays of the elements' bytes (a legacy output written without ``import torch``: a copy
+never needs a value's meaning, only its width, so a bf16 element is a uint16 and an fp8 one a uint8).
+
+A :class:`Kit` is what :func:`~megatron_preflight.reshard.execute.executor.build_rows` asks of its arrays; the
+numpy one reads legacy sources only (a :class:`~megatron_preflight.torch_file.TensorRef`: its file mapped as bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_preflight import dtypes
+
+
+def _slices(dim: int, start: int, length: int) -> tuple[slice, ...]:
+    return (*(slice(None),) * dim, slice(start, start + length))
+
+
+class Kit:
+    """Torch tensors (the default)."""
+
+    name = "torch"
+
+    def element(self, dtype: Any) -> Any:
+        """The element type an array of ``dtype`` is made of."""
+        return dtypes.to_torch(dtype)
+
+    def new(self, shape: tuple[int, ...], dtype: Any, zero: bool) -> Any:
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+        elem = self.element(dtype)
+        return torch.zeros(shape, dtype=elem) if zero else torch.empty(shape, dtype=elem)
+
+    def buffer(self, nbytes: int) -> Any:
+        """A flat byte buffer to build rows in (reused by a writer)."""
+        import torch  # deferred, as above
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def view(self, buf: Any, dtype: Any, shape: tuple[int, ...], n: int) -> Any:
+        """The first ``n`` elements of ``dtype`` in the byte buffer ``buf``, as an array of ``shape``."""
+        elem = self.element(dtype)
+        return buf[:n * elem.itemsize].view(elem).view(shape)
+
+    def narrow(self, t: Any, dim: int, start: int, length: int) -> Any:
+        return t.narrow(dim, start, length)
+
+    def copy(self, d: Any, s: Any) -> None:
+        """``s`` into ``d`` (one shape)."""
+        d.copy_(s)
+
+    def zero(self, t: Any) -> None:
+        t.zero_()
+
+    def nbytes(self, t: Any) -> int:
+        return t.numel() * t.element_size()
+
+    def address(self, t: Any) -> int:
+        return t.data_ptr()
+
+    def contiguous(self, t: Any) -> bool:
+        return t.is_contiguous()
+
+    def as_bytes(self, t: Any) -> Any:
+        """A contiguous array's bytes, as a flat numpy uint8 array (what the zip writer and CRC take)."""
+        import torch  # deferred, as above
+
+        return t.reshape(-1).view(torch.uint8).numpy()
+
+    def source(self, files: Any, shard: str, ref: Any) -> Any:
+        return files.tensor(shard, ref)
+
+    def rows(self, files: Any, shard: str, ref: Any, first: int, n: int) -> Any:
+        return files.rows(shard, ref, first, n)
+
+    def zeros(self, n: int, dtype: Any) -> Any:
+        return self.new((n,), dtype, True)
+
+    def converted(self, t: Any, src: Any, dst: Any) -> Any:
+        """``t`` (elements of ``src``) as values of ``dst``."""
+        return t.to(self.element(dst))
+
+    def held(self, value: Any) -> Any:
+        """A carried :class:`~megatron_preflight.held_tensor.HeldTensor` as an array."""
+        return value.to_torch()
+
+
+class BytesKit(Kit):
+    """Numpy arrays of unsigned integers as wide as each dtype's elements: no torch (a legacy source and target)."""
+
+    name = "bytes"
+
+    def element(self, dtype: Any) -> Any:
+        return dtypes.byte_element(dtype)
+
+    def new(self, shape: tuple[int, ...], dtype: Any, zero: bool) -> Any:
+        import numpy as np  # deferred, as above
+
+        return (np.zeros if zero else np.empty)(shape, dtype=self.element(dtype))
+
+    def buffer(self, nbytes: int) -> Any:
+        import numpy as np  # deferred, as above
+
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def view(self, buf: Any, dtype: Any, shape: tuple[int, ...], n: int) -> Any:
+        elem = self.element(dtype)
+        return buf[:n * elem.itemsize].view(elem).reshape(shape)
+
+    def narrow(self, t: Any, dim: int, start: int, length: int) -> Any:
+        return t[_slices(dim, start, length)]
+
+    def copy(self, d: Any, s: Any) -> None:
+        d[...] = s
+
+    def zero(self, t: Any) -> None:
+        t[...] = 0
+
+    def nbytes(self, t: Any) -> int:
+        return t.nbytes
+
+    def address(self, t: Any) -> int:
+        return t.__array_interface__["data"][0]
+
+    def contiguous(self, t: Any) -> bool:
+        return t.flags.c_contiguous
+
+    def as_bytes(self, t: Any) -> Any:
+        import numpy as np  # deferred, as above
+
+        return t.reshape(-1).view(np.uint8)
+
+    def source(self, files: Any, shard: str, ref: Any) -> Any:
+        return files.array(shard, ref)
+
+    def rows(self, files: Any, shard: str, ref: Any, first: int, n: int) -> Any:
+        return None  # (a legacy piece's rows are a view of its mapping)
+
+    def converted(self, t: Any, src: Any, dst: Any) -> Any:
+        """Another dtype's values need torch (a rare case: a world tensor's state kept at another precision)."""
+        import torch  # deferred: only for a value conversion
+
+        value = torch.from_numpy(t.copy()).view(dtypes.to_torch(src)).to(dtypes.to_torch(dst))
+        return value.view(dtypes.int_view(dst)).numpy().view(self.element(dst))
+
+    def held(self, value: Any) -> Any:
+        import numpy as np  # deferred, as above
+
+        return np.frombuffer(value.data, dtype=self.element(value.dtype)).reshape(value.shape)
+
+
+TORCH = Kit()
+BYTES = BytesKit()
+
