@@ -11,6 +11,9 @@ from typing import Any
 
 from megatron_preflight import dtypes
 
+_STRUCT = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
+           "int8": "<b", "uint8": "<B", "bool": "<?"}
+
 
 @dataclass(frozen=True, eq=False)
 class HeldTensor:
@@ -32,6 +35,19 @@ class HeldTensor:
         if isinstance(value, int):
             return cls(dtypes.dtype("int64"), (), struct.pack("<q", value))
         return cls(dtypes.dtype("float32"), (), struct.pack("<f", value))
+
+    def item(self) -> float | int | bool:
+        """A one-element tensor's value (as ``tensor.item()``: ``float(step)`` works on either)."""
+        code = _STRUCT.get(dtypes.name_of(self.dtype) or "")
+        if code is None or len(self.data) != self.dtype.itemsize:
+            raise TypeError(f"a {self.dtype} tensor of shape {self.shape} has no single value to read without torch")
+        return struct.unpack(code, self.data)[0]
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
 
     def to_torch(self) -> Any:
         """The tensor itself (imports torch)."""
