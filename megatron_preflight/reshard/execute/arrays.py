@@ -12,6 +12,36 @@ from typing import Any
 
 from megatron_preflight import dtypes
 
+_FLOATS = ("bfloat16", "float16", "float32", "float64")
+
+
+def float_values(t: Any, dtype: Any) -> Any:
+    """The values of a :data:`BYTES` array of ``dtype``'s elements as a numpy float array (a bf16 element widened
+    exactly to fp32); None for a dtype that is not one of those floats (an integer, fp8)."""
+    import numpy as np  # deferred: numpy only where arrays are made
+
+    name = dtypes.name_of(dtype)
+    if name == "bfloat16":
+        return (t.astype(np.uint32) << 16).view(np.float32)
+    return t.view(np.dtype(name)) if name in _FLOATS else None
+
+
+def float_bits(values: Any, dtype: Any) -> Any:
+    """``values`` (a numpy float array; for bf16, values fp32 holds exactly) rounded to ``dtype`` (one of the floats
+    of :func:`float_values`), to nearest even as torch rounds, as a :data:`BYTES` array of its elements."""
+    import numpy as np  # deferred, as above
+
+    name = dtypes.name_of(dtype)
+    if name != "bfloat16":
+        with np.errstate(over="ignore", invalid="ignore"):  # (out of range: inf, as torch gives)
+            return values.astype(np.dtype(name)).view(dtypes.byte_element(dtype))
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)  # (fp32 or narrower: exact)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # nearest, ties to even
+    nan = np.isnan(values)
+    if nan.any():  # a NaN stays one (the rounding could carry it into the infinities): torch's quiet NaN
+        rounded[nan] = ((bits[nan] >> 16).astype(np.uint16) & 0x8000) | 0x7FC0
+    return rounded
+
 
 def _slices(dim: int, start: int, length: int) -> tuple[slice, ...]:
     return (*(slice(None),) * dim, slice(start, start + length))
@@ -138,8 +168,14 @@ class BytesKit(Kit):
         return None  # (a legacy piece's rows are a view of its mapping)
 
     def converted(self, t: Any, src: Any, dst: Any) -> Any:
-        """Another dtype's values need torch (a rare case: a world tensor's state kept at another precision)."""
-        import torch  # deferred: only for a value conversion
+        """Between the float dtypes numpy reads (bf16 as its top half of an fp32), rounded to nearest even as torch
+        rounds; any other pair through torch (loaded for it)."""
+        values = float_values(t, src)
+        # (float64 -> bf16 would round twice through fp32: torch's)
+        if values is not None and dtypes.name_of(dst) in _FLOATS and \
+                not (dtypes.name_of(src) == "float64" and dtypes.name_of(dst) == "bfloat16"):
+            return float_bits(values, dst)
+        import torch  # deferred: only for a value conversion numpy does not make
 
         value = torch.from_numpy(t.copy()).view(dtypes.to_torch(src)).to(dtypes.to_torch(dst))
         return value.view(dtypes.int_view(dst)).numpy().view(self.element(dst))

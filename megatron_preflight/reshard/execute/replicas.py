@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.reshard.execute.arrays import float_values
 from megatron_preflight.reshard.plan.drift import drift_cause, key_of
 from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -97,25 +98,62 @@ def check_replicas(plan: RankPlan, files: SourceFiles, *, full: bool = False, sa
                     if sample is not None and sample == files.sample_bytes(shard, ref, SAMPLE):
                         compared += 1
                         continue
-                import torch  # deferred: samples that differ, or a whole compare (equal samples need no torch)
-
-                a, b = files.tensor(op.shard, op.ref, verify=full), files.tensor(shard, ref, verify=full)
-                pick = (lambda t: t) if full else _sample_values
-                same = torch.equal(_bytes(pick(a)), _bytes(pick(b)))
-                diff = 0.0 if same else _largest_difference(pick(a), pick(b))
-                del a, b
+                legacy = type(op.ref) is TensorRef and type(ref) is TensorRef  # (read as bytes: no torch)
+                same, diff = (_compare_bytes if legacy else _compare_tensors)(files, op.shard, op.ref, shard, ref,
+                                                                               full)
                 if full:
                     files.release_pages()
                 compared += 1
                 if not same:
-                    files.tensor(op.shard, op.ref)  # raises CorruptFileError on a CRC mismatch
-                    files.tensor(shard, ref)
+                    read = files.array if legacy else files.tensor
+                    read(op.shard, op.ref)  # raises CorruptFileError on a CRC mismatch
+                    read(shard, ref)
                     cause = drift_cause(key_of(tp), saved_args)
                     if cause is None:
                         raise _mismatch(tp.key, op.shard, shard, full, files.iter_dir)
                     if drifted is not None:
                         drifted.add(key_of(tp), diff, cause)
     return compared
+
+
+def _compare_tensors(files: SourceFiles, main: str, main_ref: Any, shard: str, ref: Any, full: bool
+                     ) -> tuple[bool, float]:
+    """(whether the two pieces hold the same bits, whole or sampled; their largest difference when they do not)."""
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+    a, b = files.tensor(main, main_ref, verify=full), files.tensor(shard, ref, verify=full)
+    pick = (lambda t: t) if full else _sample_values
+    same = torch.equal(_bytes(pick(a)), _bytes(pick(b)))
+    return same, 0.0 if same else _largest_difference(pick(a), pick(b))
+
+
+def _compare_bytes(files: SourceFiles, main: str, main_ref: TensorRef, shard: str, ref: TensorRef, full: bool
+                   ) -> tuple[bool, float]:
+    """:func:`_compare_tensors` of two legacy pieces, as numpy arrays of their bytes (the difference in fp32, as
+    there)."""
+    import numpy as np  # deferred: numpy only where arrays are made
+
+    a, b = files.array(main, main_ref, verify=full), files.array(shard, ref, verify=full)
+    if not full:
+        a, b = _sample_array(a), _sample_array(b)
+    if a.shape == b.shape and a.dtype.itemsize == b.dtype.itemsize and np.array_equal(a.view(b.dtype), b):
+        return True, 0.0
+    va, vb = float_values(a, main_ref.dtype), float_values(b, ref.dtype)
+    if va is None or vb is None or va.shape != vb.shape:
+        return False, float("nan")
+    with np.errstate(invalid="ignore", over="ignore"):
+        return False, float(np.abs(va.astype(np.float32) - vb.astype(np.float32)).max()) if va.size else 0.0
+
+
+def _sample_array(a: Any) -> Any:
+    """:func:`_sample_values` of a numpy array."""
+    import numpy as np  # deferred, as above
+
+    if not a.flags.c_contiguous or a.size <= 3 * SAMPLE:
+        return a
+    flat, n = a.reshape(-1), a.size
+    mid = n // 2
+    return np.concatenate([flat[:SAMPLE], flat[mid:mid + SAMPLE], flat[n - SAMPLE:]])
 
 
 def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -31,6 +31,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.reshard.execute.arrays import BYTES, float_values
 from megatron_preflight.reshard.optimizer.plain import (
     OptimizerNotReshardable,
     add_settings,
@@ -320,20 +321,13 @@ def _index_part(index: DistOptimizerIndex, state: dict[str, Any], buffers: list[
 def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8, shards: set[str] | None = None) -> int:
     """The fp32 masters read at the modelled places equal the model's weights (cast to the weight's dtype): a wrong
     buffer model would read another parameter's values. Sampled; returns the number of parameters checked."""
-    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
-
     checked = 0
     for shard, weight_ref, _, master_ref in index.checked:
         if shards is not None and shard not in shards:
             continue
-        w, m = files.tensor(shard, weight_ref), files.tensor(shard, master_ref)
-        if w.numel() == 0:
+        same = _master_matches(files, shard, weight_ref, master_ref, sample)
+        if same is None:
             continue
-        flat_w, flat_m = w.reshape(-1), m.reshape(-1)
-        n = flat_w.numel()
-        picks = sorted({0, n // 3, n // 2, n - 1, *range(0, n, max(1, n // sample))})
-        same = torch.equal(flat_m[picks].to(flat_w.dtype), flat_w[picks])
-        del w, m, flat_w, flat_m
         if checked % _RELEASE_EVERY == _RELEASE_EVERY - 1:  # keep the resident set small: a few pages of every
             files.release_pages()  # parameter were read (each release spans every open file's whole mapping)
         if not same:
@@ -347,6 +341,43 @@ def check_masters(index: DistOptimizerIndex, files: Any, *, sample: int = 8, sha
 
 
 _RELEASE_EVERY = 64  # parameters checked between two releases of the mapped pages read
+
+
+def _picks(n: int, sample: int) -> list[int]:
+    return sorted({0, n // 3, n // 2, n - 1, *range(0, n, max(1, n // sample))})
+
+
+def _master_matches(files: Any, shard: str, weight_ref: Any, master_ref: Any, sample: int) -> bool | None:
+    """Whether the master, cast to the weight's dtype, equals the weight at the sampled elements (None: no elements).
+    Legacy pieces are compared as numpy values (no torch), anything else as tensors."""
+    legacy = type(weight_ref) is TensorRef and type(master_ref) is TensorRef
+    return (_master_matches_bytes if legacy else _master_matches_tensors)(files, shard, weight_ref, master_ref, sample)
+
+
+def _master_matches_tensors(files: Any, shard: str, weight_ref: Any, master_ref: Any, sample: int) -> bool | None:
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+    w, m = files.tensor(shard, weight_ref), files.tensor(shard, master_ref)
+    if w.numel() == 0:
+        return None
+    flat_w, flat_m = w.reshape(-1), m.reshape(-1)
+    picks = _picks(flat_w.numel(), sample)
+    return torch.equal(flat_m[picks].to(flat_w.dtype), flat_w[picks])
+
+
+def _master_matches_bytes(files: Any, shard: str, weight_ref: TensorRef, master_ref: TensorRef, sample: int
+                          ) -> bool | None:
+    """:func:`_master_matches_tensors` of two legacy pieces of the floats numpy reads, cast as torch casts (other
+    dtypes: as tensors)."""
+    w, m = files.array(shard, weight_ref).reshape(-1), files.array(shard, master_ref).reshape(-1)
+    if w.size == 0:
+        return None
+    picks = _picks(w.size, sample)
+    wv = float_values(w[picks], weight_ref.dtype)
+    if wv is None or float_values(m[:1], master_ref.dtype) is None:
+        return _master_matches_tensors(files, shard, weight_ref, master_ref, sample)
+    cast = BYTES.converted(m[picks], master_ref.dtype, weight_ref.dtype)
+    return bool((float_values(cast, weight_ref.dtype) == wv).all())
 
 
 # -- the target side --------------------------------------------------------------------------------------------
