@@ -113,8 +113,6 @@ def check_content(root: str, *, iteration: Any = None, trust: bool = False, part
     """Compare the checkpoint at ``root`` with its stored fingerprints (``part`` = (k, n): only every n-th tensor
     from the k-th, so n processes share the reading; ``names``: only these tensors). Raises
     :class:`PreflightError` for a fingerprint file that cannot be used; findings are in the report."""
-    import torch  # noqa: F401 - deferred: loaded before indexing, so the sources make tensors (TE extra state, dtypes)
-
     started = time.perf_counter()
     index = open_index(root, iteration=iteration, trust_checkpoint=trust)
     layout = index.layout
@@ -126,8 +124,12 @@ def check_content(root: str, *, iteration: Any = None, trust: bool = False, part
         report.integrity = ("OK: every file matches its SHA-256 in integrity.json" if not manifest else
                             f"{len(manifest)} file(s) differ from integrity.json")
         report.findings += [Finding(p.split(":", 1)[0], p.split(": ", 1)[1]) for p in manifest]
-    if stored is None:
+    if stored is None:  # (nothing to hash: torch never loaded, as in the legacy reshard this may precede)
         return report
+    if not dtypes.torch_loaded():
+        import torch  # noqa: F401 - deferred: loaded before indexing, so the sources make tensors (TE extra state, dtypes)
+
+        index = open_index(root, iteration=iteration, trust_checkpoint=trust)  # (again: its values as tensors)
     report.fingerprints = path_for(base, layout.iteration)
     index.require_readable()
     want: dict[str, Any] = stored["tensors"]

@@ -115,6 +115,24 @@ class Kit:
         """A carried :class:`~megatron_preflight.held_tensor.HeldTensor` as an array."""
         return value.to_torch()
 
+    def written(self, out: Any, ref: Any) -> Any:
+        """A tensor of a written legacy file (a :class:`~megatron_preflight.torch_file.TorchFile`), read back."""
+        return out.tensor(ref)
+
+    def same_bits(self, a: Any, b: Any) -> bool:
+        """Whether two arrays hold the same bits in the same shape (compared in place)."""
+        return dtypes.same_bits(a, b)
+
+    def any_set(self, t: Any) -> bool:
+        """Whether any element of ``t`` is not zero."""
+        return bool(t.any())
+
+    def flags(self, n: int) -> Any:
+        """``n`` booleans, all false."""
+        import torch  # deferred, as above
+
+        return torch.zeros(n, dtype=torch.bool)
+
 
 class BytesKit(Kit):
     """Numpy arrays of unsigned integers as wide as each dtype's elements: no torch (a legacy source and target)."""
@@ -184,6 +202,22 @@ class BytesKit(Kit):
         import numpy as np  # deferred, as above
 
         return np.frombuffer(value.data, dtype=self.element(value.dtype)).reshape(value.shape)
+
+    def written(self, out: Any, ref: Any) -> Any:
+        return out.array(ref)
+
+    def same_bits(self, a: Any, b: Any) -> bool:
+        import numpy as np  # deferred, as above
+
+        return a.shape == b.shape and a.dtype.itemsize == b.dtype.itemsize and np.array_equal(a.view(b.dtype), b)
+
+    def any_set(self, t: Any) -> bool:
+        return bool(t.any())  # (any bit: a -0.0 is not a zero's bytes)
+
+    def flags(self, n: int) -> Any:
+        import numpy as np  # deferred, as above
+
+        return np.zeros(n, dtype=bool)
 
 
 TORCH = Kit()

@@ -13,14 +13,15 @@ from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.held_tensor import HeldTensor
 from megatron_preflight.layout import naming
-from megatron_preflight.reshard.execute.executor import build_tensor
+from megatron_preflight.reshard.execute.arrays import BYTES, TORCH
+from megatron_preflight.reshard.execute.executor import build_rows
 from megatron_preflight.reshard.execute.replicas import Drifted, check_replicas
 from megatron_preflight.reshard.optimizer.plain import iter_plans
 from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan, flat_parts
 from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets import durable
-from megatron_preflight.reshard.targets.stream_save import save_streaming, save_tree
+from megatron_preflight.reshard.targets.stream_save import bytes_only, save_streaming, save_tree
 from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tapping
 from megatron_preflight.torch_file import TensorRef, TorchFile
 
@@ -80,8 +81,6 @@ def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
 def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
     """Re-read a written distrib_optim.pt: every parameter's state at its offset equals its source slices, and the
     alignment padding between them is zero. Returns the number of world tensors checked."""
-    import torch  # deferred: a verify compares tensors (a legacy reshard itself runs without torch)
-
     checked = 0
     with TorchFile(path) as out:
         meta = out.load_metadata()
@@ -91,15 +90,20 @@ def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
                 written = written[part]
             if not isinstance(written, TensorRef) or tuple(written.shape) != (fp.numel,):
                 raise PreflightError(f"verify: {fp.key} is missing or has the wrong size", path=path, code="verify")
-            flat = out.tensor(written)
-            covered = torch.zeros(fp.numel, dtype=torch.bool)
+            kit = BYTES if bytes_only(fp) else TORCH
+            flat = kit.written(out, written)
+            covered = kit.flags(fp.numel)
             for start, tp in fp.parts:
-                want = build_tensor(tp, files).reshape(-1).to(fp.dtype)
-                if not dtypes.same_bits(want, flat[start:start + want.numel()]):
+                assert tp.shape is not None
+                want = build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, kit=kit).reshape(-1)
+                if dtypes.name_of(tp.dtype) != dtypes.name_of(fp.dtype):
+                    want = kit.converted(want, tp.dtype, fp.dtype)
+                n = kit.nbytes(want) // fp.dtype.itemsize
+                if not kit.same_bits(want, flat[start:start + n]):
                     raise PreflightError(f"verify: {tp.key} in {fp.key} does not match its source slices", path=path,
                                          code="verify")
-                covered[start:start + want.numel()] = True
-            if bool(flat[~covered].any()):
+                covered[start:start + n] = True
+            if kit.any_set(flat[~covered]):
                 raise PreflightError(f"verify: the padding of {fp.key} is not zero", path=path, code="verify")
             checked += 1
     return checked
@@ -129,19 +133,20 @@ def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFi
         return
     if not isinstance(written, TensorRef) or tuple(written.shape) != tuple(tp.shape):
         raise PreflightError(f"verify: {tp.key} is missing or has the wrong shape", path=path, code="verify")
-    dst = out.tensor(written)
+    kit = BYTES if bytes_only(tp) else TORCH  # (legacy pieces: compared as bytes, no torch)
+    dst = kit.written(out, written)
     for op in tp.ops:  # (bit for bit, in place: no copy of either side)
-        src = files.tensor(op.shard, op.ref)
-        s = src if op.src is None else src.narrow(*op.src)
-        d = dst if op.dst is None else dst.narrow(*op.dst)
-        if not dtypes.same_bits(s, d):
+        src = kit.source(files, op.shard, op.ref)
+        s = src if op.src is None else kit.narrow(src, *op.src)
+        d = dst if op.dst is None else kit.narrow(dst, *op.dst)
+        if not kit.same_bits(s, d):
             raise PreflightError(f"verify: {tp.key} does not match its source slice in {op.shard}", path=path,
                                  code="verify")
         del s, src
         files.release(op.shard, op.ref)  # (the source's mapped pages: the resident set stays near one tensor)
     dim = next((op.dst[0] for op in tp.ops if op.dst is not None), 0)
     for start, length in tp.zero_fill:
-        if bool(dst.narrow(dim, start, length).any()):
+        if kit.any_set(kit.narrow(dst, dim, start, length)):
             raise PreflightError(f"verify: padding rows {start}:{start + length} of {tp.key} are not zero", path=path,
                                  code="verify")
 

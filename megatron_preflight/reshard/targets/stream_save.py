@@ -160,7 +160,7 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
     :class:`FlatPlan`) from its source slices a piece at a time (each piece shown to ``tap``); returns the bytes of
     tensor data written."""
     data, pending = _records(tree)
-    kit = TORCH if tap is not None or not all(_bytes_only(source) for _, source in pending) else BYTES
+    kit = TORCH if tap is not None or not all(bytes_only(source) for _, source in pending) else BYTES
     written = 0
     # the file is written by a second thread while this one builds the next piece (write_behind: both release the
     # GIL); every call on the archive goes through it, in order
@@ -193,10 +193,11 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
     return written
 
 
-def _bytes_only(source: Any) -> bool:
-    """Whether a storage to write is built from legacy pieces (or held bytes) alone: then without torch."""
+def bytes_only(source: Any) -> bool:
+    """Whether a storage to write (or verify) is built from legacy pieces (or held bytes) alone: then as numpy
+    arrays of its bytes, without torch."""
     if isinstance(source, FlatPlan):
-        return all(_bytes_only(tp) for _, tp in source.parts)
+        return all(bytes_only(tp) for _, tp in source.parts)
     if isinstance(source, TensorPlan):
         return all(type(op.ref) is TensorRef for op in source.ops)
     return isinstance(source, HeldTensor)

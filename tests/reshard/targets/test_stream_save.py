@@ -18,7 +18,7 @@ import pytest
 from megatron_preflight.cli.main import main
 from megatron_preflight.reshard.execute import replicas
 from megatron_preflight.reshard.optimizer import distributed
-from megatron_preflight.reshard.targets import stream_save
+from megatron_preflight.reshard.targets import legacy, stream_save
 from tests.conftest import FIXTURES
 
 LEGACY = sorted(d for d in os.listdir(FIXTURES) if d.endswith("_torch"))
@@ -47,7 +47,8 @@ def _torch_path(args: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, 
 
     out = io.StringIO()
     with monkeypatch.context() as m:
-        m.setattr(stream_save, "_bytes_only", lambda source: False)
+        m.setattr(stream_save, "bytes_only", lambda source: False)
+        m.setattr(legacy, "bytes_only", lambda source: False)
         m.setattr(replicas, "_compare_bytes", replicas._compare_tensors)
         m.setattr(distributed, "_master_matches_bytes", distributed._master_matches_tensors)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
@@ -71,11 +72,13 @@ def _files(root: str) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("name", LEGACY)
 def test_written_without_torch_byte_for_byte_as_with_it(name, tmp_path, monkeypatch):
-    """Also the distributed optimizer's masters sampled against the weights (cast as torch casts) and the replicas
-    Megatron lets drift (their largest difference measured in fp32): the same verdicts, the same numbers printed."""
+    """Also the distributed optimizer's masters sampled against the weights (cast as torch casts), the replicas
+    Megatron lets drift (their largest difference measured in fp32) and ``--verify`` (every written tensor against
+    its source slices, every replica whole): the same verdicts, the same numbers printed."""
     src = os.path.join(FIXTURES, name)
-    rc, loaded, stdout = _fresh(["reshard", src, str(tmp_path / "bytes"), *ALL_ONES, "--no-progress"])
-    want, said = _torch_path(["reshard", src, str(tmp_path / "torch"), *ALL_ONES, "--no-progress"], monkeypatch)
+    flags = [*ALL_ONES, "--no-progress", "--verify"]
+    rc, loaded, stdout = _fresh(["reshard", src, str(tmp_path / "bytes"), *flags])
+    want, said = _torch_path(["reshard", src, str(tmp_path / "torch"), *flags], monkeypatch)
     assert rc == want, stdout
     assert not loaded, stdout
     if rc != 0:
