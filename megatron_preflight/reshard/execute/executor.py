@@ -31,8 +31,23 @@ def build_tensor(tp: TensorPlan, files: SourceFiles, release: bool = False) -> t
     return build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, release)
 
 
+class Stage:
+    """A reused buffer that a source's rows are read into (plain file I/O) when their place in the built rows is not
+    contiguous (a tensor split along a later dim: each source's rows land in a column band), then copied into place:
+    no mapping paged in, the record's CRC-32 chained from the reads."""
+
+    def __init__(self, kit: Kit) -> None:
+        self.kit = kit
+        self._buf: Any = None
+
+    def take(self, nbytes: int) -> Any:
+        if self._buf is None or self.kit.nbytes(self._buf) < nbytes:
+            self._buf = self.kit.buffer(nbytes)
+        return self._buf
+
+
 def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bool = False,
-               out: Any = None, spans: list[Span] | None = None, kit: Kit = TORCH) -> Any:
+               out: Any = None, spans: list[Span] | None = None, kit: Kit = TORCH, stage: Stage | None = None) -> Any:
     """Rows ``r0:r1`` (along dim 0) of a planned target tensor: what a streaming writer needs to hold at a time.
 
     With ``out`` (a flat uint8 buffer of at least the rows' bytes, reused by the caller) the rows are built in it, and
@@ -40,7 +55,8 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
     (:meth:`SourceFiles.read_rows`); the caller then owes :meth:`SourceFiles.finish` before trusting the bytes.
     ``spans`` (with ``out``) gets a :data:`Span` per op: where its bytes went and their CRC-32 when they were read
     that way (:func:`tiled_crc` makes the rows' CRC-32 from them). ``kit``: the kind of array (torch tensors; or
-    numpy arrays of the elements' bytes, :data:`~.arrays.BYTES`, from legacy sources without torch)."""
+    numpy arrays of the elements' bytes, :data:`~.arrays.BYTES`, from legacy sources without torch). ``stage`` (with
+    ``out``): where whole source rows whose place is not contiguous are read first (:class:`Stage`)."""
     assert tp.shape is not None
     whole = not tp.shape or (r0 == 0 and r1 == tp.shape[0])
     shape = tp.shape if whole else (r1 - r0, *tp.shape[1:])
@@ -56,12 +72,13 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
     for op in tp.ops:
         # d: where the op's part of rows r0:r1 goes; rows: the source rows it takes when it takes whole rows of one
         # run; pick: that part of the source tensor
+        src_spec = _cut(op.src, getattr(op.ref, "shape", None))
         if whole:
-            d, rows = _narrow(dst, op.dst, kit), _rows(op.src, getattr(op.ref, "shape", None))
-            pick = functools.partial(_narrow, spec=op.src, kit=kit)
+            d, rows = _narrow(dst, op.dst, kit), _rows(src_spec, getattr(op.ref, "shape", None))
+            pick = functools.partial(_narrow, spec=src_spec, kit=kit)
         elif op.dst is None or op.dst[0] != 0:  # whole tensor, or split along another dim: rows line up
-            d, rows = _narrow(dst, op.dst, kit), (r0, r1 - r0) if op.src is None else None
-            pick = functools.partial(_rows_then, r0=r0, n=r1 - r0, spec=op.src, kit=kit)
+            d, rows = _narrow(dst, op.dst, kit), (r0, r1 - r0) if src_spec is None else None
+            pick = functools.partial(_rows_then, r0=r0, n=r1 - r0, spec=src_spec, kit=kit)
         else:  # split along dim 0: the part of this op that falls in r0:r1
             assert op.src is not None
             _, d_start, n = op.dst
@@ -76,6 +93,8 @@ def build_rows(tp: TensorPlan, files: SourceFiles, r0: int, r1: int, release: bo
                 spans.append((kit.address(d) - kit.address(dst), kit.nbytes(d), value))
             if value is not None:
                 continue
+            if stage is not None and _read_staged(op, files, d, rows, tp.dtype, kit, stage):
+                continue  # (its span has no CRC-32 of the bytes as placed: the writer takes it over the rows)
         elif spans is not None:
             spans.append((0, 0, None))  # copied through the mapping: no CRC-32 taken
         part = kit.rows(files, op.shard, op.ref, *rows) if rows is not None else None
@@ -98,6 +117,15 @@ def _rows_then(t: Any, r0: int, n: int, spec: tuple[int, int, int] | None, kit: 
     return _narrow(kit.narrow(t, 0, r0, n), spec, kit)
 
 
+def _cut(spec: tuple[int, int, int] | None, shape: tuple[int, ...] | None) -> tuple[int, int, int] | None:
+    """``spec``, or None when it keeps its dim whole (a plan may name a source's full width: a TP merge along a
+    later dim): then whole rows of the source are read."""
+    if spec is None or shape is None or spec[0] >= len(shape):
+        return spec
+    dim, start, length = spec
+    return None if start == 0 and length == shape[dim] else spec
+
+
 def _rows(spec: tuple[int, int, int] | None, shape: tuple[int, ...] | None) -> tuple[int, int] | None:
     """(first row, rows) of a source piece of ``shape`` narrowed by ``spec`` when the narrowing keeps whole rows."""
     if not shape:
@@ -115,6 +143,22 @@ def _read_direct(op: Any, files: SourceFiles, d: Any, rows: tuple[int, int], dty
             dtypes.name_of(ref.dtype) != dtypes.name_of(dtype):
         return None
     return files.read_rows(op.shard, ref, rows[0], kit.as_bytes(d))
+
+
+def _read_staged(op: Any, files: SourceFiles, d: Any, rows: tuple[int, int], dtype: Any, kit: Kit, stage: Stage
+                 ) -> bool:
+    """Read the op's source rows (one run of a file, of ``d``'s shape and dtype) into ``stage``, then copy them into
+    ``d`` (not contiguous); False when they are not one run (nothing read)."""
+    ref = op.ref
+    shape = (rows[1], *ref.shape[1:])
+    if tuple(d.shape) != shape or dtypes.name_of(ref.dtype) != dtypes.name_of(dtype) or kit.nbytes(d) == 0:
+        return False
+    n = kit.nbytes(d) // ref.dtype.itemsize
+    buf = stage.take(kit.nbytes(d))
+    if files.read_rows(op.shard, ref, rows[0], kit.as_bytes(buf[:kit.nbytes(d)])) is None:
+        return False
+    kit.copy(d, kit.view(buf, dtype, shape, n))
+    return True
 
 
 # (byte offset in the built rows, bytes, their CRC-32 or None when none was taken): where one op's bytes went

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 from typing import Any
 
@@ -60,7 +61,7 @@ def write_shard(r: Resharder, name: str, iter_out: str, verify: bool, tapping: T
 def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
     """Re-read a written shard and check every planned slice (model and optimizer state) against its source slice,
     bit for bit (each record's CRC-32 checked as it is read). Returns the number of tensors checked; raises on any difference."""
-    checked = 0
+    checked = since = 0
     with TorchFile(path) as out:
         meta = out.load_metadata()
         planned = [((tp.chunk, tp.key), tp) for tp in plan.tensors]
@@ -75,7 +76,15 @@ def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
                     break
             _verify_tensor(tp, written, out, files, path)
             checked += tp.shape is not None
+            if tp.shape is not None:
+                since += math.prod(tp.shape) * tp.dtype.itemsize
+            if since >= _RELEASE_BYTES:  # the written file's pages read back, dropped: the resident set stays small
+                out.release_pages()
+                since = 0
     return checked
+
+
+_RELEASE_BYTES = 256 * 2**20  # bytes read back between two releases of the written file's mapped pages
 
 
 def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
@@ -105,6 +114,8 @@ def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
                 covered[start:start + n] = True
             if kit.any_set(flat[~covered]):
                 raise PreflightError(f"verify: the padding of {fp.key} is not zero", path=path, code="verify")
+            del flat
+            out.release_pages()  # (a world tensor read back: its pages dropped)
             checked += 1
     return checked
 

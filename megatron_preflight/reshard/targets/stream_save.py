@@ -27,7 +27,7 @@ from megatron_preflight import crc, dtypes, pickling
 from megatron_preflight.held_tensor import HeldTensor
 from megatron_preflight.placeholders import placeholder_class
 from megatron_preflight.reshard.execute.arrays import BYTES, TORCH, Kit
-from megatron_preflight.reshard.execute.executor import Span, build_rows, tiled_crc
+from megatron_preflight.reshard.execute.executor import Span, Stage, build_rows, tiled_crc
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets.unit import Tap
@@ -169,11 +169,12 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
         behind.submit(zw.write, ".format_version", _FORMAT_VERSION)
         behind.submit(zw.write, "byteorder", _BYTEORDER)
         buffers = _Buffers(behind, kit)
+        stage = Stage(kit)
         for storage, source in pending:
             nbytes = storage.numel * storage.dtype.itemsize
             behind.submit(zw.begin, f"data/{storage.key}", nbytes)
             value = 0
-            for plan, r0, part, buf, piece_crc in _pieces(source, files, buffers, kit):
+            for plan, r0, part, buf, piece_crc in _pieces(source, files, buffers, kit, stage):
                 raw = kit.as_bytes(part)
                 # the record's CRC-32 is taken here (the writer thread, which waits on the file system, only writes):
                 # from the CRC-32s the reads took of the piece's bytes, or over the bytes when they were not all read so
@@ -367,7 +368,7 @@ class _Buffers:
         self._free.put(buf)
 
 
-def _pieces(source: Any, files: SourceFiles, buffers: _Buffers, kit: Kit) -> Any:
+def _pieces(source: Any, files: SourceFiles, buffers: _Buffers, kit: Kit, stage: Stage) -> Any:
     """A target tensor in row chunks of about CHUNK_BYTES, each as (its plan, its first row, the rows, the buffer
     to hand back once they are written, the rows' CRC-32 when the reads that built them took it, else None) — a
     carried tensor: whole, no plan; a flat world tensor: its parameters' states one after the other (flattened),
@@ -378,7 +379,7 @@ def _pieces(source: Any, files: SourceFiles, buffers: _Buffers, kit: Kit) -> Any
             if start > pos:
                 yield None, 0, kit.zeros(start - pos, source.dtype), None, None
             pos = start
-            for plan, r0, piece, buf, piece_crc in _pieces(tp, files, buffers, kit):
+            for plan, r0, piece, buf, piece_crc in _pieces(tp, files, buffers, kit, stage):
                 if dtypes.name_of(tp.dtype) != dtypes.name_of(source.dtype):  # other bytes than those read
                     piece, piece_crc = kit.converted(piece, tp.dtype, source.dtype), None
                 pos += kit.nbytes(piece) // source.dtype.itemsize
@@ -405,7 +406,7 @@ def _pieces(source: Any, files: SourceFiles, buffers: _Buffers, kit: Kit) -> Any
     for r0, r1 in bounds:
         buf = buffers.take(max(r1 - r0, 1) * row)
         spans: list[Span] = []
-        rows = build_rows(source, files, r0, r1, release=True, out=buf, spans=spans, kit=kit)
+        rows = build_rows(source, files, r0, r1, release=True, out=buf, spans=spans, kit=kit, stage=stage)
         yield source, r0, rows, buf, tiled_crc(spans, kit.nbytes(rows))
 
 
