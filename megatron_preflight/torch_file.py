@@ -525,17 +525,11 @@ class TorchFile:
         record later or not at all)."""
         import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
-        start, nbytes = self._record_offset(ref.storage.key)
         dtype = dtypes.to_torch(ref.dtype)
         if ref.numel == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        self._map()
-        if verify and self.check_crc and ref.storage.key not in self._crc_checked:
-            self._crc_chain.pop(ref.storage.key, None)
-            self._check_crc(ref.storage.key, start, nbytes)
-        count = nbytes // dtype.itemsize
-        self._touched = True
-        flat = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._base + start)
+        start, nbytes = self._mapped_record(ref, verify)
+        flat = torch.frombuffer(self._mmap, dtype=dtype, count=nbytes // dtype.itemsize, offset=self._base + start)
         return flat.as_strided(ref.shape, ref.stride, ref.offset)
 
     def array(self, ref: TensorRef, verify: bool = True) -> Any:
@@ -543,20 +537,26 @@ class TorchFile:
         ``ref``'s (its bytes, not its values: what a copy needs)."""
         import numpy as np  # deferred: numpy only where arrays are made (a verdict loads neither it nor torch)
 
-        start, nbytes = self._record_offset(ref.storage.key)
         elem = dtypes.byte_element(ref.dtype)
         if ref.numel == 0:
             return np.empty(ref.shape, dtype=elem)
-        self._map()
-        if verify and self.check_crc and ref.storage.key not in self._crc_checked:
-            self._crc_chain.pop(ref.storage.key, None)
-            self._check_crc(ref.storage.key, start, nbytes)
+        start, nbytes = self._mapped_record(ref, verify)
         size = elem.itemsize
-        self._touched = True
         flat = np.frombuffer(self._mmap, dtype=elem, count=nbytes // size, offset=self._base + start)
         # (the extent was checked against the storage when the metadata was read: _check_extent)
         return np.lib.stride_tricks.as_strided(flat[ref.offset:], ref.shape, tuple(st * size for st in ref.stride),
                                                writeable=False)
+
+    def _mapped_record(self, ref: TensorRef, verify: bool) -> tuple[int, int]:
+        """(start, bytes) of ``ref``'s storage record, the file mapped, the record's CRC-32 checked on its first read
+        (``verify``)."""
+        start, nbytes = self._record_offset(ref.storage.key)
+        self._map()
+        if verify and self.check_crc and ref.storage.key not in self._crc_checked:
+            self._crc_chain.pop(ref.storage.key, None)
+            self._check_crc(ref.storage.key, start, nbytes)
+        self._touched = True
+        return start, nbytes
 
     def read_rows(self, ref: TensorRef, row0: int, out: Any, fd: int | None = None) -> int | None:
         """Read rows ``row0 .. row0 + len(out) / row bytes`` (dim 0) of ``ref`` into the writable buffer ``out`` with
