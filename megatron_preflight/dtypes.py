@@ -7,6 +7,7 @@ loaded (the hook, the resharder) they resolve to the real ``torch.dtype``; other
 
 from __future__ import annotations
 
+import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,25 @@ def is_tensor(value: Any) -> bool:
     import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
     return isinstance(value, torch.Tensor)
+
+
+# dtype name -> the struct code of one little-endian element (bf16, the upper half of a float32, is read apart)
+_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h", "int8": "b",
+           "uint8": "B", "bool": "?"}
+READABLE = frozenset(_STRUCT) | {"bfloat16"}  # the dtypes whose one element :func:`element_value` reads
+
+
+def element_value(raw: bytes, name: str) -> Any:
+    """One element's value from its little-endian bytes, without torch (a step, a loss scale); ``name`` in
+    :data:`READABLE`."""
+    if name == "bfloat16":  # the upper half of a float32
+        return struct.unpack("<f", b"\x00\x00" + raw)[0]
+    return struct.unpack("<" + _STRUCT[name], raw)[0]
+
+
+def element_bytes(value: Any, name: str) -> bytes:
+    """:func:`element_value` reversed (``name`` in :data:`READABLE` but bfloat16)."""
+    return struct.pack("<" + _STRUCT[name], value)
 
 
 def byte_element(value: Any) -> Any:

@@ -5,14 +5,10 @@ a carried top-level entry) while torch is not loaded. A legacy writer saves it a
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight import dtypes
-
-_STRUCT = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
-           "int8": "<b", "uint8": "<B", "bool": "<?"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,18 +26,15 @@ class HeldTensor:
     @classmethod
     def scalar(cls, value: float | int | bool) -> HeldTensor:
         """What ``torch.tensor(value)`` makes: a 0-dim float32, int64 or bool tensor."""
-        if isinstance(value, bool):
-            return cls(dtypes.dtype("bool"), (), struct.pack("<?", value))
-        if isinstance(value, int):
-            return cls(dtypes.dtype("int64"), (), struct.pack("<q", value))
-        return cls(dtypes.dtype("float32"), (), struct.pack("<f", value))
+        name = "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else "float32"
+        return cls(dtypes.dtype(name), (), dtypes.element_bytes(value, name))
 
     def item(self) -> float | int | bool:
         """A one-element tensor's value (as ``tensor.item()``: ``float(step)`` works on either)."""
-        code = _STRUCT.get(dtypes.name_of(self.dtype) or "")
-        if code is None or len(self.data) != self.dtype.itemsize:
+        name = dtypes.name_of(self.dtype) or ""
+        if name not in dtypes.READABLE or len(self.data) != self.dtype.itemsize:
             raise TypeError(f"a {self.dtype} tensor of shape {self.shape} has no single value to read without torch")
-        return struct.unpack(code, self.data)[0]
+        return dtypes.element_value(self.data, name)
 
     def __float__(self) -> float:
         return float(self.item())

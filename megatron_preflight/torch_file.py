@@ -510,14 +510,14 @@ class TorchFile:
         """A one-element tensor's value as a Python number, read without torch (a step, a loss scale); ``ref`` itself
         for a bigger tensor or a dtype this does not decode."""
         name = dtypes.name_of(ref.dtype)
-        if ref.numel != 1 or (name not in _STRUCT and name != "bfloat16"):
+        if ref.numel != 1 or name not in dtypes.READABLE:
             return ref
         start, nbytes = self._record_offset(ref.storage.key)
         size = ref.dtype.itemsize
         if (ref.offset + 1) * size > nbytes:
             raise CorruptFileError(f"storage {ref.storage.key} is shorter than its tensor", path=self.path,
                                    code="corrupt_file", fix="restore the file from a complete copy")
-        return _item(self._read_at(start + ref.offset * size, size), name)
+        return dtypes.element_value(self._read_at(start + ref.offset * size, size), name)
 
     def tensor(self, ref: TensorRef, verify: bool = True) -> Any:
         """The tensor ``ref`` points at, as a view of a copy-on-write mmap (lazy: pages are read on access).
@@ -691,16 +691,6 @@ def release_mapped(mapping: mmap.mmap, start: int, length: int) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
     except (OSError, ValueError):
         pass
-
-
-_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h", "int8": "b",
-           "uint8": "B", "bool": "?"}
-
-
-def _item(raw: bytes, name: str) -> Any:
-    if name == "bfloat16":  # the upper half of a float32
-        return struct.unpack("<f", b"\x00\x00" + raw)[0]
-    return struct.unpack("<" + _STRUCT[name], raw)[0]
 
 
 def zip_trailer_problem(path: str) -> str | None:

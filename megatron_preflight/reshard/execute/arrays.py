@@ -15,6 +15,11 @@ from megatron_preflight import dtypes
 _FLOATS = ("bfloat16", "float16", "float32", "float64")
 
 
+def has_values(dtype: Any) -> bool:
+    """Whether :func:`float_values` reads ``dtype``'s values (the floats numpy knows, and bf16)."""
+    return dtypes.name_of(dtype) in _FLOATS
+
+
 def float_values(t: Any, dtype: Any) -> Any:
     """The values of a :data:`BYTES` array of ``dtype``'s elements as a numpy float array (a bf16 element widened
     exactly to fp32); None for a dtype that is not one of those floats (an integer, fp8)."""

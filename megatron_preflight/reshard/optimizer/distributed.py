@@ -31,7 +31,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.execute.arrays import BYTES, float_values
+from megatron_preflight.reshard.execute.arrays import BYTES, float_values, has_values
 from megatron_preflight.reshard.optimizer.plain import (
     OptimizerNotReshardable,
     add_settings,
@@ -369,15 +369,14 @@ def _master_matches_bytes(files: Any, shard: str, weight_ref: TensorRef, master_
                           ) -> bool | None:
     """:func:`_master_matches_tensors` of two legacy pieces of the floats numpy reads, cast as torch casts (other
     dtypes: as tensors)."""
+    if not (has_values(weight_ref.dtype) and has_values(master_ref.dtype)):
+        return _master_matches_tensors(files, shard, weight_ref, master_ref, sample)
     w, m = files.array(shard, weight_ref).reshape(-1), files.array(shard, master_ref).reshape(-1)
     if w.size == 0:
         return None
     picks = _picks(w.size, sample)
-    wv = float_values(w[picks], weight_ref.dtype)
-    if wv is None or float_values(m[:1], master_ref.dtype) is None:
-        return _master_matches_tensors(files, shard, weight_ref, master_ref, sample)
     cast = BYTES.converted(m[picks], master_ref.dtype, weight_ref.dtype)
-    return bool((float_values(cast, weight_ref.dtype) == wv).all())
+    return bool((float_values(cast, weight_ref.dtype) == float_values(w[picks], weight_ref.dtype)).all())
 
 
 # -- the target side --------------------------------------------------------------------------------------------

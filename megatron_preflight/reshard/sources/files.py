@@ -139,7 +139,7 @@ class SourceFiles:
             if not isinstance(v, TensorRef):
                 return v
             if held and isinstance(self.reader(v), LegacyReader):
-                data = self.array(shard, v).copy().tobytes()
+                data = self.array(shard, v).tobytes()  # (C order, whatever its strides)
                 self.bytes_read += len(data)
                 return HeldTensor(v.dtype, tuple(v.shape), data)
             t = self.tensor(shard, v).clone()

@@ -25,7 +25,8 @@ from typing import Any
 from megatron_preflight import dtypes, parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.gc_budget import collect_rarely
-from megatron_preflight.layout import transport
+from megatron_preflight.layout import naming, transport
+from megatron_preflight.layout.dist import DCP_METADATA
 from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex
 from megatron_preflight.reshard.execute.replicas import Drifted
@@ -120,8 +121,10 @@ def _init_worker(layout: bytes, target: TargetLayout, trust: bool, keep_optimize
 
 # The output formats: ``--ckpt-format`` -> its target's module and class (see targets/unit.py), imported when a run
 # writes that format (a legacy output is written without torch: the others' modules import it)
-TARGETS: dict[str, tuple[str, str]] = {"torch": ("legacy", "LegacyTarget"), "torch_dist": ("torch_dist", "TorchDistTarget"),
-                                       "fsdp_dtensor": ("fsdp_dtensor", "FsdpDtensorTarget"), "hf": ("hf", "HfTarget")}
+TARGETS: dict[str, tuple[str, str]] = {
+    "torch": ("legacy", "LegacyTarget"), "torch_dist": ("torch_dist", "TorchDistTarget"),
+    "fsdp_dtensor": ("fsdp_dtensor", "FsdpDtensorTarget"), "hf": ("hf", "HfTarget"),
+}
 _MADE: dict[str, Target] = {}
 
 
@@ -211,19 +214,19 @@ def check_destination(src: str, dst: str) -> None:
                              code="usage")
 
 
-def _bytes_only(src: str, target: TargetLayout, tapping: Tapping | None) -> bool:
+def _starts_without_torch(src: str, target: TargetLayout, tapping: Tapping | None) -> bool:
     """Whether the run may start without torch: a legacy output, not tapped (a fingerprint hashes tensors), from what
-    looks like a legacy source (a shard dir, no DCP metadata, in the dir or its iteration dirs). A legacy -> legacy reshard moves bytes and never
-    loads torch (~2 s of a fresh process); any other source is read with torch loaded first (the run opens it again
-    if the look was wrong)."""
+    looks like a legacy source (a shard dir and no DCP metadata, in the dir or its iteration dirs). A legacy ->
+    legacy reshard moves bytes and never loads torch (~2 s of a fresh process); any other source is read with torch
+    loaded first (the run opens it again if the look was wrong)."""
     if (target.ckpt_format or "torch") != "torch" or tapping is not None:
         return False
     try:
-        dirs = [src] + [os.path.join(src, d) for d in os.listdir(src) if d.startswith("iter_")]
+        dirs = [src] + [os.path.join(src, d) for d in os.listdir(src) if naming.parse_iteration_dir(d) is not None]
         names = [n for d in dirs if os.path.isdir(d) for n in os.listdir(d)]
     except OSError:
         return False  # (the open says what is wrong)
-    return ".metadata" not in names and any(n.startswith("mp_rank_") for n in names)
+    return DCP_METADATA not in names and any(naming.parse_shard_dir_name(n) is not None for n in names)
 
 
 def open_checked(src: str, target: TargetLayout, *, iteration: Any, trust_checkpoint: bool,
@@ -257,7 +260,7 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
     r: Resharder | None = None
     try:
         check_destination(src, dst)
-        if not _bytes_only(src, target, tapping):
+        if not _starts_without_torch(src, target, tapping):
             import torch  # noqa: F401 - loaded before the source is read: its values read as tensors
         r = open_checked(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint,
                          drop_optimizer=drop_optimizer)
