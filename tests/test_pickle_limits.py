@@ -102,10 +102,13 @@ def test_huge_bytes_call_is_refused() -> None:
         _load(data)
 
 
-def test_the_scan_keeps_its_place_through_runs_of_every_plain_opcode() -> None:
+@pytest.mark.parametrize("large", [False, True], ids=["small-stream-tables", "large-stream-tables"])
+def test_the_scan_keeps_its_place_through_runs_of_every_plain_opcode(large: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The opcodes with nothing to check are skipped by one regular expression; a memo store hidden after runs of
     strings of every short length, longs, floats, ints and containers is found all the same (the scan stays aligned
-    with the opcode stream), at each of several places."""
+    with the opcode stream), at each of several places, with either string table (a small stream's, a large one's)."""
+    monkeypatch.setattr(pickle_limits, "_LARGE_STREAM", 0 if large else 1 << 40)
     obj = [["s" * n, b"b" * n, 2 ** (8 * (n % 40)), n * 0.5, -n, (n, [n])] for n in range(300)]
     data = pickle.dumps(obj, protocol=2)  # protocol 2 memoises with BINPUT / LONG_BINPUT (index > 255)
     puts = [pos for op, arg, pos in pickletools.genops(data) if op.name == "LONG_BINPUT"]
@@ -115,3 +118,15 @@ def test_the_scan_keeps_its_place_through_runs_of_every_plain_opcode() -> None:
         forged = data[:pos + 1] + struct.pack("<I", 2**31) + data[pos + 5:]
         with pytest.raises(UnsafePickleError, match="memo slot 2,147,483,648"):
             pickle_limits.scan(forged, "hostile.pkl")
+
+
+@pytest.mark.parametrize("forged", [
+    b"X\x05\x00\x00\x00ab",  # a short key (in the run's fast path) cut off: the unpickler would read past the end
+    b"X\x05\x00\x00\x01abcde",  # its length's top bytes set: 16 MiB announced, not a short key
+])
+def test_a_forged_string_length_is_refused_where_the_run_takes_short_keys(forged: bytes) -> None:
+    """BINUNICODE of a short length and LONG_BINPUT of a small slot are skipped inside the regular expression (a
+    legacy .pt is made of them); a length the stream does not hold still leaves the run and is refused."""
+    data = b"\x80\x02]r\x01\x00\x00\x00" + forged
+    with pytest.raises(UnsafePickleError, match="announces"):
+        pickle_limits.scan(data, "hostile.pkl")
