@@ -41,9 +41,12 @@ def _run(ns: argparse.Namespace) -> int:
     return 1 if plan.verdict == Verdict.FAIL else 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, *, arguments: bool = True) -> None:
     p = sub.add_parser("check", help="compare a run's args with a checkpoint; verdict, loader, every finding",
                        description="Flags after `--` are the run's pretrain_gpt.py flags (unknown ones are ignored).")
+    p.set_defaults(func=_run)
+    if not arguments:  # another subcommand runs: the top-level help lists this one by name and help
+        return
     p.add_argument("path", help="the checkpoint root (the --load dir)")
     p.add_argument("--config", help="YAML file of Megatron arg names (flags after -- override it)")
     p.add_argument("--iteration", help="iteration to check (default: --ckpt-step, else the tracker's)")
@@ -52,4 +55,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled types outside the allow-list")
     add_shards_flag(p)
-    p.set_defaults(func=_run)

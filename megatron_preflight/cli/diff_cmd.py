@@ -16,10 +16,13 @@ def _run(ns: argparse.Namespace) -> int:
     return 0 if report.equal else 1
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, *, arguments: bool = True) -> None:
     p = sub.add_parser("diff", help="compare two checkpoints by global tensor content (any layouts and formats)",
                        description="Weights and the optimizer state in model space (fp32 masters, moments, step), "
                                    "vocab padding rows excluded; exit 0 equal, 1 different.")
+    p.set_defaults(func=_run)
+    if not arguments:  # another subcommand runs: the top-level help lists this one by name and help
+        return
     p.add_argument("a", help="a checkpoint root (a --save / --load dir)")
     p.add_argument("b", help="the checkpoint to compare it with")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
@@ -30,4 +33,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iteration-b", help="iteration of b (default: its tracker's)")
     p.add_argument("--workers", type=int, default=2, help="tensor pairs compared at a time (threads; default 2)")
     p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled types outside the allow-list")
-    p.set_defaults(func=_run)

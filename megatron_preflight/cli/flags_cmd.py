@@ -37,11 +37,13 @@ def _run(ns: argparse.Namespace) -> int:
     return EXIT_OK if not fatal else EXIT_PROBLEMS
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, *, arguments: bool = True) -> None:
     p = sub.add_parser("flags", help="the pretrain_gpt.py model flags that build a checkpoint's model (a Hugging "
                                      "Face model's from its config.json)")
+    p.set_defaults(func=_run)
+    if not arguments:  # another subcommand runs: the top-level help lists this one by name and help
+        return
     p.add_argument("path", help="a Hugging Face model dir, or a Megatron checkpoint root")
     p.add_argument("--json", action="store_true", help="print a JSON object with the flags")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow pickled types outside the allow-list (runs code from the file: only for files you trust)")
-    p.set_defaults(func=_run)

@@ -36,8 +36,11 @@ def _run(ns: argparse.Namespace) -> int:
     return EXIT_OK if layout.ok and (content is None or content.ok) else EXIT_PROBLEMS
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, *, arguments: bool = True) -> None:
     p = sub.add_parser("inspect", help="describe a checkpoint: format, iteration, TP/PP/EP, shards, problems")
+    p.set_defaults(func=_run)
+    if not arguments:  # another subcommand runs: the top-level help lists this one by name and help
+        return
     p.add_argument("path", help="the checkpoint root (the --load dir) or one iteration dir")
     p.add_argument("--iteration", help="iteration to inspect (default: the tracker's)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
@@ -48,4 +51,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "tensor that differs, the shard file holding it and the likely cause")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow pickled types outside the allow-list (runs code from the file: only for files you trust)")
-    p.set_defaults(func=_run)

@@ -100,10 +100,13 @@ def _run(ns: argparse.Namespace) -> int:
     return 0 if any(c.fits is not False for c in plan.candidates) else 1
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, *, arguments: bool = True) -> None:
     p = sub.add_parser("plan", help="the parallel layouts of N GPUs that hold the checkpoint's model, ranked, with flags",
                        description="Flags after `--` are the run's pretrain_gpt.py flags (what they leave out: the "
                                    "checkpoint's saved args).")
+    p.set_defaults(func=_run)
+    if not arguments:  # another subcommand runs: the top-level help lists this one by name and help
+        return
     p.add_argument("path", help="the checkpoint root (the --load dir)")
     p.add_argument("--world-size", type=int, required=True, help="the number of GPUs (ranks) of the run")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: TP stays inside one (default 8)")
@@ -116,4 +119,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--trust-checkpoint", action="store_true", help="allow pickled types outside the allow-list")
     add_shards_flag(p)
-    p.set_defaults(func=_run)

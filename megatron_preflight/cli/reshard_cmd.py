@@ -158,7 +158,7 @@ def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, *, arguments: bool = True) -> None:
     p = sub.add_parser("reshard", help="write a checkpoint at another TP/PP/EP/ETP/VPP layout (legacy, torch_dist, fsdp_dtensor or a Hugging Face model), with its optimizer state",
                        description="Sizes not given keep the source's; ETP follows the target TP unless given; no "
                                    "virtual pipeline unless given. Or give the new run's pretrain_gpt.py flags after "
@@ -166,6 +166,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "default: TP = PP = EP = 1, ETP = TP, no virtual pipeline, even stages), exactly "
                                    "the layout `check` compares; the run's world size (--world-size, --nproc-per-node "
                                    "or WORLD_SIZE) must hold it.")
+    p.set_defaults(func=_run)
+    if not arguments:  # another subcommand runs: the top-level help lists this one by name and help
+        return
     p.add_argument("src", help="source checkpoint root (never written to)")
     p.add_argument("dst", help="new checkpoint root (must not exist, or be empty)")
     p.add_argument("--tensor-model-parallel-size", "--tp")
@@ -223,4 +226,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: measured by a quick read of the source and an fsync'd write to the OS temp dir)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--trust-checkpoint", action="store_true")
-    p.set_defaults(func=_run)

@@ -3,6 +3,9 @@
 import subprocess
 import sys
 
+import pytest
+
+from megatron_preflight.cli import main as main_module
 from tests.conftest import fixture_path
 
 
@@ -49,3 +52,23 @@ def test_a_legacy_reshard_runs_without_torch(tmp_path):
                        "--", "--tensor-model-parallel-size", "1")
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "out" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").is_file(), p.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["inspect", "CKPT", "--json"],
+    ["--debug", "check", "CKPT", "--iteration", "3", "--all-shards"],
+    ["plan", "CKPT", "--world-size", "64"],
+    ["reshard", "SRC", "DST", "--tp", "2"],
+    ["diff", "A", "B", "--json"],
+    ["fingerprint", "CKPT", "--weights-only"],
+    ["flags", "HF", "--json"],
+])
+def test_the_parser_built_for_one_subcommand_parses_as_the_full_one(argv: list[str]) -> None:
+    """main() builds only the named subcommand's arguments; what it parses, and the subcommands the top-level help
+    lists, are those of the parser with every subcommand's arguments."""
+    command = main_module._command_in(argv)
+    assert command == next(a for a in argv if not a.startswith("-"))
+    one, full = main_module.build_parser(command), main_module.build_parser()
+    assert vars(one.parse_args(argv)) == vars(full.parse_args(argv))
+    assert one.format_help() == full.format_help()
+    assert main_module._command_in(["chek", "CKPT"]) is None  # a typo: the full parser names the choices
