@@ -91,6 +91,8 @@ DEFERRABLE = ("torch", "numpy", "megatron.", "yaml", "megatron_preflight.reshard
               # (issue 34): the distributed optimizer's and torch_dist's readers, the executor, the GPT -> hybrid bridge
               "megatron_preflight.check", "megatron_preflight.fit", "megatron_preflight.reshard.optimizer.", "megatron_preflight.reshard.sources.",
               "megatron_preflight.reshard.execute.", "megatron_preflight.reshard.plan.hybrid",
+              # a Hugging Face model's reader (config and family tables): only for a dir that is one
+              "megatron_preflight.layout.hf.discover",
               # torch's DCP and the fsdp_dtensor form: only in a Megatron-FSDP job given a 3D checkpoint
               "megatron_preflight.hook import fsdp_load",
               # proving a checkpoint's content (fingerprints, diff, the content check) reads every tensor
@@ -98,8 +100,9 @@ DEFERRABLE = ("torch", "numpy", "megatron.", "yaml", "megatron_preflight.reshard
               # an optional C extension (ISA-L's CRC-32), loaded where bytes are checked
               "isal",
               # standard modules a verdict need not pay for (1-3 ms each): a thread pool where there are many files,
-              # zipfile where torch.save's own layout is not met, ctypes where pages are released
-              "concurrent.futures", "zipfile", "ctypes", "megatron_preflight import libc")
+              # zipfile where torch.save's own layout is not met, ctypes where pages are released, hashlib (OpenSSL)
+              # and tempfile where a .metadata's index is hashed and written
+              "concurrent.futures", "zipfile", "ctypes", "megatron_preflight import libc", "hashlib", "tempfile")
 
 
 @pytest.mark.parametrize("module", sorted(MODS))

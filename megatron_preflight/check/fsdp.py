@@ -16,10 +16,9 @@ from __future__ import annotations
 from megatron_preflight.check import advice
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
-from megatron_preflight.layout.dist import FSDP_MODEL
+from megatron_preflight.layout.dist import FSDP_MODEL, strip_modules
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.plan.rules import mtp_layer_name
-from megatron_preflight.reshard.sources.fsdp_dtensor import strip_modules
 
 FATAL, RESHARD = Severity.FATAL, Severity.RESHARD
 FSDP_FLAGS = "--use-megatron-fsdp --ckpt-format fsdp_dtensor"

@@ -17,11 +17,9 @@ dir that cannot be written is skipped (the facts are read as before). The least 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import tempfile
 from typing import Any
 
 from megatron_preflight.layout.dcp_index import DcpFacts, StoredItem
@@ -54,6 +52,8 @@ def key_of(data: bytes, trust: bool) -> str | None:
     """The index's name for a ``.metadata`` of these bytes read in this trust mode (None: not indexed)."""
     if len(data) < MIN_BYTES or cache_dir() is None:
         return None
+    import hashlib  # deferred: a verdict on a small .metadata (or a legacy checkpoint) hashes nothing
+
     digest = hashlib.sha256(data).hexdigest()
     return f"v{VERSION}-{'trusted' if trust else 'safe'}-{digest}"
 
@@ -92,6 +92,8 @@ def store(key: str | None, facts: DcpFacts) -> None:
         return
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        import tempfile  # deferred: only a new index is written
+
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
         try:
             with os.fdopen(fd, "wb") as fh:  # (one string, one write: json.dump's many small writes cost 3x)

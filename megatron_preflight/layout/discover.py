@@ -12,7 +12,7 @@ from megatron_preflight.errors import PreflightError, require_regular_file
 from megatron_preflight.layout import completeness, naming
 from megatron_preflight.layout.dist import DCP_METADATA, METADATA_JSON, inspect_dist
 from megatron_preflight.layout.foreign import looks_like
-from megatron_preflight.layout.hf.discover import discover_hf, is_hf_dir
+from megatron_preflight.layout.hf.names import is_hf_dir
 from megatron_preflight.layout.model import Format, Layout, Shard
 from megatron_preflight.torch_file import read_torch_file, zip_trailer_problem
 
@@ -83,6 +83,9 @@ def discover(path: str | os.PathLike, *, iteration: int | str | None = None, tru
                              fix="pass an iteration number (see `megatron-preflight inspect` for those available) or "
                                  "release", code="usage")
     if is_hf_dir(path) and not os.path.exists(os.path.join(path, naming.TRACKER_FILENAME)):
+        # deferred: a Hugging Face model's reader (its config and family tables, ~8 ms to import) loads for one only
+        from megatron_preflight.layout.hf.discover import discover_hf
+
         return discover_hf(path)
     layout = Layout(path=path)
     iter_dir = _resolve_iteration(layout, path, iteration)

@@ -224,6 +224,14 @@ FSDP_TOP_ITEMS = ("args", "iteration", "checkpoint_version", "num_floating_point
 FSDP_SCHEDULER = "opt_param_scheduler."
 FSDP_MODEL = "model."
 FSDP_OPTIMIZER_STATE = "optimizer.state."
+FSDP_WRAPPER = "module."  # Megatron-FSDP's wrappers, before a parameter's own name (model.module.<name>)
+
+
+def strip_modules(name: str) -> str:
+    """A Megatron-FSDP parameter name without its wrappers' ``module.`` prefixes."""
+    while name.startswith(FSDP_WRAPPER):
+        name = name[len(FSDP_WRAPPER):]
+    return name
 
 
 def _fsdp_common(iter_dir: str, facts: DcpFacts, trust: bool) -> dict[str, Any] | None:

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight.errors import CorruptFileError, PreflightError
-
-CONFIG = "config.json"
+from megatron_preflight.layout.hf.names import CONFIG
 
 
 @dataclass(frozen=True)

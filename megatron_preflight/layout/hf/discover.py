@@ -17,21 +17,12 @@ from megatron_preflight import dtypes, parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.hf import families
-from megatron_preflight.layout.hf.config import CONFIG, architecture_of, load_raw, normalise
-from megatron_preflight.layout.hf.safetensors import INDEX, Run, SafeRef, safe_ref, tensor_table
+from megatron_preflight.layout.hf.config import architecture_of, load_raw, normalise
+from megatron_preflight.layout.hf.names import TOKENIZER_FILES
+from megatron_preflight.layout.hf.safetensors import Run, SafeRef, safe_ref, tensor_table
 from megatron_preflight.layout.model import Format, Layout, Shard
 
 CHECKPOINT_VERSION = 3.0
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt")
-
-
-def is_hf_dir(path: str) -> bool:
-    """Whether ``path`` holds a Hugging Face model with safetensors weights (config.json beside them)."""
-    try:
-        entries = os.listdir(path)
-    except OSError:
-        return False
-    return CONFIG in entries and (INDEX in entries or any(e.endswith(".safetensors") for e in entries))
 
 
 def discover_hf(path: str) -> Layout:

@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError
+from megatron_preflight.layout.hf.names import INDEX
 from megatron_preflight.torch_file import StorageRef, TensorRef, row_major
 
-INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_HEADER = 100 * 2**20  # a DeepSeek-V3 shard's header is ~100 kB; anything this large is not a header
 

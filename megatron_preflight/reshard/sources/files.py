@@ -3,6 +3,8 @@
 Every source format reads the references it makes through a :class:`Reader` (legacy: :class:`LegacyReader` for a
 :class:`~megatron_preflight.torch_file.TensorRef`; torch_dist: :class:`DistReader` for a :class:`RegionRef`).
 :data:`READERS` maps each reference type to its reader; a new format adds its reference type, its reader and one row.
+The types are named there, not imported: a format's reader loads when a reference of its own is met (a legacy
+verdict never imports torch_dist's).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from megatron_preflight.held_tensor import HeldTensor
 from megatron_preflight.layout.hf.safetensors import SafeRef
 from megatron_preflight.reshard.sources.hf import HfReader
 from megatron_preflight.reshard.sources.legacy import LegacyReader
-from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, dist_reader
 from megatron_preflight.torch_file import TensorRef
 from megatron_preflight.tree import map_leaves
 
@@ -48,12 +49,24 @@ class Reader(Protocol):
     def close(self) -> None: ...
 
 
-# reference type -> how to open its format's reader (iter dir, trust); the most derived type first
-READERS: list[tuple[type, Callable[[str, bool, bool], Reader]]] = [
-    (RegionRef, lambda iter_dir, trust, crc: dist_reader(iter_dir, trust=trust, crc=crc)),
-    (SafeRef, lambda iter_dir, trust, crc: HfReader(iter_dir)),
-    (TensorRef, lambda iter_dir, trust, crc: LegacyReader(iter_dir, trust, crc=crc)),
-]
+def _dist_reader(iter_dir: str, trust: bool, crc: bool) -> Reader:
+    # deferred: torch_dist's reader (and the fsdp_dtensor names it reads) load for such a source only
+    from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
+
+    return dist_reader(iter_dir, trust=trust, crc=crc)
+
+
+def _name(kind: type) -> tuple[str, str]:
+    return kind.__module__, kind.__qualname__
+
+
+# reference type (module, name) -> how to open its format's reader (iter dir, trust, crc); a reference's own type is
+# looked up first, then its bases
+READERS: dict[tuple[str, str], Callable[[str, bool, bool], Reader]] = {
+    ("megatron_preflight.reshard.sources.torch_dist_reader", "RegionRef"): _dist_reader,
+    _name(SafeRef): lambda iter_dir, trust, crc: HfReader(iter_dir),
+    _name(TensorRef): lambda iter_dir, trust, crc: LegacyReader(iter_dir, trust, crc=crc),
+}
 
 
 class SourceFiles:
@@ -65,15 +78,17 @@ class SourceFiles:
         # each storage record's CRC-32 on its first read (torch_file.TorchFile), by every reader but diff (where a
         # changed byte is a difference it reports) and the metadata-only paths
         self.crc = crc
-        self._readers: dict[type, Reader] = {}
+        self._readers: dict[tuple[str, str], Reader] = {}
         self.bytes_read = 0
 
     def reader(self, ref: Any) -> Reader:
-        for kind, make in READERS:
-            if isinstance(ref, kind):
-                if kind not in self._readers:
-                    self._readers[kind] = make(self.iter_dir, self.trust, self.crc)
-                return self._readers[kind]
+        for kind in type(ref).__mro__:
+            name = _name(kind)
+            make = READERS.get(name)
+            if make is not None:
+                if name not in self._readers:
+                    self._readers[name] = make(self.iter_dir, self.trust, self.crc)
+                return self._readers[name]
         raise TypeError(f"no source reader for {type(ref).__name__}")
 
     def tensor(self, shard: str, ref: TensorRef, verify: bool = True) -> torch.Tensor:

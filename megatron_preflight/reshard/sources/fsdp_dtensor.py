@@ -28,22 +28,23 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.dist import (
     FSDP_MODEL,
     FSDP_OPTIMIZER_STATE,
+    FSDP_WRAPPER,
     METADATA_JSON,
     ObjectReader,
     object_index,
     read_dcp_metadata,
+    strip_modules,
 )
 from megatron_preflight.reshard.plan.rules import mtp_spellings
 
 GROUP_META = "optimizer.param_to_group_meta."
-_MODULE = "module."
 _SEQUENTIAL = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(.+)$")
 _GROUPED = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _FC1 = r"^(.*\.linear_fc1\.(?:weight|bias)\d*)"  # a (dense, shared or expert) fc1 parameter
 _HALF = re.compile(_FC1 + r"_([wv])$")  # one of SwiGLU's halves of it
 _GLU = re.compile(_FC1 + "$")
 HALVES = ("w", "v")  # SwiGLU fc1's [gate; up], in that order
-MODEL_PREFIX = FSDP_MODEL + _MODULE  # a parameter's key: model.module.<name>
+MODEL_PREFIX = FSDP_MODEL + FSDP_WRAPPER  # a parameter's key: model.module.<name>
 # modules that Transformer Engine's spec builds with an ``_extra_state`` (besides every ``linear_*``); see
 # reshard.plan.spec for the same facts about spec changes
 _TE_NORM_MODULES = ("pre_mlp_layernorm", "q_layernorm", "k_layernorm",
@@ -86,7 +87,7 @@ def state_prefix(half: bool) -> str:
     """The module prefix of a parameter's name in the optimizer state (``optimizer.state.<prefix><name>.<field>``, and
     ``optimizer.param_to_group_meta.<prefix><name>.<setting>``): the FSDP wrappers, one more (Float16Module) under
     bf16 / fp16."""
-    return _MODULE * (3 if half else 2)
+    return FSDP_WRAPPER * (3 if half else 2)
 
 
 def saved_names(name: str, glu: bool) -> list[tuple[str, int | None]]:
@@ -114,18 +115,12 @@ def is_alias(fqn: str, present: Any) -> bool:
     return bool(others) and fqn > min(others)
 
 
-def strip_modules(name: str) -> str:
-    while name.startswith(_MODULE):
-        name = name[len(_MODULE):]
-    return name
-
-
 def is_fsdp_dir(iter_dir: str, md: Any) -> bool:
     """Whether a DCP iteration dir is a Megatron-FSDP save (model tensors under ``model.``, no metadata.json)."""
     if os.path.exists(os.path.join(iter_dir, METADATA_JSON)):
         return False
     # (torch_dist's state keys are optimizer.state.<field>.<name>: a dir being written has no metadata.json yet)
-    return any(k.startswith((FSDP_MODEL, FSDP_OPTIMIZER_STATE + _MODULE)) for k in md.state_dict_metadata)
+    return any(k.startswith((FSDP_MODEL, FSDP_OPTIMIZER_STATE + FSDP_WRAPPER)) for k in md.state_dict_metadata)
 
 
 def _place(name: str) -> tuple[str, tuple[int, ...], str | None]:

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 
-from megatron_preflight.layout.hf.discover import TOKENIZER_FILES
+from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.targets import durable
 

@@ -24,8 +24,8 @@ from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.hf import families
-from megatron_preflight.layout.hf.discover import TOKENIZER_FILES
-from megatron_preflight.layout.hf.safetensors import INDEX, NAMES
+from megatron_preflight.layout.hf.names import INDEX, TOKENIZER_FILES
+from megatron_preflight.layout.hf.safetensors import NAMES
 from megatron_preflight.reshard.execute.executor import build_rows
 from megatron_preflight.reshard.plan.rules import canonical_name
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
