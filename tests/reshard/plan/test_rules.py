@@ -1,5 +1,7 @@
 """The split-rule table: every Megatron-Core GPT key matches exactly one row, with the split Megatron uses."""
 
+import re
+
 import pytest
 
 from megatron_preflight.reshard.plan import rules
@@ -144,3 +146,27 @@ def test_segments_of_all_ranks_tile_the_global_tensor():
             rows = sorted(r for rank in range(size) for g, n, _ in segments(Rule(kind), 16, size, rank)
                           for r in range(g, g + n))
             assert rows == list(range(16))
+
+
+@pytest.mark.parametrize("table", ["_TABLE", "_EXPERT_TABLE"])
+def test_a_row_matched_as_names_matches_what_its_pattern_matches(table):
+    """Rows whose pattern only spells names (dots, words, (a|b) choices) are matched as a set, not compiled: the set
+    is what the regular expression matches, no more (near misses included), and every other row stays a pattern."""
+    compiled = rules._COMPILED if table == "_TABLE" else rules._EXPERT_COMPILED
+    as_names = 0
+    for (pattern, _rule), (row, _) in zip(getattr(rules, table), compiled, strict=True):
+        regex = re.compile(pattern + "$")
+        assert row.pattern == regex.pattern
+        if not isinstance(row, rules._Names):
+            assert isinstance(row, re.Pattern) and not rules._NAMES_ONLY.fullmatch(pattern)
+            continue
+        as_names += 1
+        expected = 1
+        for choice in re.findall(r"\(([^)]*)\)", pattern):
+            expected *= len(choice.split("|"))
+        assert len(row.names) == expected
+        for name in row.names:
+            assert regex.match(name) and row.match(name)
+            for miss in (name + "x", name[:-1], "x" + name, name.replace(".", "_", 1)):
+                assert bool(regex.match(miss)) == row.match(miss), (pattern, miss)
+    assert as_names > 0
