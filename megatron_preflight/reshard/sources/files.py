@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_preflight import dtypes
 from megatron_preflight.held_tensor import HeldTensor
-from megatron_preflight.layout.hf.safetensors import SafeRef
-from megatron_preflight.reshard.sources.hf import HfReader
 from megatron_preflight.reshard.sources.legacy import LegacyReader
 from megatron_preflight.torch_file import TensorRef
 from megatron_preflight.tree import map_leaves
@@ -50,10 +48,16 @@ class Reader(Protocol):
 
 
 def _dist_reader(iter_dir: str, trust: bool, crc: bool) -> Reader:
-    # deferred: torch_dist's reader (and the fsdp_dtensor names it reads) load for such a source only
+    # deferred: for a torch_dist (or fsdp_dtensor) source only
     from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 
     return dist_reader(iter_dir, trust=trust, crc=crc)
+
+
+def _hf_reader(iter_dir: str, trust: bool, crc: bool) -> Reader:
+    from megatron_preflight.reshard.sources.hf import HfReader  # deferred: for a Hugging Face source only
+
+    return HfReader(iter_dir)
 
 
 def _name(kind: type) -> tuple[str, str]:
@@ -64,7 +68,7 @@ def _name(kind: type) -> tuple[str, str]:
 # looked up first, then its bases
 READERS: dict[tuple[str, str], Callable[[str, bool, bool], Reader]] = {
     ("megatron_preflight.reshard.sources.torch_dist_reader", "RegionRef"): _dist_reader,
-    _name(SafeRef): lambda iter_dir, trust, crc: HfReader(iter_dir),
+    ("megatron_preflight.layout.hf.safetensors", "SafeRef"): _hf_reader,
     _name(TensorRef): lambda iter_dir, trust, crc: LegacyReader(iter_dir, trust, crc=crc),
 }
 

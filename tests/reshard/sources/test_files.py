@@ -23,8 +23,9 @@ def test_a_reference_finds_its_own_formats_reader_before_its_bases() -> None:
     assert files.READERS[files._name(RegionRef)] is files._dist_reader
 
 
-def test_a_legacy_source_does_not_import_torch_dists_reader() -> None:
+def test_a_legacy_source_imports_no_other_formats_reader() -> None:
     code = ("import sys; from megatron_preflight.reshard.sources import files; "
-            "print('megatron_preflight.reshard.sources.torch_dist_reader' in sys.modules)")
+            "print([m for m in ('megatron_preflight.reshard.sources.torch_dist_reader', "
+            "'megatron_preflight.reshard.sources.hf', 'megatron_preflight.layout.hf.safetensors') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+    assert out.strip() == "[]"
