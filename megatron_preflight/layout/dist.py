@@ -227,6 +227,14 @@ FSDP_OPTIMIZER_STATE = "optimizer.state."
 FSDP_WRAPPER = "module."  # Megatron-FSDP's wrappers, before a parameter's own name (model.module.<name>)
 
 
+def is_fsdp_dir(iter_dir: str, md: Any) -> bool:
+    """Whether a DCP iteration dir is a Megatron-FSDP save (model tensors under ``model.``, no metadata.json)."""
+    if os.path.exists(os.path.join(iter_dir, METADATA_JSON)):
+        return False
+    # (torch_dist's state keys are optimizer.state.<field>.<name>: a dir being written has no metadata.json yet)
+    return any(k.startswith((FSDP_MODEL, FSDP_OPTIMIZER_STATE + FSDP_WRAPPER)) for k in md.state_dict_metadata)
+
+
 def strip_modules(name: str) -> str:
     """A Megatron-FSDP parameter name without its wrappers' ``module.`` prefixes."""
     while name.startswith(FSDP_WRAPPER):

@@ -7,12 +7,13 @@ SwiGLU's fc1 as two tensors ``<param>_w`` / ``<param>_v``, experts one tensor ea
 ``optimizer.state.<module prefixes><name>.<exp_avg|exp_avg_sq>`` and each parameter's group settings as bytes items
 ``optimizer.param_to_group_meta.<...>.<setting>``. No Transformer Engine extra state is saved.
 
-:func:`source_metadata` renames that into the metadata a torch_dist save of the same model would have — heterogeneous
+:func:`translate` renames that into the metadata a torch_dist save of the same model would have — heterogeneous
 layer keys (``decoder.layers.<g>.<name>``), experts stacked along a leading dim, SwiGLU's halves one tensor
 ``[w; v]``, the state as ``optimizer.state.<field>.<name>`` with the model's own fp32 tensor as the master
 (``param``) — whose chunks point at the same bytes. Every torch_dist reader (the virtual legacy shards, the
-model-space optimizer state, the region reader) then works unchanged. :func:`param_groups` makes the param groups
-from the per-parameter settings. The one place that knows fsdp_dtensor's names.
+model-space optimizer state, the region reader) then works unchanged (they read it through
+:func:`~megatron_preflight.reshard.sources.torch_dist_reader.source_metadata`). :func:`param_groups` makes the param
+groups from the per-parameter settings. The one place that knows fsdp_dtensor's names.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from megatron_preflight.layout.dist import (
     FSDP_MODEL,
     FSDP_OPTIMIZER_STATE,
     FSDP_WRAPPER,
-    METADATA_JSON,
     ObjectReader,
     object_index,
     read_dcp_metadata,
@@ -115,14 +115,6 @@ def is_alias(fqn: str, present: Any) -> bool:
     return bool(others) and fqn > min(others)
 
 
-def is_fsdp_dir(iter_dir: str, md: Any) -> bool:
-    """Whether a DCP iteration dir is a Megatron-FSDP save (model tensors under ``model.``, no metadata.json)."""
-    if os.path.exists(os.path.join(iter_dir, METADATA_JSON)):
-        return False
-    # (torch_dist's state keys are optimizer.state.<field>.<name>: a dir being written has no metadata.json yet)
-    return any(k.startswith((FSDP_MODEL, FSDP_OPTIMIZER_STATE + FSDP_WRAPPER)) for k in md.state_dict_metadata)
-
-
 def _place(name: str) -> tuple[str, tuple[int, ...], str | None]:
     """torch_dist's name of a model tensor, its index along the stacked expert dim, and which SwiGLU half it is."""
     half = None
@@ -152,14 +144,12 @@ def _tensor_name(fqn: str) -> tuple[str, str] | None:
 _TRANSLATED: dict[int, tuple[Any, Any]] = {}
 
 
-def source_metadata(iter_dir: str, *, trust: bool = False) -> Any:
-    """The DCP metadata of ``iter_dir`` as the resharder's torch_dist readers read it: an fsdp_dtensor save's
-    renamed (see the module docstring), any other as it is."""
-    md = read_dcp_metadata(iter_dir, trust=trust)
+def translated(md: Any, iter_dir: str) -> Any:
+    """:func:`translate` of the fsdp_dtensor ``.metadata`` ``md``, made once per metadata object."""
     hit = _TRANSLATED.get(id(md))
     if hit is not None and hit[0] is md:
         return hit[1]
-    out = translate(md, iter_dir) if is_fsdp_dir(iter_dir, md) else md
+    out = translate(md, iter_dir)
     if len(_TRANSLATED) >= 8:
         _TRANSLATED.pop(next(iter(_TRANSLATED)))
     _TRANSLATED[id(md)] = (md, out)

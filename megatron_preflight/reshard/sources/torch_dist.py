@@ -49,9 +49,8 @@ from megatron_preflight.reshard.plan.spec import (
     param_rank,
     rank_in,
 )
-from megatron_preflight.reshard.sources import fsdp_dtensor
 from megatron_preflight.reshard.sources.te_extra_state import described, no_fp8_copy
-from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab
+from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab, source_metadata
 from megatron_preflight.torch_file import StorageRef, row_major
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
@@ -614,7 +613,7 @@ def _table(iter_dir: str, trust: bool) -> tuple[Any, dict[str, Any]]:
             pass
         else:
             return types.SimpleNamespace(state_dict_metadata=table), facts.objects
-    md = fsdp_dtensor.source_metadata(iter_dir, trust=trust)  # (an fsdp_dtensor save: renamed as torch_dist's)
+    md = source_metadata(iter_dir, trust=trust)  # (an fsdp_dtensor save: renamed as torch_dist's)
     return md, object_index(md)
 
 

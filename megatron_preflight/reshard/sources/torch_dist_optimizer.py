@@ -33,8 +33,7 @@ from megatron_preflight.reshard.optimizer.plain import OptimizerNotReshardable, 
 from megatron_preflight.reshard.plan.index import iter_source_keys
 from megatron_preflight.reshard.plan.topology import is_tied
 from megatron_preflight.reshard.plan.types import GlobalEntry, SourcePiece
-from megatron_preflight.reshard.sources import fsdp_dtensor
-from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab
+from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, Slab, source_metadata
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile
 from megatron_preflight.tree import map_leaves
 
@@ -110,7 +109,7 @@ def index_dist_source_optimizer(source: Layout, virtual: Layout, src: ParallelLa
         raise OptimizerNotReshardable(
             f"its distributed optimizer state is saved as {sharding!r} (flat buffers per DP rank), which is not read "
             "yet", path=iter_dir, fix=FIX, code="optimizer")
-    saved = fsdp_dtensor.source_metadata(iter_dir, trust=trust).state_dict_metadata
+    saved = source_metadata(iter_dir, trust=trust).state_dict_metadata
     _known_fields(saved, iter_dir)
     md = read_dcp_metadata(iter_dir, trust=trust)
     out = DistOptimizerIndex(template_shard=virtual.shards[0].name if virtual.shards else "")

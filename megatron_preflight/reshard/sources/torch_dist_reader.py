@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError
-from megatron_preflight.layout.dist import read_dcp_metadata
-from megatron_preflight.reshard.sources.fsdp_dtensor import source_metadata
+from megatron_preflight.layout.dist import is_fsdp_dir, read_dcp_metadata
 from megatron_preflight.torch_file import StorageRef, TensorRef, TorchFile, map_file, row_major, row_pitch
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
@@ -351,6 +350,17 @@ def chunk_index(md: Any) -> dict[str, list[Chunk]]:
                 out.setdefault(fqn, []).append(Chunk(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes),
                                                      info.relative_path, int(info.offset), int(info.length)))
     return out
+
+
+def source_metadata(iter_dir: str, *, trust: bool = False) -> Any:
+    """The DCP metadata of ``iter_dir`` as the resharder's torch_dist readers read it: a Megatron-FSDP save's renamed
+    as torch_dist's (:mod:`.fsdp_dtensor`), any other as it is."""
+    md = read_dcp_metadata(iter_dir, trust=trust)
+    if not is_fsdp_dir(iter_dir, md):
+        return md
+    from megatron_preflight.reshard.sources.fsdp_dtensor import translated  # deferred: a Megatron-FSDP save only
+
+    return translated(md, iter_dir)
 
 
 def dist_reader(iter_dir: str, *, trust: bool = False, crc: bool = False, raw: bool = False) -> DistReader:

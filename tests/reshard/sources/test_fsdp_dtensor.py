@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from megatron_preflight.layout.discover import discover
 from megatron_preflight.reshard import write_resharded
-from megatron_preflight.reshard.sources.fsdp_dtensor import param_groups, source_metadata
+from megatron_preflight.reshard.sources.fsdp_dtensor import param_groups
+from megatron_preflight.reshard.sources.torch_dist_reader import source_metadata
 from megatron_preflight.reshard.target import TargetLayout
 from tests.conftest import fixture_path
 from tests.helpers import ckpt_edit
