@@ -33,3 +33,17 @@ class Finding:
             "message": self.message,
             "fix": self.fix,
         }
+
+
+# the findings of a layout that cannot run: its sizes against the model, the world, or the device (the layout
+# planner names the nearest layouts that can: fit.nearest)
+LAYOUT_FIELDS = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "context_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers", "world_size", "memory",
+})
+
+
+def first_layout_problem(findings: list[Finding]) -> Finding | None:
+    """The first fatal finding about the run's layout (see :data:`LAYOUT_FIELDS`), or None."""
+    return next((f for f in findings if f.severity == Severity.FATAL and f.field in LAYOUT_FIELDS), None)

@@ -10,7 +10,7 @@ from megatron_preflight.cli.common import add_shards_flag, to_json_text
 def _run(ns: argparse.Namespace) -> int:
     # the check's modules load when it runs (the CLI's parser loads no subcommand's work)
     from megatron_preflight.check import releases
-    from megatron_preflight.check.findings import Finding, Severity
+    from megatron_preflight.check.findings import Finding, Severity, first_layout_problem
     from megatron_preflight.check.plan import Verdict, make_plan
     from megatron_preflight.check.report import render_plan
     from megatron_preflight.check.runtime_args import from_cli, from_yaml
@@ -25,8 +25,8 @@ def _run(ns: argparse.Namespace) -> int:
         releases.apply(rt, releases.facts(version))
     plan = make_plan(ns.path, rt, iteration=ns.iteration, trust_checkpoint=ns.trust_checkpoint,
                      shards="all" if ns.all_shards else "auto")
-    if plan.verdict == Verdict.FAIL:
-        from megatron_preflight.fit.nearest import annotate  # the planner: only for a run that cannot start
+    if first_layout_problem(plan.findings):
+        from megatron_preflight.fit.nearest import annotate  # the planner: only for a layout that cannot run
 
         annotate(plan.findings, plan.index, rt)  # a layout that cannot run: the nearest ones that can
     plan.findings.append(Finding(

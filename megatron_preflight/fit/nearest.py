@@ -8,7 +8,7 @@ import shlex
 from typing import Any
 
 from megatron_preflight.check import advice
-from megatron_preflight.check.findings import Finding, Severity
+from megatron_preflight.check.findings import Finding, first_layout_problem
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.fit.choose import evaluate, nearest, with_sizes
 from megatron_preflight.fit.profile import profile_of
@@ -18,12 +18,6 @@ from megatron_preflight.units import human_bytes
 log = logging.getLogger(__name__)
 GPUS_PER_NODE = 8  # TP stays inside a node of this many GPUs (the plan command takes the real number)
 
-# the findings of a layout that cannot run: its sizes against the model, the world, or the device
-TRIGGERS = frozenset({
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-    "expert_tensor_parallel_size", "context_parallel_size", "virtual_pipeline_model_parallel_size",
-    "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers", "world_size", "memory",
-})
 
 
 def _run_layout(rt: RuntimeArgs) -> ParallelLayout:
@@ -60,8 +54,9 @@ def nearest_text(index: Any, rt: RuntimeArgs, count: int = 3) -> str | None:
 
 
 def annotate(findings: list[Finding], index: Any, rt: RuntimeArgs) -> None:
-    """Add the nearest fitting layouts to the fix of the first fatal layout finding (see :data:`TRIGGERS`)."""
-    first = next((f for f in findings if f.severity == Severity.FATAL and f.field in TRIGGERS), None)
+    """Add the nearest fitting layouts to the fix of the first fatal layout finding (see
+    :func:`~megatron_preflight.check.findings.first_layout_problem`)."""
+    first = first_layout_problem(findings)
     if first is None:
         return
     text = nearest_text(index, rt)

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check import advice, releases
+from megatron_preflight.check.findings import first_layout_problem
 from megatron_preflight.check.plan import make_plan
 from megatron_preflight.check.report import render_plan
 from megatron_preflight.check.runtime_args import from_namespace
@@ -201,8 +202,8 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     plan = make_plan(load_dir, rt, trust_checkpoint=bool(getattr(args, "preflight_trust_checkpoint", False)),
                      shards="auto")  # a sampled verdict on rank 0 at scale; the resharder reads what it needs
     STATE.indexes[os.path.abspath(load_dir)] = plan.index  # the loader reuses it: read and indexed once
-    if plan.verdict == Verdict.FAIL:
-        from megatron_preflight.fit.nearest import annotate  # the planner: only for a run that cannot start
+    if first_layout_problem(plan.findings):
+        from megatron_preflight.fit.nearest import annotate  # the planner: only for a layout that cannot run
 
         annotate(plan.findings, plan.index, rt)  # a layout that cannot run: the nearest ones that can
     allow_missing = bool(getattr(args, "preflight_allow_missing_checkpoint", False))
