@@ -18,7 +18,6 @@ from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout.dist import metadata_facts
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.reshard.optimizer.distributed import bucket_size, read_dist_meta
 
 # a dp_reshardable bucket's tensor: <part.>optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>.dtype_(...).bucket_idx_<k>
 _BUCKET = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.*\.bucket_idx_"
@@ -34,6 +33,9 @@ def bucket_findings(layout: Layout, rt: RuntimeArgs, *, same_layout: bool) -> li
     legacy = layout.format == Format.TORCH and bool(layout.distributed_optimizer)
     if not (legacy or (layout.format == Format.TORCH_DIST and layout.dist_optimizer_sharding == "dp_reshardable")):
         return []
+    # deferred: the distributed optimizer's reader, for a checkpoint saved with it only
+    from megatron_preflight.reshard.optimizer.distributed import bucket_size
+
     dp_cp = rt.world_size // (rt.tp * rt.pp)  # the distributed optimizer's shard domain: DP x CP
     old, new = bucket_size(saved), bucket_size(rt, dp=dp_cp)
     if old == new:
@@ -68,6 +70,8 @@ def _dp_cp(args: Any) -> int:
 
 def _largest_buffer(layout: Layout) -> int | None:
     """The largest gradient buffer of the legacy distrib_optim.pt files read (its recorded unpadded size)."""
+    from megatron_preflight.reshard.optimizer.distributed import read_dist_meta  # deferred: as in bucket_findings
+
     largest = None
     for shard in layout.shards:
         if shard.meta is None or not os.path.isfile(os.path.join(shard.path, "distrib_optim.pt")):
