@@ -93,3 +93,38 @@ VERDICTS: set[str] = set()
 def test_every_verdict_was_compared():
     """The cases above met every verdict (a reshard one with its cost prediction included)."""
     assert VERDICTS >= {"load", "reshard", "fail"} or not VERDICTS
+
+
+_LOADED = """
+import json, sys
+from megatron_preflight.cli.main import main
+rc = main(sys.argv[1:])
+sys.stdout.flush()
+print(json.dumps(sorted(sys.modules)), file=sys.stderr)
+"""
+# readers of formats other than the checkpoint's, and work a verdict did not ask for (benchmarks/bench_verdict.py's
+# cases: each ~2-10 ms of a ~0.2 s verdict)
+_HF = ("megatron_preflight.layout.hf.config", "megatron_preflight.layout.hf.families",
+       "megatron_preflight.layout.hf.discover", "megatron_preflight.layout.hf.safetensors",
+       "megatron_preflight.reshard.sources.hf")
+_NOT_LOADED = {
+    "moe_shared_tp2pp2ep2_torch": (*_HF, "megatron_preflight.reshard.sources.torch_dist_reader",
+                                   "megatron_preflight.reshard.sources.fsdp_dtensor",
+                                   "megatron_preflight.reshard.optimizer.distributed", "megatron_preflight.fit",
+                                   "hashlib", "tempfile", "concurrent.futures"),
+    "moe_shared_tp2pp2ep2_torch_dist": (*_HF, "megatron_preflight.reshard.sources.fsdp_dtensor",
+                                        "megatron_preflight.fit", "hashlib", "tempfile"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_NOT_LOADED))
+def test_a_verdict_loads_no_other_formats_reader_nor_the_planner(case):
+    """The bench's checks (a fatal args mismatch, no layout problem): no Hugging Face or Megatron-FSDP reader, no
+    distributed optimizer's reader without one, no layout planner, no hashing for a small .metadata."""
+    flags = [*FLAGS, "--num-experts", "4"]
+    p = subprocess.run([sys.executable, "-c", _LOADED, "check", os.path.join(FIXTURES, case), "--json", "--", *flags],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert json.loads(p.stdout)["verdict"] == "fail"  # (what the bench measures: the planner is not asked)
+    loaded = set(json.loads(p.stderr.strip().splitlines()[-1]))
+    assert "megatron_preflight.check.plan" in loaded
+    assert sorted(m for m in _NOT_LOADED[case] if m in loaded) == []
