@@ -188,6 +188,27 @@ def test_a_trained_model_handed_back_as_hf_computes_megatrons_loss(tmp_path, dat
     assert first_loss(log) == pytest.approx(hf_data.hf_loss(out, SEQ, VOCAB), abs=1e-5)
 
 
+def test_llama3_rope_scaling(tmp_path, data):
+    """Llama 3.1's RoPE scaling (factor, low / high frequency factors 1 and 4, an original context of 8,192: what
+    Megatron's --use-rope-scaling applies, only the factor a flag): the printed flags train with transformers' own
+    loss. The control: the same weights without the scaling give another loss (the scaling is seen at this length)."""
+    from tests.helpers import hf_data, hf_models
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
+    path = hf_models.write("llama", str(tmp_path / "llama3"), rope_parameters=llama3)
+    plain = hf_models.write("llama", str(tmp_path / "plain"), rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": 10000.0})
+    oracle = hf_data.hf_loss(path, SEQ, VOCAB)
+    assert abs(oracle - hf_data.hf_loss(plain, SEQ, VOCAB)) > 1e-4
+    flags = printed_flags(path)
+    assert flags[flags.index("--rope-scaling-factor") + 1] == "8.0" and "--use-rope-scaling" in flags
+    rc, log = run(tmp_path, path, 1, *flags, "--data-path", data, "--preflight", "auto", base=BASE, port=29749,
+                  verify=False)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(oracle, abs=1e-5)
+
+
 @pytest.mark.skipif(not TE_CPU, reason="MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
 def test_deepseek_yarn(tmp_path, data):
     """DeepSeek-V3's own RoPE, YaRN with both attention scales (--rope-type yarn --rotary-scaling-factor --mscale

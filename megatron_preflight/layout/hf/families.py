@@ -113,7 +113,15 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
         for name, (value, megatron) in fixed.items():
             if value is not None and float(value) != float(megatron):
                 out.append(f"YaRN's {name} {value} (Megatron's MLA takes {megatron}: its command line cannot set it)")
-    elif sc is not None and sc.kind not in ("llama3", "linear"):
+    elif sc is not None and sc.kind == "llama3":
+        given = {"low_freq_factor": sc.low_freq_factor, "high_freq_factor": sc.high_freq_factor,
+                 "original_max_position_embeddings": sc.original_max_position_embeddings}
+        for name, megatron in LLAMA3_FIXED.items():
+            value = given[name]
+            if value is not None and float(value) != float(megatron):
+                out.append(f"llama3 RoPE scaling's {name} {value} (Megatron's --use-rope-scaling takes {megatron}: its "
+                           "command line cannot set it, and the rotary frequencies would differ)")
+    elif sc is not None and sc.kind != "linear":
         out.append(f"RoPE scaling {sc.kind!r} (Megatron's GPT model applies llama3 scaling (--use-rope-scaling) and "
                    "linear interpolation (--rotary-seq-len-interpolation-factor); YaRN with multi-latent attention)")
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear" and cfg.rope_scaling.factor is not None \
@@ -130,6 +138,9 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
 
 MAX_TP = 8  # the vocab is kept unpadded up to this TP
 MLA_YARN_ORIGINAL = 4096  # MLATransformerConfig's original_max_position_embeddings (no flag sets it for MLA)
+# what Megatron's RotaryEmbedding applies with --use-rope-scaling besides the factor (no flag sets them)
+LLAMA3_FIXED: dict[str, Any] = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}
 
 
 def _divisor(vocab: int) -> int:
@@ -523,7 +534,7 @@ def config_from_args(family: Family, args: Any, path: str, architecture: str | N
         scaling = RopeScaling("yarn", float(_arg(args, "rotary_scaling_factor", 1.0)), None, None, MLA_YARN_ORIGINAL,
                               32.0, 1.0, float(_arg(args, "mscale", 1.0)), float(_arg(args, "mscale_all_dim", 0.0)))
     elif _arg(args, "use_rope_scaling", False):
-        scaling = RopeScaling("llama3", float(_arg(args, "rope_scaling_factor", 8.0)), 1.0, 4.0, 8192)
+        scaling = RopeScaling("llama3", float(_arg(args, "rope_scaling_factor", 8.0)), **LLAMA3_FIXED)
     elif _arg(args, "rotary_seq_len_interpolation_factor"):
         scaling = RopeScaling("linear", float(_arg(args, "rotary_seq_len_interpolation_factor")))
     groups = int(_arg(args, "num_query_groups", heads) or heads) if _arg(args, "group_query_attention", False) \

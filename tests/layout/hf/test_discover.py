@@ -179,3 +179,18 @@ def test_deepseek_yarn_reads_as_megatrons_mla_yarn(models, tmp_path):
                for p in lay.problems)
     lay = discover(_edit_config(models["llama"], str(tmp_path / "l"), rope_scaling=yarn, rope_parameters=None))
     assert any(p.code == "hf_unsupported" and "'yarn'" in p.message for p in lay.problems)
+
+
+def test_llama3_rope_scaling_megatron_cannot_set_is_refused(models, tmp_path):
+    """Megatron's --use-rope-scaling takes only the factor (low / high frequency factors 1 and 4 and an original
+    context of 8,192 are fixed): Llama 3.1's values load; another original context would change every rotary
+    frequency silently, so it is refused, naming the value."""
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    lay = discover(_edit_config(models["llama"], str(tmp_path / "a"), rope_scaling=llama3, rope_parameters=None))
+    assert lay.problems == [] and (lay.saved_args.use_rope_scaling, lay.saved_args.rope_scaling_factor) == (True, 32.0)
+    for name, value in (("original_max_position_embeddings", 4096), ("high_freq_factor", 2.0)):
+        other = dict(llama3, **{name: value})
+        lay = discover(_edit_config(models["llama"], str(tmp_path / name), rope_scaling=other, rope_parameters=None))
+        assert [p.code for p in lay.problems] == ["hf_unsupported"], lay.problems
+        assert f"{name} {value}" in lay.problems[0].message
