@@ -4,12 +4,13 @@ Qwen3-MoE's ``num_experts``) and transformers 5's (``rope_parameters``, ``num_lo
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_preflight.errors import CorruptFileError, PreflightError
+from megatron_preflight.layout.hf import files
 from megatron_preflight.layout.hf.names import CONFIG
 
 
@@ -95,49 +96,119 @@ class HfConfig:
         return self.kv_lora_rank is not None
 
 
-def _first(raw: dict[str, Any], *names: str, default: Any = None) -> Any:
-    for n in names:
-        if raw.get(n) is not None:
-            return raw[n]
-    return default
+_MISSING = object()
+# Bounds on config.json's numbers, checked before any is used: far beyond any published model (DeepSeek-V3: 61 layers,
+# 7,168 wide, 256 experts; Llama 4: 10M positions; Gemma 3: a 262k vocab), small enough that nothing sized by them
+# (a table per layer, a row count) can exhaust memory or overflow
+MAX_LAYERS = 4096
+MAX_WIDTH = 2**20  # hidden size, an FFN's, a head's dim, a low rank
+MAX_HEADS = 2**14
+MAX_VOCAB = 2**28
+MAX_POSITIONS = 2**30
+MAX_EXPERTS = 2**16
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+class _Fields:
+    """Typed, range-checked reads of ``config.json``'s fields: a wrong type, a non-finite number or a value out of
+    range is an error naming the field and its value, never an internal error later."""
+
+    def __init__(self, raw: dict[str, Any], path: str) -> None:
+        self.raw, self.path = raw, path
+
+    def _bad(self, name: str, value: Any, want: str) -> PreflightError:
+        return PreflightError(f"config.json's {name} is {value!r:.80}: it must be {want}", path=self.path,
+                              fix=f"set {name} to the model's value (download config.json again)", code="hf_config")
+
+    def first(self, *names: str, default: Any = _MISSING) -> tuple[str, Any, bool]:
+        """(the first of ``names`` the config sets (not null), its value, whether it was set)."""
+        for n in names:
+            if self.raw.get(n) is not None:
+                return n, self.raw[n], True
+        if default is _MISSING:
+            raise PreflightError(f"config.json has no {names[0]}", path=self.path, fix="download config.json again",
+                                 code="corrupt_file")
+        return names[0], default, False
+
+    def int(self, *names: str, lo: int = 1, hi: int = MAX_WIDTH, default: Any = _MISSING) -> Any:
+        name, v, given = self.first(*names, default=default)
+        if not given:
+            return v
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            v = int(v)
+        if type(v) is not int:
+            raise self._bad(name, v, "an integer")
+        if not lo <= v <= hi:
+            raise self._bad(name, v, f"an integer in [{lo:,}, {hi:,}]")
+        return v
+
+    def float(self, *names: str, lo: float = 0.0, hi: float = math.inf, open_lo: bool = True,
+              default: Any = _MISSING) -> Any:
+        name, v, given = self.first(*names, default=default)
+        if not given:
+            return v
+        if type(v) not in (int, float) or not math.isfinite(v):
+            raise self._bad(name, v, "a finite number")
+        if v < lo or (open_lo and v == lo) or v > hi:
+            raise self._bad(name, v, f"a number {'>' if open_lo else '>='} {lo:g}"
+                            + (f" and <= {hi:g}" if math.isfinite(hi) else ""))
+        return float(v)
+
+    def bool(self, name: str, default: Any) -> Any:
+        v = self.raw.get(name)
+        if v is None:
+            return default
+        if type(v) is not bool:
+            raise self._bad(name, v, "true or false")
+        return v
+
+    def str(self, *names: str, default: Any = _MISSING) -> Any:
+        name, v, given = self.first(*names, default=default)
+        if given and not isinstance(v, str):
+            raise self._bad(name, v, "a string")
+        return v
+
+
+def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
+    raw = f.raw
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         params = params.get("full_attention") or next(iter(params.values()))  # per layer type (transformers 5)
     scaling = raw.get("rope_scaling")
+    for name, v in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if v is not None and not isinstance(v, dict):
+            raise f._bad(name, v, "an object")
     merged: dict[str, Any] = {}
     if isinstance(scaling, dict):
         merged.update(scaling)
     if isinstance(params, dict):
         merged.update(params)
-    theta = float(_first(merged, "rope_theta", default=_first(raw, "rope_theta", default=10000.0)))
+    m = _Fields(merged, f.path)
+    theta = m.float("rope_theta", default=None)
+    if theta is None:
+        theta = f.float("rope_theta", default=10000.0)
     kind = merged.get("rope_type") or merged.get("type") or "default"
+    if not isinstance(kind, str):
+        raise f._bad("rope_type", kind, "a string")
     if kind == "default":
         return theta, None
+
     def num(name: str) -> float | None:
-        v = merged.get(name)
-        return float(v) if v is not None else None
-    orig = merged.get("original_max_position_embeddings")
-    return theta, RopeScaling(str(kind), num("factor"), num("low_freq_factor"), num("high_freq_factor"),
-                              int(orig) if orig is not None else None, num("beta_fast"), num("beta_slow"),
-                              num("mscale"), num("mscale_all_dim"))
+        return m.float(name, default=None, lo=-1e6, open_lo=False, hi=1e6)
+
+    factor = m.float("factor", default=None, hi=1e6)
+    orig = m.int("original_max_position_embeddings", default=None, hi=MAX_POSITIONS)
+    return theta, RopeScaling(kind, factor, num("low_freq_factor"), num("high_freq_factor"), orig, num("beta_fast"),
+                              num("beta_slow"), num("mscale"), num("mscale_all_dim"))
 
 
 def load_raw(model_dir: str) -> tuple[dict[str, Any], str]:
-    """(``config.json`` of ``model_dir`` as JSON, its path)."""
+    """(``config.json`` of ``model_dir`` as JSON, its path): a regular file inside the dir, bounded in size and depth,
+    no key twice (:mod:`.files`)."""
     path = os.path.join(model_dir, CONFIG)
-    try:
-        with open(path) as fh:
-            raw = json.load(fh)
-    except OSError as exc:
-        raise PreflightError(f"cannot read the model's config ({exc.strerror})", path=path,
-                             fix="a Hugging Face model dir holds config.json beside its safetensors", code="format") \
-            from None
-    except ValueError as exc:
-        raise CorruptFileError(f"config.json is not valid JSON ({exc})", path=path,
-                               fix="download config.json again", code="corrupt_file") from None
+    if not os.path.lexists(path):
+        raise PreflightError("cannot read the model's config (no such file)", path=path,
+                             fix="a Hugging Face model dir holds config.json beside its safetensors", code="format")
+    raw = files.load_json(files.member(model_dir, CONFIG, model_dir), "download config.json again")
     if not isinstance(raw, dict):
         raise CorruptFileError("config.json is not a JSON object", path=path, fix="download config.json again",
                                code="corrupt_file")
@@ -152,50 +223,62 @@ def architecture_of(raw: dict[str, Any]) -> str:
 
 def normalise(raw: dict[str, Any], path: str) -> HfConfig:
     """The model ``raw`` (a decoder-only language model's ``config.json``) describes. A missing field the model
-    cannot be described without is an error naming it."""
+    cannot be described without, a field of the wrong type or out of range, is an error naming it."""
     arch = architecture_of(raw)
+    f = _Fields(raw, path)
+    layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
+    heads = f.int("num_attention_heads", hi=MAX_HEADS)
+    hidden = f.int("hidden_size")
+    kv_heads = f.int("num_key_value_heads", default=heads, hi=heads)  # (one that does not divide: families refuses)
+    head_dim = f.int("head_dim", default=None)
+    if head_dim is None:
+        if hidden % heads:
+            raise f._bad("hidden_size", hidden, f"a multiple of num_attention_heads ({heads}) when head_dim is not "
+                         "given")
+        head_dim = hidden // heads
+    theta, scaling = _rope(f)
+    experts = f.int("num_local_experts", "num_experts", "n_routed_experts", default=None, lo=0, hi=MAX_EXPERTS)
+    topk = f.int("num_experts_per_tok", default=None, hi=max(1, experts or MAX_EXPERTS))
 
-    def need(*names: str) -> Any:
-        value = _first(raw, *names)
-        if value is None:
-            raise PreflightError(f"config.json has no {names[0]}", path=path, fix="download config.json again",
-                                 code="corrupt_file")
-        return value
+    def layer_list(name: str) -> tuple[int, ...]:
+        v = raw.get(name) or []
+        if not isinstance(v, list) or any(type(i) is not int or not 0 <= i < layers for i in v):
+            raise f._bad(name, v, f"a list of layer numbers in [0, {layers})")
+        return tuple(v)
 
-    heads = int(need("num_attention_heads"))
-    hidden = int(need("hidden_size"))
-    theta, scaling = _rope(raw)
-    head_dim = raw.get("head_dim")
-    experts = _first(raw, "num_local_experts", "num_experts", "n_routed_experts")
+    scoring = f.str("scoring_func", default=None) or ("sigmoid" if raw.get("model_type") == "deepseek_v3"
+                                                     else "softmax")
     return HfConfig(
         path=path, architecture=arch, model_type=str(raw.get("model_type", "")),
-        vocab_size=int(need("vocab_size")), hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")), num_layers=int(need("num_hidden_layers")),
-        num_attention_heads=heads, num_key_value_heads=int(_first(raw, "num_key_value_heads", default=heads)),
-        head_dim=int(head_dim) if head_dim else hidden // heads,
-        max_position_embeddings=_first(raw, "max_position_embeddings"),
+        vocab_size=f.int("vocab_size", hi=MAX_VOCAB), hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"), num_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=f.int("max_position_embeddings", default=None, hi=MAX_POSITIONS),
         rope_theta=theta, rope_scaling=scaling,
-        norm_eps=float(_first(raw, "rms_norm_eps", "layer_norm_eps", "norm_eps", default=1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        hidden_act=str(_first(raw, "hidden_act", "activation_function", default="silu")),
-        attention_bias=raw.get("attention_bias"), mlp_bias=bool(raw.get("mlp_bias", False)),
-        dtype=_first(raw, "dtype", "torch_dtype"),
-        num_experts=int(experts) if experts else None,
-        experts_per_token=_first(raw, "num_experts_per_tok"),
-        moe_intermediate_size=_first(raw, "moe_intermediate_size"),
-        norm_topk_prob=raw.get("norm_topk_prob"),
-        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
-        sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
-        q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=raw.get("kv_lora_rank"),
-        qk_nope_head_dim=raw.get("qk_nope_head_dim"), qk_rope_head_dim=raw.get("qk_rope_head_dim"),
-        v_head_dim=raw.get("v_head_dim"),
+        norm_eps=f.float("rms_norm_eps", "layer_norm_eps", "norm_eps", default=1e-6, hi=1.0),
+        tie_word_embeddings=f.bool("tie_word_embeddings", True),
+        hidden_act=f.str("hidden_act", "activation_function", default="silu"),
+        attention_bias=f.bool("attention_bias", None), mlp_bias=f.bool("mlp_bias", False),
+        dtype=f.str("dtype", "torch_dtype", default=None),
+        num_experts=experts or None,
+        experts_per_token=topk,
+        moe_intermediate_size=f.int("moe_intermediate_size", default=None),
+        norm_topk_prob=f.bool("norm_topk_prob", None),
+        decoder_sparse_step=f.int("decoder_sparse_step", default=1, hi=max(1, layers)),
+        mlp_only_layers=layer_list("mlp_only_layers"),
+        sliding_window=(f.int("sliding_window", default=None, hi=MAX_POSITIONS)
+                        if f.bool("use_sliding_window", True) is not False else None),
+        q_lora_rank=f.int("q_lora_rank", default=None), kv_lora_rank=f.int("kv_lora_rank", default=None),
+        qk_nope_head_dim=f.int("qk_nope_head_dim", default=None),
+        qk_rope_head_dim=f.int("qk_rope_head_dim", default=None),
+        v_head_dim=f.int("v_head_dim", default=None),
         # transformers' DeepseekV3Config default: the hub's config.json does not say, and its rows are interleaved
-        rope_interleave=bool(raw.get("rope_interleave", True)),
-        shared_experts=int(raw.get("n_shared_experts") or 0), first_k_dense=int(raw.get("first_k_dense_replace") or 0),
-        n_group=raw.get("n_group"), topk_group=raw.get("topk_group"),
-        routed_scaling_factor=raw.get("routed_scaling_factor"),
-        scoring_func=str(raw.get("scoring_func") or ("sigmoid" if raw.get("model_type") == "deepseek_v3"
-                                                      else "softmax")),
-        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        rope_interleave=f.bool("rope_interleave", True),
+        shared_experts=f.int("n_shared_experts", default=0, lo=0, hi=MAX_EXPERTS),
+        first_k_dense=f.int("first_k_dense_replace", default=0, lo=0, hi=layers),
+        n_group=f.int("n_group", default=None, hi=max(1, experts or 1)),
+        topk_group=f.int("topk_group", default=None, hi=max(1, experts or 1)),
+        routed_scaling_factor=f.float("routed_scaling_factor", default=None, hi=1e6),
+        scoring_func=scoring,
+        mtp_layers=f.int("num_nextn_predict_layers", default=0, lo=0, hi=MAX_LAYERS),
         raw=raw)

@@ -16,7 +16,7 @@ from typing import Any
 from megatron_preflight import dtypes, parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
-from megatron_preflight.layout.hf import families
+from megatron_preflight.layout.hf import families, files
 from megatron_preflight.layout.hf.config import architecture_of, load_raw, normalise
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import Run, SafeRef, safe_ref, tensor_table
@@ -87,7 +87,7 @@ def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespa
                   layernorm_epsilon=values["norm_epsilon"], consumed_train_samples=0,
                   params_dtype=dtypes.dtype(cfg.dtype if cfg.dtype in ("bfloat16", "float16") else "float32"),
                   hf_architecture=cfg.architecture)
-    if any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    if files.present(path, TOKENIZER_FILES):
         values.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path)
     return argparse.Namespace(**values)
 
@@ -118,6 +118,13 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
             model[m.key] = _ref(m, tensors, path)
         except PreflightError as e:
             errors.append(e)
+    if not isinstance(cfg.raw.get("quantization_config"), dict):  # (a quantized model is refused as such)
+        for name in sorted(n for n in needed if n in tensors and tensors[n].dtype.startswith("float8")):
+            t = tensors[name]
+            errors.append(PreflightError(
+                f"tensor {name!r} is {t.dtype} and config.json names no quantization_config: without the scales "
+                "its values are not the model's weights", path=os.path.join(path, t.file), code="hf_quantized",
+                fix="use the model's config.json with its quantization_config (or a bf16 / fp32 copy of the model)"))
     taken: dict[str, int] = {}
     for m in maps:
         for b in m.blocks:

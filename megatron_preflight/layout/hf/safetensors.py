@@ -8,7 +8,6 @@ data_offsets}``, offsets relative to the end of the header) and the raw row-majo
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import struct
@@ -17,6 +16,7 @@ from typing import Any, NamedTuple
 
 from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError
+from megatron_preflight.layout.hf import files
 from megatron_preflight.layout.hf.names import INDEX
 from megatron_preflight.torch_file import StorageRef, TensorRef, row_major
 
@@ -56,40 +56,41 @@ class TensorTable:
 
 
 def read_header(path: str) -> tuple[dict, int]:
-    """(the JSON header, the byte offset where tensor data begins) of one safetensors file."""
+    """(the JSON header, the byte offset where tensor data begins) of one safetensors file (a regular file only;
+    nesting, size and duplicate names bounded by :func:`~.files.parse_json`)."""
+    fd = files.open_regular(path)
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CorruptFileError("the file is shorter than a safetensors header", path=path,
-                                       fix="download the file again", code="corrupt_file")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER:
-                raise CorruptFileError(f"its header claims {n:,} bytes: this is not a safetensors file", path=path,
-                                       fix="download the file again", code="corrupt_file")
-            raw = fh.read(n)
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CorruptFileError("the file is shorter than a safetensors header", path=path,
+                                   fix="download the file again", code="corrupt_file")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise CorruptFileError(f"its header claims {n:,} bytes: this is not a safetensors file", path=path,
+                                   fix="download the file again", code="corrupt_file")
+        raw = os.pread(fd, n, 8)
     except OSError as exc:
         raise CorruptFileError(f"cannot read the file ({exc.strerror})", path=path, fix="check its permissions",
                                code="unreadable_file") from None
+    finally:
+        os.close(fd)
     if len(raw) < n:
         raise CorruptFileError("the file ends inside its header (truncated)", path=path,
                                fix="download the file again", code="corrupt_file")
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptFileError(f"its header is not valid JSON ({exc})", path=path, fix="download the file again",
-                               code="corrupt_file") from None
+    header = files.parse_json(raw, path, "download the file again", counted=("dtype", "shape", "data_offsets"))
     if not isinstance(header, dict):
         raise CorruptFileError("its header is not a JSON object", path=path, fix="download the file again",
                                code="corrupt_file")
     return header, 8 + n
 
 
-def _file_tensors(model_dir: str, name: str, table: TensorTable) -> None:
-    path = os.path.join(model_dir, name)
+def _file_tensors(model_dir: str, name: str, table: TensorTable, named_by: str) -> None:
+    path = files.member(model_dir, name, named_by)
+    header, base = read_header(path)
     size = os.path.getsize(path)
     table.files[name] = size
-    header, base = read_header(path)
+    spans: list[tuple[int, int, str]] = []
+    cut: list[str] = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
@@ -98,19 +99,36 @@ def _file_tensors(model_dir: str, name: str, table: TensorTable) -> None:
             dtype, item = DTYPES[code], ITEMSIZE[code]
             shape = tuple(info["shape"])
             lo, hi = info["data_offsets"]
+            if any(type(d) is not int or d < 0 for d in shape) or type(lo) is not int or type(hi) is not int:
+                raise TypeError  # (JSON: ints, floats, or anything else)
             numel = math.prod(shape)
-            if type(numel) is not int or type(lo) is not int or type(hi) is not int:  # (JSON: ints or floats)
-                raise TypeError
         except (KeyError, TypeError, ValueError):
-            raise CorruptFileError(f"tensor {key!r}: its header entry is malformed ({info!r})", path=path,
+            raise CorruptFileError(f"tensor {key!r}: its header entry is malformed ({info!r:.200})", path=path,
                                    fix="download the file again", code="corrupt_file") from None
         if hi - lo != numel * item or lo < 0:
             raise CorruptFileError(f"tensor {key!r}: {hi - lo} bytes for shape {list(shape)} of {info['dtype']}",
                                    path=path, fix="download the file again", code="corrupt_file")
+        if key in table.tensors:
+            other = table.tensors[key].file
+            raise CorruptFileError(f"tensor {key!r} is defined in this file and in {other}: which one is the model's "
+                                   "is not known", path=path, fix="download the model again", code="corrupt_file")
         if base + hi > size:
-            table.problems.append(("truncated_file", path, f"the file is truncated: tensor {key!r} ends at byte "
-                                   f"{base + hi:,}, the file has {size:,}", "download the file again"))
+            cut.append(key)
+        if hi > lo:
+            spans.append((lo, hi, key))
         table.tensors[key] = SafeTensor(key, name, dtype, shape, base + lo, base + hi)
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise CorruptFileError(f"tensors {a!r} and {b!r} share bytes (their data_offsets overlap): writing one "
+                                   "would change the other", path=path, fix="download the file again",
+                                   code="corrupt_file")
+    if cut:
+        end = max(table.tensors[k].end for k in cut)
+        table.problems.append(("truncated_file", path, f"the file is truncated: it has {size:,} bytes, its header "
+                               f"places tensors up to byte {end:,}; {len(cut)} tensor(s) cut: "
+                               + ", ".join(repr(k) for k in cut[:8]) + (", ..." if len(cut) > 8 else ""),
+                               "download the file again"))
 
 
 def tensor_table(model_dir: str) -> TensorTable:
@@ -119,24 +137,23 @@ def tensor_table(model_dir: str) -> TensorTable:
     that does not hold it, is a problem."""
     table = TensorTable()
     index_path = os.path.join(model_dir, INDEX)
-    if os.path.exists(index_path):
-        try:
-            with open(index_path) as fh:
-                weight_map = json.load(fh)["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError
-        except (OSError, ValueError, KeyError, TypeError):
-            raise CorruptFileError("the index is not valid JSON with a weight_map", path=index_path,
-                                   fix="download model.safetensors.index.json again", code="corrupt_file") from None
+    if os.path.lexists(index_path):
+        fix = "download model.safetensors.index.json again"
+        index = files.load_json(files.member(model_dir, INDEX, model_dir), fix)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CorruptFileError("the index is not a JSON object with a weight_map of tensor -> file name",
+                                   path=index_path, fix=fix, code="corrupt_file")
         names = sorted(set(weight_map.values()))
         for name in names:
-            if not os.path.isfile(os.path.join(model_dir, name)):
+            path = files.member(model_dir, name, index_path)
+            if not os.path.lexists(path):
                 count = sum(1 for v in weight_map.values() if v == name)
-                table.problems.append(("missing_file", os.path.join(model_dir, name),
+                table.problems.append(("missing_file", path,
                                        f"the index places {count} tensor(s) in this file, which is missing",
                                        "download the missing shard (or the whole model) again"))
                 continue
-            _file_tensors(model_dir, name, table)
+            _file_tensors(model_dir, name, table, index_path)
         for key, name in weight_map.items():
             if key not in table.tensors and name in table.files:
                 table.problems.append(("missing_tensor", os.path.join(model_dir, name),
@@ -144,7 +161,7 @@ def tensor_table(model_dir: str) -> TensorTable:
                                        "download the model again"))
         return table
     for name in sorted(e for e in os.listdir(model_dir) if e.endswith(".safetensors")):
-        _file_tensors(model_dir, name, table)
+        _file_tensors(model_dir, name, table, model_dir)
     return table
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import crc, dtypes
 from megatron_preflight.errors import CorruptFileError
+from megatron_preflight.layout.hf import files
 from megatron_preflight.layout.hf.safetensors import SafeRef
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
@@ -30,12 +31,7 @@ class HfReader:
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
-            path = os.path.join(self.model_dir, name)
-            try:
-                self._fds[name] = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise CorruptFileError(f"cannot open the file ({exc.strerror})", path=path,
-                                       fix="download the model again", code="unreadable_file") from None
+            self._fds[name] = files.open_regular(files.member(self.model_dir, name, self.model_dir))
         return self._fds[name]
 
     def _pread(self, name: str, start: int, out: memoryview) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 
+from megatron_preflight.layout.hf import files
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.targets import durable
@@ -32,7 +33,7 @@ def tokenizer_source(layout: Layout) -> tuple[str, tuple[str, ...]] | None:
     """(dir, its files to copy) of the source's tokenizer assets; None when it has none."""
     if layout.format == Format.HF:
         where = layout.root or ""
-        names = tuple(n for n in _HF_TOKENIZER if os.path.isfile(os.path.join(where, n)))
+        names = files.present(where, _HF_TOKENIZER)
     else:
         where = os.path.join(layout.iter_dir or "", TOKENIZER_DIR)
         names = tuple(sorted(n for n in os.listdir(where) if os.path.isfile(os.path.join(where, n)))) \

@@ -1,0 +1,185 @@
+"""Where a Hugging Face model dir's files may be read from, and how they are opened: the one gate every read of an HF
+dir passes (its config, its index, its safetensors, its tokenizer files).
+
+A model dir is untrusted input. A name that ``model.safetensors.index.json`` (or a directory listing) gives is read
+only when it is a plain relative path inside the dir (no ``..``, not absolute) that resolves inside the dir, and only
+a regular file is opened, without blocking (a FIFO or a device where a shard should be would hang every command). One
+kind of symlink leaving the dir is followed: a Hugging Face hub cache snapshot (``models--ORG--NAME/snapshots/REV/``)
+holds every file as a link to ``../../blobs/HASH`` of the same repo, which is where transformers reads them too.
+
+JSON files are read bounded in size and in nesting depth, and a duplicate key is refused (the second of two entries of
+one name would silently win)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any
+
+from megatron_preflight.errors import CorruptFileError
+
+MAX_JSON = 64 * 2**20  # config.json ~2 kB, a DeepSeek-V3 index ~2 MB: anything this large is not one
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _hub_blobs(model_dir: str) -> str | None:
+    """The ``blobs/`` dir of the hub cache repo whose snapshot ``model_dir`` is, else None."""
+    snapshot = os.path.abspath(model_dir)
+    snapshots = os.path.dirname(snapshot)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith(("models--", "datasets--")):
+        return os.path.realpath(os.path.join(repo, "blobs"))
+    return None
+
+
+def member(model_dir: str, name: Any, named_by: str) -> str:
+    """The path of file ``name`` of ``model_dir``, which ``named_by`` (a file path) names; refused unless it lies
+    inside the dir (or, for a hub cache snapshot, in its repo's ``blobs/``)."""
+    fix = ("a model's index names files inside the model dir only: download the model again, or put the file in the "
+           "model dir and name it relative to it")
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CorruptFileError(f"it names a file {name!r} that is not a file name", path=named_by, fix=fix,
+                               code="unsafe_path")
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or ".." in parts:
+        raise CorruptFileError(f"it names the file {name!r}, outside the model dir {model_dir}: refused (a model "
+                               "dir's files are read from inside it only)", path=named_by, fix=fix, code="unsafe_path")
+    path = os.path.join(model_dir, name)
+    real = os.path.realpath(path)
+    root = os.path.realpath(model_dir)
+    if _inside(real, root):
+        return path
+    blobs = _hub_blobs(model_dir)
+    if blobs is not None and _inside(real, blobs):
+        return path
+    raise CorruptFileError(f"{name!r} is a symlink to {real}, outside the model dir {root}: refused (a model dir's "
+                           "files are read from inside it only)", path=named_by,
+                           fix=f"copy {real} into the model dir in place of the link, or point --load at its own dir",
+                           code="unsafe_path")
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file (opened without blocking, so a FIFO cannot
+    hang; refused after the open, so the check is of what was opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise CorruptFileError(f"cannot open the file ({exc.strerror})", path=path,
+                               fix="check that it exists and is readable (download the model again)",
+                               code="unreadable_file") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+                "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        raise CorruptFileError(f"this is {kind}, not a regular file: refused (reading it could block forever)",
+                               path=path, fix="replace it with the file of the model (download the model again)",
+                               code="not_regular")
+    return fd
+
+
+def is_regular(path: str) -> bool:
+    """Whether ``path`` exists and is (or links to) a regular file."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def read_bounded(path: str, limit: int = MAX_JSON) -> bytes:
+    """The whole of the small regular file ``path`` (refused above ``limit`` bytes)."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CorruptFileError(f"the file has {size:,} bytes, more than the {limit:,} such a file can have",
+                                   path=path, fix="download the model again", code="corrupt_file")
+        chunks, got = [], 0
+        while got <= limit:
+            b = os.read(fd, min(1 << 20, limit + 1 - got))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        if got > limit:
+            raise CorruptFileError(f"the file grows past the {limit:,} bytes such a file can have", path=path,
+                                   fix="download the model again", code="corrupt_file")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+class _NotANumber(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotANumber(name)
+
+
+def parse_json(raw: bytes | str, path: str, fix: str, counted: tuple[str, ...] = ()) -> Any:
+    """``raw`` parsed as JSON: nesting bounded (the parser's recursion limit), a duplicate key refused, naming it, and
+    ``NaN`` / ``Infinity`` (which Python's parser accepts) refused.
+
+    ``counted``: keys that each object of the top level's values holds once (a safetensors header's ``dtype``,
+    ``shape``, ``data_offsets``); their occurrences counted in ``raw`` decide, at C speed, whether the exact duplicate
+    check (a Python call per object) is needed: without a duplicate, each is met as often as there are entries."""
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant)
+        if isinstance(value, dict):
+            data = raw.encode() if isinstance(raw, str) else raw
+            sub = [v for v in value.values() if isinstance(v, dict)]
+            need_exact = not counted or any(data.count(b'"' + k.encode() + b'"') != sum(1 for v in sub if k in v)
+                                            for k in counted)
+            if need_exact:
+                json.loads(raw, object_pairs_hook=_refuse_duplicates)
+    except _NotANumber as exc:
+        raise CorruptFileError(f"it holds {exc.args[0]}, which is no number a model has (and not JSON)", path=path,
+                               fix=fix, code="corrupt_file") from None
+    except _Duplicate as exc:
+        raise CorruptFileError(f"it defines {exc.args[0]!r} twice (the second would silently replace the first)",
+                               path=path, fix=fix, code="corrupt_file") from None
+    except RecursionError:
+        raise CorruptFileError("its JSON nests deeper than any such file does", path=path, fix=fix,
+                               code="corrupt_file") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptFileError(f"it is not valid JSON ({exc})", path=path, fix=fix, code="corrupt_file") from None
+    return value
+
+
+def load_json(path: str, fix: str) -> Any:
+    """The small JSON file ``path`` (a config, an index), read through :func:`read_bounded` and :func:`parse_json`."""
+    return parse_json(read_bounded(path), path, fix)
+
+
+def present(model_dir: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``names`` that ``model_dir`` holds, each a regular file inside it (one that is there but links out of
+    the dir, or is not a regular file, is refused: it would be read, or copied into a written checkpoint)."""
+    found = []
+    for name in names:
+        path = os.path.join(model_dir, name)
+        if not os.path.lexists(path):
+            continue
+        member(model_dir, name, model_dir)
+        if not is_regular(path):
+            os.close(open_regular(path))  # raises, naming what it is
+        found.append(name)
+    return tuple(found)
