@@ -116,7 +116,9 @@ def test_every_command_of_a_page_runs(page, tmp_path):
     # the fixtures as real dirs of linked files: a command that writes beside a checkpoint (`fingerprint`) writes
     # into this copy, never into the repo's fixtures
     shutil.copytree(os.path.join(REPO, "tests"), tmp_path / "tests", copy_function=os.symlink,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+                    ignore=shutil.ignore_patterns("__pycache__", "hf"))
+    # (Hugging Face model dirs as copies: a model dir's files are read only from inside it, layout/hf/files.py)
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "hf"), tmp_path / "tests" / "fixtures" / "hf")
     for line in commands(page):
         m = _EXIT.search(line)
         expected = int(m.group(1)) if m else 0

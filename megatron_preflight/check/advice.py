@@ -28,7 +28,7 @@ def size_flags(rt: RuntimeArgs) -> list[str]:
         flags += ["--expert-model-parallel-size", str(rt.ep)]
     if rt.expert_tensor_parallel_size is not None:  # else it follows TP
         flags += ["--expert-tensor-parallel-size", str(rt.expert_tensor_parallel_size)]
-    if rt.cp > 1:
+    if rt.cp > 1 or "context_parallel_size" in rt.given:  # (CP1 said when the run said CP: the flags replace its)
         flags += ["--context-parallel-size", str(rt.cp)]
     if rt.num_layers_per_virtual_pipeline_stage is not None:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(rt.num_layers_per_virtual_pipeline_stage)]

@@ -382,6 +382,10 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
         bad("context_parallel_size", cp, "context parallelism with --transformer-impl local: Megatron asserts "
             "'Context parallelism is only supported by TEDotProductAttention!' when it builds the model",
             "use --transformer-impl transformer_engine, or --context-parallel-size 1")
+    if cp > 1 and rt.seq_length and rt.seq_length % (2 * cp):
+        bad("context_parallel_size", cp, f"sequence length {rt.seq_length} is not a multiple of 2·CP = {2 * cp} "
+            "(context parallelism splits each sequence in 2·CP chunks for load balancing)",
+            f"choose a CP size with --seq-length a multiple of 2·CP, or a --seq-length that is a multiple of {2 * cp}")
     problem = sizes.world_problem(rt.world_size) if rt.world_size else None
     if problem is not None:
         bad("world_size", rt.world_size, problem.message, problem.fix or "")

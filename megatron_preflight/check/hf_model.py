@@ -9,12 +9,13 @@ pattern — is compared here: the weights would load and train another model, si
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import Any
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
-from megatron_preflight.layout.model import Layout
+from megatron_preflight.layout.model import Format, Layout
 
 FATAL, INFO = Severity.FATAL, Severity.INFO
 
@@ -110,6 +111,28 @@ def model_flags(args: Any) -> list[str]:
     return out
 
 
+def tokenizer_flags(layout: Layout) -> list[str]:
+    """The tokenizer flags a run of the checkpoint's model needs. A Hugging Face model: its own tokenizer when its dir
+    holds the tokenizer's files, else NullTokenizer with the ``--vocab-size`` that gives the model's embedding rows
+    (NullTokenizer adds an end-of-document id: rows - 1). A Megatron checkpoint: the tokenizer it was saved with."""
+    saved = layout.saved_args
+    if layout.format == Format.HF:
+        if getattr(saved, "tokenizer_model", None):
+            return ["--tokenizer-type HuggingFaceTokenizer", f"--tokenizer-model {shlex.quote(layout.path)}"]
+        return ["--tokenizer-type NullTokenizer", f"--vocab-size {int(saved.vocab_size) - 1}"]
+    kind = getattr(saved, "tokenizer_type", None)
+    if not kind:
+        return []
+    out = [f"--tokenizer-type {kind}"]
+    for field in ("tokenizer_model", "vocab_file", "merge_file"):
+        value = getattr(saved, field, None)
+        if value:
+            out.append(f"--{field.replace('_', '-')} {shlex.quote(str(value))}")
+    if kind in ("NullTokenizer", "NullMultimodalTokenizer") and getattr(saved, "vocab_size", None):
+        out.append(f"--vocab-size {int(saved.vocab_size)}")
+    return out
+
+
 def _flag_of(field: str) -> str:
     return dict(MODEL_FLAGS).get(field, "--" + field.replace("_", "-"))
 
@@ -177,8 +200,8 @@ def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     if ids and rows and ids > rows:
         out.append(Finding("vocab_size", rows, ids, FATAL,
                            f"the run's tokenizer has {ids} token ids, the model's embedding {rows} rows",
-                           "use the model's tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
-                           f"{layout.path})"))
+                           "use the flags `megatron-preflight flags` prints for it: "
+                           + " ".join(tokenizer_flags(layout))))
     elif rt.padded_vocab_size and rows and rt.padded_vocab_size != rows:
         out.append(Finding("padded_vocab_size", rows, rt.padded_vocab_size, INFO,
                            f"the run pads its vocab to {rt.padded_vocab_size} rows, the model has {rows}: "

@@ -13,6 +13,7 @@ import os
 
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 
 FATAL, INFO = Severity.FATAL, Severity.INFO
 
@@ -54,7 +55,15 @@ def tokenizer_findings(rt: RuntimeArgs) -> list[Finding]:
         if not model:
             return [Finding("tokenizer", None, kind, FATAL, "--tokenizer-type HuggingFaceTokenizer needs "
                             "--tokenizer-model (a local directory or a hub name)", "add --tokenizer-model")]
-        if not os.path.exists(model):
+        if os.path.isdir(model) and not any(os.path.isfile(os.path.join(model, n)) for n in TOKENIZER_FILES):
+            out.append(Finding("tokenizer", None, model, FATAL,
+                               f"--tokenizer-model {model} holds no tokenizer files (none of "
+                               f"{', '.join(TOKENIZER_FILES)}): Megatron's HuggingFaceTokenizer fails to load it "
+                               "('Unable to instantiate HuggingFace AutoTokenizer')",
+                               "point --tokenizer-model at the directory that holds the model's tokenizer, or use "
+                               "--tokenizer-type NullTokenizer with --vocab-size (for a Hugging Face model, "
+                               "`megatron-preflight flags MODEL_DIR` prints the value)"))
+        elif not os.path.exists(model):
             if not _hub_name(model):
                 out.append(Finding("tokenizer", None, model, FATAL, f"--tokenizer-model {model} does not exist",
                                    "fix the path (a directory holding tokenizer.json / tokenizer_config.json)"))

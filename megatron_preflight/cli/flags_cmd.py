@@ -13,7 +13,7 @@ from megatron_preflight.layout.model import Format
 
 def _run(ns: argparse.Namespace) -> int:
     # loaded when flags runs (the CLI's parser loads none of a subcommand's work)
-    from megatron_preflight.check.hf_model import model_flags
+    from megatron_preflight.check.hf_model import model_flags, tokenizer_flags
     from megatron_preflight.reshard import open_index
 
     layout = open_index(ns.path, trust_checkpoint=ns.trust_checkpoint, shards="sample").layout
@@ -23,9 +23,7 @@ def _run(ns: argparse.Namespace) -> int:
         raise PreflightError(p.message if p else "the checkpoint carries no saved args to take the model flags from",
                              path=p.path if p else layout.path,
                              fix=(p.fix if p else "") or "run `megatron-preflight inspect` on it", code="checkpoint")
-    flags = model_flags(layout.saved_args)
-    if layout.format == Format.HF and getattr(layout.saved_args, "tokenizer_model", None):
-        flags += ["--tokenizer-type HuggingFaceTokenizer", f"--tokenizer-model {layout.path}"]
+    flags = model_flags(layout.saved_args) + tokenizer_flags(layout)
     if ns.json:
         print(json.dumps({"path": layout.path, "format": layout.format.value if layout.format else None,
                           "flags": flags}, indent=1))

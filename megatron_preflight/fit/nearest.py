@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import logging
 import shlex
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_preflight.check import advice
 from megatron_preflight.check.findings import Finding, first_layout_problem
 from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.fit import space
 from megatron_preflight.fit.choose import evaluate, nearest, with_sizes
 from megatron_preflight.fit.profile import profile_of
-from megatron_preflight.parallel import ParallelLayout
+from megatron_preflight.parallel import ParallelLayout, hybrid_pattern
 from megatron_preflight.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -62,3 +64,58 @@ def annotate(findings: list[Finding], index: Any, rt: RuntimeArgs) -> None:
     text = nearest_text(index, rt)
     if text:
         first.fix = f"{first.fix.rstrip('. ')}; or {text}" if first.fix else text
+
+
+@dataclass(frozen=True)
+class _ArgsShape:
+    """What :func:`~megatron_preflight.fit.space.layouts` asks of a model, from the run's args alone (no checkpoint
+    read): its layer and expert counts and hybrid pattern; the TP splits are the heads, query groups and ffn, which
+    :func:`~megatron_preflight.parallel.fit_problems` checks from the same args."""
+
+    source: ParallelLayout
+    num_layers: int
+
+    def tp_gcd(self) -> int:
+        return 0
+
+    def etp_gcd(self) -> int:
+        return 0
+
+
+def layouts_by_args(rt: RuntimeArgs, world: int, gpus_per_node: int = GPUS_PER_NODE) -> list[ParallelLayout]:
+    """Every layout of ``world`` ranks the run's model (its args: heads, groups, ffn, layers, experts, sequence,
+    batch) can have, by Megatron's rules (fit/space.py), nearest to the run's first: the fewest sizes changed, then
+    the smallest changes. No checkpoint is read and no memory is predicted (``megatron-preflight plan`` does both)."""
+    if not world or not rt.num_layers:
+        return []
+    shape = _ArgsShape(ParallelLayout(num_experts=rt.num_experts or None, hybrid_pattern=hybrid_pattern(rt)),
+                       rt.num_layers)
+    run = _run_layout(rt)
+    found = [lay for lay in space.layouts(shape, rt, world, gpus_per_node)  # type: ignore[arg-type]
+             if space.batch_ok(rt, lay, world)]
+
+    def distance(a: ParallelLayout) -> tuple:
+        pairs = [(a.tp, run.tp), (a.pp, run.pp), (a.cp, run.cp), (a.ep, run.ep), (a.etp_eff, run.etp_eff),
+                 (a.vpp or 1, run.vpp or 1)]
+        changed = sum(1 for x, y in pairs if x != y)
+        return changed, sum(max(x, y) / min(x, y) for x, y in pairs if x != y), a.tp, a.cp, a.pp, a.ep
+
+    return sorted(found, key=distance)
+
+
+def nearest_by_args_text(rt: RuntimeArgs, checkpoint: str | None, count: int = 3) -> str | None:
+    """The sentence naming the ``count`` layouts of the run's world size nearest to its layout that its model can
+    have (:func:`layouts_by_args`), each as the flags that replace the run's; None when none can."""
+    world = rt.world_size
+    picks = layouts_by_args(rt, world or 0)[:count]
+    if not picks:
+        return None
+    parts = []
+    for lay in picks:
+        dp = world // (lay.tp * lay.pp * lay.cp)
+        name = f"TP{lay.tp} CP{lay.cp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp else "") + \
+            (f" EP{lay.ep} ETP{lay.etp_eff}" if lay.num_experts else "") + f" DP{dp}"
+        parts.append(f"{name}: {shlex.join(advice.size_flags(with_sizes(rt, lay, world)))}")
+    where = (f" ({shlex.join(['megatron-preflight', 'plan', checkpoint, '--world-size', str(world)])} ranks every "
+             "one by memory and by how the checkpoint loads)") if checkpoint else ""
+    return f"the layouts of {world} GPUs nearest to the run's that its model can have{where}: " + "; ".join(parts)

@@ -26,7 +26,7 @@ from typing import Any
 from megatron_preflight.check.verdict import Loader
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.gc_budget import fewer_collections
-from megatron_preflight.hook import legacy_load, runtime, save_fingerprint, verify
+from megatron_preflight.hook import early, legacy_load, runtime, save_fingerprint, verify
 from megatron_preflight.hook import state as state_mod
 from megatron_preflight.hook.flags import add_preflight_arguments
 
@@ -118,8 +118,10 @@ def _rebind(name: str, original: Callable, wrapped: Callable, users: tuple[str, 
 
 
 def _install_validate_seam() -> None:
-    """Megatron's validate_args refuses a layout the world cannot hold before the check can run: rank 0 names the
-    nearest layouts that fit (hook/runtime.advise_layout), then Megatron's error is raised as before."""
+    """Before Megatron validates the args, the layout checks that need only the args and the world size run on every
+    rank (hook/early.py): an impossible layout is answered by the plugin, every rank exits 1. Anything else
+    validate_args refuses gets rank 0's nearest fitting layouts (hook/runtime.advise_layout), then Megatron's error
+    as before."""
     args_mod = importlib.import_module("megatron.training.arguments")
     validate = getattr(args_mod, "validate_args", None)
     if validate is None or _wrapped(validate):
@@ -127,6 +129,7 @@ def _install_validate_seam() -> None:
 
     @functools.wraps(validate)
     def validate_args(args, *a, **k):
+        early.check_at_parse(args)
         try:
             return validate(args, *a, **k)
         except (AssertionError, ValueError) as exc:

@@ -36,6 +36,9 @@ def test_model_file_tokenizers(tmp_path, kind):
 
 
 def test_huggingface_paths_and_hub_names(tmp_path, monkeypatch):
+    f, = findings("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path))
+    assert f.severity.value == "fatal" and "holds no tokenizer files" in f.message  # (an empty dir: AutoTokenizer fails)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
     assert findings("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)) == []
     f, = findings("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "missing"))
     assert f.severity.value == "fatal"

@@ -50,3 +50,43 @@ def test_an_unsupported_model_is_one_paragraph(tmp_path):
     done = flags(path)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "PhiForCausalLM" in done.stderr and "LlamaForCausalLM" in done.stderr
+
+
+def _check(path: str, run_flags: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_preflight", "check", path, "--", *run_flags],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _printed(path: str) -> list[str]:
+    return [w for line in flags(path).stdout.splitlines()[1:] for w in line.rstrip(" \\").split(" ", 1)]
+
+
+def test_the_tokenizer_flags_printed_pass_check(tmp_path):
+    """Without tokenizer files: NullTokenizer with the vocab size that gives the model's rows (its EOD id counted);
+    with them: the model's own tokenizer. Either way `check` passes the printed flags as printed."""
+    path = hf_models.write("llama", str(tmp_path / "m"))
+    printed = _printed(path)
+    assert printed[-4:] == ["--tokenizer-type", "NullTokenizer", "--vocab-size", "127"]  # 128 rows
+    done = _check(path, [*printed, "--seq-length", "16"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    printed = _printed(path)
+    assert printed[-4:] == ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", path]
+
+
+def test_a_tokenizer_too_big_for_the_model_is_answered_with_the_flags_that_work(tmp_path):
+    path = hf_models.write("llama", str(tmp_path / "m"))
+    model = [w for w in _printed(path) if w not in ("--tokenizer-type", "NullTokenizer", "--vocab-size", "127")]
+    done = _check(path, [*model, "--seq-length", "16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"])
+    assert done.returncode == 1
+    assert "129 token ids" in done.stdout and "--tokenizer-type NullTokenizer --vocab-size 127" in done.stdout, \
+        done.stdout
+    assert "HuggingFaceTokenizer" not in done.stdout  # never a tokenizer dir without tokenizer files
+
+
+def test_a_tokenizer_dir_without_tokenizer_files_is_caught(tmp_path):
+    path = hf_models.write("llama", str(tmp_path / "m"))
+    model = [w for w in _printed(path) if w not in ("--tokenizer-type", "NullTokenizer", "--vocab-size", "127")]
+    done = _check(path, [*model, "--seq-length", "16", "--tokenizer-type", "HuggingFaceTokenizer",
+                         "--tokenizer-model", path])
+    assert done.returncode == 1 and "holds no tokenizer files" in done.stdout, done.stdout

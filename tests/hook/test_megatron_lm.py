@@ -1671,3 +1671,12 @@ def test_a_flexible_layout_distributed_optimizer_checkpoint_resumes_at_another_p
     for it in (3, 4):
         assert abs(float(loss(log, it, 4)) - float(loss(oracle, it, 4))) < 1e-5, (it, loss(log, it, 4),
                                                                                  loss(oracle, it, 4))
+
+
+def test_an_impossible_layout_on_a_hugging_face_model_is_answered_by_the_plugin(tmp_path):
+    """TP3 on the 4-head Llama: the plugin's message at argument parsing, not Megatron's ValueError per rank."""
+    from tests.hook.test_megatron_releases import assert_stopped_by_the_plugin
+
+    rc, log = run(tmp_path, os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "llama"), 3,
+                  "--preflight", "auto", "--tensor-model-parallel-size", "3", port=29797, verify=False)
+    assert_stopped_by_the_plugin(rc, log, "4 attention heads are not divisible by TP3")

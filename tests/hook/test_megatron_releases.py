@@ -193,3 +193,42 @@ def test_the_hooks_questions_get_answers_from_every_release(label):
     assert tuple(got["keys"]) == want.param_group_keys
     assert got["grouped"] == want.local_grouped_mlp
     assert got["adam"] == "torch"  # no TE or apex in the runner: torch's AdamW, said by every release
+
+
+# Layouts the run cannot have (hook/early.py): each answered by the plugin at argument parsing, before Megatron's
+# validate_args and its model-config build raise. (checkpoint kind, ranks, flags, the plugin's words)
+IMPOSSIBLE = {
+    "TP3 on 4 heads": ("tp2_torch", 3, ["--tensor-model-parallel-size", "3", "--ckpt-format", "torch"],
+                       "4 attention heads are not divisible by TP3"),
+    "PP3 on 4 layers": ("tp2_torch_dist", 3, ["--pipeline-model-parallel-size", "3"],
+                        "4 layers are not divisible by PP3"),
+    "EP3 on 8 experts": ("tp2_torch", 3, ["--num-experts", "8", "--expert-model-parallel-size", "3",
+                                          "--disable-bias-linear", "--ckpt-format", "torch"],
+                         "8 experts are not divisible by EP3"),
+    "world 3 at TP2": ("tp2_torch_dist", 3, ["--tensor-model-parallel-size", "2"],
+                       "world size 3 is not divisible by TP·PP·CP = 2"),
+}
+
+
+def assert_stopped_by_the_plugin(rc: int, log: str, words: str) -> None:
+    """The plugin's message with its fix and the nearest layouts; every rank that ended by itself ended with 1 (the
+    others were stopped by torchrun); no Megatron traceback, no model built."""
+    assert rc != 0, log[-3000:]
+    assert "[megatron-preflight] the run's parallel layout cannot work" in log and words in log, log[-3000:]
+    assert "Fix: " in log and "nearest to the run's" in log, log[-3000:]
+    assert "/megatron/" not in "".join(line for line in log.splitlines() if line.lstrip().startswith("File "))
+    assert "ValueError" not in log and "AssertionError" not in log, log[-3000:]
+    codes = [line.split(":", 1)[1].split()[0] for line in log.splitlines() if line.strip().startswith("exitcode")]
+    assert codes and set(codes) <= {"1", "-15"} and "1" in codes, codes
+    assert "number of parameters" not in log
+
+
+@pytest.mark.parametrize("case", list(IMPOSSIBLE))
+@pytest.mark.parametrize("label", sorted(RELEASES))
+@pytest.mark.parametrize("how", ["launcher", "patch"])
+def test_an_impossible_layout_is_answered_by_the_plugin_before_megatron(tmp_path, written, label, case, how):
+    kind, nproc, flags, words = IMPOSSIBLE[case]
+    launch = [patched_script(tmp_path, RELEASES[label])] if how == "patch" else None
+    rc, log = release_run(tmp_path, label, written(label, kind), nproc, "--preflight", "check", *flags,
+                          launch=launch, port=PORTS[label] + 2, verify=False)
+    assert_stopped_by_the_plugin(rc, log, words)
