@@ -163,7 +163,10 @@ def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]
         layers = {tp.gkey.layer for tp in plan.tensors if tp.gkey is not None and tp.gkey.layer is not None}
         moe_layers = {tp.gkey.layer for tp in plan.tensors if tp.gkey is not None and tp.gkey.expert is not None
                       and tp.gkey.layer is not None}  # (decoder layers: an MTP layer is not counted in either)
-        acts = activation_estimate(rt, len(layers), len(moe_layers), microbatches) if coords["pp"] == 0 else 0
+        rows = next((t.shape[0] * tgt.tp for t in plan.tensors
+                     if t.key.endswith("word_embeddings.weight") and t.shape), None)  # (the padded vocab, as plan's)
+        acts = activation_estimate(rt, len(layers), len(moe_layers), microbatches, padded_vocab=rows) \
+            if coords["pp"] == 0 else 0
         group = dense_state + expert_state if rt.use_distributed_optimizer else 0  # once over the ranks sharing it
         out.append(RankMemory(name, numel * p_bytes, numel * g_bytes, optimizer, acts, group))
     return out
@@ -173,7 +176,8 @@ def memory_findings(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> tuple[li
     """The largest rank's bytes against the device (``--preflight-device-memory`` GiB, or the hook's device): fatal
     above it, a warning above 90 %; the breakdown always."""
     asked = "preflight_device_memory" in rt.given
-    if index.layout.format != Format.TORCH and "tensors" not in vars(index) and not asked:
+    # (a legacy checkpoint's and an HF model's tensors are known from the headers already read; plan predicts alike)
+    if index.layout.format not in (Format.TORCH, Format.HF) and "tensors" not in vars(index) and not asked:
         # a torch_dist verdict needs no tensor index: building one only for this would add to every job start
         fmt = index.layout.format.value if index.layout.format else "distributed"
         return [Finding("memory", None, None, INFO, f"memory not predicted for this {fmt} checkpoint",

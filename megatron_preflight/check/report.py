@@ -63,12 +63,17 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
         lines.append(f"format      none: this is not a Megatron checkpoint; it looks like {what}")
     else:
         lines.append(f"format      {layout.format.value}")
-        lines.append(f"iteration   {layout.iteration}  (tracker: {layout.tracker_iteration}; "
-                     f"available: {', '.join(map(str, layout.available_iterations)) or '-'})")
+        hf = layout.format == Format.HF
+        if hf:  # (no tracker, no iteration dirs, no optimizer: a model's weights)
+            lines.append("iteration   none: a model's weights, loaded as Megatron loads a release checkpoint "
+                         "(iteration 0, no optimizer or RNG state)")
+        else:
+            lines.append(f"iteration   {layout.iteration}  (tracker: {layout.tracker_iteration}; "
+                         f"available: {', '.join(map(str, layout.available_iterations)) or '-'})")
         lines.append(f"parallel    TP={_size(layout.tp)} PP={_size(layout.pp)} EP={_size(layout.ep)} "
                      f"ETP={_size(layout.etp)} VPP={_size(layout.vpp)} CP={_size(layout.cp)}"
                      + ("" if layout.sizes_from == "args" else f"  [from {layout.sizes_from}]"))
-        if layout.dims:
+        if layout.dims and not hf:
             lines.append(f"class       {layout.dims}  (shard names: {layout.name_pattern})")
         dist_opt = {True: "yes", False: "no", None: "unknown"}[layout.distributed_optimizer]
         if layout.dist_optimizer_sharding:
@@ -76,7 +81,8 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
         domain = _shard_domain(layout)
         if domain:
             dist_opt += f", {domain}"
-        lines.append(f"dist. optim {dist_opt}")
+        if not hf:
+            lines.append(f"dist. optim {dist_opt}")
         fsdp = _fsdp_line(layout)
         if fsdp:
             lines.append(f"fsdp        {fsdp}")
@@ -98,7 +104,11 @@ def render_layout(checkpoint: reshard.CheckpointIndex | Layout, *, max_shards: i
                     v = getattr(args, k)
                     shown.append(f"{k}={v}")
             lines.append("model args  " + ", ".join(shown))
-        if layout.shards:
+        if layout.shards and hf:
+            files = sorted(layout.shards[0].files.items())
+            lines.append(f"files       {len(files)} safetensors: " + ", ".join(
+                f"{f} ({human_bytes(b)})" for f, b in files[:max_shards]) + (" ..." if len(files) > max_shards else ""))
+        elif layout.shards:
             lines.append(f"shards      {len(layout.shards)} dirs")
             lines.append("  name                  tp  pp  ep  files")
             for s in layout.shards[:max_shards]:
@@ -194,7 +204,11 @@ def render_plan(plan: Plan) -> str:
         for f in plan.findings:
             ck = "-" if f.checkpoint is None else str(f.checkpoint)
             run = "-" if f.runtime is None else str(f.runtime)
-            lines.append(f"{f.severity.value:<8} {f.field:<38} {ck[:width]:>{width}} {run[:width]:>{width}}")
+            long = [(name, v) for name, v in (("checkpoint", ck), ("run", run)) if len(v) > width]
+            cells = ["(below)" if len(v) > width else v for v in (ck, run)]  # never a value cut mid-word
+            lines.append(f"{f.severity.value:<8} {f.field:<38} {cells[0]:>{width}} {cells[1]:>{width}}")
+            for name, v in long:
+                lines.append(f"         {name}: {v}")
             lines.append(f"         {f.message}")
             if f.fix:
                 lines.append(f"         fix: {f.fix}")

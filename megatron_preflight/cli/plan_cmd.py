@@ -26,7 +26,7 @@ def _check_top(plan: Any, index: Any, count: int) -> None:
                      "fatal": f"{first.field}: {first.message}" if first else None}
 
 
-def render(plan: Any, path: str, limit: int) -> str:
+def render(plan: Any, path: str, limit: int, *, node_assumed: bool = False) -> str:
     lay = plan.profile.source
     saved = f"TP{lay.tp} PP{lay.pp}" + (f" EP{lay.ep} ETP{lay.etp_eff}" if lay.num_experts else "") + \
         (f" VPP{lay.vpp}" if lay.vpp else "")
@@ -35,26 +35,33 @@ def render(plan: Any, path: str, limit: int) -> str:
         "no --device-memory given: every layout counts as fitting"
     lines = [f"checkpoint  {path} (saved at {saved}; {plan.profile.num_layers} layers"
              f"{f', {lay.num_experts} experts' if lay.num_experts else ''})",
-             f"world       {plan.world} ranks, {plan.gpus_per_node} GPUs per node; {device}",
+             f"world       {plan.world} ranks; TP kept inside a node of {plan.gpus_per_node} GPUs"
+             f"{' (assumed: --gpus-per-node sets it)' if node_assumed else ''}; {device}",
              f"layouts     {len(plan.candidates)} that Megatron accepts, {fitting} fit; ranked: fits, then less "
              "resharding, then smaller TP, CP, PP, EP, then less memory (docs/commands/plan.md)",
              ""]
     head = f"{'#':>3}  {'layout':<28} {'params':>10} {'grads':>10} {'optimizer':>10} {'activ.~':>10} {'total':>10}  " \
            f"{'fits':<4}  load"
     lines.append(head)
+    unestimated = False
     for i, c in enumerate(plan.candidates[:limit], 1):
         m = c.worst
+        acts = human_bytes(m.activations) if m.activations else "-"
+        unestimated = unestimated or not m.activations
         fits = "-" if c.fits is None else ("yes" if c.fits else "no")
         load = c.load.value
         if c.checked:
             load += f"; check: {c.checked['verdict']}"
         lines.append(f"{i:>3}  {c.describe():<28} {human_bytes(m.params):>10} {human_bytes(m.grads):>10} "
-                     f"{human_bytes(m.optimizer):>10} {human_bytes(m.activations):>10} {human_bytes(m.total):>10}  "
+                     f"{human_bytes(m.optimizer):>10} {acts:>10} {human_bytes(m.total):>10}  "
                      f"{fits:<4}  {load}")
     if not plan.candidates:
         lines.append("     (none: no layout of this world size holds the model; see the rules in docs/commands/plan.md)")
     lines += ["", "memory: the largest rank's bytes (parameters, gradients and optimizer state exact; activations an "
-              "estimate, see check/memory.py)", "", "flags (the run's flags at each layout):"]
+              "estimate, see check/memory.py)" + ("; activations '-': not estimated without the sequence length "
+                                                  "(give the run's --seq-length and --micro-batch-size after --)"
+                                                  if unestimated else ""),
+              "", "flags (the run's flags at each layout):"]
     for i, c in enumerate(plan.candidates[:limit], 1):
         lines.append(f"{i:>3}  {shlex.join(c.flags)}")
         if c.checked and c.checked.get("fatal"):
@@ -70,7 +77,9 @@ def _run(ns: argparse.Namespace) -> int:
     from megatron_preflight.fit import plan_layouts, run_args  # the planner's modules load when it runs
     from megatron_preflight.reshard import open_index  # (likewise)
 
-    if ns.world_size < 1 or ns.gpus_per_node < 1:
+    node_assumed = ns.gpus_per_node is None
+    gpus_per_node = min(8, ns.world_size) if node_assumed else ns.gpus_per_node
+    if ns.world_size < 1 or gpus_per_node < 1:
         raise PreflightError("--world-size and --gpus-per-node must be positive", fix="pass e.g. --world-size 64",
                              code="usage")
     if ns.device_memory is not None and not ns.device_memory > 0:  # (NaN too)
@@ -85,7 +94,7 @@ def _run(ns: argparse.Namespace) -> int:
                                  "it holds)", code="usage")
     index.raise_problems()  # (a checkpoint that loads at no layout: nothing to plan)
     rt = run_args(layout.saved_args, ns.megatron_args)
-    plan = plan_layouts(index, rt, ns.megatron_args, ns.world_size, gpus_per_node=ns.gpus_per_node,
+    plan = plan_layouts(index, rt, ns.megatron_args, ns.world_size, gpus_per_node=gpus_per_node,
                         device_gib=ns.device_memory, flags_for=None if ns.all else ns.top)
     if ns.megatron_args and ns.check_top:
         _check_top(plan, index, ns.check_top)
@@ -96,7 +105,7 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(to_json_text(plan.to_json(None if ns.all else ns.top), 0))
     else:
-        print(render(plan, ns.path, len(plan.candidates) if ns.all else ns.top))
+        print(render(plan, ns.path, len(plan.candidates) if ns.all else ns.top, node_assumed=node_assumed))
     return 0 if any(c.fits is not False for c in plan.candidates) else 1
 
 
@@ -109,7 +118,8 @@ def add_parser(sub: argparse._SubParsersAction, *, arguments: bool = True) -> No
         return
     p.add_argument("path", help="the checkpoint root (the --load dir)")
     p.add_argument("--world-size", type=int, required=True, help="the number of GPUs (ranks) of the run")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: TP stays inside one (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node: TP stays inside one (default: 8, or the world size when smaller)")
     p.add_argument("--device-memory", type=float, metavar="GIB", help="each GPU's memory in GiB (fit: within 90 %%)")
     p.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
     p.add_argument("--all", action="store_true", help="show every layout")

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from megatron_preflight.check.findings import Finding, Severity
+from megatron_preflight.errors import PreflightError
 
 log = logging.getLogger("megatron_preflight")
 PREFIX = "[megatron-preflight]"
@@ -25,9 +26,9 @@ PREFIX = "[megatron-preflight]"
 
 def layout_findings(args: Any) -> list[Finding]:
     """The fatal layout findings of Megatron args ``args`` (a Namespace as parsed, before validation)."""
+    # the check's modules load when the check runs (never with --preflight off)
     from megatron_preflight.check.compare import check_runtime_layout
     from megatron_preflight.check.runtime_args import from_namespace
-    from megatron_preflight.errors import PreflightError
 
     try:
         rt = from_namespace(args)
@@ -38,6 +39,7 @@ def layout_findings(args: Any) -> list[Finding]:
 
 def report(args: Any, findings: list[Finding]) -> str:
     """The message: each finding with its fix, then the nearest layouts of the world size the model can have."""
+    # the planner loads only for a layout that cannot run
     from megatron_preflight.check.runtime_args import from_namespace
     from megatron_preflight.fit.nearest import nearest_by_args_text
 

@@ -182,6 +182,10 @@ def device_memory_gib() -> float | None:
 
 
 def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
+    if getattr(args, "preflight_allow_missing_checkpoint", False) and not os.path.exists(load_dir):
+        return Decision(mode, Verdict.SKIP, None, checkpoint=load_dir,
+                        report=f"no checkpoint in {load_dir} (it does not exist); starting from scratch "
+                               "(--preflight-allow-missing-checkpoint)")
     rt = from_namespace(args)
     rt.optimizer_family = run_adam_family(args)
     rt.builds_grouped_mlp = builds_grouped_mlp(args)
@@ -231,6 +235,12 @@ def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:
         exc = environment_error(exc)
     if isinstance(exc, PreflightError):
         text = str(exc)
+        if exc.message == "no such file or directory" and exc.path is not None \
+                and os.path.abspath(load_dir) == exc.path:  # the --load dir itself
+            return Decision(mode, Verdict.FAIL, None, checkpoint=load_dir, exit_code=EXIT_USAGE,
+                            report=f"--load {load_dir}: no such directory. Fix: pass the --load dir of the run; if "
+                                   "starting from scratch is intended, add --preflight-allow-missing-checkpoint (or "
+                                   "run with --preflight off).")
         if exc.code == "usage":
             return Decision(mode, Verdict.FAIL, None, checkpoint=load_dir, report=text, exit_code=EXIT_USAGE)
     else:
@@ -259,7 +269,8 @@ def preflight(args: Any) -> Decision | None:
         os.replace(tmp, report_path)
     if decision.verdict == Verdict.FAIL:
         if consensus.rank() == 0:
-            print(decision.report, file=sys.stderr, flush=True)
+            print("\n".join(f"[megatron-preflight] {line}" for line in decision.report.splitlines()),
+                  file=sys.stderr, flush=True)
             print(f"[megatron-preflight] the job must not start: stopping every rank (exit {decision.exit_code})",
                   file=sys.stderr, flush=True)
         exit_job(decision.exit_code)

@@ -128,6 +128,19 @@ def test_missing_checkpoint_fails_unless_allowed(tmp_path):
     assert runtime.preflight(args).verdict == "skip"
 
 
+def test_a_load_dir_that_does_not_exist_names_the_flag_that_allows_it(tmp_path, capsys):
+    """Every line the hook prints carries its prefix; the flag that allows starting from scratch is named."""
+    args = argparse.Namespace(**TINY, preflight="check", load=str(tmp_path / "nowhere"))
+    with pytest.raises(SystemExit) as exc:
+        runtime.preflight(args)
+    assert exc.value.code == 2  # a usage error: a flag to fix
+    err = capsys.readouterr().err
+    assert "--preflight-allow-missing-checkpoint" in err and "no such directory" in err
+    assert all(line.startswith("[megatron-preflight] ") for line in err.splitlines()), err
+    args.preflight_allow_missing_checkpoint = True
+    assert runtime.preflight(args).verdict == "skip"
+
+
 def test_off_and_no_load_do_nothing():
     args = argparse.Namespace(**TINY, preflight="off", load=fixture_path("pp2_torch"))
     before = dict(vars(args))
