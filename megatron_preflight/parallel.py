@@ -34,6 +34,14 @@ def pad_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return ((vocab + m - 1) // m) * m
 
 
+def tokenizer_ids(vocab_size: int, tokenizer_type: str | None, *, null_adds_eod: bool = True) -> int:
+    """The token ids of a tokenizer built from ``--vocab-size``: Megatron's NullTokenizer adds an end-of-document id up
+    to megatron-core 0.17 (from 0.18 its last id is the end of document); a tokenizer with files has its own size,
+    which ``--vocab-size`` then names. ``null_adds_eod``: the release's behaviour (True where it is not known: the row
+    that may be a token is counted, never dropped)."""
+    return vocab_size + (1 if tokenizer_type == "NullTokenizer" and null_adds_eod else 0)
+
+
 def divisor_keeping(vocab: int, padded: int, tp: int) -> int | None:
     """A ``--make-vocab-size-divisible-by`` under which ``vocab`` pads to ``padded`` at ``tp``: the smallest power of
     two that does (as Megatron's default, 128, is), else the smallest number; None when none does (``padded`` is not a

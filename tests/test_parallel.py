@@ -120,3 +120,11 @@ def test_the_divisor_that_keeps_a_saved_padded_vocab(vocab, padded, tp, want):
     assert got == want
     if got is not None:
         assert pad_vocab(vocab, got, tp) == padded
+
+
+def test_tokenizer_ids_count_null_tokenizers_end_of_document_where_the_release_adds_it():
+    from megatron_preflight.parallel import tokenizer_ids
+
+    assert tokenizer_ids(127, "NullTokenizer") == 128  # (release unknown: the row that may be a token counted)
+    assert tokenizer_ids(127, "NullTokenizer", null_adds_eod=False) == 127
+    assert tokenizer_ids(127, "HuggingFaceTokenizer") == 127

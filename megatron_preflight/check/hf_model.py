@@ -195,8 +195,7 @@ def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                            "Megatron builds multi-latent attention with the Transformer Engine spec only",
                            "set --transformer-impl transformer_engine"))
     rows = getattr(saved, "vocab_size", None)
-    # Megatron's NullTokenizer has --vocab-size ids and an end-of-document one
-    ids = rt.vocab_size + 1 if rt.vocab_size and rt.tokenizer_type == "NullTokenizer" else rt.vocab_size
+    ids = rt.tokenizer_ids() if rt.vocab_size else None  # (NullTokenizer's end-of-document id where it adds one)
     if ids and rows and ids > rows:
         out.append(Finding("vocab_size", rows, ids, FATAL,
                            f"the run's tokenizer has {ids} token ids, the model's embedding {rows} rows",

@@ -163,10 +163,7 @@ def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]
         layers = {tp.gkey.layer for tp in plan.tensors if tp.gkey is not None and tp.gkey.layer is not None}
         moe_layers = {tp.gkey.layer for tp in plan.tensors if tp.gkey is not None and tp.gkey.expert is not None
                       and tp.gkey.layer is not None}  # (decoder layers: an MTP layer is not counted in either)
-        rows = next((t.shape[0] * tgt.tp for t in plan.tensors
-                     if t.key.endswith("word_embeddings.weight") and t.shape), None)  # (the padded vocab, as plan's)
-        acts = activation_estimate(rt, len(layers), len(moe_layers), microbatches, padded_vocab=rows) \
-            if coords["pp"] == 0 else 0
+        acts = activation_estimate(rt, len(layers), len(moe_layers), microbatches) if coords["pp"] == 0 else 0
         group = dense_state + expert_state if rt.use_distributed_optimizer else 0  # once over the ranks sharing it
         out.append(RankMemory(name, numel * p_bytes, numel * g_bytes, optimizer, acts, group))
     return out

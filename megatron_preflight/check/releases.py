@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.parallel import pad_vocab
 
 # the per-group settings by which megatron-core pairs saved optimizer param groups with the run's (its
 # ``param_group_identifier_keys``): the groups' structure up to 0.18; 0.19 adds every ParamGroupOverride field
@@ -33,6 +34,9 @@ class ReleaseFacts:
     # an MTP layer's transformer layer among an fsdp_dtensor file's model tensors: the module's name up to 0.19,
     # transformer_layer again from 0.20 (main's fsdp_dtensor save maps it back, as torch_dist does)
     fsdp_mtp_layer_name: str = "transformer_layer"
+    # Megatron's NullTokenizer: --vocab-size ids and an end-of-document one up to 0.17; from 0.18 its last id is the
+    # end of document (megatron/core/tokenizers/text/libraries/null_tokenizer.py)
+    null_tokenizer_adds_eod: bool = True
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -52,7 +56,8 @@ def facts(version: tuple[int, int]) -> ReleaseFacts:
                         param_group_keys=STRUCTURE_KEYS if v < (0, 19) else OVERRIDE_KEYS,
                         local_grouped_mlp=v < (0, 17),
                         mamba_conv_name="conv1d.weight" if v < (0, 19) else "conv1d_weight",
-                        fsdp_mtp_layer_name="mtp_model_layer" if (0, 17) <= v < (0, 20) else "transformer_layer")
+                        fsdp_mtp_layer_name="mtp_model_layer" if (0, 17) <= v < (0, 20) else "transformer_layer",
+                        null_tokenizer_adds_eod=v < (0, 18))
 
 
 _DIST_INFO = re.compile(r"megatron[_.-]core-(\d+\.\d+[^-]*)\.dist-info$", re.IGNORECASE)
@@ -99,6 +104,10 @@ def apply(rt, release: ReleaseFacts) -> None:
         rt.fsdp_mtp_layer_name = release.fsdp_mtp_layer_name
     if rt.mamba_conv_name is None and rt.hybrid_layer_pattern:
         rt.mamba_conv_name = release.mamba_conv_name
+    if rt.null_tokenizer_adds_eod is None:
+        rt.null_tokenizer_adds_eod = release.null_tokenizer_adds_eod
+        if "padded_vocab_size" not in rt.given and rt.vocab_size:  # (derived before the release was known)
+            rt.padded_vocab_size = pad_vocab(rt.tokenizer_ids(), rt.make_vocab_size_divisible_by, rt.tp)
     if rt.builds_grouped_mlp is None:
         rt.builds_grouped_mlp = bool(rt.moe_grouped_gemm and rt.transformer_impl == "local"
                                      and release.local_grouped_mlp)

@@ -50,6 +50,7 @@ class RuntimeArgs:
     moe_grouped_gemm: bool = False
     vocab_size: int | None = None
     padded_vocab_size: int | None = None
+    null_tokenizer_adds_eod: bool | None = None  # the release's NullTokenizer (check/releases.py); None: not known
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int | None = None
     seq_length: int | None = None
@@ -286,8 +287,14 @@ class RuntimeArgs:
         except parallel.LayoutError:
             self.virtual_pipeline_model_parallel_size = None
         if self.padded_vocab_size is None and self.vocab_size:
-            self.padded_vocab_size = pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, self.tp)
+            self.padded_vocab_size = pad_vocab(self.tokenizer_ids(), self.make_vocab_size_divisible_by, self.tp)
         return self
+
+    def tokenizer_ids(self) -> int:
+        """The run's token ids (its ``--vocab-size``, with the end-of-document id NullTokenizer adds where the release
+        does: :func:`parallel.tokenizer_ids`)."""
+        return parallel.tokenizer_ids(self.vocab_size or 0, self.tokenizer_type,
+                                      null_adds_eod=self.null_tokenizer_adds_eod is not False)
 
     def layout(self) -> parallel.ParallelLayout:
         """The run's parallel layout (the one builder, :func:`parallel.from_args`)."""

@@ -194,9 +194,12 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     if rt.mtp_layer_name and rt.use_megatron_fsdp:
         rt.fsdp_mtp_layer_name = fsdp_mtp_layer_name()
     rt.param_group_keys = param_group_keys()
-    version = releases.installed_version() if rt.hybrid_layer_pattern else None
+    version = releases.installed_version() if rt.hybrid_layer_pattern or rt.tokenizer_type == "NullTokenizer" \
+        else None
     if version is not None:
-        rt.mamba_conv_name = releases.facts(version).mamba_conv_name
+        rt.null_tokenizer_adds_eod = releases.facts(version).null_tokenizer_adds_eod
+        if rt.hybrid_layer_pattern:
+            rt.mamba_conv_name = releases.facts(version).mamba_conv_name
     if rt.preflight_device_memory is None:
         rt.preflight_device_memory = device_memory_gib()
     if mode in ("auto", "verify"):

@@ -22,6 +22,7 @@ from typing import Any
 from megatron_preflight.dtypes import int_view, same_bits
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format
+from megatron_preflight.parallel import tokenizer_ids
 from megatron_preflight.prove import common_state
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors, value_of
 from megatron_preflight.prove.lockstep import LockstepReader
@@ -304,6 +305,13 @@ def _absent_extra(name: str, na: dict[str, Any], nb: dict[str, Any]) -> bool:
     return isinstance(tp, TensorPlan) and ((tp.shape is None and holds_no_fp8(tp.value)) or tp.shape == (0,))
 
 
+def _token_rows(index: Any, vocab: Any) -> int:
+    """The rows of a checkpoint's embedding that are token ids: its real vocab, with the end-of-document id a
+    NullTokenizer run adds (as the Hugging Face exporter keeps it: layout/hf/families.true_vocab), within its rows."""
+    kind = getattr(index.layout.saved_args, "tokenizer_type", None)
+    return min(tokenizer_ids(vocab.real, kind), vocab.source_padded)
+
+
 def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float = 0.0, rtol: float = 0.0,
                      iteration_a: Any = None, iteration_b: Any = None, trust: bool = False,
                      workers: int = 2) -> DiffReport:
@@ -332,9 +340,10 @@ def diff_checkpoints(a: str, b: str, *, weights_only: bool = False, atol: float 
     pa, pb = global_plan(ga), global_plan(gb)
     rows = None
     if ga.vocab is not None and gb.vocab is not None:
-        rows = min(ga.vocab.real, gb.vocab.real)
-        if ga.vocab.real != gb.vocab.real:
-            report.notes.append(f"the vocab sizes differ ({ga.vocab.real} vs {gb.vocab.real} real rows): the first "
+        real_a, real_b = _token_rows(ia, ga.vocab), _token_rows(ib, gb.vocab)
+        rows = min(real_a, real_b)
+        if real_a != real_b:
+            report.notes.append(f"the vocab sizes differ ({real_a} vs {real_b} real rows): the first "
                                 f"{rows} rows compared")
         if max(ga.vocab.source_padded, gb.vocab.source_padded) > rows:
             report.notes.append(f"vocab padding rows (beyond the {rows} real rows) are not compared")

@@ -90,3 +90,19 @@ def test_a_tokenizer_dir_without_tokenizer_files_is_caught(tmp_path):
     done = _check(path, [*model, "--seq-length", "16", "--tokenizer-type", "HuggingFaceTokenizer",
                          "--tokenizer-model", path])
     assert done.returncode == 1 and "holds no tokenizer files" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("version, ids", [("0.17", 129), ("0.20", None)])
+def test_null_tokenizer_ids_follow_the_release(tmp_path, version, ids):
+    """NullTokenizer adds an end-of-document id up to megatron-core 0.17; from 0.18 its last id is the EOD (its
+    --vocab-size ids, megatron/core/tokenizers/text/libraries/null_tokenizer.py): --vocab-size 128 on a 128-row model
+    is too many ids for one release and exactly right for the other."""
+    path = hf_models.write("llama", str(tmp_path / "m"))
+    model = [w for w in _printed(path) if w not in ("--tokenizer-type", "NullTokenizer", "--vocab-size", "127")]
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "check", path, "--megatron-version", version,
+                           "--", *model, "--seq-length", "16", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                           "128"], capture_output=True, text=True, timeout=120)
+    if ids is None:
+        assert done.returncode == 0, done.stdout
+    else:
+        assert done.returncode == 1 and f"{ids} token ids" in done.stdout, done.stdout

@@ -171,3 +171,21 @@ def test_an_fsdp_dtensor_save_equals_its_3d_twin_and_a_changed_tensor_is_told_ap
     report = diff_checkpoints(fsdp, str(out))
     bad = [t for t in report.tensors if t.status != "equal"]
     assert [(t.name, t.differing) for t in bad] == [("decoder.layers.2.mlp.linear_fc2.weight", 1)]
+
+
+def test_the_end_of_document_row_a_null_tokenizer_adds_is_compared(tmp_path):
+    """A NullTokenizer run's --vocab-size 100 has a 101st id (its end of document, up to megatron-core 0.17): the
+    Hugging Face export keeps that row, and diff compares it (a change there is found)."""
+    pytest.importorskip("safetensors")
+    src = fixture_path("bf16_gqa_tp2_torch")
+    out = str(tmp_path / "hf")
+    assert main(["reshard", src, out, "--ckpt-format", "hf", "--no-progress"]) == 0
+    report = diff_checkpoints(src, out, weights_only=True)
+    assert report.equal and any("beyond the 101 real rows" in n for n in report.notes), report.notes
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.embed_tokens.weight"][100] += 1
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert not diff_checkpoints(src, out, weights_only=True).equal

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.hf.config import HfConfig, RopeScaling
 
@@ -512,7 +513,7 @@ def true_vocab(args: Any) -> int:
     padded = int(_arg(args, "padded_vocab_size", 0) or 0)
     if vocab is None:
         return padded
-    vocab = int(vocab) + (1 if _arg(args, "tokenizer_type") == "NullTokenizer" else 0)
+    vocab = parallel.tokenizer_ids(int(vocab), _arg(args, "tokenizer_type"))
     return min(vocab, padded) if padded else vocab
 
 
