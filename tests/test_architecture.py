@@ -63,6 +63,29 @@ def test_imports_run_down_the_layers():
     assert upward == []
 
 
+# reshard/'s stages, lowest first, as a reshard runs: what is carried and the target; the plan (which bytes go where);
+# the element kits; the optimizer forms; the sources (readers of every format); the executor (pieces built from the
+# sources); the checkpoint index; the resharder; the writers; the cost model (which asks the writers' shapes); the
+# package's exports. A stage imports its own or a lower one only.
+RESHARD_STAGES = ["carried", "target", "plan", "arrays", "optimizer", "sources", "execute", "checkpoint_index",
+                  "resharder", "targets", "cost", "__init__"]
+
+
+def reshard_stage(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[1:2] != ["reshard"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_reshard_stages_import_downward_only():
+    assert {reshard_stage(m) for m in MODS} - {None} == set(RESHARD_STAGES)  # (a new stage gets its place here)
+    upward = [f"{m} ({reshard_stage(m)}) imports {t} ({reshard_stage(t)})" for m, edges in EDGES.items()
+              for t, _, _ in edges if reshard_stage(m) and reshard_stage(t)
+              and RESHARD_STAGES.index(reshard_stage(t)) > RESHARD_STAGES.index(reshard_stage(m))]
+    assert upward == []
+
+
 def test_no_import_cycles():
     graph = {m: {t for t, _, _ in edges} for m, edges in EDGES.items()}
     state: dict[str, int] = {}

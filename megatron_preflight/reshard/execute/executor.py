@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import crc, dtypes
 from megatron_preflight.held_tensor import HeldTensor
-from megatron_preflight.reshard.execute.arrays import TORCH, Kit
+from megatron_preflight.reshard.arrays import TORCH, Kit
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.tree import map_leaves

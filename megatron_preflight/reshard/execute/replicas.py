@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.reshard.execute.arrays import float_values
+from megatron_preflight.reshard.arrays import float_values
 from megatron_preflight.reshard.plan.drift import drift_cause, key_of
 from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles

@@ -31,7 +31,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
-from megatron_preflight.reshard.execute.arrays import BYTES, float_values, has_values
+from megatron_preflight.reshard.arrays import BYTES, float_values, has_values
 from megatron_preflight.reshard.optimizer.plain import (
     OptimizerNotReshardable,
     add_settings,

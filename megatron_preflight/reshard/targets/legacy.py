@@ -14,7 +14,7 @@ from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.held_tensor import HeldTensor
 from megatron_preflight.layout import naming
-from megatron_preflight.reshard.execute.arrays import BYTES, TORCH
+from megatron_preflight.reshard.arrays import BYTES, TORCH
 from megatron_preflight.reshard.execute.executor import build_rows
 from megatron_preflight.reshard.execute.replicas import Drifted, check_replicas
 from megatron_preflight.reshard.optimizer.plain import iter_plans

@@ -7,7 +7,7 @@ source slices about CHUNK_BYTES of whole rows at a time, in a few reused buffers
 straight into place with ``pread``), and written as its storage record by a second thread. Peak memory ≈ four
 pieces. ``torch.load`` (and Megatron) read the result like any other checkpoint.
 
-From a legacy source the pieces are numpy arrays of the elements' bytes (:data:`~..execute.arrays.BYTES`) and the
+From a legacy source the pieces are numpy arrays of the elements' bytes (:data:`~..arrays.BYTES`) and the
 pickle names torch's globals without importing torch: a legacy -> legacy reshard never loads it (~2 s of a process's
 start). Torch tensors are built where a source is another format's, or a tap hashes the values.
 """
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_preflight import crc, dtypes, pickling
 from megatron_preflight.held_tensor import HeldTensor
 from megatron_preflight.placeholders import placeholder_class
-from megatron_preflight.reshard.execute.arrays import BYTES, TORCH, Kit
+from megatron_preflight.reshard.arrays import BYTES, TORCH, Kit
 from megatron_preflight.reshard.execute.executor import Span, Stage, build_rows, tiled_crc
 from megatron_preflight.reshard.plan.types import FlatPlan, RankPlan, TensorPlan
 from megatron_preflight.reshard.sources.files import SourceFiles

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_preflight import dtypes
-from megatron_preflight.reshard.execute.arrays import BYTES, float_values
+from megatron_preflight.reshard.arrays import BYTES, float_values
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
