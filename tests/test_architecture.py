@@ -145,3 +145,15 @@ def test_a_function_level_import_only_defers_a_heavy_dependency(module):
             heavy = any(text.removeprefix("from ").removeprefix("import ").startswith(d.removeprefix("import "))
                         or d in text for d in DEFERRABLE)
             assert heavy and reason, f"{module}:{node.lineno}: {text}"
+
+
+def test_optimizer_kinds_are_asked_of_the_table_only():
+    """What differs per optimizer kind (its fields, its bytes, its forms) is one table, layout/optimizer_kinds.py:
+    nowhere else compares a kind's name or spells Adam's fields."""
+    import re
+
+    pattern = re.compile(r"""\.name\s*[!=]=\s*["'](adam|sgd|lion|muon|soap|adaptive_muon)["']|"""
+                         r"""["']exp_avg["'],\s*["']exp_avg_sq["']|12 if half else 8""")
+    found = [f"{m}:{i}: {line.strip()}" for m, path in MODS.items() if not m.endswith("optimizer_kinds")
+             for i, line in enumerate(open(path).read().splitlines(), 1) if pattern.search(line)]
+    assert found == []

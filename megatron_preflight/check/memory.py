@@ -64,7 +64,7 @@ def element_bytes(rt: RuntimeArgs) -> tuple[int, int, int]:
     param = 2 if half else 4
     grad_fp32 = rt.accumulate_allreduce_grads_in_fp32 or rt.bf16  # Megatron turns it on for bf16
     grad = 4 if (not half or grad_fp32) else 2
-    optim = 12 if half else 8  # fp32 master (half only), exp_avg, exp_avg_sq
+    optim = optimizer_kinds.KINDS["adam"].state_bytes + (optimizer_kinds.MASTER_BYTES if half else 0)
     return param, grad, optim
 
 

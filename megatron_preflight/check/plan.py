@@ -337,7 +337,7 @@ def _optimizer_kind(index: reshard.CheckpointIndex, rt: RuntimeArgs, changed: bo
                            f"keep --tensor-model-parallel-size {layout.tp}"
                            f"{'' if layout.etp in (None, layout.tp) else f' --expert-tensor-parallel-size {layout.etp}'}"
                            ", or add --no-load-optim (keep the weights, start the optimizer fresh)"))
-    if saved.name == "sgd" and layout.format == Format.TORCH_DIST and not layout.dist_optimizer_sharding \
+    if not saved.torch_dist_loads and layout.format == Format.TORCH_DIST and not layout.dist_optimizer_sharding \
             and rt.ckpt_format != "torch" and not rt.use_megatron_fsdp:
         problem = index.source_problem()
         fails = ("Megatron's torch_dist load of an SGD optimizer state fails after the model and the optimizer are "

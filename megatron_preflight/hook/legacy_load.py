@@ -16,7 +16,7 @@ from megatron_preflight.check import releases
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus, shared_read
 from megatron_preflight.hook.state import STATE
-from megatron_preflight.layout import naming, transport
+from megatron_preflight.layout import naming, optimizer_kinds, transport
 from megatron_preflight.reshard.plan.rules import canonical_name, spellings
 
 log = logging.getLogger("megatron_preflight")
@@ -282,7 +282,7 @@ def this_rank_parameter_state(r: reshard.Resharder, parts: list[Any] | None = No
                     continue
                 (_, world), = state[gbuf].items()
                 moved = 0
-                for key in ("param", "exp_avg", "exp_avg_sq"):
+                for key in optimizer_kinds.DISTRIBUTED_STATE:
                     if key in world:  # an optimizer without a second moment (Lion) keeps exp_avg only
                         moved = reshard.relocate(world[key], offsets)
                 if moved:

@@ -27,6 +27,7 @@ from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError, environment_error
 from megatron_preflight.hook import consensus
 from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
+from megatron_preflight.layout import optimizer_kinds
 from megatron_preflight.reshard.plan.rules import MTP_LAYER_NAMES
 
 log = logging.getLogger("megatron_preflight")
@@ -94,7 +95,11 @@ def run_adam_family(args: Any) -> str | None:
     """The Adam this Megatron process builds: TE's or apex's FusedAdam when either is installed, torch's otherwise
     (Megatron decides it once, at import, in ``megatron.core.optimizer``); None for another optimizer or when this
     Megatron does not say."""
-    if getattr(args, "optimizer", "adam") != "adam" or getattr(args, "optimizer_cpu_offload", False):
+    try:
+        kind = optimizer_kinds.kind_named(getattr(args, "optimizer", None))
+    except PreflightError:
+        return None
+    if not kind.fused_form or getattr(args, "optimizer_cpu_offload", False):
         return None
     try:
         from megatron.core import optimizer as mcore_optimizer  # Megatron is present: this runs inside its job

@@ -45,6 +45,13 @@ class Kind:
     honours_use_muon: bool = False  # a tensor marked use_muon=False goes to the scalar optimizer
     exact_note: str = ""  # what cannot be carried across a change of a parameter's shard
     optional: tuple[str, ...] = ()  # fields a state may lack (an option's: amsgrad's max_exp_avg_sq)
+    # Megatron's distributed optimizer: the fields its flat buffers hold beside the fp32 master ``param`` (empty: it
+    # does not run this kind)
+    distributed_fields: tuple[str, ...] = ()
+    step_tensor: bool = False  # its per-parameter ``step`` is a tensor (torch's Adam), not a number
+    stateless_allowed: bool = False  # a parameter may have no state at all (SGD with --sgd-momentum 0)
+    torch_dist_loads: bool = True  # Megatron's own torch_dist load of its plain (model-space) state works
+    fused_form: bool = False  # Transformer Engine / apex build a fused form of it (FusedAdam: step in its groups)
 
     def rule(self, field: str, where: str = "") -> Split:
         """How ``field`` of this kind's state follows a layout change; raises for a field the table does not name."""
@@ -87,8 +94,11 @@ _P, _S, _L = Split.PARAM, Split.STEP, Split.LOCAL
 KINDS: dict[str, Kind] = {k.name: k for k in (
     # (max_exp_avg_sq: torch's amsgrad; master_param: TE's FusedAdam keeping fp32 masters or their remainders)
     Kind("adam", {"step": _S, "exp_avg": _P, "exp_avg_sq": _P, "max_exp_avg_sq": _P, "master_param": _P}, 8,
-         optional=("max_exp_avg_sq", "master_param")),
-    Kind("sgd", {"momentum_buffer": _P}, 4),  # (no buffer at all with --sgd-momentum 0)
+         optional=("max_exp_avg_sq", "master_param"), distributed_fields=("exp_avg", "exp_avg_sq"), step_tensor=True,
+         fused_form=True),
+    # (no buffer at all with --sgd-momentum 0; Megatron's torch_dist load of its state fails after the build: 'TypeError:
+    # NoneType object is not callable', SGD has no init_state_fn in its sharded_state_dict)
+    Kind("sgd", {"momentum_buffer": _P}, 4, stateless_allowed=True, torch_dist_loads=False),
     Kind("lion", {"exp_avg": _P}, 4, emerging=True),
     Kind("muon", {"momentum_buffer": _P}, 4, emerging=True, honours_use_muon=True),
     Kind("adaptive_muon", {"momentum_buffer": _P, "moment2_buffer": Split.PARAM_OR_LOCAL}, 8, emerging=True,
@@ -98,6 +108,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                                    "and columns"),
 )}
 _ALIASES = {"adamw": "adam"}
+MASTER_BYTES = 4  # the fp32 master copy a bf16 / fp16 run's optimizer keeps per parameter element
+MASTER_FIELD = "param"  # the distributed optimizer's name for it in its flat buffers
+# the kind Megatron's distributed optimizer runs (Adam), and the fields of its flat buffers, master first
+DISTRIBUTED = next(k for k in KINDS.values() if k.distributed_fields)
+DISTRIBUTED_STATE = (MASTER_FIELD, *DISTRIBUTED.distributed_fields)
 
 # parameters an emerging optimizer never owns (Megatron marks them is_embedding_or_output_parameter)
 _EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")

@@ -14,7 +14,7 @@ from typing import Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.layout.model import Layout
-from megatron_preflight.layout.optimizer_kinds import primary_of
+from megatron_preflight.layout.optimizer_kinds import MASTER_FIELD, primary_of
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.optimizer.distributed import FIX, DistOptimizerIndex, source_params
 from megatron_preflight.reshard.optimizer.family import is_fused_adam, step_value
@@ -42,17 +42,16 @@ def plain_to_distributed(plain: OptimizerIndex, model: dict[GlobalKey, GlobalEnt
         if master is None:
             master = model.get(gkey)
         kind = plain.kind(plain.membership[gkey])
-        if kind.name != "adam":  # Megatron-LM's distributed optimizer runs Adam (an emerging one fails at its start)
+        if not kind.distributed_fields:  # Megatron-LM's distributed optimizer runs Adam (an emerging one fails at start)
             raise OptimizerNotReshardable(
                 f"the checkpoint's {kind.name} optimizer state cannot become a distributed optimizer's: Megatron's "
                 "distributed optimizer holds Adam's state only", fix="run without --use-distributed-optimizer, or "
                 "start with --no-load-optim (weights only)", code="optimizer")
-        if not isinstance(master, GlobalEntry) or not all(isinstance(fields.get(n), GlobalEntry)
-                                                          for n in ("exp_avg", "exp_avg_sq")):
+        moments = kind.distributed_fields  # (Adam's exp_avg, exp_avg_sq: layout/optimizer_kinds.py)
+        if not isinstance(master, GlobalEntry) or not all(isinstance(fields.get(n), GlobalEntry) for n in moments):
             raise OptimizerNotReshardable(f"parameter {gkey.suffix} has no Adam moments to carry over", fix=FIX,
                                           code="optimizer")
-        out.fields[gkey] = OrderedDict([("param", master), ("exp_avg", fields["exp_avg"]),
-                                        ("exp_avg_sq", fields["exp_avg_sq"])])
+        out.fields[gkey] = OrderedDict([(MASTER_FIELD, master), *((n, fields[n]) for n in moments)])
     for sig in plain.order:
         settings = {k: v for k, v in plain.settings[sig].items() if k != "params"}
         settings["step"] = step
@@ -135,9 +134,9 @@ def distributed_to_plain(dist: DistOptimizerIndex, layout: Layout, src: Parallel
         # keeps it in its groups; momentum-only kinds (SGD, Lion, Muon) count none
         out: OrderedDict[str, Any] = OrderedDict()
         if not fused and "step" in kind.fields:
-            out["step"] = SourcePiece(sk.shard, step_value(step) if kind.name == "adam" else int(step), 0, 1)
+            out["step"] = SourcePiece(sk.shard, step_value(step) if kind.step_tensor else int(step), 0, 1)
         missing = [n for n in kind.moments if n not in fields]
-        if missing and kind.name != "sgd":  # (SGD without momentum keeps no buffer)
+        if missing and not kind.stateless_allowed:  # (SGD without momentum keeps no buffer)
             raise OptimizerNotReshardable(f"no saved {' / '.join(missing)} for {sk.key} (its param group is "
                                           f"{kind.name}'s)", fix=FIX, code="optimizer")
         for name in kind.param_fields:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout import naming
+from megatron_preflight.layout import naming, optimizer_kinds
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
 from megatron_preflight.reshard.arrays import BYTES, float_values, has_values
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     import torch
 
 ALIGN = 64
-STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+STATE_KEYS = optimizer_kinds.DISTRIBUTED_STATE  # the master and Adam's moments (layout/optimizer_kinds.py)
 FIX = "start the run with --no-load-optim (weights only), or reshard offline with --drop-optimizer"
 _EMBEDDING_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 

@@ -94,7 +94,7 @@ def _dist_status(layout: Layout) -> OptimizerStatus | None:
             "layout")
     if not layout.dist_optimizer_sharding:
         what = describe_chain(layout.saved_args, optimizer_entry.param_groups(common["optimizer"]))
-        if primary_of(layout.saved_args or {}).name == "sgd":
+        if not primary_of(layout.saved_args or {}).torch_dist_loads:
             both = ("Megatron cannot load it, at any layout (its torch_dist load of SGD's state fails after the "
                     "build); `--preflight auto` loads it in memory; the resharder converts it to legacy at any layout")
         return OptimizerStatus("plain", True, detail=f"model space, {what} per parameter: {both}")

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import dtypes
-from megatron_preflight.layout import naming, optimizer_entry
+from megatron_preflight.layout import naming, optimizer_entry, optimizer_kinds
 from megatron_preflight.layout.dist import COMMON_PT, object_index, read_dcp_metadata, read_object
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.layout.optimizer_kinds import KINDS, group_kind, primary_of
@@ -232,7 +232,8 @@ def _state_slab(s: Slab, state: str, saved: dict[str, Any], dims: int) -> tuple[
 
 # -- dp_reshardable: the distributed optimizer's flat buckets, per model-parallel domain -----------------------------
 _DPR = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.(.+)$")
-_BUCKET = re.compile(r"^gbuf_idx_(\d+)\.dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+_BUCKET = re.compile(r"^gbuf_idx_(\d+)\.dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.("
+                     + "|".join(optimizer_kinds.DISTRIBUTED_STATE) + ")$")
 
 
 def _dtype(name: str) -> Any:
@@ -297,7 +298,7 @@ def attach_dp_reshardable(source: Layout, virtual: Layout, *, trust: bool = Fals
                 for key, per_bucket in by_key.items():
                     world: dict[str, Any] = {}
                     total = 0
-                    for name in ("param", "exp_avg", "exp_avg_sq"):
+                    for name in optimizer_kinds.DISTRIBUTED_STATE:
                         slabs, acc, dtype = [], 0, dtypes.dtype("float32")
                         for _b, fields in sorted(per_bucket.items()):
                             if name not in fields:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.layout import naming
+from megatron_preflight.layout import naming, optimizer_kinds
 from megatron_preflight.layout.dist import FSDP_OPTIMIZER_STATE
 from megatron_preflight.reshard.optimizer.plain import MASTER
 from megatron_preflight.reshard.plan.planner import plan_tensor
@@ -223,7 +223,7 @@ def _entries(g: Resharder, files: SourceFiles, objects: dict[str, Any], *, half:
                                    tp if part is None and master is None and not half else None))
         if idx is None or tp.gkey not in idx.membership:
             continue
-        for field in ("exp_avg", "exp_avg_sq"):
+        for field in optimizer_kinds.DISTRIBUTED.distributed_fields:  # (Megatron-FSDP's optimizer: Adam)
             entry = fields.get(field)
             if entry is None:
                 raise PreflightError(f"no {field} for {tp.key} in the optimizer state", path=g.layout.iter_dir,
