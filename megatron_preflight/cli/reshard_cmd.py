@@ -137,15 +137,16 @@ def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
     from megatron_preflight.reshard import predict_offline, predict_torch_dist, process_age  # (loaded when run)
 
     """Plan everything, move nothing: print the predicted cost (bytes, files, memory, time)."""
-    from megatron_preflight.reshard import (  # the writers import torch: only when resharding
-        check_destination,
-        global_resharders,
-        open_checked,
-    )
+    from megatron_preflight.reshard import check_destination, open_checked, starts_without_torch
 
     check_destination(ns.src, ns.dst)
+    if not starts_without_torch(ns.src, target, tapped=bool(getattr(ns, "fingerprint", False))):
+        import torch  # noqa: F401 - as the run it predicts loads it first: its memory counted in the prediction
     bandwidth = float(ns.bandwidth) * 2**20 if ns.bandwidth else None
     if target.ckpt_format in ("torch_dist", "fsdp_dtensor"):  # (the same global plans, the same bytes read)
+        # the torch_dist writer's module imports torch, as the run it predicts does (its memory counted alike)
+        from megatron_preflight.reshard import global_resharders
+
         r, g, _ = global_resharders(ns.src, target, iteration=ns.iteration, trust=ns.trust_checkpoint,
                                     keep_optimizer=not ns.drop_optimizer)
         prediction = predict_torch_dist(r, g, bandwidth=bandwidth, startup_seconds=process_age())

@@ -30,7 +30,7 @@ _EXPORTS = {
     "SourceFiles": "sources.files", "build_tree": "execute.executor",
     # writing a new checkpoint
     "write_resharded": "targets.offline", "check_destination": "targets.offline", "open_checked": "targets.offline",
-    "global_resharders": "targets.torch_dist",
+    "starts_without_torch": "targets.offline", "global_resharders": "targets.torch_dist",
     # what it costs
     "predict_in_memory": "cost", "predict_offline": "cost", "predict_torch_dist": "cost", "process_age": "cost",
 }
@@ -69,6 +69,7 @@ __all__ = [
     "relocate",
     "saved_arg",
     "source_topology",
+    "starts_without_torch",
     "target_vocab",
     "write_resharded",
 ]
@@ -99,5 +100,10 @@ if TYPE_CHECKING:  # for type checkers only: at run time the names above are imp
     from megatron_preflight.reshard.resharder import Resharder, build_rank_state_dict, choose_optimizer, open_resharder
     from megatron_preflight.reshard.sources.files import SourceFiles
     from megatron_preflight.reshard.target import TargetLayout
-    from megatron_preflight.reshard.targets.offline import check_destination, open_checked, write_resharded
+    from megatron_preflight.reshard.targets.offline import (
+        check_destination,
+        open_checked,
+        starts_without_torch,
+        write_resharded,
+    )
     from megatron_preflight.reshard.targets.torch_dist import global_resharders

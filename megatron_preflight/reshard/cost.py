@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_preflight.layout import naming
+from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.execute.replicas import planned
 from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan, flat_parts
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -39,6 +40,7 @@ class ShardCost:
     largest_tensor: int
     files_opened: int
     sources: list[str] = field(default_factory=list)
+    largest_source: int = 0  # the largest source piece read from (a torch_dist chunk is mapped whole for its CRC)
 
 
 @dataclass
@@ -125,18 +127,20 @@ def _planned(plan: RankPlan) -> list[TensorPlan]:
     return [tp for tp in out if tp.shape is not None]
 
 
-def slices_read(plan: RankPlan) -> tuple[int, set[tuple[str, str]]]:
-    """Bytes of the source slices ``plan`` copies, and the (shard dir, file) pairs it opens."""
-    total = 0
+def slices_read(plan: RankPlan) -> tuple[int, set[tuple[str, str]], int]:
+    """Bytes of the source slices ``plan`` copies, the (shard dir, file) pairs it opens, and the largest source piece
+    it reads from."""
+    total = largest = 0
     opened: set[tuple[str, str]] = set()
     for tp in _planned(plan):
         for op in tp.ops:
+            largest = max(largest, _numel(op.ref.shape) * op.ref.dtype.itemsize)
             shape = list(op.ref.shape)
             if op.src is not None:
                 shape[op.src[0]] = op.src[2]
             total += _numel(shape) * op.ref.dtype.itemsize
             opened.add((op.shard, os.path.basename(getattr(op.ref, "file", "") or naming.MODEL_FILENAME)))
-    return total, opened
+    return total, opened, largest
 
 
 def _built(plan: RankPlan) -> tuple[int, int]:
@@ -148,7 +152,7 @@ def _built(plan: RankPlan) -> tuple[int, int]:
 
 def shard_cost(r: Any, name: str, plan: RankPlan, header: dict[str, Any] | None) -> ShardCost:
     """The cost of one target shard; with ``header`` (offline), the sizes of the files written."""
-    read, opened = slices_read(plan)
+    read, opened, largest_source = slices_read(plan)
     built, largest = _built(plan)
     written = 0
     if header is not None:
@@ -157,7 +161,8 @@ def shard_cost(r: Any, name: str, plan: RankPlan, header: dict[str, Any] | None)
         written = planned_size(shard_tree(header, plan), naming.MODEL_FILENAME)
         if plan.dist_optimizer is not None:
             written += planned_size(plan.dist_optimizer, naming.DISTRIB_OPTIM_FILENAME)
-    return ShardCost(name, read, written, built, largest, len(opened), sorted({s for s, _ in opened}))
+    return ShardCost(name, read, written, built, largest, len(opened), sorted({s for s, _ in opened}),
+                     largest_source)
 
 
 def rss_now() -> int:
@@ -229,12 +234,22 @@ def _bandwidth(r: Any, bandwidth: float | None) -> tuple[float, str]:
     return measure_bandwidth(r.layout.iter_dir or r.layout.path), "measured"
 
 
+def _load_writer() -> None:
+    """Import what the run being predicted imports before it writes (the writer and the arrays it builds pieces in:
+    numpy for a torch-free legacy run), so that the resident set measured as its base is the run's."""
+    import numpy  # noqa: F401 - the pieces' arrays (torch's tensors share numpy's buffers too)
+
+    # the writers' modules, loaded as the run loads them (their own imports deferred: no torch unless loaded)
+    from megatron_preflight.reshard.targets import legacy, write_behind, zip_writer  # noqa: F401
+
+
 def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth: float | None = None,
                     names: list[str] | None = None, startup_seconds: float = 0.0) -> Prediction:
     """The cost of ``megatron-preflight reshard`` (legacy output) with ``workers`` processes, from resharder ``r``
     (``startup_seconds``: what starting up and opening ``r`` took, which each worker spends again)."""
-    from megatron_preflight.reshard.targets.stream_save import CHUNK_BYTES  # deferred: the writer imports torch
+    from megatron_preflight.reshard.targets.stream_save import CHUNK_BYTES, PIECE_BUFFERS  # (deferred: the writer)
 
+    _load_writer()
     base = rss_now()  # the index and the imports: what the main process holds, and each worker again
     files = SourceFiles(r.layout.iter_dir or "", trust=r.trust)
     try:
@@ -256,8 +271,13 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
     out = []
     for w, mine in assigned.items():
         biggest = max((c.largest_tensor for c in mine), default=0)
-        working = 2 * min(biggest, CHUNK_BYTES) + (2 * biggest + max((c.bytes_written for c in mine), default=0)
-                                                   if verify else 0)
+        # the writer's piece buffers, each up to a chunk of rows, and the source pages mapped for the piece being built
+        # (released after it: sources/files.py)
+        # (a torch_dist source's chunk is mapped whole where its CRC chain reads past the rows taken, until released)
+        mapped = max((c.largest_source for c in mine), default=0) \
+            if r.source_format in (Format.TORCH_DIST, Format.FSDP_DTENSOR) else 0
+        working = PIECE_BUFFERS * min(biggest, CHUNK_BYTES) + max(min(biggest, CHUNK_BYTES), mapped) + (
+            2 * biggest + max((c.bytes_written for c in mine), default=0) if verify else 0)
         read, written = sum(c.bytes_read for c in mine), sum(c.bytes_written for c in mine)
         again = read + written if verify else 0  # --verify re-reads the source slices and the written files
         out.append(WorkerCost(w, [c.name for c in mine], read, written, len({s for c in mine for s in c.sources}),
@@ -325,7 +345,9 @@ def predict_torch_dist(r: Any, g: Any, *, bandwidth: float | None = None,
     written = c.bytes_built + DIST_CHUNK_OVERHEAD * tensors
     bw, source = _bandwidth(r, bandwidth)
     wbw = bandwidth or measure_write_bandwidth()
-    peak = base + c.largest_tensor + min(c.largest_tensor, CHUNK_BYTES)  # one global tensor is held whole
+    # one global tensor is held whole while its chunks are serialized (a section of it copied out first: one more of
+    # its size at most), beside the source pages mapped to build it
+    peak = base + 2 * c.largest_tensor + min(c.largest_tensor, CHUNK_BYTES)
     w = WorkerCost(0, ["torch_dist"], c.bytes_read, written, c.files_opened, peak, c.bytes_read / bw + written / wbw)
     return Prediction("offline", c.bytes_read, written, peak, startup_seconds + w.seconds, bw, source, c.files_opened,
                       workers=[w], write_bandwidth_bytes_per_s=wbw, startup_seconds=startup_seconds)

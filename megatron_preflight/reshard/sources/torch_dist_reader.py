@@ -266,6 +266,8 @@ class DistReader:
         if run is None:
             return None
         f, view, c = run
+        # (its CRC chain may read the rows between through the mapping: the chunk is released with the others)
+        self._touched.add((c.file, c.start))
         if c.file not in self._fds:
             self._fds[c.file] = os.open(f.path, os.O_RDONLY)
         return f.read_rows(view, row0, out, fd=self._fds[c.file])

@@ -214,12 +214,12 @@ def check_destination(src: str, dst: str) -> None:
                              code="usage")
 
 
-def _starts_without_torch(src: str, target: TargetLayout, tapping: Tapping | None) -> bool:
+def starts_without_torch(src: str, target: TargetLayout, *, tapped: bool = False) -> bool:
     """Whether the run may start without torch: a legacy output, not tapped (a fingerprint hashes tensors), from what
     looks like a legacy source (a shard dir and no DCP metadata, in the dir or its iteration dirs). A legacy ->
     legacy reshard moves bytes and never loads torch (~2 s of a fresh process); any other source is read with torch
     loaded first (the run opens it again if the look was wrong)."""
-    if (target.ckpt_format or "torch") != "torch" or tapping is not None:
+    if (target.ckpt_format or "torch") != "torch" or tapped:
         return False
     try:
         dirs = [src] + [os.path.join(src, d) for d in os.listdir(src) if naming.parse_iteration_dir(d) is not None]
@@ -260,7 +260,7 @@ def _write(src: str, dst: str, target: TargetLayout, *, workers: int, verify: bo
     r: Resharder | None = None
     try:
         check_destination(src, dst)
-        if not _starts_without_torch(src, target, tapping):
+        if not starts_without_torch(src, target, tapped=tapping is not None):
             import torch  # noqa: F401 - loaded before the source is read: its values read as tensors
         r = open_checked(src, target, iteration=iteration, trust_checkpoint=trust_checkpoint,
                          drop_optimizer=drop_optimizer)

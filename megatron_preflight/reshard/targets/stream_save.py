@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import torch
 
 CHUNK_BYTES = 16 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
+PIECE_BUFFERS = 4  # the piece buffers of a file being written: one filled while the others wait for the writer
 
 # dtype name -> the legacy storage class torch.save names for it (the reverse of the reader's table; the float8
 # dtypes have none in torch)
@@ -168,7 +169,7 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
         behind.submit(zw.write, "data.pkl", data)
         behind.submit(zw.write, ".format_version", _FORMAT_VERSION)
         behind.submit(zw.write, "byteorder", _BYTEORDER)
-        buffers = _Buffers(behind, kit)
+        buffers = _Buffers(behind, kit, PIECE_BUFFERS)
         stage = Stage(kit)
         for storage, source in pending:
             nbytes = storage.numel * storage.dtype.itemsize
@@ -346,7 +347,7 @@ class _Buffers:
     """The piece buffers of one file, reused: one is filled while the others wait for the writer thread, which hands
     each back once its bytes are written (no fresh pages to fault in and zero for every piece)."""
 
-    def __init__(self, behind: WriteBehind, kit: Kit, count: int = 4) -> None:
+    def __init__(self, behind: WriteBehind, kit: Kit, count: int = 4) -> None:  # (PIECE_BUFFERS)
         self._behind = behind
         self._kit = kit
         self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
