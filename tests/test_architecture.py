@@ -114,6 +114,8 @@ DEFERRABLE = ("torch", "numpy", "megatron.", "yaml", "megatron_preflight.reshard
               # (issue 34): the distributed optimizer's and torch_dist's readers, the executor, the GPT -> hybrid bridge
               "megatron_preflight.check", "megatron_preflight.fit", "megatron_preflight.reshard.optimizer.", "megatron_preflight.reshard.sources.",
               "megatron_preflight.reshard.execute.", "megatron_preflight.reshard.plan.hybrid",
+              # the writers' modules, where a dry run loads them to measure the memory the run will hold
+              "megatron_preflight.reshard.targets import",
               # a Hugging Face model's reader (config and family tables): only for a dir that is one
               "megatron_preflight.layout.hf.discover",
               # torch's DCP and the fsdp_dtensor form: only in a Megatron-FSDP job given a 3D checkpoint

@@ -137,6 +137,7 @@ def _dry_run(ns: argparse.Namespace, target: TargetLayout) -> int:
     from megatron_preflight.reshard import predict_offline, predict_torch_dist, process_age  # (loaded when run)
 
     """Plan everything, move nothing: print the predicted cost (bytes, files, memory, time)."""
+    # the resharder's modules load when it runs (the CLI's parser loads none)
     from megatron_preflight.reshard import check_destination, open_checked, starts_without_torch
 
     check_destination(ns.src, ns.dst)
