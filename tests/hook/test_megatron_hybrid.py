@@ -278,3 +278,14 @@ def test_a_hybrid_checkpoint_of_megatron_0_18_resumes_through_auto(tmp_path):
                            root=RELEASE_018, verify=False, drop=no_moe)
         assert rc2 == 0, log2[-3000:]
         assert loss(log, 4, 4) is not None and iteration_losses(log) == iteration_losses(log2)
+
+
+def test_an_impossible_hybrid_layout_is_answered_by_the_plugin_before_megatron(tmp_path):
+    """TP3 on pretrain_hybrid.py: the heads, query groups, Mamba heads and groups named at argument parsing, every
+    rank stopped with status 1 (hook/early.py), not Megatron's error per rank."""
+    from tests.hook.test_megatron_releases import assert_stopped_by_the_plugin
+
+    rc, log = hybrid(tmp_path, fixture_path("hyb_tp2_torch"), 3, "--hybrid-layer-pattern", "M*-M*-",
+                     "--tensor-model-parallel-size", "3", "--ckpt-format", "torch", "--preflight", "check",
+                     port=29798, verify=False)
+    assert_stopped_by_the_plugin(rc, log, "8 Mamba heads are not divisible by TP3")
