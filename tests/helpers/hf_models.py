@@ -172,3 +172,65 @@ def add_mtp(path: str, seed: int = 3) -> str:
     weights[mtp + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def _quantized(name: str) -> bool:
+    """What the hub's FP8 checkpoints quantize: the decoder's linear weights (not norms, the router, the embedding or
+    the output layer)."""
+    return ".layers." in name and name.endswith("proj.weight") or ".experts." in name and name.endswith(".weight")
+
+
+def write_fp8(src: str, dst: str, block: tuple[int, int] = (16, 16), dtype: torch.dtype | None = None) \
+        -> tuple[str, str]:
+    """The model at ``src`` as the hub publishes an FP8 model (test-only): each decoder linear weight float8_e4m3fn
+    with a float32 ``weight_scale_inv`` per ``block`` (amax / 448, the edge blocks partial), config.json naming the
+    scheme; and beside it ``dst + "_dequantized"``: the same model with the dequantized weights (fp8 x scale, in the
+    model's dtype: ``dtype``, default the source's), the oracle's model. Returns (the FP8 dir, the dequantized dir)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    deq_dir = dst + "_dequantized"
+    for d in (dst, deq_dir):
+        shutil.copytree(src, d)
+        for f in os.listdir(d):
+            if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+                os.remove(os.path.join(d, f))
+    tensors = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, f)))
+    fp8, deq = {}, {}
+    br, bc = block
+    for name, w in tensors.items():
+        w = w.to(dtype) if dtype is not None else w
+        if not (_quantized(name) and w.dim() == 2):
+            fp8[name] = deq[name] = w
+            continue
+        r, c = w.shape
+        rb, cb = -(-r // br), -(-c // bc)
+        padded = torch.zeros(rb * br, cb * bc, dtype=torch.float32)
+        padded[:r, :c] = w.float()
+        amax = padded.reshape(rb, br, cb, bc).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+        scale = (amax / FP8_MAX).float()
+        full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:r, :c]
+        q = (w.float() / full).to(torch.float8_e4m3fn)
+        fp8[name], fp8[name + "_scale_inv"] = q, scale
+        deq[name] = (q.float() * full).to(w.dtype)
+    save_file(fp8, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, os.path.join(deq_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as fh:
+        cfg = json.load(fh)
+    if dtype is not None:
+        cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        with open(os.path.join(deq_dir, "config.json"), "w") as fh:
+            json.dump(cfg, fh)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return dst, deq_dir

@@ -16,7 +16,7 @@ from typing import Any
 from megatron_preflight import dtypes, parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
-from megatron_preflight.layout.hf import families, files
+from megatron_preflight.layout.hf import families, files, quant
 from megatron_preflight.layout.hf.config import architecture_of, load_raw, normalise
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import Run, SafeRef, safe_ref, tensor_table
@@ -35,6 +35,7 @@ def discover_hf(path: str) -> Layout:
     try:
         family = families.family_for(arch, config_path)
         cfg = normalise(raw, config_path)
+        scheme = quant.scheme_of(raw, config_path)
     except PreflightError as e:
         layout.add(e.code or "hf_unsupported", e.path or config_path, e.message, e.fix or "")
         return layout
@@ -58,7 +59,18 @@ def discover_hf(path: str) -> Layout:
     if cfg.sliding_window and cfg.max_position_embeddings and cfg.sliding_window < cfg.max_position_embeddings:
         layout.notes.append(f"the model attends over a sliding window of {cfg.sliding_window} tokens: Megatron's "
                             "GPT model attends over the whole sequence (the same for sequences up to the window)")
-    model, missing, needed, errors = _model(family, cfg, table.tensors, path)
+    model, missing, needed, errors = _model(family, cfg, table.tensors, path, scheme)
+    if scheme is not None:
+        fp8 = sum(1 for n in needed if n in table.tensors and table.tensors[n].dtype == quant.FP8)
+        into = cfg.dtype if cfg.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+        if fp8:
+            layout.notes.append(f"{fp8} weights are {scheme.describe()}: dequantized to {into} as they are read (each "
+                                "rank its own rows, with the scales that cover them; nothing written in between); the "
+                                "other tensors are read as stored. An export back writes them in the run's dtype (not "
+                                "re-quantized)")
+        else:
+            layout.notes.append("config.json names FP8 block quantization but no weight is float8 (a dequantized "
+                                "copy that kept its quantization_config): the weights are read as stored")
     for e in errors:
         layout.add(e.code or "hf_shape", e.path or path, e.message, e.fix or "")
     for name in missing:
@@ -92,7 +104,8 @@ def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespa
     return argparse.Namespace(**values)
 
 
-def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str) \
+def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str,
+           scheme: quant.BlockFp8 | None = None) \
         -> tuple[OrderedDict[str, Any], list[str], set[str], list[PreflightError]]:
     """(the Megatron state dict of SafeRefs, in Megatron's order; the HF tensors it needs that are missing; every
     HF tensor it reads; the tensors that do not fit their Megatron tensor)."""
@@ -115,10 +128,12 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
             missing.extend(n for n in dict.fromkeys(gone) if n not in missing)
             continue
         try:
-            model[m.key] = _ref(m, tensors, path)
+            model[m.key] = _ref(m, tensors, path, scheme, cfg)
         except PreflightError as e:
             errors.append(e)
-    if not isinstance(cfg.raw.get("quantization_config"), dict):  # (a quantized model is refused as such)
+    if scheme is not None:  # the scales are the weights' too
+        needed |= {n + quant.SCALE_SUFFIX for n in list(needed) if n in tensors and tensors[n].dtype == quant.FP8}
+    if scheme is None:  # (a quantized model's FP8 weights are read with their scales: _ref)
         for name in sorted(n for n in needed if n in tensors and tensors[n].dtype.startswith("float8")):
             t = tensors[name]
             errors.append(PreflightError(
@@ -138,8 +153,11 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
     return model, missing, needed, errors
 
 
-def _ref(m: families.Mapping, tensors: dict[str, Any], path: str) -> SafeRef:
+def _ref(m: families.Mapping, tensors: dict[str, Any], path: str, scheme: quant.BlockFp8 | None = None,
+         cfg: Any = None) -> SafeRef:
     first = tensors[m.blocks[0].hf]
+    if scheme is not None and first.dtype == quant.FP8:
+        return _dequantized(m, tensors, path, scheme, cfg)
     if len(m.blocks) == 1 and m.blocks[0].src0 == 0 and m.blocks[0].rows == (first.shape[0] if first.shape else 1):
         return safe_ref(m.key, first.dtype, first.shape, (Run(first.file, first.start, first.nbytes, 0),))  # a copy
     tail = first.shape[1:]
@@ -158,3 +176,27 @@ def _ref(m: families.Mapping, tensors: dict[str, Any], path: str) -> SafeRef:
     rows = sum(b.rows for b in m.blocks)
     shape = (rows, *tail) if first.shape else ()
     return safe_ref(m.key, first.dtype, shape, tuple(runs))
+
+
+def _dequantized(m: families.Mapping, tensors: dict[str, Any], path: str, scheme: quant.BlockFp8, cfg: Any) \
+        -> SafeRef:
+    """The Megatron tensor ``m`` from the rows of FP8 weights, each with its block scales, in the model's dtype."""
+    first = tensors[m.blocks[0].hf]
+    runs = []
+    at = 0
+    for b in m.blocks:
+        t = tensors[b.hf]
+        if t.dtype != quant.FP8 or t.shape[1:] != first.shape[1:] or b.src0 + b.rows > t.shape[0]:
+            raise PreflightError(f"tensor {b.hf!r} ({t.dtype}, {list(t.shape)}) does not fit {m.key} beside "
+                                 f"{m.blocks[0].hf!r} ({first.dtype}, {list(first.shape)})",
+                                 path=os.path.join(path, t.file), code="hf_shape",
+                                 fix="check that config.json belongs to these weights")
+        scale = tensors.get(b.hf + quant.SCALE_SUFFIX)
+        problem = quant.check_scale(b.hf, t.shape, scale, scheme, path)
+        if problem is not None:
+            raise problem
+        runs.append(quant.QRun(b.hf, t.file, t.start, t.shape[1], b.src0, b.rows, at, scale.file, scale.start,
+                               scale.dtype, scale.shape[1], scheme.block))
+        at += b.rows
+    dtype = cfg.dtype if cfg is not None and cfg.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+    return safe_ref(m.key, dtype, (at, *first.shape[1:]), (), tuple(runs))

@@ -96,11 +96,6 @@ def qkv_bias(family: Family, cfg: HfConfig) -> bool:
 def refusals(family: Family, cfg: HfConfig) -> list[str]:
     """What in this model Megatron's GPT model cannot express (each a reason; empty: it can)."""
     out = []
-    quant = cfg.raw.get("quantization_config")
-    if isinstance(quant, dict):
-        out.append(f"quantized weights ({quant.get('quant_method', 'quantization_config')} "
-                   f"{quant.get('fmt', '')}".rstrip() + "): dequantize them to bf16 first (for DeepSeek-V3's FP8 "
-                   "blocks: DeepSeek's fp8_cast_bf16.py), then load the bf16 copy")
     if cfg.hidden_act not in ("silu", "swish"):
         out.append(f"hidden_act {cfg.hidden_act!r} (Megatron's gated MLP here is SwiGLU: silu)")
     if cfg.mlp_bias:

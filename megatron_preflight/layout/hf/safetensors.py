@@ -181,8 +181,12 @@ class SafeRef(TensorRef):
     tensor stacked along dim 0 are its bytes concatenated (read by :mod:`megatron_preflight.reshard.sources.hf`)."""
 
     runs: tuple[Run, ...] = ()
+    # FP8 rows dequantized into this tensor's dtype (layout/hf/quant.py); then ``runs`` is empty
+    quant: tuple[Any, ...] = ()
 
     def __repr__(self) -> str:
+        if self.quant:
+            return f"SafeRef({tuple(self.shape)}, {self.dtype} from {len(self.quant)} FP8 run(s))"
         return f"SafeRef({tuple(self.shape)}, {self.dtype}, {len(self.runs)} run(s))"
 
     @property
@@ -191,6 +195,8 @@ class SafeRef(TensorRef):
 
     def window(self, start: int, shape: tuple[int, ...]) -> SafeRef:
         """Elements ``start ..`` of this tensor (flattened) as a contiguous tensor of ``shape``."""
+        if self.quant:  # (a flat window of a Hugging Face weight: never asked; a model dir has no optimizer state)
+            raise ValueError("a window of a dequantized tensor")
         item = self.dtype.itemsize
         lo, hi = start * item, (start + math.prod(shape)) * item
         runs = []
@@ -208,9 +214,10 @@ def _dtype(name: str) -> Any:
     return dtypes.dtype(name)
 
 
-def safe_ref(key: str, dtype: str, shape: tuple[int, ...], runs: tuple[Run, ...]) -> SafeRef:
-    """The ref of a tensor of ``shape`` made of ``runs``."""
+def safe_ref(key: str, dtype: str, shape: tuple[int, ...], runs: tuple[Run, ...], quant: tuple[Any, ...] = ()) \
+        -> SafeRef:
+    """The ref of a tensor of ``shape`` made of ``runs`` (or of dequantized FP8 ``quant`` runs)."""
     dt = _dtype(dtype)
     n = math.prod(shape)
-    return SafeRef(runs[0].file if runs else "", StorageRef(key, dt, n), 0, tuple(shape), row_major(tuple(shape)),
-                   runs=runs)
+    first = runs[0].file if runs else quant[0].file if quant else ""
+    return SafeRef(first, StorageRef(key, dt, n), 0, tuple(shape), row_major(tuple(shape)), runs=runs, quant=quant)

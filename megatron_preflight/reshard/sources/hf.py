@@ -51,6 +51,10 @@ class HfReader:
             return self._last[1]
         dtype = dtypes.to_torch(ref.dtype)
         t = torch.empty(ref.shape, dtype=dtype)
+        if ref.quant:
+            self._dequantize(ref, 0, t)
+            self._last = (ref, t)
+            return t
         buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         for r in ref.runs:
             self._pread(r.file, r.start, buf[r.dst:r.dst + r.nbytes])
@@ -66,6 +70,9 @@ class HfReader:
         if self._last is not None and self._last[0] is ref:
             return self._last[1].narrow(0, first, n)
         out = torch.empty((n, *ref.shape[1:]), dtype=dtypes.to_torch(ref.dtype))
+        if ref.quant:
+            self._dequantize(ref, first, out)
+            return out
         buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         lo = first * ref.row_bytes
         hi = lo + n * ref.row_bytes
@@ -78,18 +85,47 @@ class HfReader:
     def item(self, shard: str, ref: SafeRef) -> Any:
         return self.tensor(shard, ref).item()
 
+    def _dequantize(self, ref: SafeRef, first: int, out: torch.Tensor) -> None:
+        """Rows ``first .. first + len(out)`` of the dequantized tensor ``ref`` into ``out``: each FP8 run's rows read
+        with the scale rows that cover them (layout/hf/quant.py), multiplied in float32, cast to ``out``'s dtype."""
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+        last = first + out.shape[0]
+        for q in ref.quant:
+            a, b = max(first, q.dst_row0), min(last, q.dst_row0 + q.rows)
+            if a >= b:
+                continue
+            s0, k = q.src_row0 + a - q.dst_row0, b - a
+            raw = torch.empty(k * q.cols, dtype=torch.uint8)
+            self._pread(q.file, q.start + s0 * q.cols, memoryview(raw.numpy()))
+            values = raw.view(torch.float8_e4m3fn).reshape(k, q.cols).to(torch.float32)
+            br, bc = q.block
+            lo, hi = s0 // br, (s0 + k - 1) // br + 1
+            sdt = dtypes.to_torch(dtypes.dtype(q.scale_dtype))
+            scale = torch.empty((hi - lo, q.scale_cols), dtype=sdt)
+            width = q.scale_cols * scale.element_size()
+            self._pread(q.scale_file, q.scale_start + lo * width, memoryview(scale.view(torch.uint8).numpy()).cast("B"))
+            scale = scale.to(torch.float32)
+            if not bool(torch.isfinite(scale).all()):
+                raise CorruptFileError(f"tensor {q.name + '_scale_inv'!r} holds a non-finite scale (rows {lo}..{hi - 1})",
+                                       path=os.path.join(self.model_dir, q.scale_file), code="corrupt_file",
+                                       fix="download the model again")
+            scale = scale.repeat_interleave(br, 0)[s0 - lo * br:s0 - lo * br + k]
+            scale = scale.repeat_interleave(bc, 1)[:, :q.cols]
+            out[a - first:b - first].copy_((values * scale).reshape(out[a - first:b - first].shape))
+
     def sample_bytes(self, shard: str, ref: SafeRef, k: int) -> bytes | None:
         return None  # (a model dir holds no replicas)
 
     def extent(self, shard: str, ref: SafeRef) -> tuple[str, int, int] | None:
-        if len(ref.runs) != 1 or not ref.shape:
+        if len(ref.runs) != 1 or not ref.shape or ref.quant:
             return None
         r = ref.runs[0]
         return os.path.join(self.model_dir, r.file), r.start, ref.row_bytes
 
     def read_rows(self, shard: str, ref: SafeRef, row0: int, out: Any) -> int | None:
         """Rows from ``row0`` into ``out`` (as many as it holds), run by run: their CRC-32."""
-        if not ref.shape:
+        if not ref.shape or ref.quant:  # (a dequantized tensor's bytes are computed, not read)
             return None
         buf = memoryview(out).cast("B")
         lo = row0 * ref.row_bytes

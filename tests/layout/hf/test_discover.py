@@ -155,13 +155,14 @@ def test_an_mtp_layer_in_the_files_is_read_as_megatrons(models, tmp_path):
     assert model["mtp.layers.0.eh_proj.weight"].shape == (32, 64)
 
 
-def test_quantized_weights_are_refused_with_the_way_forward(models, tmp_path):
-    """DeepSeek-V3's hub files are FP8 blocks with per-block scales (weight_scale_inv): never read as weights."""
+def test_a_dequantized_copy_that_kept_its_quantization_config_reads_as_stored(models, tmp_path):
+    """DeepSeek's fp8_cast_bf16.py leaves config.json's quantization_config behind (NeMo-RL's guide removes it with
+    jq): bf16 weights under an FP8 config are read as stored, and said so (the FP8 form itself: test_hf_fp8.py)."""
     lay = discover(_edit_config(models["deepseek_v3"], str(tmp_path / "q"),
                                 quantization_config={"quant_method": "fp8", "fmt": "e4m3",
                                                      "weight_block_size": [128, 128]}))
-    p = next(p for p in lay.problems if p.code == "hf_unsupported")
-    assert "quantized weights (fp8 e4m3)" in p.message and "bf16" in p.message
+    assert lay.problems == []
+    assert any("no weight is float8" in n for n in lay.notes)
 
 
 def test_deepseek_yarn_reads_as_megatrons_mla_yarn(models, tmp_path):

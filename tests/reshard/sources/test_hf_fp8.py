@@ -1,0 +1,148 @@
+"""FP8 weights with block scales, as the hub publishes them (DeepSeek-V3, Kimi K2, Qwen3-FP8), read as the model's
+weights: each rank dequantizes its own rows with the scales that cover them. The oracle is the same model dequantized
+by the test itself (fp8 x scale, in the model's dtype; tests/helpers/hf_models.write_fp8) — its tensors, and
+``transformers``' own logits of it."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import struct
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from tests.helpers import hf_models  # noqa: E402
+
+BLOCK = (24, 20)  # (the tiny models' 32 / 64 / 96-wide weights: partial edge blocks in both dims)
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    from megatron_preflight.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    return rc, out.getvalue() + err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def fp8_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    out = {}
+    for name in ("llama", "qwen3_moe", "deepseek_v3"):
+        src = hf_models.write(name, str(root / name))
+        out[name] = hf_models.write_fp8(src, str(root / f"{name}_fp8"), BLOCK)
+    src = hf_models.write("llama", str(root / "llama_bf16_src"))
+    out["llama_bf16"] = hf_models.write_fp8(src, str(root / "llama_bf16"), BLOCK, dtype=torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "deepseek_v3", "llama_bf16"])
+def test_converted_offline_it_is_the_dequantized_model_tensor_for_tensor(fp8_models, name, tmp_path):
+    fp8, deq = fp8_models[name]
+    rc, text = _cli("inspect", fp8)
+    assert rc == 0 and "block scales (weight_scale_inv): dequantized to" in text, text
+    hf, legacy = str(tmp_path / "hf"), str(tmp_path / "legacy")
+    flags = ["--ep", "2"] if name == "qwen3_moe" else ["--tp", "2"]
+    assert _cli("reshard", fp8, legacy, "--no-progress", *flags)[0] == 0
+    assert _cli("reshard", legacy, hf, "--ckpt-format", "hf", "--no-progress")[0] == 0
+    for a, b in ((deq, legacy), (deq, hf)):
+        rc, text = _cli("diff", a, b)
+        assert rc == 0 and "EQUAL" in text, text
+
+
+@pytest.mark.parametrize("name, layout", [("llama", dict(tp=2)), ("qwen3_moe", dict(ep=2))])
+def test_in_memory_logits_equal_transformers_on_the_dequantized_model(mcore_pool, fp8_models, name, layout):
+    pytest.importorskip("megatron.core")
+    fp8, deq = fp8_models[name]
+    ref = hf_models.hf_logits(deq)
+    out = mcore_pool.run("tests.helpers.hf_models:load_and_forward", hf_dir=fp8, **layout)
+    torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rank_reads_only_its_rows_and_the_scales_that_cover_them(fp8_models):
+    from megatron_preflight import reshard
+    from megatron_preflight.reshard.sources.hf import HfReader
+
+    fp8, _ = fp8_models["llama"]
+    ref = reshard.open_index(fp8).layout.shards[0].meta["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
+    assert ref.quant and ref.shape == (32, 64)
+    reader, seen = HfReader(fp8), []
+    real = reader._pread
+    reader._pread = lambda name, start, out: (seen.append((start, len(out))), real(name, start, out))[1]
+    whole = reader.tensor("", ref)
+    reader._last = None
+    seen.clear()
+    half = reader.rows("", ref, 16, 16)  # TP2 rank 1 of a row-split weight: rows 16..31
+    torch.testing.assert_close(half, whole[16:], atol=0, rtol=0)
+    q = ref.quant[0]
+    assert (q.start + 16 * 64, 16 * 64) in seen  # its rows' FP8 bytes only
+    assert (q.scale_start + 0, 2 * 4 * 4) in seen  # scale rows 0..1 (rows 16..31 lie in blocks 0 and 1 of 24), 4 cols
+    assert sum(n for _, n in seen) == 16 * 64 + 2 * 4 * 4
+
+
+def _edit_header(path: str, fn) -> None:
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    body = bytearray(data[8 + n:])
+    fn(header, body)
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw + bytes(body))
+
+
+SCALE = "model.layers.0.mlp.down_proj.weight_scale_inv"
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("missing", ["has no 'model.layers.0.mlp.down_proj.weight_scale_inv'"]),
+    ("shape", [SCALE, "needs float32 of shape [2, 4]"]),
+])
+def test_a_malformed_scale_is_refused_naming_the_tensor(fp8_models, tmp_path, damage, words):
+    import shutil
+
+    fp8 = str(tmp_path / "m")
+    shutil.copytree(fp8_models["llama"][0], fp8)
+
+    def fn(header, body):
+        if damage == "missing":
+            header.pop(SCALE)
+        else:
+            header[SCALE]["shape"] = [4, 2]
+
+    _edit_header(os.path.join(fp8, "model.safetensors"), fn)
+    rc, text = _cli("inspect", fp8)
+    assert rc == 1 and all(w in text for w in words), text
+
+
+def test_a_non_finite_scale_stops_the_read_naming_the_tensor(fp8_models, tmp_path):
+    import shutil
+
+    fp8 = str(tmp_path / "m")
+    shutil.copytree(fp8_models["llama"][0], fp8)
+
+    def fn(header, body):
+        lo = header[SCALE]["data_offsets"][0]
+        body[lo:lo + 4] = struct.pack("<f", float("inf"))
+
+    _edit_header(os.path.join(fp8, "model.safetensors"), fn)
+    rc, text = _cli("reshard", fp8, str(tmp_path / "out"), "--no-progress")
+    assert rc == 1 and SCALE in text and "non-finite" in text, text
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_another_quantization_is_refused_naming_it(fp8_models, tmp_path):
+    import shutil
+
+    fp8 = str(tmp_path / "m")
+    shutil.copytree(fp8_models["llama"][0], fp8)
+    cfg = json.load(open(os.path.join(fp8, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    json.dump(cfg, open(os.path.join(fp8, "config.json"), "w"))
+    rc, text = _cli("inspect", fp8)
+    assert rc == 1 and "MXFP4" in text and "does not dequantize yet" in text, text
