@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from megatron_preflight.check.findings import Finding, Severity
@@ -22,6 +23,9 @@ from megatron_preflight.errors import PreflightError
 
 log = logging.getLogger("megatron_preflight")
 PREFIX = "[megatron-preflight]"
+# how long the other ranks wait before exiting, so that rank 0 prints before torchrun stops it (seen on a loaded box:
+# ranks 1 and 2 exited first and rank 0 was terminated before its message)
+OTHERS_WAIT_S = 5.0
 
 
 def layout_findings(args: Any) -> list[Finding]:
@@ -76,5 +80,7 @@ def check_at_parse(args: Any) -> None:
     rank = int(getattr(args, "rank", None) or os.environ.get("RANK", 0) or 0)
     if rank == 0:
         print(report(args, findings), file=sys.stderr, flush=True)
+    else:  # the first rank to exit makes torchrun stop the others: rank 0 must have said why by then
+        time.sleep(OTHERS_WAIT_S)
     sys.stdout.flush()
     raise SystemExit(1)  # (no process group exists yet: nothing to tear down)

@@ -11,6 +11,11 @@ import pytest
 
 from megatron_preflight.hook import early
 
+
+@pytest.fixture(autouse=True)
+def _no_wait(monkeypatch):
+    monkeypatch.setattr(early, "OTHERS_WAIT_S", 0.0)
+
 # The tiny GPT of the fixtures, as Megatron's parser leaves it before validate_args (derived fields still None).
 BASE = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=32,
             max_position_embeddings=32, micro_batch_size=1, global_batch_size=12, tensor_model_parallel_size=1,
@@ -40,7 +45,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_an_impossible_layout_stops_every_rank_and_rank_0_says_why(name, capsys):
+def test_an_impossible_layout_stops_every_rank_and_rank_0_says_why(name, capsys, monkeypatch):
     over, flag, words = CASES[name]
     with pytest.raises(SystemExit) as exc:
         early.check_at_parse(ns(**over))
@@ -49,10 +54,12 @@ def test_an_impossible_layout_stops_every_rank_and_rank_0_says_why(name, capsys)
     assert f"[megatron-preflight]   {flag}: " in err and words in err and "Fix: " in err, err
     assert all(line.startswith("[megatron-preflight]") for line in err.splitlines()), err
     assert "--preflight off" in err  # the flag that changes the behaviour
-    # every other rank: the same exit, nothing printed
+    # every other rank: the same exit, nothing printed, after rank 0 has had the time to print
+    slept: list[float] = []
+    monkeypatch.setattr(early.time, "sleep", slept.append)
     with pytest.raises(SystemExit) as exc:
         early.check_at_parse(ns(**over, **{"rank": 1}))
-    assert exc.value.code == 1 and capsys.readouterr().err == ""
+    assert exc.value.code == 1 and capsys.readouterr().err == "" and slept == [early.OTHERS_WAIT_S]
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "VPP without PP"])
