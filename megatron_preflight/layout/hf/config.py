@@ -106,6 +106,7 @@ MAX_HEADS = 2**14
 MAX_VOCAB = 2**28
 MAX_POSITIONS = 2**30
 MAX_EXPERTS = 2**16
+SIGMOID_ROUTERS = ("DeepseekV3ForCausalLM",)  # architectures whose router scores with a sigmoid by definition
 
 
 class _Fields:
@@ -246,8 +247,9 @@ def normalise(raw: dict[str, Any], path: str) -> HfConfig:
             raise f._bad(name, v, f"a list of layer numbers in [0, {layers})")
         return tuple(v)
 
-    scoring = f.str("scoring_func", default=None) or ("sigmoid" if raw.get("model_type") == "deepseek_v3"
-                                                     else "softmax")
+    # transformers' DeepseekV3 router is sigmoid whatever the config says: decided by the architecture, not the
+    # model_type (Kimi K2 is DeepseekV3ForCausalLM under model_type kimi_k2, with its own code in auto_map)
+    scoring = f.str("scoring_func", default=None) or ("sigmoid" if arch in SIGMOID_ROUTERS else "softmax")
     return HfConfig(
         path=path, architecture=arch, model_type=str(raw.get("model_type", "")),
         vocab_size=f.int("vocab_size", hi=MAX_VOCAB), hidden_size=hidden,

@@ -195,3 +195,17 @@ def test_llama3_rope_scaling_megatron_cannot_set_is_refused(models, tmp_path):
         lay = discover(_edit_config(models["llama"], str(tmp_path / name), rope_scaling=other, rope_parameters=None))
         assert [p.code for p in lay.problems] == ["hf_unsupported"], lay.problems
         assert f"{name} {value}" in lay.problems[0].message
+
+
+def test_kimi_k2_reads_as_the_deepseek_v3_it_is(models, tmp_path):
+    """Kimi K2's config.json: DeepseekV3ForCausalLM under model_type kimi_k2 with its own code (auto_map), no
+    scoring_func: the same model as DeepSeek-V3's config describes (transformers' DeepseekV3 router is sigmoid)."""
+    auto = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    kimi = _edit_config(models["deepseek_v3"], str(tmp_path / "k"), model_type="kimi_k2", auto_map=auto)
+    with open(os.path.join(kimi, "config.json")) as fh:
+        assert "scoring_func" not in json.load(fh)
+    lay, ref = discover(kimi), discover(models["deepseek_v3"])
+    assert lay.problems == []
+    assert vars(lay.saved_args) | {"tokenizer_model": None} == vars(ref.saved_args) | {"tokenizer_model": None}
+    assert lay.saved_args.moe_router_score_function == "sigmoid"
