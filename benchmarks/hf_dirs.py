@@ -11,18 +11,22 @@ import struct
 import subprocess
 import time
 
+ITEMSIZE = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
 
-def write_shards(path: str, groups: list[list[tuple[str, tuple[int, ...]]]], *, hollow: bool) -> int:
-    """One bf16 safetensors file per group of (name, shape) and the index naming them; ``hollow``: each body sparse
-    (the size its header promises, no bytes), else random finite bf16 values. Returns the tensors' bytes."""
+
+def write_shards(path: str, groups: list[list[tuple]], *, hollow: bool) -> int:
+    """One safetensors file per group of (name, shape[, dtype: BF16 unless named]) and the index naming them;
+    ``hollow``: each body sparse (the size its header promises, no bytes), else random finite bf16 values (bf16
+    only). Returns the tensors' bytes."""
     os.makedirs(path, exist_ok=True)
     weight_map, total = {}, 0
     for k, part in enumerate(groups):
         name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
         header, at = {}, 0
-        for t, shape in part:
-            n = 2 * math.prod(shape)
-            header[t] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + n]}
+        for t, shape, *dtype in part:
+            code = dtype[0] if dtype else "BF16"
+            n = ITEMSIZE[code] * math.prod(shape)
+            header[t] = {"dtype": code, "shape": list(shape), "data_offsets": [at, at + n]}
             weight_map[t] = name
             at += n
         raw = json.dumps(header).encode()

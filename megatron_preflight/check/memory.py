@@ -129,7 +129,9 @@ def activation_estimate(rt: RuntimeArgs, layers_on_stage: int, moe_layers: int, 
 
 
 def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]:
-    """Every distinct rank of the run's layout (one per shard dir: dp ranks hold the same), predicted."""
+    """Every distinct rank of the run's layout (one per shard dir: dp ranks hold the same), predicted; above
+    ``reshard.SAMPLE_ABOVE`` dirs, the representative ones (``reshard.representative_ranks``: the largest is among
+    them)."""
     # the run's layout, every size the run's (a size not given is Megatron's default, not the checkpoint's); the
     # tensors as the checkpoint names them (a spec change renames, it does not resize)
     target = dataclasses.replace(reshard.TargetLayout.from_args(rt), transformer_impl=None, moe_grouped_gemm=None,
@@ -145,7 +147,11 @@ def predict(index: reshard.CheckpointIndex, rt: RuntimeArgs) -> list[RankMemory]
     gbs, mbs = rt.global_batch_size, rt.micro_batch_size or 1
     microbatches = gbs // (mbs * dp) if gbs else None
     out = []
-    for name, coords in naming.shard_writers(tgt).items():
+    writers = naming.shard_writers(tgt)
+    if len(writers) > reshard.SAMPLE_ABOVE:  # (the ranks whose memory stands for all: every stage's first and last TP
+        keep = set(reshard.representative_ranks(tgt))  # rank; those between hold as much; 1,024 dirs planned: 20 s)
+        writers = {n: c for n, c in writers.items() if n in keep}
+    for name, coords in writers.items():
         plan = r.plan_for_coords(coords, name)
         dense = expert = dense_state = expert_state = 0
         for tp in plan.tensors:

@@ -33,6 +33,7 @@ _EXPORTS = {
     "starts_without_torch": "targets.offline", "global_resharders": "targets.torch_dist",
     # what it costs
     "predict_in_memory": "cost", "predict_offline": "cost", "predict_torch_dist": "cost", "process_age": "cost",
+    "representative_ranks": "cost", "SAMPLE_ABOVE": "cost",
 }
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "OptimizerNotReshardable",
     "OptimizerStatus",
     "Resharder",
+    "SAMPLE_ABOVE",
     "SourceFiles",
     "TargetLayout",
     "align_groups",
@@ -65,6 +67,7 @@ __all__ = [
     "predict_offline",
     "predict_torch_dist",
     "process_age",
+    "representative_ranks",
     "read_dist_meta",
     "relocate",
     "saved_arg",
@@ -87,7 +90,14 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:  # for type checkers only: at run time the names above are imported on first use
     from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, index_builds, open_index
-    from megatron_preflight.reshard.cost import predict_in_memory, predict_offline, predict_torch_dist, process_age
+    from megatron_preflight.reshard.cost import (
+        SAMPLE_ABOVE,
+        predict_in_memory,
+        predict_offline,
+        predict_torch_dist,
+        process_age,
+        representative_ranks,
+    )
     from megatron_preflight.reshard.execute.executor import build_tree
     from megatron_preflight.reshard.optimizer.distributed import read_dist_meta, relocate
     from megatron_preflight.reshard.optimizer.plain import GROUP_KEY, OptimizerNotReshardable, align_groups, iter_plans

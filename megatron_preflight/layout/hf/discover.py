@@ -61,7 +61,7 @@ def discover_hf(path: str) -> Layout:
                             "GPT model attends over the whole sequence (the same for sequences up to the window)")
     model, missing, needed, errors = _model(family, cfg, table.tensors, path, scheme)
     if scheme is not None:
-        fp8 = sum(1 for n in needed if n in table.tensors and table.tensors[n].dtype == quant.FP8)
+        fp8 = sum(1 for n in needed if n.endswith(quant.SCALE_SUFFIX))  # (each FP8 weight's scale is needed: _model)
         into = cfg.dtype if cfg.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
         if fp8:
             layout.notes.append(f"{fp8} weights are {scheme.describe()}: dequantized to {into} as they are read (each "
@@ -115,6 +115,7 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
     needed: set[str] = set()
     errors: list[PreflightError] = []
     maps = families.mappings(family, cfg, rows)  # (a DeepSeek-V3: 31k tensors, computed once)
+    checked: set[str] = set()  # FP8 weights whose scales were checked
     for m in maps:
         if not m.blocks:
             model[m.key] = None  # an extra state: no FP8 metadata
@@ -128,7 +129,7 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
             missing.extend(n for n in dict.fromkeys(gone) if n not in missing)
             continue
         try:
-            model[m.key] = _ref(m, tensors, path, scheme, cfg)
+            model[m.key] = _ref(m, tensors, path, scheme, cfg, checked)
         except PreflightError as e:
             errors.append(e)
     if scheme is not None:  # the scales are the weights' too
@@ -154,10 +155,10 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
 
 
 def _ref(m: families.Mapping, tensors: dict[str, Any], path: str, scheme: quant.BlockFp8 | None = None,
-         cfg: Any = None) -> SafeRef:
+         cfg: Any = None, checked: set[str] | None = None) -> SafeRef:
     first = tensors[m.blocks[0].hf]
     if scheme is not None and first.dtype == quant.FP8:
-        return _dequantized(m, tensors, path, scheme, cfg)
+        return _dequantized(m, tensors, path, scheme, cfg, set() if checked is None else checked)
     if len(m.blocks) == 1 and m.blocks[0].src0 == 0 and m.blocks[0].rows == (first.shape[0] if first.shape else 1):
         return safe_ref(m.key, first.dtype, first.shape, (Run(first.file, first.start, first.nbytes, 0),))  # a copy
     tail = first.shape[1:]
@@ -178,8 +179,8 @@ def _ref(m: families.Mapping, tensors: dict[str, Any], path: str, scheme: quant.
     return safe_ref(m.key, first.dtype, shape, tuple(runs))
 
 
-def _dequantized(m: families.Mapping, tensors: dict[str, Any], path: str, scheme: quant.BlockFp8, cfg: Any) \
-        -> SafeRef:
+def _dequantized(m: families.Mapping, tensors: dict[str, Any], path: str, scheme: quant.BlockFp8, cfg: Any,
+                 checked: set[str]) -> SafeRef:
     """The Megatron tensor ``m`` from the rows of FP8 weights, each with its block scales, in the model's dtype."""
     first = tensors[m.blocks[0].hf]
     runs = []
@@ -192,9 +193,11 @@ def _dequantized(m: families.Mapping, tensors: dict[str, Any], path: str, scheme
                                  path=os.path.join(path, t.file), code="hf_shape",
                                  fix="check that config.json belongs to these weights")
         scale = tensors.get(b.hf + quant.SCALE_SUFFIX)
-        problem = quant.check_scale(b.hf, t.shape, scale, scheme, path)
-        if problem is not None:
-            raise problem
+        if b.hf not in checked:  # (a tensor's rows may make many blocks: checked once)
+            problem = quant.check_scale(b.hf, t.shape, scale, scheme, path)
+            if problem is not None:
+                raise problem
+            checked.add(b.hf)
         runs.append(quant.QRun(b.hf, t.file, t.start, t.shape[1], b.src0, b.rows, at, scale.file, scale.start,
                                scale.dtype, scale.shape[1], scheme.block))
         at += b.rows

@@ -143,12 +143,13 @@ def parse_json(raw: bytes | str, path: str, fix: str, counted: tuple[str, ...] =
     ``shape``, ``data_offsets``); their occurrences counted in ``raw`` decide, at C speed, whether the exact duplicate
     check (a Python call per object) is needed: without a duplicate, each is met as often as there are entries."""
     try:
+        if not counted:  # (the exact check in the one parse)
+            return json.loads(raw, parse_constant=_refuse_constant, object_pairs_hook=_refuse_duplicates)
         value = json.loads(raw, parse_constant=_refuse_constant)
         if isinstance(value, dict):
             data = raw.encode() if isinstance(raw, str) else raw
             sub = [v for v in value.values() if isinstance(v, dict)]
-            need_exact = not counted or any(data.count(b'"' + k.encode() + b'"') != sum(1 for v in sub if k in v)
-                                            for k in counted)
+            need_exact = any(data.count(b'"' + k.encode() + b'"') != sum(1 for v in sub if k in v) for k in counted)
             if need_exact:
                 json.loads(raw, object_pairs_hook=_refuse_duplicates)
     except _NotANumber as exc:

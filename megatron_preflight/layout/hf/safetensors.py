@@ -99,9 +99,9 @@ def _file_tensors(model_dir: str, name: str, table: TensorTable, named_by: str) 
             dtype, item = DTYPES[code], ITEMSIZE[code]
             shape = tuple(info["shape"])
             lo, hi = info["data_offsets"]
-            if any(type(d) is not int or d < 0 for d in shape) or type(lo) is not int or type(hi) is not int:
-                raise TypeError  # (JSON: ints, floats, or anything else)
-            numel = math.prod(shape)
+            numel = math.prod(shape)  # (a float, a string, a list among the dims: not an int, or a TypeError)
+            if type(numel) is not int or type(lo) is not int or type(hi) is not int or (shape and min(shape) < 0):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise CorruptFileError(f"tensor {key!r}: its header entry is malformed ({info!r:.200})", path=path,
                                    fix="download the file again", code="corrupt_file") from None
