@@ -27,7 +27,7 @@ from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError, environment_error
 from megatron_preflight.hook import consensus
 from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
-from megatron_preflight.layout import optimizer_kinds
+from megatron_preflight.layout import optimizer_kinds, storage
 from megatron_preflight.reshard.plan.rules import MTP_LAYER_NAMES
 
 log = logging.getLogger("megatron_preflight")
@@ -265,6 +265,12 @@ def preflight(args: Any) -> Decision | None:
     load_dir = getattr(args, "load", None) or getattr(args, "pretrained_checkpoint", None)
     if not load_dir:
         STATE.decision = Decision(mode, Verdict.SKIP, None, report="no --load: nothing to check")
+        return STATE.decision
+    if storage.is_url(load_dir):  # a run Megatron can start is not stopped for what this version cannot read
+        STATE.decision = Decision(mode, Verdict.SKIP, None, checkpoint=load_dir,
+                                  report=f"--load {load_dir} is an object-storage URL, which this version does not "
+                                         "read: not checked; Megatron loads it as it would without the plugin")
+        _say(STATE.decision.report)
         return STATE.decision
     decision = consensus.decide_on_rank0(lambda: _make_decision(args, mode, load_dir),
                                          lambda exc: _error_decision(mode, load_dir, exc))

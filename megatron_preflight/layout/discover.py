@@ -9,7 +9,7 @@ from typing import Any
 
 from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError, require_regular_file
-from megatron_preflight.layout import completeness, naming
+from megatron_preflight.layout import completeness, naming, storage
 from megatron_preflight.layout.dist import DCP_METADATA, METADATA_JSON, inspect_dist
 from megatron_preflight.layout.foreign import looks_like
 from megatron_preflight.layout.hf.names import is_hf_dir
@@ -80,6 +80,7 @@ def discover(path: str | os.PathLike, *, iteration: int | str | None = None, tru
     :func:`read_shards`; the hook passes one that takes what every rank parsed of its share)."""
     if shards not in ("all", "sample", "auto"):
         raise ValueError(f"shards={shards!r}: expected all, sample or auto")
+    storage.refuse_url(path)  # (never a relative path named msc:)
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
         raise PreflightError("no such file or directory", path=path, fix="pass the --load dir of the run",

@@ -25,7 +25,7 @@ from typing import Any
 from megatron_preflight import dtypes, parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.gc_budget import collect_rarely
-from megatron_preflight.layout import naming, transport
+from megatron_preflight.layout import naming, storage, transport
 from megatron_preflight.layout.dist import DCP_METADATA
 from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex
@@ -202,6 +202,8 @@ def _check_parent(dst: str) -> None:
 
 def check_destination(src: str, dst: str) -> None:
     """The destination is new (or empty), writable, and not inside the source."""
+    storage.refuse_url(src, "source")
+    storage.refuse_url(dst, "destination")  # (never a local dir named msc: created by accident)
     src_abs, dst_abs = os.path.abspath(src), os.path.abspath(dst)
     if os.path.exists(dst_abs) and (not os.path.isdir(dst_abs) or os.listdir(dst_abs)):
         raise PreflightError("the destination exists and is not empty", path=dst_abs,
