@@ -38,7 +38,7 @@ from megatron_preflight.reshard.optimizer.plain import (
 from megatron_preflight.reshard.plan.consistency import args_problems, complete_problems, raise_first
 from megatron_preflight.reshard.plan.hybrid import conv_named, gpt_to_hybrid_problem, to_hybrid
 from megatron_preflight.reshard.plan.index import VOCAB_KEYS, GlobalIndex, has_legacy_grouped
-from megatron_preflight.reshard.plan.planner import plan_rank, rewrite_args, target_vocab
+from megatron_preflight.reshard.plan.planner import by_layer, plan_rank, rewrite_args, target_vocab
 from megatron_preflight.reshard.plan.spec import TE, SpecChange, bridge, spec_change
 from megatron_preflight.reshard.plan.topology import saved_arg
 from megatron_preflight.reshard.plan.types import GlobalKey, RankPlan, VocabPlan
@@ -216,8 +216,11 @@ class Resharder:
         return self._plans[key]
 
     def _plan(self, coords: dict[str, int], name: str) -> RankPlan:
+        made = getattr(self, "_layer_groups", None)  # (index, its entries by layer): made once per index
+        if made is None or made[0] is not self.index:
+            made = self._layer_groups = (self.index, by_layer(self.index))
         plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied, mtp=self.checkpoint.mtp,
-                         vocab=self.vocab, shard_name=name)
+                         vocab=self.vocab, shard_name=name, groups=made[1])
         if self.optimizer_index is not None and self.keep_optimizer:
             plan.optimizer = plan_optimizer(self.optimizer_index, plan, self.src, self.tgt, self.vocab)
         if self.dist_index is not None and self.keep_optimizer and self.target_distributed:

@@ -75,11 +75,22 @@ def target_vocab(layout: Layout, tgt: ParallelLayout, padded_vocab_size: int | N
     return VocabPlan(real, source_padded, target)
 
 
+def by_layer(index: OrderedDict[GlobalKey, GlobalEntry]) -> dict[int | None, list[tuple[GlobalKey, GlobalEntry]]]:
+    """The index's entries by global layer (None: the embedding, final norm, MTP and head), each group in index order:
+    a rank plans its own stage's layers, not every entry of the model (a DeepSeek-V3 at PP16: 1/16 of its 31k entries
+    per rank). The resharder makes it once per index (:meth:`~megatron_preflight.reshard.resharder.Resharder._plan`)."""
+    groups: dict[int | None, list[tuple[GlobalKey, GlobalEntry]]] = {}
+    for gkey, entry in index.items():
+        groups.setdefault(gkey[0], []).append((gkey, entry))
+    return groups
+
+
 def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, tgt: ParallelLayout,
               coords: dict[str, int], *, tied: bool, vocab: VocabPlan | None, shard_name: str = "",
-              mtp: bool = False) -> RankPlan:
+              mtp: bool = False, groups: dict[int | None, list[tuple[GlobalKey, GlobalEntry]]] | None = None,
+              ) -> RankPlan:
     """The plan for the target rank at ``coords`` (its tp, pp, ep, etp ranks; ``mtp``: the model has MTP layers);
-    see :func:`validate_plan`."""
+    see :func:`validate_plan`. ``groups``: :func:`by_layer` of ``index``, when the caller keeps it."""
     stage, ep_rank = coords["pp"], coords["ep"]
     chunk_names = ["model"] if tgt.chunks == 1 else [f"model{v}" for v in range(tgt.chunks)]
     tensors: list[tuple[tuple, TensorPlan]] = []
@@ -87,12 +98,13 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, t
     last = tgt.pp - 1
     # MTP layers run on the last stage, which then builds its own embedding too (its input is the next token's)
     mtp_embedding = mtp and last > 0 and stage == last
-    for gkey, entry in index.items():
+    groups = by_layer(index) if groups is None else groups
+    placed = {layer: tgt.place_layer(layer) for layer in groups if layer is not None}
+    here = [x for layer, at in placed.items() if at[0] == stage for x in groups[layer]]  # (this stage's layers only)
+    for gkey, entry in groups.get(None, []) + here:
         layer, expert, _style, suffix = gkey
         if layer is not None:
-            t_stage, chunk, local = tgt.place_layer(layer)
-            if t_stage != stage:
-                continue
+            _, chunk, local = placed[layer]
             section = 1
         else:
             local = None
