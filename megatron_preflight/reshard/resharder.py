@@ -142,6 +142,8 @@ class Resharder:
     # a renamed tensor's key (target spec) -> its key in the checkpoint's own spec
     source_keys: Mapping[GlobalKey, GlobalKey] = field(default_factory=dict)
     _plans: dict[tuple, RankPlan] = field(default_factory=dict, repr=False, compare=False)  # the latest plans
+    # the index's entries by layer (planner.by_layer), made on the first plan: keyed by the index it was made of
+    _layer_groups: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- the source (the checkpoint index holds it) ----------------------------------------------------------------
     @property
@@ -216,9 +218,9 @@ class Resharder:
         return self._plans[key]
 
     def _plan(self, coords: dict[str, int], name: str) -> RankPlan:
-        made = getattr(self, "_layer_groups", None)  # (index, its entries by layer): made once per index
-        if made is None or made[0] is not self.index:
-            made = self._layer_groups = (self.index, by_layer(self.index))
+        made = self._layer_groups.get(id(self.index))
+        if made is None or made[0] is not self.index:  # (made once per index: the index is final once planned)
+            made = self._layer_groups[id(self.index)] = (self.index, by_layer(self.index))
         plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied, mtp=self.checkpoint.mtp,
                          vocab=self.vocab, shard_name=name, groups=made[1])
         if self.optimizer_index is not None and self.keep_optimizer:
