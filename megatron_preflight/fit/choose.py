@@ -65,13 +65,7 @@ class Candidate:
                 lay.vpp is not None, self.worst.total)
 
     def describe(self) -> str:
-        lay = self.layout
-        text = f"TP{lay.tp} CP{lay.cp} PP{lay.pp}"
-        if lay.vpp:
-            text += f" VPP{lay.vpp}"
-        if lay.num_experts:
-            text += f" EP{lay.ep} ETP{lay.etp_eff}"
-        return text + f" DP{self.dp}"
+        return describe(self.layout, self.world)
 
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
@@ -130,19 +124,27 @@ def evaluate(profile: ModelProfile, view: Layout, layout: Layout, rt: RuntimeArg
     return out
 
 
+def describe(lay: ParallelLayout, world: int) -> str:
+    """``TP2 CP1 PP4 [VPP2] [EP8 ETP1] DP16``: a layout of ``world`` ranks as the reports name it."""
+    text = f"TP{lay.tp} CP{lay.cp} PP{lay.pp}"
+    if lay.vpp:
+        text += f" VPP{lay.vpp}"
+    if lay.num_experts:
+        text += f" EP{lay.ep} ETP{lay.etp_eff}"
+    return text + f" DP{world // (lay.tp * lay.pp * lay.cp)}"
+
+
+def distance(a: ParallelLayout, run: ParallelLayout) -> tuple[int, float]:
+    """How far layout ``a`` is from the run's: the sizes changed, then the changes' factors summed."""
+    pairs = [(a.tp, run.tp), (a.pp, run.pp), (a.cp, run.cp), (a.ep, run.ep), (a.etp_eff, run.etp_eff),
+             (a.vpp or 1, run.vpp or 1)]
+    return sum(1 for x, y in pairs if x != y), sum(max(x, y) / min(x, y) for x, y in pairs if x != y)
+
+
 def nearest(cands: Iterable[Candidate], run: ParallelLayout, count: int = 3) -> list[Candidate]:
     """The fitting layouts closest to the run's: fewest sizes changed, then the smallest changes (by factor)."""
-
-    def distance(c: Candidate) -> tuple:
-        a, b = c.layout, run
-        pairs = [(a.tp, b.tp), (a.pp, b.pp), (a.cp, b.cp), (a.ep, b.ep), (a.etp_eff, b.etp_eff),
-                 (a.vpp or 1, b.vpp or 1)]
-        changed = sum(1 for x, y in pairs if x != y)
-        factor = sum(max(x, y) / min(x, y) for x, y in pairs if x != y)
-        return changed, factor, c.key()
-
     fitting = [c for c in cands if c.fits is not False]
-    return sorted(fitting, key=distance)[:count]
+    return sorted(fitting, key=lambda c: (*distance(c.layout, run), c.key()))[:count]
 
 
 def with_sizes(rt: RuntimeArgs, lay: ParallelLayout, world: int) -> RuntimeArgs:

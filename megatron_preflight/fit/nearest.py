@@ -12,7 +12,7 @@ from megatron_preflight.check import advice
 from megatron_preflight.check.findings import Finding, first_layout_problem
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.fit import space
-from megatron_preflight.fit.choose import evaluate, nearest, with_sizes
+from megatron_preflight.fit.choose import describe, distance, evaluate, nearest, with_sizes
 from megatron_preflight.fit.profile import profile_of
 from megatron_preflight.parallel import ParallelLayout, hybrid_pattern
 from megatron_preflight.units import human_bytes
@@ -93,14 +93,7 @@ def layouts_by_args(rt: RuntimeArgs, world: int, gpus_per_node: int = GPUS_PER_N
     run = _run_layout(rt)
     found = [lay for lay in space.layouts(shape, rt, world, gpus_per_node)  # type: ignore[arg-type]
              if space.batch_ok(rt, lay, world)]
-
-    def distance(a: ParallelLayout) -> tuple:
-        pairs = [(a.tp, run.tp), (a.pp, run.pp), (a.cp, run.cp), (a.ep, run.ep), (a.etp_eff, run.etp_eff),
-                 (a.vpp or 1, run.vpp or 1)]
-        changed = sum(1 for x, y in pairs if x != y)
-        return changed, sum(max(x, y) / min(x, y) for x, y in pairs if x != y), a.tp, a.cp, a.pp, a.ep
-
-    return sorted(found, key=distance)
+    return sorted(found, key=lambda a: (*distance(a, run), a.tp, a.cp, a.pp, a.ep))
 
 
 def nearest_by_args_text(rt: RuntimeArgs, checkpoint: str | None, count: int = 3) -> str | None:
@@ -110,12 +103,7 @@ def nearest_by_args_text(rt: RuntimeArgs, checkpoint: str | None, count: int = 3
     picks = layouts_by_args(rt, world or 0)[:count]
     if not picks:
         return None
-    parts = []
-    for lay in picks:
-        dp = world // (lay.tp * lay.pp * lay.cp)
-        name = f"TP{lay.tp} CP{lay.cp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp else "") + \
-            (f" EP{lay.ep} ETP{lay.etp_eff}" if lay.num_experts else "") + f" DP{dp}"
-        parts.append(f"{name}: {shlex.join(advice.size_flags(with_sizes(rt, lay, world)))}")
+    parts = [f"{describe(lay, world)}: {shlex.join(advice.size_flags(with_sizes(rt, lay, world)))}" for lay in picks]
     where = (f" ({shlex.join(['megatron-preflight', 'plan', checkpoint, '--world-size', str(world)])} ranks every "
              "one by memory and by how the checkpoint loads)") if checkpoint else ""
     return f"the layouts of {world} GPUs nearest to the run's that its model can have{where}: " + "; ".join(parts)

@@ -243,8 +243,7 @@ def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:
         exc = environment_error(exc)
     if isinstance(exc, PreflightError):
         text = str(exc)
-        if exc.message == "no such file or directory" and exc.path is not None \
-                and os.path.abspath(load_dir) == exc.path:  # the --load dir itself
+        if not os.path.lexists(load_dir):  # the --load dir itself
             return Decision(mode, Verdict.FAIL, None, checkpoint=load_dir, exit_code=EXIT_USAGE,
                             report=f"--load {load_dir}: no such directory. Fix: pass the --load dir of the run; if "
                                    "starting from scratch is intended, add --preflight-allow-missing-checkpoint (or "
@@ -285,8 +284,8 @@ def preflight(args: Any) -> Decision | None:
         if consensus.rank() == 0:
             print("\n".join(f"[megatron-preflight] {line}" for line in decision.report.splitlines()),
                   file=sys.stderr, flush=True)
-            print(f"[megatron-preflight] the job must not start: stopping every rank (exit {decision.exit_code})",
-                  file=sys.stderr, flush=True)
+            print(f"[megatron-preflight] the job must not start: stopping every rank (exit {decision.exit_code}; "
+                  "--preflight off leaves the decision to Megatron)", file=sys.stderr, flush=True)
         exit_job(decision.exit_code)
     apply_decision(args, decision)
     return decision

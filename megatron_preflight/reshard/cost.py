@@ -272,8 +272,8 @@ def predict_offline(r: Any, *, workers: int = 1, verify: bool = False, bandwidth
     for w, mine in assigned.items():
         biggest = max((c.largest_tensor for c in mine), default=0)
         # the writer's piece buffers, each up to a chunk of rows, and the source pages mapped for the piece being built
-        # (released after it: sources/files.py)
-        # (a torch_dist source's chunk is mapped whole where its CRC chain reads past the rows taken, until released)
+        # (released after it: sources/files.py); a torch_dist source's chunk is mapped whole where its CRC chain reads
+        # past the rows taken, until it is released
         mapped = max((c.largest_source for c in mine), default=0) \
             if r.source_format in (Format.TORCH_DIST, Format.FSDP_DTENSOR) else 0
         working = PIECE_BUFFERS * min(biggest, CHUNK_BYTES) + max(min(biggest, CHUNK_BYTES), mapped) + (

@@ -100,3 +100,19 @@ def test_a_size_that_is_no_size_is_answered_not_crashed_on(capsys):
     with pytest.raises(SystemExit) as exc:
         early.check_at_parse(ns(tensor_model_parallel_size=0, world_size=2))
     assert exc.value.code == 1 and "positive integer" in capsys.readouterr().err
+
+
+def test_the_plan_command_printed_runs_as_printed(capsys):
+    """The report names `megatron-preflight plan CKPT --world-size N` for the ranking by memory: it runs as printed."""
+    import shlex
+
+    from megatron_preflight.cli.main import main
+    from tests.conftest import fixture_path
+
+    with pytest.raises(SystemExit):
+        early.check_at_parse(ns(tensor_model_parallel_size=3, world_size=3, load=fixture_path("tp2_torch")))
+    err = capsys.readouterr().err
+    command = err.split("(megatron-preflight plan ", 1)[1].split(" ranks every one", 1)[0]
+    argv = shlex.split(command)
+    assert main(["plan", *argv]) == 0
+    assert "TP1 CP1 PP3" in capsys.readouterr().out

@@ -62,9 +62,9 @@ def discover_hf(path: str) -> Layout:
     model, missing, needed, errors = _model(family, cfg, table.tensors, path, scheme)
     if scheme is not None:
         fp8 = sum(1 for n in needed if n.endswith(quant.SCALE_SUFFIX))  # (each FP8 weight's scale is needed: _model)
-        into = cfg.dtype if cfg.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
         if fp8:
-            layout.notes.append(f"{fp8} weights are {scheme.describe()}: dequantized to {into} as they are read (each "
+            layout.notes.append(f"{fp8} weights are {scheme.describe()}: dequantized to "
+                                f"{quant.dequantized_dtype(cfg.dtype)} as they are read (each "
                                 "rank its own rows, with the scales that cover them; nothing written in between); the "
                                 "other tensors are read as stored. An export back writes them in the run's dtype (not "
                                 "re-quantized)")
@@ -134,7 +134,7 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
             errors.append(e)
     if scheme is not None:  # the scales are the weights' too
         needed |= {n + quant.SCALE_SUFFIX for n in list(needed) if n in tensors and tensors[n].dtype == quant.FP8}
-    if scheme is None:  # (a quantized model's FP8 weights are read with their scales: _ref)
+    else:  # (a quantized model's FP8 weights are read with their scales: _ref)
         for name in sorted(n for n in needed if n in tensors and tensors[n].dtype.startswith("float8")):
             t = tensors[name]
             errors.append(PreflightError(
@@ -201,5 +201,5 @@ def _dequantized(m: families.Mapping, tensors: dict[str, Any], path: str, scheme
         runs.append(quant.QRun(b.hf, t.file, t.start, t.shape[1], b.src0, b.rows, at, scale.file, scale.start,
                                scale.dtype, scale.shape[1], scheme.block))
         at += b.rows
-    dtype = cfg.dtype if cfg is not None and cfg.dtype in ("bfloat16", "float16", "float32") else "bfloat16"
-    return safe_ref(m.key, dtype, (at, *first.shape[1:]), (), tuple(runs))
+    return safe_ref(m.key, quant.dequantized_dtype(cfg.dtype if cfg is not None else None), (at, *first.shape[1:]), (),
+                    tuple(runs))

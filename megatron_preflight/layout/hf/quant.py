@@ -67,6 +67,12 @@ def scheme_of(raw: dict[str, Any], path: str) -> BlockFp8 | None:
     return BlockFp8((block[0], block[1]))
 
 
+def dequantized_dtype(model_dtype: str | None) -> str:
+    """The dtype FP8 weights are dequantized to: the model's (config.json's ``torch_dtype``), bf16 where it names none
+    the weights can take (the hub's FP8 models are trained in bf16)."""
+    return model_dtype if model_dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
 class QRun(NamedTuple):
     """Rows ``src_row0 ..`` (``rows`` of them) of an FP8 tensor, dequantized into rows ``dst_row0 ..`` of the tensor a
     :class:`~megatron_preflight.layout.hf.safetensors.SafeRef` describes."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import crc, dtypes
 from megatron_preflight.errors import CorruptFileError
-from megatron_preflight.layout.hf import files
+from megatron_preflight.layout.hf import files, quant
 from megatron_preflight.layout.hf.safetensors import SafeRef
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
@@ -107,7 +107,7 @@ class HfReader:
             self._pread(q.scale_file, q.scale_start + lo * width, memoryview(scale.view(torch.uint8).numpy()).cast("B"))
             scale = scale.to(torch.float32)
             if not bool(torch.isfinite(scale).all()):
-                raise CorruptFileError(f"tensor {q.name + '_scale_inv'!r} holds a non-finite scale (rows {lo}..{hi - 1})",
+                raise CorruptFileError(f"tensor {q.name + quant.SCALE_SUFFIX!r} holds a non-finite scale (rows {lo}..{hi - 1})",
                                        path=os.path.join(self.model_dir, q.scale_file), code="corrupt_file",
                                        fix="download the model again")
             scale = scale.repeat_interleave(br, 0)[s0 - lo * br:s0 - lo * br + k]
