@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import struct
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,14 +71,21 @@ class Export:
         return math.prod(self.tensors[name].shape) * dtypes.dtype(self.dtype).itemsize
 
 
-_EXPORTS: dict[int, Export] = {}
+# id(resharder) -> (a weak reference to it, its export): the reference proves the id is still that resharder's (an id
+# is reused once its object is collected: a later resharder of another checkpoint must not get this one's export)
+_EXPORTS: dict[int, tuple[weakref.ref, Export]] = {}
 
 
 def export_of(r: Resharder) -> Export:
-    """The export of ``r``'s checkpoint (planned once per process)."""
-    if id(r) not in _EXPORTS:
-        _EXPORTS[id(r)] = _plan(r)
-    return _EXPORTS[id(r)]
+    """The export of ``r``'s checkpoint (planned once per resharder)."""
+    hit = _EXPORTS.get(id(r))
+    if hit is not None and hit[0]() is r:
+        return hit[1]
+    for key in [k for k, (ref, _) in _EXPORTS.items() if ref() is None]:
+        del _EXPORTS[key]
+    export = _plan(r)
+    _EXPORTS[id(r)] = (weakref.ref(r), export)
+    return export
 
 
 def _plan(r: Resharder) -> Export:

@@ -133,3 +133,28 @@ def test_the_tokenizer_travels_with_the_model(tmp_path):
     assert done.returncode == 0 and f"copied from {saved}" in done.stdout
     with open(os.path.join(again, "tokenizer.json")) as fh:
         assert fh.read() == '{"saved": true}'
+
+
+def test_an_export_is_never_another_resharders_whose_id_was_reused():
+    """An export is planned once per resharder, keyed by its id; once that resharder is collected its id can be
+    reused by another checkpoint's resharder, which must get its own export (CI saw a GPT-2 style model exported with
+    an earlier test's Llama plan). The stale entry is planted under the new resharder's id."""
+    import weakref
+
+    from megatron_preflight.reshard.resharder import open_resharder
+    from megatron_preflight.reshard.target import TargetLayout
+    from megatron_preflight.reshard.targets import hf as hf_target
+
+    llama = open_resharder(fixture_path("bf16_gqa_tp2_torch"), TargetLayout())
+    export = hf_target.export_of(llama)
+    assert hf_target.export_of(llama) is export
+    gpt2 = open_resharder(fixture_path("moe_ep2_torch"), TargetLayout())
+
+    class Gone:
+        pass
+
+    gone = Gone()
+    hf_target._EXPORTS[id(gpt2)] = (weakref.ref(gone), export)
+    del gone
+    with pytest.raises(Exception, match="learned_absolute position embeddings"):
+        hf_target.export_of(gpt2)
