@@ -19,7 +19,8 @@ setup(
                       'isal>=1.0; platform_machine in "x86_64 AMD64 aarch64 arm64"'],
     extras_require={
         "megatron": ["megatron-core>=0.12", "psutil"],
-        "fast-crc": ["isal>=1.0"],  # (kept for older install commands: now a default dependency)
+        "fast-crc": ["isal>=1.0"],
+        "msc": ["multi-storage-client[boto3]>=1.0"],  # msc:// checkpoints (object storage, as --enable-msc)  # (kept for older install commands: now a default dependency)
         "test": ["pytest>=7", "hypothesis>=6", "ruff", "psutil"],
     },
     entry_points={"console_scripts": ["megatron-preflight=megatron_preflight.cli.main:entry"]},

@@ -20,6 +20,7 @@ from megatron_preflight.cli import (
     reshard_cmd,
 )
 from megatron_preflight.cli.common import EXIT_PROBLEMS, EXIT_USAGE
+from megatron_preflight.cli.remote_args import staged_args
 from megatron_preflight.errors import PreflightError, environment_error
 from megatron_preflight.gc_budget import fewer_collections, no_collections
 
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None, *, process_ends: bool = False) -> int:
     main_thread = threading.current_thread() is threading.main_thread()  # signals can only be set there
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        with no_collections(restore=not process_ends) if ns.command in VERDICTS else fewer_collections():
+        with no_collections(restore=not process_ends) if ns.command in VERDICTS else fewer_collections(), \
+                staged_args(ns):
             return func(ns)
     except Terminated:
         print("megatron-preflight: terminated (SIGTERM); nothing was left at the destination", file=sys.stderr)

@@ -82,6 +82,14 @@ def _run(ns: argparse.Namespace) -> int:
         target = dataclasses.replace(target, optimizer_group_order=ns.optimizer_group_order.replace("-", "_"))
     if ns.optimizer:
         target = dataclasses.replace(target, distributed_optimizer=ns.optimizer == "distributed")
+    remote_dst = "dst" in getattr(ns, "remote_args", {})
+    if remote_dst and ns.ckpt_format in (None, "torch"):
+        if ns.ckpt_format == "torch":
+            raise PreflightError("a legacy checkpoint (--ckpt-format torch) on object storage is one Megatron-LM "
+                                 "cannot load (it reads only torch_dist through msc://)", path=ns.remote_args["dst"],
+                                 fix="write --ckpt-format torch_dist there, or the legacy form to a local dir",
+                                 code="usage")
+        ns.ckpt_format = "torch_dist"  # what Megatron-LM loads from msc://
     if ns.ckpt_format:
         target = dataclasses.replace(target, ckpt_format=ns.ckpt_format)
     if (ns.hf_architecture or ns.dtype) and target.ckpt_format != "hf":
@@ -191,7 +199,7 @@ def add_parser(sub: argparse._SubParsersAction, *, arguments: bool = True) -> No
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
                    help="with --ckpt-format hf: the weights' dtype (default: the run's)")
     p.add_argument("--ckpt-format", choices=("torch", "torch_dist", "fsdp_dtensor", "hf"),
-                   help="the format to write (default: torch, legacy; torch_dist: Megatron's default, optimizer "
+                   help="the format to write (default: torch, legacy; torch_dist to an msc:// destination; torch_dist: Megatron's default, optimizer "
                         "state in model space; fsdp_dtensor: Megatron-FSDP's, for --use-megatron-fsdp runs; hf: a "
                         "Hugging Face model, weights only, docs/hf.md)")
     p.add_argument("--verify", action="store_true",

