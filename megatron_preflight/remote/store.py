@@ -7,6 +7,7 @@ an object returned shorter than asked is read again up to :data:`SHORT_READ_ATTE
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import re
@@ -40,6 +41,10 @@ def _client_module() -> Any:
     except ImportError as exc:
         raise PreflightError("reading or writing msc:// paths needs NVIDIA's multi-storage-client, which this "
                              f"environment does not have ({exc})", path=None, fix=INSTALL, code="usage") from None
+    # the client logs each failed attempt; the error this module raises says how many there were (--debug shows them)
+    client_log = logging.getLogger("multistorageclient")
+    if not logging.getLogger("megatron_preflight").isEnabledFor(logging.DEBUG):
+        client_log.setLevel(logging.CRITICAL)
     return multistorageclient
 
 
@@ -188,6 +193,11 @@ class Store:
             return PreflightError(f"could not connect to the store{tried} ({text})", path=where,
                                   fix=f"check the profile's endpoint_url in {config} and that the server is up",
                                   code="remote")
+        if any(k in text for k in ("ResponseStreamingError", "IncompleteRead", "incomplete read")) and \
+                "ReadTimeout" not in text:
+            return PreflightError(f"the store's response was cut short{tried} ({text})", path=where,
+                                  fix="retry; if it persists, the object may be shorter than its listing (restore it "
+                                      "from a good copy) or a proxy on the way drops long responses", code="remote")
         if "timeout" in text.lower() or "timed out" in text.lower():
             return PreflightError(f"the store did not answer in time{tried} ({text})", path=where,
                                   fix="retry when the store is reachable; raise the profile's read_timeout if it is "

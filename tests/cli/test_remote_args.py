@@ -104,3 +104,36 @@ def test_each_fault_is_one_clear_error(store, fault, expect):
     assert done.stderr.count("\n") <= 2  # one paragraph
     if fault == "endpoint":
         assert "attempts" in done.stderr  # the retries said
+
+
+@pytest.mark.parametrize("mode, expect", [
+    ("cut", "response was cut short"),
+    ("error", "the store failed the request"),
+    ("stall", "did not answer in time"),
+])
+def test_a_response_cut_short_an_error_or_a_stall_is_one_clear_error_naming_the_object(store, mode, expect):
+    """Through a proxy that spoils the GETs of the data file (tests/helpers/s3_proxy.py): the client's retries run
+    out (2 attempts, said), the error names the object, no traceback, nothing hangs."""
+    import time
+
+    from tests.helpers.s3_proxy import Proxy
+
+    with Proxy(store.endpoint, mode, "__0_0.distcp", stall_s=4) as proxy:
+        config = store.config(f"proxy_{mode}.yaml", endpoint=proxy.endpoint, read_timeout=1)
+        t = time.monotonic()
+        done = _run(config, "inspect", "msc://store/cli/gqa")
+        took = time.monotonic() - t
+    assert done.returncode == 1, done.stderr
+    assert expect in done.stderr and "msc://store/cli/gqa/iter_0000002/__0_0.distcp" in done.stderr, done.stderr
+    assert "2 attempts" in done.stderr and "Traceback" not in done.stderr
+    assert proxy.spoiled >= 2 and took < 60
+
+
+def test_a_throttled_store_is_retried_and_the_command_answers(store):
+    from tests.helpers.s3_proxy import Proxy
+
+    with Proxy(store.endpoint, "throttle", "__0_0.distcp", times=1) as proxy:
+        done = _run(store.config("throttle.yaml", endpoint=proxy.endpoint, attempts=3), "inspect",
+                    "msc://store/cli/gqa")
+    assert done.returncode == 0, done.stderr
+    assert proxy.spoiled >= 2  # the 503 SlowDown, then the retry that got through

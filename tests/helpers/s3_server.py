@@ -28,9 +28,10 @@ class S3Server:
     proc: subprocess.Popen
 
     def config(self, name: str = "msc.yaml", *, endpoint: str | None = None, secret: str = SECRET,
-               bucket: str = BUCKET, attempts: int = 2) -> str:
+               bucket: str = BUCKET, attempts: int = 2, read_timeout: float | None = None) -> str:
         """An MSC config file with profile ``store`` (and whatever differs: a wrong secret, another endpoint...)."""
         path = os.path.join(self.root, name)
+        extra = f"\n        read_timeout: {read_timeout}" if read_timeout else ""
         with open(path, "w") as fh:
             fh.write(f"""profiles:
   store:
@@ -39,7 +40,7 @@ class S3Server:
       options:
         base_path: {bucket}
         endpoint_url: {endpoint or self.endpoint}
-        region_name: us-east-1
+        region_name: us-east-1{extra}
     credentials_provider:
       type: S3Credentials
       options:
