@@ -1,4 +1,4 @@
-"""The package's shape: imports run one way, entry points -> check (and fit) -> reshard -> layout -> base, with no cycle
+"""The package's shape: imports run one way, entry points -> check (and fit) -> reshard -> remote -> layout -> base, with no cycle
 (every import counts, those inside functions too), and a function-level import only defers torch, numpy, torch's
 DCP or Megatron-LM, each with its reason on the line."""
 
@@ -10,7 +10,7 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_preflight")
-LAYERS = ["base", "layout", "reshard", "prove", "check", "entry"]  # an import may only go to its own layer or a lower one
+LAYERS = ["base", "layout", "remote", "reshard", "prove", "check", "entry"]  # an import may only go to its own layer or a lower one
 
 
 def layer(module: str) -> str:
@@ -19,7 +19,7 @@ def layer(module: str) -> str:
         return "entry"
     if parts[1] == "fit":  # the layout planner decides, as the check does (and the check asks it for nearest layouts)
         return "check"
-    return parts[1] if parts[1] in ("layout", "reshard", "prove", "check") else "base"
+    return parts[1] if parts[1] in ("layout", "remote", "reshard", "prove", "check") else "base"
 
 
 def modules() -> dict[str, str]:
@@ -127,7 +127,10 @@ DEFERRABLE = ("torch", "numpy", "megatron.", "yaml", "megatron_preflight.reshard
               # standard modules a verdict need not pay for (1-3 ms each): a thread pool where there are many files,
               # zipfile where torch.save's own layout is not met, ctypes where pages are released, hashlib (OpenSSL)
               # and tempfile where a .metadata's index is hashed and written
-              "concurrent.futures", "zipfile", "ctypes", "megatron_preflight import libc", "hashlib", "tempfile")
+              "concurrent.futures", "zipfile", "ctypes", "megatron_preflight import libc", "hashlib", "tempfile",
+              # object storage: the client (and its S3 provider) and the staging, only where an msc:// URL is met;
+              # a torch_dist .metadata read where a mirror stages one
+              "multistorageclient", "megatron_preflight.remote.", "megatron_preflight.layout.dist import")
 
 
 @pytest.mark.parametrize("module", sorted(MODS))

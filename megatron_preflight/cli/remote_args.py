@@ -9,12 +9,11 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.remote.store import is_msc
+from megatron_preflight.remote.store import is_msc  # (the client itself loads only where a URL is met)
 
 # command -> argument -> what a run reads of it ("metadata", "all") or "publish" (a destination)
 NEEDS: dict[str, dict[str, str]] = {
@@ -55,6 +54,9 @@ def staged_args(ns: argparse.Namespace) -> Iterator[None]:
         yield
         return
     ns.remote_args = dict(urls)
+    import tempfile  # (a verdict on a local path need not pay for it)
+
+    # object storage: loaded only for a command given an msc:// URL
     from megatron_preflight.remote.mirror import Mirror
     from megatron_preflight.remote.publish import publish, require_empty
     from megatron_preflight.remote.store import Store

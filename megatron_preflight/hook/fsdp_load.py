@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from megatron_preflight import pickling
-from megatron_preflight.hook import legacy_load
+from megatron_preflight.hook import legacy_load, remote_load
 from megatron_preflight.hook.state import STATE
 from megatron_preflight.reshard.sources.fsdp_dtensor import aliases
 from megatron_preflight.reshard.targets.fsdp_dtensor import FsdpState, fsdp_state
@@ -93,7 +93,9 @@ class ResharderReader(StorageReader):
 
 
 def state_for(load_dir: str, args: Any) -> FsdpState:
-    """This process's fsdp_dtensor form of the checkpoint (the shared index, read once by rank 0)."""
+    """This process's fsdp_dtensor form of the checkpoint (the shared index, read once by rank 0; an ``msc://`` one
+    staged whole on each node first: hook/remote_load.py)."""
+    load_dir = remote_load.local_dir(load_dir, whole=True)
     key = ("fsdp", os.path.abspath(load_dir))
     if key not in STATE.resharders:
         iteration = getattr(args, "ckpt_step", None)
@@ -113,7 +115,8 @@ def fsdp_base(load_dir: str, args: Any, *, rank0: bool = False, sharded_state_di
     from torch.distributed.checkpoint import default_planner  # (torch's DCP: only in a Megatron-FSDP job)
 
     state = state_for(load_dir, args)
-    name = os.path.join(load_dir, "<served as fsdp_dtensor by megatron-preflight>")
+    name = remote_load.shown(os.path.join(remote_load.local_dir(load_dir), "<served as fsdp_dtensor by "
+                                                                           "megatron-preflight>"))
     if rank0:  # the format pre-read: args, iteration and the version
         return {k: state.objects.get(k) for k in ("args", "iteration", "checkpoint_version")}, name, False
     started = time.perf_counter()

@@ -14,7 +14,7 @@ from typing import Any
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.check import releases
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.hook import consensus, shared_read
+from megatron_preflight.hook import consensus, remote_load, shared_read
 from megatron_preflight.hook.state import STATE
 from megatron_preflight.layout import naming, optimizer_kinds, transport
 from megatron_preflight.reshard.plan.rules import canonical_name, spellings
@@ -44,9 +44,12 @@ def keep_optimizer(args: Any) -> bool:
 
 
 def resharder_for(load_dir: str, args: Any) -> reshard.Resharder:
+    """The resharder of ``load_dir`` at the run's layout (an ``msc://`` one: of its node's staged mirror,
+    hook/remote_load.py). Collective on first use."""
     iteration = getattr(args, "ckpt_step", None)
     keep = keep_optimizer(args)
     target = target_from_args(args)
+    load_dir = remote_load.local_dir(load_dir)
     key = (os.path.abspath(load_dir), iteration, keep, tuple(sorted(vars(target).items())))
     if key not in STATE.resharders:
         trust = bool(getattr(args, "preflight_trust_checkpoint", False))
@@ -199,7 +202,8 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False, optim
     (:func:`match_extra_state`)."""
     r = resharder_for(load_dir, args)
     release = r.layout.iteration == naming.RELEASE
-    name = os.path.join(r.layout.iter_dir or load_dir, f"<resharded to TP{r.tgt.tp} PP{r.tgt.pp} EP{r.tgt.ep}>")
+    name = remote_load.shown(os.path.join(r.layout.iter_dir or load_dir,
+                                          f"<resharded to TP{r.tgt.tp} PP{r.tgt.pp} EP{r.tgt.ep}>"))
     if model is not None:
         refuse_grouped_mlp(model, load_dir)
     if rank0:
@@ -209,6 +213,7 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False, optim
     coords = runtime_coordinates(consensus.rank(), consensus.world_size(), r)
     plan = r.plan_for_coords(coords, naming.shard_dir_name(coords["tp"], coords["pp"], coords["ep"],
                                                            pp_size=r.tgt.pp, ep_size=r.tgt.ep))
+    remote_load.prefetch(r, plan)
     state = r.build(plan)
     STATE.seconds["build"] = STATE.seconds.get("build", 0.0) + time.perf_counter() - started
     groups = None if r.target_distributed else live_groups(optimizer)  # the distributed one maps groups by key
@@ -288,6 +293,7 @@ def this_rank_parameter_state(r: reshard.Resharder, parts: list[Any] | None = No
                 if moved:
                     log.warning("gradient buffer %d: %d parameters placed where the running optimizer keeps them, "
                                 "not where the checkpoint's rules put them", gbuf, moved)
+    remote_load.prefetch(r, plan)
     files = reshard.SourceFiles(r.layout.iter_dir or "", trust=r.trust, )
     try:
         r.check_masters(files, shards=set(plan.sources))  # the masters of the dirs this rank reads

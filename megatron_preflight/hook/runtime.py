@@ -13,7 +13,6 @@ import inspect
 import json
 import logging
 import os
-import shlex
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
@@ -26,12 +25,13 @@ from megatron_preflight.check.report import render_plan
 from megatron_preflight.check.runtime_args import from_namespace
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError, environment_error
-from megatron_preflight.hook import consensus
+from megatron_preflight.hook import consensus, remote_load
 from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
-from megatron_preflight.layout import optimizer_kinds, storage
-from megatron_preflight.remote.mirror import NO_OBJECTS
+from megatron_preflight.layout import naming, optimizer_kinds, storage
+from megatron_preflight.remote.mirror import NO_OBJECTS, Mirror
 from megatron_preflight.remote.store import is_msc
 from megatron_preflight.reshard.plan.rules import MTP_LAYER_NAMES
+from megatron_preflight.units import human_bytes
 
 log = logging.getLogger("megatron_preflight")
 
@@ -243,11 +243,16 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
 
 def _remote_decision(args: Any, mode: str, url: str) -> Decision:
     """The decision on an ``msc://`` checkpoint: its metadata staged (remote/mirror.py), judged as a local one, the
-    report naming the URL. Megatron's own loaders read it from the store themselves (``--enable-msc``); a load through
-    the resharder from object storage is not built yet: refused with the offline reshard that gives Megatron one it
-    loads as saved."""
-    from megatron_preflight.remote.mirror import Mirror
-
+    report naming the URL. Megatron's own loaders read it from the store themselves; the resharder reads each rank's
+    bytes into its node's mirror (hook/remote_load.py). A run with MSC off is refused first: Megatron-LM then finds
+    no tracker at the URL, warns, trains from scratch and exits 0 (seen with Megatron-LM main)."""
+    if getattr(args, "enable_msc", None) is False:
+        fix = "add --enable-msc" if hasattr(args, "disable_msc_deprecated") else "remove --disable-msc"
+        return Decision(mode, Verdict.FAIL, None, checkpoint=url, exit_code=EXIT_USAGE,
+                        report=f"--load {url} is an object-storage URL and this run has MSC off: Megatron-LM then "
+                               "finds no checkpoint there ('could not find the metadata file'), trains from scratch "
+                               f"and exits 0. Fix: {fix} (with multi-storage-client installed and MSC_CONFIG naming "
+                               "the profile), or --load a local copy.")
     try:
         mirror = Mirror(url)
     except PreflightError as exc:
@@ -259,20 +264,28 @@ def _remote_decision(args: Any, mode: str, url: str) -> Decision:
     with mirror:
         mirror.stage_metadata()
         d = _make_decision(args, mode, mirror.local)
-        STATE.indexes.pop(os.path.abspath(mirror.local), None)  # (its files go with the mirror)
+        index = STATE.indexes.pop(os.path.abspath(mirror.local), None)  # (its files go with the mirror)
         d.checkpoint = url
         d.report = mirror.shown(d.report) + f"\n{mirror.summary()} (metadata only)"
+        if d.loader == Loader.RESHARD and d.target is not None and index is not None:
+            d.report += "\n" + _fetch_estimate(index, d, mirror.size)
         d.plan = json.loads(mirror.shown(json.dumps(d.plan, default=str)))
-        if d.loader == Loader.RESHARD and d.verdict != Verdict.FAIL:
-            d.verdict, d.loader = Verdict.FAIL, None
-            rt = from_namespace(args)
-            rt.world_size = rt.world_size or consensus.world_size()
-            dst = url.rstrip("/") + "_resharded"
-            command = shlex.join(["megatron-preflight", "reshard", url, dst, "--", *advice.layout_flags(rt)])
-            d.report += ("\nThis run's layout needs the checkpoint resharded, and loading through the resharder "
-                         f"from object storage is not built yet. Fix: reshard it once on the store ({command}: "
-                         f"torch_dist, what Megatron loads from msc://), then run with --load {dst}")
     return d
+
+
+def _fetch_estimate(index: Any, d: Decision, size: int) -> str:
+    """What the in-memory reshard of a remote checkpoint fetches: the bytes of the largest rank's plan (planned at
+    the representative ranks of a large target), besides its node's metadata."""
+    from megatron_preflight.reshard.sources.byte_ranges import plan_byte_ranges, total  # (a remote reshard only)
+
+    r = reshard.open_resharder(index, d.target, keep_optimizer=d.load_optimizer)
+    every = naming.shard_writers(r.tgt)
+    names = reshard.representative_ranks(r.tgt) if len(every) > 64 else list(every)
+    where = r.layout.iter_dir or r.layout.path
+    most = max((total(plan_byte_ranges(r.plan_for_coords(every[n], n), where, trust=r.trust)) for n in names),
+               default=0)
+    return (f"load: each rank fetches its own bytes into its node's staged mirror, the largest {human_bytes(most)} "
+            f"of {human_bytes(size)} (${remote_load.STAGING_ENV} or the temp dir holds a node's share)")
 
 
 def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:

@@ -16,6 +16,7 @@ A legacy checkpoint (``--ckpt-format torch``: Megatron-LM writes only torch_dist
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ MAX_SMALL = 512 * 2**20  # a non-tensor file larger than this is not metadata (a
 HEAD_GUESS = 256 * 2**10  # a safetensors header's first read: most headers fit (a DeepSeek-V3 shard's is ~100 kB)
 PART = 64 * 2**20  # one ranged GET of an ``all`` fetch
 WORKERS = 8  # GETs in flight
+MANIFEST = "manifest.json"  # beside the mirrored tree (whose root is named for the profile)
 NO_OBJECTS = "usage"  # the error code of an empty prefix (a usage error: the URL names no checkpoint)
 
 
@@ -59,10 +61,15 @@ def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 class Mirror:
     """The objects under ``url`` as sparse local files under :attr:`local`."""
 
-    def __init__(self, url: str, *, root: str | None = None) -> None:
+    def __init__(self, url: str, *, root: str | None = None, at: str | None = None) -> None:
+        """``root``: where the temp dir is made (default: the system's); ``at``: this exact dir instead (made anew: a
+        node's ranks share it, see :meth:`attach`)."""
         self.store = Store(url)
         self.url = self.store.url
-        self._root = tempfile.mkdtemp(prefix="preflight-msc-", dir=root)
+        if at is not None:
+            shutil.rmtree(at, ignore_errors=True)
+            os.makedirs(at)
+        self._root = at or tempfile.mkdtemp(prefix="preflight-msc-", dir=root)
         self.local = os.path.join(self._root, self.store.profile)
         self.objects = self.store.list()
         if not self.objects:
@@ -77,6 +84,28 @@ class Mirror:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as fh:
                 fh.truncate(size)  # a hole until fetched
+
+    @classmethod
+    def attach(cls, at: str, url: str) -> Mirror:
+        """The mirror another process of this node made ``at`` (:meth:`save_manifest`): no listing, nothing fetched."""
+        with open(os.path.join(at, MANIFEST), encoding="utf-8") as fh:
+            doc = json.load(fh)
+        if doc.get("url") != url:
+            raise PreflightError(f"the staging dir holds {doc.get('url')!r}, not this URL", path=at,
+                                 fix="remove it and rerun", code="remote")
+        self = cls.__new__(cls)
+        self.store, self.url, self._root = Store(url), url.rstrip("/"), at
+        self.local = os.path.join(at, self.store.profile)
+        self.objects = {k: int(v) for k, v in doc["objects"].items()}
+        self.fetched = {k: [tuple(r) for r in v] for k, v in doc["fetched"].items()}
+        return self
+
+    def save_manifest(self) -> None:
+        """What :meth:`attach` reads: the objects and what is fetched (written last, atomically)."""
+        tmp = os.path.join(self._root, MANIFEST + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"url": self.url, "objects": self.objects, "fetched": self.fetched}, fh)
+        os.replace(tmp, os.path.join(self._root, MANIFEST))
 
     @property
     def size(self) -> int:
@@ -184,7 +213,7 @@ class Mirror:
 
     def _stage_objects(self, iter_rel: str) -> None:
         """A torch_dist iteration's non-tensor items, where its ``.metadata`` says they lie."""
-        from megatron_preflight.layout.dist import object_index, read_dcp_metadata
+        from megatron_preflight.layout.dist import object_index, read_dcp_metadata  # (a torch_dist mirror only)
 
         md = read_dcp_metadata(self.path(iter_rel) if iter_rel else self.local)
         want: dict[str, list[tuple[int, int]]] = {}

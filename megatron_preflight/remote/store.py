@@ -37,7 +37,7 @@ def join(url: str, rel: str) -> str:
 
 def _client_module() -> Any:
     try:
-        import multistorageclient
+        import multistorageclient  # the client: only where an msc:// URL is met
     except ImportError as exc:
         raise PreflightError("reading or writing msc:// paths needs NVIDIA's multi-storage-client, which this "
                              f"environment does not have ({exc})", path=None, fix=INSTALL, code="usage") from None
@@ -123,7 +123,7 @@ class Store:
 
     def read(self, rel: str, offset: int = 0, size: int | None = None) -> bytes:
         """Bytes ``[offset, offset + size)`` of the object ``rel`` (the whole object when ``size`` is None)."""
-        from multistorageclient.types import Range
+        from multistorageclient.types import Range  # (the client: loaded by the constructor)
 
         key = self._key(rel)
         for _attempt in range(SHORT_READ_ATTEMPTS):

@@ -23,7 +23,8 @@ from typing import Any
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.execute.replicas import planned
-from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan, flat_parts
+from megatron_preflight.reshard.plan.types import RankPlan, flat_parts
+from megatron_preflight.reshard.sources.byte_ranges import read_plans
 from megatron_preflight.reshard.sources.files import SourceFiles
 
 PROBE_BYTES = 64 * 2**20  # the quick read (and write) that measure the filesystems
@@ -118,21 +119,12 @@ def _numel(shape: Any) -> int:
     return n
 
 
-def _planned(plan: RankPlan) -> list[TensorPlan]:
-    """Every tensor the plan builds from source slices: model and optimizer state, and each parameter's state inside
-    a distributed optimizer's world tensors."""
-    out = list(planned(plan))
-    for _, fp in flat_parts(plan.dist_optimizer):
-        out += [tp for _, tp in fp.parts]
-    return [tp for tp in out if tp.shape is not None]
-
-
 def slices_read(plan: RankPlan) -> tuple[int, set[tuple[str, str]], int]:
     """Bytes of the source slices ``plan`` copies, the (shard dir, file) pairs it opens, and the largest source piece
     it reads from."""
     total = largest = 0
     opened: set[tuple[str, str]] = set()
-    for tp in _planned(plan):
+    for tp in read_plans(plan):
         for op in tp.ops:
             largest = max(largest, _numel(op.ref.shape) * op.ref.dtype.itemsize)
             shape = list(op.ref.shape)
@@ -341,7 +333,7 @@ def predict_torch_dist(r: Any, g: Any, *, bandwidth: float | None = None,
     name, coords = next(iter(naming.shard_writers(g.tgt).items()))
     plan = g.plan_for_coords(coords, name)
     c = shard_cost(g, name, plan, None)
-    tensors = len(_planned(plan))
+    tensors = len(read_plans(plan))
     written = c.bytes_built + DIST_CHUNK_OVERHEAD * tensors
     bw, source = _bandwidth(r, bandwidth)
     wbw = bandwidth or measure_write_bandwidth()

@@ -113,7 +113,7 @@ def server() -> S3Server:
     proc = subprocess.Popen(
         [exe, "server", f"-dir={root}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
          f"-s3.port={ports[0]}", f"-s3.config={root}/s3.json", f"-master.port={ports[1]}",
-         f"-volume.port={ports[2]}", f"-filer.port={ports[3]}", "-volume.max=8", "-master.volumeSizeLimitMB=64",
+         f"-volume.port={ports[2]}", f"-filer.port={ports[3]}", "-volume.max=0", "-master.volumeSizeLimitMB=1024",
          "-s3.port.iceberg=0", "-s3.port.lance=0"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     endpoint = f"http://127.0.0.1:{ports[0]}"

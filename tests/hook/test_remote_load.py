@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import shlex
 
 import pytest
 
 pytest.importorskip("multistorageclient")
 pytest.importorskip("boto3")
 
-from megatron_preflight.cli.main import main  # noqa: E402
 from megatron_preflight.hook import runtime  # noqa: E402
 from tests.conftest import fixture_path  # noqa: E402
 from tests.helpers import s3_server  # noqa: E402
@@ -61,21 +58,48 @@ def test_an_empty_prefix_fails_unless_starting_from_scratch_is_allowed(store, ca
     assert runtime.preflight(args).verdict == "skip"
 
 
-def test_a_layout_only_the_resharder_loads_names_the_reshard_on_the_store_which_runs_as_printed(store, capsys):
-    """A dp_reshardable distributed optimizer saved at TP2, a TP1 run: Megatron cannot load it; the report's command
-    writes a torch_dist checkpoint on the store that the same job then loads as saved."""
-    run = dict(ARGS, preflight="auto", load="msc://store/hook/dpr", ckpt_format="torch_dist",
-               use_distributed_optimizer=True, world_size=2)
+def test_a_run_with_msc_off_is_refused_before_megatron_trains_from_scratch(store, capsys):
+    """Megatron-LM main with --load msc://... and no --enable-msc warns 'could not find the metadata file', trains
+    from scratch and exits 0 (seen on the CPU runner): the plugin stops it with the flag to add."""
+    args = argparse.Namespace(**ARGS, preflight="check", load="msc://store/hook/tp2", enable_msc=False,
+                              disable_msc_deprecated=False)
     with pytest.raises(SystemExit) as exc:
-        runtime.preflight(argparse.Namespace(**run))
-    assert exc.value.code == 1
-    err = capsys.readouterr().err
-    assert "preflight-msc-" not in err
-    command = re.search(r"reshard it once on the store \((megatron-preflight reshard .*?): torch_dist", err,
-                        re.S).group(1)
-    argv = shlex.split(command.replace("[megatron-preflight] ", "").replace("\n", " "))
-    assert argv[:4] == ["megatron-preflight", "reshard", "msc://store/hook/dpr", "msc://store/hook/dpr_resharded"]
-    assert main(argv[1:] + ["--no-progress"]) == 0
-    capsys.readouterr()
-    d = runtime.preflight(argparse.Namespace(**dict(run, load="msc://store/hook/dpr_resharded")))
-    assert (d.verdict, d.loader) == ("load", "dist"), d.report
+        runtime.preflight(args)
+    assert exc.value.code == 2
+    assert "MSC off" in capsys.readouterr().err and "add --enable-msc" in runtime.current().report
+    older = argparse.Namespace(**ARGS, preflight="check", load="msc://store/hook/tp2", enable_msc=False)
+    with pytest.raises(SystemExit):
+        runtime.preflight(older)  # Megatron-LM <= 0.17: MSC on unless --disable-msc
+    assert "remove --disable-msc" in runtime.current().report
+
+
+def test_the_resharder_loads_from_the_store_what_it_loads_from_disk_reading_only_the_ranks_bytes(store, monkeypatch):
+    """A dp_reshardable distributed optimizer saved at TP2 (Megatron cannot load it at another layout), a TP1 PP2 run:
+    through the hook's loader (a FAKE megatron.training: tests/hook/test_install.py) rank 0's state dict from the store
+    equals the one from the local copy, tensor for tensor, and the store sent only its stage's bytes. (One process
+    plays rank 0 of the 2-rank world: the world size it reports is set to 2.)"""
+    import torch
+
+    from megatron_preflight.hook import consensus, remote_load
+    from tests.hook.test_install import install_mod, make_fake_megatron_training
+
+    run = dict(ARGS, padded_vocab_size=128, ckpt_format="torch_dist", use_distributed_optimizer=True,
+               pipeline_model_parallel_size=2, world_size=2, preflight="auto")
+    monkeypatch.setattr(consensus, "world_size", lambda: 2)
+    loaded = {}
+    for where in (fixture_path("distopt_dpr_tp2dp2_torch_dist"), "msc://store/hook/dpr"):
+        mods, state = make_fake_megatron_training(monkeypatch)
+        install_mod.install()
+        state["args"] = argparse.Namespace(**run, load=where)
+        mods["megatron.training.training"].setup_model_and_optimizer()
+        assert runtime.current().loader == "reshard", runtime.current().report
+        if where.startswith("msc://"):  # the bytes the load will fetch, said before it does
+            assert "each rank fetches its own bytes" in runtime.current().report
+        loaded[where] = state["loaded"][0]
+    local, remote = loaded.values()
+    assert sorted(local["model"]) == sorted(remote["model"]) and local["model"]
+    for key, value in local["model"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, remote["model"][key]), key
+    mirror = remote_load._MIRRORS["msc://store/hook/dpr"]
+    assert mirror.store.counters.fetched < 0.75 * mirror.size  # one pipeline stage's chunks and the metadata

@@ -1,0 +1,101 @@
+"""The in-memory reshard of an ``msc://`` checkpoint: one staged mirror per node (its metadata fetched once, by the
+node's local rank 0, in a dir the node's ranks share), and each rank's own bytes fetched into it before the rank
+builds its state dict (reshard/sources/byte_ranges.py: only the chunks, rows and scales its plan reads).
+
+The staging dir is ``$MEGATRON_PREFLIGHT_STAGING`` (default: the system's temp dir), one subdir per job and URL; it
+holds the node's share of the checkpoint while the job runs and is removed when the node's local rank 0 exits
+normally (a job killed leaves it: ``preflight-msc-*``)."""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import socket
+import tempfile
+import time
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.hook import consensus
+from megatron_preflight.remote.mirror import Mirror
+from megatron_preflight.remote.store import is_msc
+from megatron_preflight.units import human_bytes
+
+log = logging.getLogger(__name__)
+STAGING_ENV = "MEGATRON_PREFLIGHT_STAGING"
+_MIRRORS: dict[str, Mirror] = {}  # URL -> this process's view of its node's mirror
+
+
+def _staging_dir(url: str) -> str:
+    job = "|".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                                                    "TORCHELASTIC_RESTART_COUNT"))
+    name = "preflight-msc-" + hashlib.sha1(f"{url}|{job}".encode()).hexdigest()[:16]
+    return os.path.join(os.environ.get(STAGING_ENV) or tempfile.gettempdir(), name)
+
+
+def local_dir(load_dir: str, *, whole: bool = False) -> str:
+    """``load_dir`` itself, or for an ``msc://`` URL its node's staged mirror (made on first use: every rank calls it
+    at the same point, the loader's first read). ``whole``: every byte fetched by the node's local rank 0 (a loader
+    whose reads are not planned per rank: the Megatron-FSDP one, which serves DCP's read requests)."""
+    if not is_msc(load_dir):
+        return load_dir
+    url = load_dir.rstrip("/")
+    if url in _MIRRORS:
+        return _MIRRORS[url].local
+    at = _staging_dir(url)
+    first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+    mirror, failed = None, None
+    if first:
+        started = time.perf_counter()
+        try:
+            mirror = Mirror(url, at=at)
+            mirror.stage_metadata()
+            if whole:
+                mirror.fetch_all()
+            mirror.save_manifest()
+            atexit.register(mirror.close)
+            log.info("%s staged on %s in %.2f s", mirror.summary(), socket.gethostname(),
+                     time.perf_counter() - started)
+        except PreflightError as exc:
+            failed = (exc.message, exc.path, exc.fix, exc.code)
+    # every node's stage done (the barrier), and any node's failure every rank's
+    errors = [e for e in consensus.all_gather(failed) if e is not None]
+    if errors:
+        message, path, fix, code = errors[0]
+        raise PreflightError(message, path=path, fix=fix, code=code)
+    _MIRRORS[url] = mirror or Mirror.attach(at, url)
+    return _MIRRORS[url].local
+
+
+def _mirror_of(path: str) -> Mirror | None:
+    return next((m for m in _MIRRORS.values() if path == m.local or path.startswith(m.local + os.sep)), None)
+
+
+def prefetch(r: Any, plan: Any) -> None:
+    """Fetch the bytes ``plan`` (a rank plan of the resharder ``r``) reads, when its checkpoint is a staged mirror."""
+    mirror = _mirror_of(r.layout.path)
+    if mirror is None:
+        return
+    from megatron_preflight.reshard.sources.byte_ranges import plan_byte_ranges, relative, total  # (a remote load)
+
+    started = time.perf_counter()
+    before = mirror.store.counters.fetched
+    masters = []  # the distributed optimizer's sampled check of the masters it reads (Resharder.check_masters)
+    if r.dist_index is not None and r.keep_optimizer:
+        masters = [ref for shard, weight, _, master in r.dist_index.checked if shard in plan.sources
+                   for ref in (weight, master)]
+    ranges = relative(plan_byte_ranges(plan, r.layout.iter_dir or r.layout.path, trust=r.trust, extra=masters),
+                      mirror.local)
+    mirror.fetch(ranges)
+    log.info("rank %d: fetched %s for its plan (%s asked, of %s) from %s in %.2f s", consensus.rank(),
+             human_bytes(mirror.store.counters.fetched - before), human_bytes(total(ranges)),
+             human_bytes(mirror.size), mirror.url, time.perf_counter() - started)
+
+
+def shown(text: str) -> str:
+    """``text`` with staged mirrors' paths written as their URLs."""
+    for m in _MIRRORS.values():
+        text = m.shown(text)
+    return text
