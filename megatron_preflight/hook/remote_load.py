@@ -2,18 +2,17 @@
 node's local rank 0, in a dir the node's ranks share), and each rank's own bytes fetched into it before the rank
 builds its state dict (reshard/sources/byte_ranges.py: only the chunks, rows and scales its plan reads).
 
-The staging dir is ``$MEGATRON_PREFLIGHT_STAGING`` (default: the system's temp dir), one subdir per job and URL; it
-holds the node's share of the checkpoint while the job runs and is removed when the node's local rank 0 exits
-normally (a job killed leaves it: ``preflight-msc-*``)."""
+The node's staging dir is made by its local rank 0 (remote/mirror.staging_root: ``$MEGATRON_PREFLIGHT_STAGING``,
+else memory when it holds twice the checkpoint, else the temp dir) and named to the node's other ranks; it holds the
+node's share of the checkpoint while the job runs and is removed when the local rank 0 exits normally (a job killed
+leaves it: ``preflight-msc-*``)."""
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import os
 import socket
-import tempfile
 import time
 from typing import Any
 
@@ -24,15 +23,7 @@ from megatron_preflight.remote.store import is_msc
 from megatron_preflight.units import human_bytes
 
 log = logging.getLogger(__name__)
-STAGING_ENV = "MEGATRON_PREFLIGHT_STAGING"
 _MIRRORS: dict[str, Mirror] = {}  # URL -> this process's view of its node's mirror
-
-
-def _staging_dir(url: str) -> str:
-    job = "|".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                                                    "TORCHELASTIC_RESTART_COUNT"))
-    name = "preflight-msc-" + hashlib.sha1(f"{url}|{job}".encode()).hexdigest()[:16]
-    return os.path.join(os.environ.get(STAGING_ENV) or tempfile.gettempdir(), name)
 
 
 def local_dir(load_dir: str, *, whole: bool = False) -> str:
@@ -44,29 +35,36 @@ def local_dir(load_dir: str, *, whole: bool = False) -> str:
     url = load_dir.rstrip("/")
     if url in _MIRRORS:
         return _MIRRORS[url].local
-    at = _staging_dir(url)
     first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
     mirror, failed = None, None
     if first:
         started = time.perf_counter()
         try:
-            mirror = Mirror(url, at=at)
+            mirror = Mirror(url)
             mirror.stage_metadata()
             if whole:
                 mirror.fetch_all()
             mirror.save_manifest()
             atexit.register(mirror.close)
-            log.info("%s staged on %s in %.2f s", mirror.summary(), socket.gethostname(),
+            log.info("%s staged at %s on %s in %.2f s", mirror.summary(), mirror.root, socket.gethostname(),
                      time.perf_counter() - started)
         except PreflightError as exc:
             failed = (exc.message, exc.path, exc.fix, exc.code)
-    # every node's stage done (the barrier), and any node's failure every rank's
-    errors = [e for e in consensus.all_gather(failed) if e is not None]
+    # every node's stage done (the barrier), any node's failure every rank's, and each node's dir its ranks'
+    said = consensus.all_gather((socket.gethostname(), first, mirror.root if mirror else None, failed))
+    errors = [e for _, _, _, e in said if e is not None]
     if errors:
         message, path, fix, code = errors[0]
         raise PreflightError(message, path=path, fix=fix, code=code)
-    _MIRRORS[url] = mirror or Mirror.attach(at, url)
-    return _MIRRORS[url].local
+    if mirror is None:
+        host = socket.gethostname()
+        at = next((root for h, f, root, _ in said if f and h == host), None)
+        if at is None:
+            raise PreflightError(f"no rank of this node ({host}) has LOCAL_RANK 0 to stage {url}", path=url,
+                                 fix="launch with torchrun (it sets LOCAL_RANK per node)", code="remote")
+        mirror = Mirror.attach(at, url)
+    _MIRRORS[url] = mirror
+    return mirror.local
 
 
 def _mirror_of(path: str) -> Mirror | None:

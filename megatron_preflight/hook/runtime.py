@@ -25,10 +25,10 @@ from megatron_preflight.check.report import render_plan
 from megatron_preflight.check.runtime_args import from_namespace
 from megatron_preflight.check.verdict import Loader, Verdict
 from megatron_preflight.errors import PreflightError, environment_error
-from megatron_preflight.hook import consensus, remote_load
+from megatron_preflight.hook import consensus
 from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
 from megatron_preflight.layout import naming, optimizer_kinds, storage
-from megatron_preflight.remote.mirror import NO_OBJECTS, Mirror
+from megatron_preflight.remote.mirror import NO_OBJECTS, STAGING_ENV, Mirror
 from megatron_preflight.remote.store import is_msc
 from megatron_preflight.reshard.plan.rules import MTP_LAYER_NAMES
 from megatron_preflight.units import human_bytes
@@ -285,7 +285,7 @@ def _fetch_estimate(index: Any, d: Decision, size: int) -> str:
     most = max((total(plan_byte_ranges(r.plan_for_coords(every[n], n), where, trust=r.trust)) for n in names),
                default=0)
     return (f"load: each rank fetches its own bytes into its node's staged mirror, the largest {human_bytes(most)} "
-            f"of {human_bytes(size)} (${remote_load.STAGING_ENV} or the temp dir holds a node's share)")
+            f"of {human_bytes(size)} (staged in memory where it fits, else the temp dir; ${STAGING_ENV} chooses)")
 
 
 def _error_decision(mode: str, load_dir: str, exc: BaseException) -> Decision:

@@ -90,3 +90,16 @@ def test_an_hf_model_on_the_store_fetches_headers_only(store, tmp_path, capsys):
         assert m.store.counters.fetched <= head
     assert main(["flags", "msc://store/mirror/qwen3"]) == 0
     assert capsys.readouterr().out.replace("msc://store/mirror/qwen3", hf) == local
+
+
+def test_a_mirror_is_staged_in_memory_when_it_fits_twice_else_on_disk(monkeypatch, tmp_path):
+    import tempfile
+
+    from megatron_preflight.remote import mirror
+
+    monkeypatch.delenv(mirror.STAGING_ENV, raising=False)
+    if os.path.isdir(mirror.SHM):
+        assert mirror.staging_root(2**20) == mirror.SHM
+    assert mirror.staging_root(2**62) == tempfile.gettempdir()
+    monkeypatch.setenv(mirror.STAGING_ENV, str(tmp_path))
+    assert mirror.staging_root(2**20) == str(tmp_path)
