@@ -1711,3 +1711,54 @@ def test_a_checkpoint_on_object_storage_resumes_as_from_disk(tmp_path):
             assert "loaded through the in-memory resharder" in remote
         for it in (3, 4):
             assert loss(remote, it, 4) is not None and loss(remote, it, 4) == loss(local, it, 4), (name, it)
+
+
+def test_megatron_saves_moe_to_object_storage_and_the_plugin_reads_reshards_and_resumes_it(tmp_path):
+    """Real Megatron-LM saves an MoE model with the distributed optimizer (dp_reshardable, its default) at EP2·DP2 to
+    ``msc://`` on a real S3-compatible server (SeaweedFS); ``inspect`` of it fetches the metadata only; a job at EP4
+    loads it through the in-memory resharder from the store with the losses of the same load from a local download;
+    ``reshard msc://... msc://...`` at EP4 is loaded by plain Megatron from the store (``--enable-msc``, no plugin)
+    with those losses (another optimizer form of the same state: within 1e-5)."""
+    python, env = megatron_env(ROOT)
+    if subprocess.run([python, "-c", "import multistorageclient, boto3"], env=env).returncode != 0:
+        pytest.skip("multi-storage-client[boto3] is not installed in MEGATRON_LM_PYTHON")
+    from tests.helpers import s3_server
+
+    store = s3_server.server()
+    msc = {"MSC_CONFIG": store.config("megatron_moe.yaml")}
+    url = "msc://store/megatron/moe_ep2dp2"
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--global-batch-size", "4",
+           "--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    rc, log = run(tmp_path, str(empty), 4, *moe, "--expert-model-parallel-size", "2", "--train-iters", "2",
+                  "--save-interval", "2", "--save", url, "--enable-msc", plugin=False, port=29840, verify=False,
+                  env_extra=msc)
+    assert rc == 0, log[-3000:]
+    cli = [sys.executable, "-m", "megatron_preflight"]
+    r = subprocess.run([*cli, "inspect", url], capture_output=True, text=True, timeout=300, env={**os.environ, **msc})
+    assert r.returncode == 0 and "dist. optim yes (dp_reshardable)" in r.stdout, r.stdout + r.stderr
+    fetched = re.search(r"fetched of .* in (\d+) objects", r.stderr)
+    assert fetched, r.stderr
+    local = tmp_path / "downloaded"
+    c = store.client()
+    for o in c.list_objects_v2(Bucket=s3_server.BUCKET, Prefix="megatron/moe_ep2dp2/")["Contents"]:
+        dst = local / o["Key"][len("megatron/moe_ep2dp2/"):]
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        c.download_file(s3_server.BUCKET, o["Key"], str(dst))
+    resume = [*moe, "--expert-model-parallel-size", "4", "--train-iters", "4", "--no-load-rng"]
+    rc, from_disk = run(tmp_path, str(local), 4, *resume, "--preflight", "auto", port=29842, verify=False)
+    assert rc == 0 and "loaded through the in-memory resharder" in from_disk, from_disk[-3000:]
+    rc, from_store = run(tmp_path, str(local), 4, *resume, "--preflight", "auto", "--load", url, "--enable-msc",
+                         port=29844, verify=False, env_extra=msc)
+    assert rc == 0 and "loaded through the in-memory resharder" in from_store, from_store[-3000:]
+    want = [loss(from_disk, it, 4) for it in (3, 4)]
+    assert None not in want and [loss(from_store, it, 4) for it in (3, 4)] == want
+    r = subprocess.run([*cli, "reshard", url, url + "_ep4", "--ep", "4", "--no-progress"], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, **msc})
+    assert r.returncode == 0 and "published" in r.stderr, r.stdout + r.stderr
+    rc, plain = run(tmp_path, str(local), 4, *resume, "--load", url + "_ep4", "--enable-msc", plugin=False,
+                    port=29846, verify=False, env_extra=msc)
+    assert rc == 0, plain[-3000:]
+    for it, value in zip((3, 4), want, strict=True):
+        assert abs(float(loss(plain, it, 4)) - float(value)) < 1e-5, (it, loss(plain, it, 4), value)
