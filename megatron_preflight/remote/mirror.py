@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
+from megatron_preflight.layout.hf.safetensors import MAX_HEADER  # (a longer header: not fetched, the reader refuses it)
 from megatron_preflight.remote.store import Store
 from megatron_preflight.units import human_bytes
 
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 TENSOR_SUFFIXES = (".distcp", ".safetensors", ".bin", ".pt", ".pth")  # files whose bulk is tensor bytes
 SMALL_FILES = ("common.pt",)  # ... except these, read whole
 MAX_SMALL = 512 * 2**20  # a non-tensor file larger than this is not metadata (a DeepSeek-V3 .metadata is ~60 MB)
-HEAD_GUESS = 256 * 2**10  # a safetensors header's first read: most headers fit (a DeepSeek-V3 shard's is ~100 kB)
 PART = 64 * 2**20  # one ranged GET of an ``all`` fetch
 WORKERS = 8  # GETs in flight
 STAGING_ENV = "MEGATRON_PREFLIGHT_STAGING"  # where mirrors are staged (default: staging_root's choice)
@@ -190,14 +190,12 @@ class Mirror:
         self.fetch_all(small)
         self._refuse_legacy(scope)
         heads = [r for r in scope if r.endswith(".safetensors")]
-        self.fetch({r: [(0, HEAD_GUESS)] for r in heads})
-        longer = {}
+        self.fetch({r: [(0, 8)] for r in heads})  # each header's length, then the header: no tensor byte
+        lengths = {}
         for r in heads:
             with open(self.path(r), "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-            if 8 + n > HEAD_GUESS and n <= 100 * 2**20:
-                longer[r] = [(0, 8 + n)]
-        self.fetch(longer)
+                lengths[r] = int.from_bytes(fh.read(8), "little")
+        self.fetch({r: [(8, n)] for r, n in lengths.items() if 0 < n <= MAX_HEADER})
         for rel in scope:
             if rel.rsplit("/", 1)[-1] == ".metadata" and any(r.endswith(".distcp") for r in scope):
                 self._stage_objects(rel.rsplit("/", 1)[0] if "/" in rel else "")

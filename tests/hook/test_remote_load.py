@@ -103,3 +103,38 @@ def test_the_resharder_loads_from_the_store_what_it_loads_from_disk_reading_only
             assert torch.equal(value, remote["model"][key]), key
     mirror = remote_load._MIRRORS["msc://store/hook/dpr"]
     assert mirror.store.counters.fetched < 0.75 * mirror.size  # one pipeline stage's chunks and the metadata
+
+
+def test_a_hugging_face_model_on_the_store_starts_a_job_as_from_disk(store, monkeypatch, tmp_path):
+    """A Llama model dir on the store (wide enough, 9 MB, that its headers are a small part), a TP2 run (its args: the
+    ones the model dir reads as), rank 0 through the hook's loader (a FAKE megatron.training:
+    tests/hook/test_install.py): the same state dict as from the local dir, and the store sent the metadata and rank
+    0's rows (TP2: half of each split tensor) only."""
+    import torch
+
+    from tests.helpers import hf_models
+
+    from megatron_preflight.hook import consensus, remote_load
+    from megatron_preflight.layout.discover import discover
+    from tests.hook.test_install import install_mod, make_fake_megatron_training
+
+    hf = hf_models.write("llama", str(tmp_path / "llama"), hidden_size=256, intermediate_size=512,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    store.upload_dir(hf, "hook/llama")
+    run = dict(vars(discover(hf).saved_args), tensor_model_parallel_size=2, world_size=2, preflight="auto")
+    monkeypatch.setattr(consensus, "world_size", lambda: 2)  # one process plays rank 0 of the 2-rank world
+    loaded = {}
+    for where in (hf, "msc://store/hook/llama"):
+        mods, state = make_fake_megatron_training(monkeypatch)
+        install_mod.install()
+        state["args"] = argparse.Namespace(**dict(run, load=where))
+        mods["megatron.training.training"].setup_model_and_optimizer()
+        assert runtime.current().loader == "reshard", runtime.current().report
+        loaded[where] = state["loaded"][0]
+    local, remote = loaded.values()
+    assert sorted(local["model"]) == sorted(remote["model"]) and local["model"]
+    for key, value in local["model"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, remote["model"][key]), key
+    mirror = remote_load._MIRRORS["msc://store/hook/llama"]
+    assert mirror.store.counters.fetched < 0.75 * mirror.size
