@@ -112,10 +112,9 @@ def test_a_hugging_face_model_on_the_store_starts_a_job_as_from_disk(store, monk
     0's rows (TP2: half of each split tensor) only."""
     import torch
 
-    from tests.helpers import hf_models
-
     from megatron_preflight.hook import consensus, remote_load
     from megatron_preflight.layout.discover import discover
+    from tests.helpers import hf_models
     from tests.hook.test_install import install_mod, make_fake_megatron_training
 
     hf = hf_models.write("llama", str(tmp_path / "llama"), hidden_size=256, intermediate_size=512,
