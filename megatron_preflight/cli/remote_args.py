@@ -23,6 +23,9 @@ NEEDS: dict[str, dict[str, str]] = {
 }
 
 
+WRITES_BESIDE = ("fingerprint",)  # commands whose purpose is a file beside the checkpoint: uploaded next to it
+
+
 def _need(ns: argparse.Namespace, arg: str) -> str:
     need = NEEDS[ns.command][arg]
     if ns.command == "inspect" and getattr(ns, "verify_content", False):
@@ -102,6 +105,10 @@ def staged_args(ns: argparse.Namespace) -> Iterator[None]:
                 n = publish(publish_to[1], publish_to[0])
                 print(f"published {n} object(s) to {publish_to[0].url} (the tracker last)", file=sys.stderr)
             for m in mirrors:
+                if ns.command in WRITES_BESIDE:
+                    for rel in m.new_files():
+                        m.store.upload(rel, m.path(rel))
+                        print(f"uploaded {m.store.url_of(rel)}", file=sys.stderr)
                 print(f"megatron-preflight: {m.summary()}", file=sys.stderr)
         except PreflightError as exc:
             exc.message = shown(exc.message)

@@ -138,6 +138,17 @@ class Mirror:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def new_files(self) -> list[str]:
+        """Files written into the mirror that the store does not hold (relative paths): what a command wrote beside
+        the checkpoint (``fingerprint``'s file)."""
+        out = []
+        for dirpath, _dirs, files in os.walk(self.local):
+            for f in files:
+                rel = os.path.relpath(os.path.join(dirpath, f), self.local).replace(os.sep, "/")
+                if rel not in self.objects:
+                    out.append(rel)
+        return sorted(out)
+
     def shown(self, text: str) -> str:
         """``text`` with the mirror's local paths written as the URLs they stand for."""
         return text.replace(self.local, self.url)

@@ -137,3 +137,14 @@ def test_a_throttled_store_is_retried_and_the_command_answers(store):
                     "msc://store/cli/gqa")
     assert done.returncode == 0, done.stderr
     assert proxy.spoiled >= 2  # the 503 SlowDown, then the retry that got through
+
+
+def test_fingerprints_of_a_checkpoint_on_the_store_are_stored_beside_it_and_prove_its_content(store, capsys):
+    store.upload_dir(fixture_path("tp2_torch_dist"), "cli/fp")
+    before = _keys(store, "cli/fp")
+    assert main(["fingerprint", "msc://store/cli/fp", "--weights-only"]) == 0
+    added = sorted(set(_keys(store, "cli/fp")) - set(before))
+    assert len(added) == 1 and "fingerprint" in added[0], added
+    assert "msc://store/cli/fp/" + added[0] in capsys.readouterr().err
+    assert main(["inspect", "msc://store/cli/fp", "--verify-content"]) == 0
+    assert "equal" in capsys.readouterr().out.lower()
