@@ -37,7 +37,9 @@ TENSOR_SUFFIXES = (".distcp", ".safetensors", ".bin", ".pt", ".pth")  # files wh
 SMALL_FILES = ("common.pt",)  # ... except these, read whole
 MAX_SMALL = 512 * 2**20  # a non-tensor file larger than this is not metadata (a DeepSeek-V3 .metadata is ~60 MB)
 PART = 64 * 2**20  # one ranged GET of an ``all`` fetch
-WORKERS = 8  # GETs in flight
+WORKERS = 8  # GETs in flight (each up to PART bytes held)
+SMALL_WORKERS = 32  # ... when every GET is small (a verdict's metadata: one range per .distcp file, ~1,000 of them
+SMALL = 4 * 2**20  # for a 1,024-rank save: latency-bound, not bandwidth-bound)
 STAGING_ENV = "MEGATRON_PREFLIGHT_STAGING"  # where mirrors are staged (default: staging_root's choice)
 SHM = "/dev/shm"
 MANIFEST = "manifest.json"  # beside the mirrored tree (whose root is named for the profile)
@@ -159,7 +161,7 @@ class Mirror:
                 f"objects ({c.requests:,} requests)")
 
     # -- fetching ------------------------------------------------------------------------------------------------
-    def fetch(self, ranges: dict[str, Iterable[tuple[int, int]]], *, workers: int = WORKERS) -> None:
+    def fetch(self, ranges: dict[str, Iterable[tuple[int, int]]], *, workers: int | None = None) -> None:
         """Fetch ``rel -> (offset, length) ranges`` into place (ranges already fetched are not fetched again)."""
         jobs = []
         for rel, want in ranges.items():
@@ -184,6 +186,8 @@ class Mirror:
             finally:
                 os.close(fd)
 
+        if workers is None:
+            workers = SMALL_WORKERS if all(n <= SMALL for _, _, n in jobs) else WORKERS
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
             for _ in pool.map(one, jobs):
                 pass
