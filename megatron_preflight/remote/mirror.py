@@ -195,7 +195,15 @@ class Mirror:
             self.fetched[rel] = _merged([*self.fetched.get(rel, []), *want])
 
     def fetch_all(self, rels: Iterable[str] | None = None) -> None:
-        """Every byte of ``rels`` (default: every object)."""
+        """Every byte of ``rels`` (default: every object: refused up front when the staging dir cannot hold it)."""
+        if rels is None:
+            st = os.statvfs(self.root)
+            free = st.f_bavail * st.f_frsize
+            if free < self.size:
+                raise PreflightError(f"staging the checkpoint ({human_bytes(self.size)}) needs that much free space "
+                                     f"where it is staged, and {self.root} has {human_bytes(free)}", path=self.url,
+                                     fix=f"set {STAGING_ENV} to a dir with room (a local disk), or run it where "
+                                         "there is", code="environment")
         self.fetch({rel: [(0, self.objects[rel])] for rel in (self.objects if rels is None else rels)})
 
     def stage_metadata(self, iteration: int | str | None = None) -> None:

@@ -103,3 +103,19 @@ def test_a_mirror_is_staged_in_memory_when_it_fits_twice_else_on_disk(monkeypatc
     assert mirror.staging_root(2**62) == tempfile.gettempdir()
     monkeypatch.setenv(mirror.STAGING_ENV, str(tmp_path))
     assert mirror.staging_root(2**20) == str(tmp_path)
+
+
+def test_staging_a_checkpoint_where_it_does_not_fit_is_refused_before_a_byte_is_fetched(store, monkeypatch):
+    from megatron_preflight.errors import PreflightError
+    from megatron_preflight.remote import mirror as mirror_mod
+
+    with Mirror("msc://store/mirror/moe") as m:
+        real = os.statvfs
+
+        class Full:
+            f_bavail, f_frsize = 1, 4096
+
+        monkeypatch.setattr(mirror_mod.os, "statvfs", lambda p: Full() if p == m.root else real(p))
+        with pytest.raises(PreflightError, match="needs that much free space") as exc:
+            m.fetch_all()
+        assert mirror_mod.STAGING_ENV in exc.value.fix and m.store.counters.fetched == 0
