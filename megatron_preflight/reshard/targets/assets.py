@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+from typing import Any
 
 from megatron_preflight.layout.hf import files
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
@@ -69,10 +70,87 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
+DIGEST_PREFIX = ".preflight-sha256-"  # beside a file hashed as it was written: {"size", "sha256"} (removed by seal)
+
+
+class HashedFile:
+    """A file written front to back whose SHA-256 is computed as it is written: a large write is hashed on a helper
+    thread while the write system call runs (hashlib and the write both release the GIL), and both finish before
+    ``write`` returns (the caller may reuse its buffer). :meth:`close` leaves the digest beside the file
+    (:data:`DIGEST_PREFIX`), which :func:`write_integrity` takes instead of reading the file back."""
+
+    PARALLEL = 1 << 20  # smaller writes are hashed inline
+
+    def __init__(self, path: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor  # (a torch_dist write only)
+
+        self.path = path
+        self.fh = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self._h = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.nbytes < self.PARALLEL:
+            self._h.update(view)
+            return self.fh.write(view)
+        hashing = self._pool.submit(self._h.update, view)
+        try:
+            return self.fh.write(view)
+        finally:
+            hashing.result()
+
+    @property
+    def name(self) -> str:
+        return self.path
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def fileno(self) -> int:
+        return self.fh.fileno()
+
+    def close(self) -> None:
+        """Close the file and the helper thread; the digest is left beside it (the file fsynced by the caller)."""
+        self._pool.shutdown()
+        if self.fh.closed:
+            return
+        size = self.fh.tell()
+        self.fh.close()
+        name = os.path.basename(self.path)
+        with open(os.path.join(os.path.dirname(self.path), DIGEST_PREFIX + name), "w") as fh:
+            json.dump({"size": size, "sha256": self._h.hexdigest()}, fh)
+
+
+def _digest(entry: os.DirEntry) -> str:
+    """A file's SHA-256: the one taken as it was written (its size unchanged since), else read back."""
+    side = os.path.join(os.path.dirname(entry.path), DIGEST_PREFIX + entry.name)
+    try:
+        with open(side) as fh:
+            known = json.load(fh)
+        if int(known["size"]) == entry.stat().st_size:
+            return str(known["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return file_digest(entry.path)
+
+
+def remove_digests(iter_out: str) -> None:
+    """The digests :class:`HashedFile` left in ``iter_out`` (never part of a checkpoint)."""
+    for e in os.scandir(iter_out):
+        if e.name.startswith(DIGEST_PREFIX):
+            os.remove(e.path)
+
+
 def write_integrity(iter_out: str) -> None:
-    """``integrity.json`` over the files directly in ``iter_out``, in Megatron's own format."""
-    files = {e.name: file_digest(e.path) for e in sorted(os.scandir(iter_out), key=lambda e: e.path)
-             if e.is_file() and e.name != INTEGRITY}
+    """``integrity.json`` over the files directly in ``iter_out``, in Megatron's own format (a file hashed as it was
+    written is not read again)."""
+    files = {e.name: _digest(e) for e in sorted(os.scandir(iter_out), key=lambda e: e.path)
+             if e.is_file() and e.name != INTEGRITY and not e.name.startswith(DIGEST_PREFIX)}
+    remove_digests(iter_out)
     durable.write_text(os.path.join(iter_out, INTEGRITY), json.dumps({"algorithm": "sha256", "files": files},
                                                                       indent=2))
     durable.fsync_dir(iter_out)

@@ -45,6 +45,7 @@ from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.sources.torch_dist import EXPERTS, SECTIONED, object_fqn
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
+from megatron_preflight.reshard.targets.assets import HashedFile
 from megatron_preflight.reshard.targets.durable import Writeback
 from megatron_preflight.reshard.targets.stream_save import can_write_blob, owns_storage, write_tensor_blob
 from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tap, Tapping
@@ -105,7 +106,7 @@ class ChunkWriter:
     """The data file of a torch_dist iteration dir, chunk by chunk, and the ``.metadata`` that indexes it."""
 
     def __init__(self, iter_dir: str) -> None:
-        self.fh = open(os.path.join(iter_dir, DATA_FILE), "wb")  # noqa: SIM115 - closed by close()
+        self.fh = HashedFile(os.path.join(iter_dir, DATA_FILE))  # (its SHA-256 taken as written: integrity.json)
         self.writeback = Writeback(self.fh)
         self.items: list[Item] = []
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}

@@ -46,3 +46,26 @@ def test_a_hugging_face_models_tokenizer_goes_into_the_iteration_dir(tmp_path):
     assert copied == ["tokenizer.json", "tokenizer_config.json"]
     assert (out / "release" / "tokenizer" / "tokenizer.json").read_text() == '{"model": {}}'
     assert not (out / "release" / "integrity.json").exists()  # (legacy: Megatron checks no manifest)
+
+
+def test_a_file_hashed_as_it_is_written_has_the_digest_of_its_bytes_and_leaves_nothing_behind(tmp_path):
+    """Large writes are hashed on a helper thread beside the write call; a buffer reused after write returns must not
+    change the digest. integrity.json takes the digest, the sidecar goes; a target without a manifest (fsdp_dtensor)
+    removes it too."""
+    path = str(tmp_path / "data.bin")
+    f = assets.HashedFile(path)
+    buf = bytearray(os.urandom(3 << 20))
+    f.write(buf)
+    buf[:] = os.urandom(len(buf))  # the caller reuses its buffer
+    f.write(buf)
+    f.write(b"tail")
+    f.close()
+    side = tmp_path / (assets.DIGEST_PREFIX + "data.bin")
+    assert json.loads(side.read_text())["sha256"] == assets.file_digest(path)
+    assets.write_integrity(str(tmp_path))
+    assert not side.exists()
+    assert json.loads((tmp_path / "integrity.json").read_text())["files"]["data.bin"] == assets.file_digest(path)
+    out = tmp_path / "fsdp"
+    write_resharded(fixture_path("tp2_torch_dist"), str(out), TargetLayout(ckpt_format="fsdp_dtensor"))
+    left = [n for _d, _s, fs in os.walk(out) for n in fs if n.startswith(assets.DIGEST_PREFIX)]
+    assert left == []
