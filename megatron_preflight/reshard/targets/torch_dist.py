@@ -105,8 +105,10 @@ def _object_key(value: Any) -> tuple | None:
 class ChunkWriter:
     """The data file of a torch_dist iteration dir, chunk by chunk, and the ``.metadata`` that indexes it."""
 
-    def __init__(self, iter_dir: str) -> None:
-        self.fh = HashedFile(os.path.join(iter_dir, DATA_FILE))  # (its SHA-256 taken as written: integrity.json)
+    def __init__(self, iter_dir: str, *, hashed: bool = False) -> None:
+        """``hashed``: the data file's SHA-256 taken as it is written, left for integrity.json (assets.HashedFile)."""
+        path = os.path.join(iter_dir, DATA_FILE)
+        self.fh: Any = HashedFile(path) if hashed else open(path, "wb")  # noqa: SIM115 - closed by close()
         self.writeback = Writeback(self.fh)
         self.items: list[Item] = []
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
@@ -480,6 +482,11 @@ def write_torch_dist(src: str | CheckpointIndex, iter_out: str, target: TargetLa
         tap.result() if tap is not None else None
 
 
+def _hashed_writer(iter_dir: str) -> ChunkWriter:
+    """The offline target's writer: its data file hashed as written (the target writes integrity.json)."""
+    return ChunkWriter(iter_dir, hashed=True)
+
+
 class TorchDistTarget(MegatronDirs):
     """``--ckpt-format torch_dist``: one unit, the checkpoint's global state (every tensor chunk by chunk)."""
 
@@ -497,5 +504,5 @@ class TorchDistTarget(MegatronDirs):
               ) -> ShardResult:
         read, written, checked, tapped = write_torch_dist(r.checkpoint, iter_out, r.target,
                                                           keep_optimizer=r.keep_optimizer, verify=verify,
-                                                          tapping=tapping)
+                                                          tapping=tapping, writer=_hashed_writer)
         return ShardResult(read, written, checked, 0, tapped)
