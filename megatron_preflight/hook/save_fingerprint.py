@@ -25,6 +25,7 @@ from megatron_preflight import dtypes, reshard
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus, legacy_load, verify
 from megatron_preflight.layout import dist, naming, transport
+from megatron_preflight.layout.storage import is_url
 from megatron_preflight.prove import common_state, fingerprint
 from megatron_preflight.prove.global_view import global_plan, global_resharder, named_tensors
 
@@ -39,6 +40,10 @@ def skipped(args: Any, kwargs: dict[str, Any]) -> str | None:
         return "off"
     if kwargs.get("non_persistent_ckpt"):
         return "a non-persistent checkpoint is not fingerprinted"
+    save = getattr(args, "save", None)
+    if is_url(save):  # (the fingerprints would go beside the checkpoint, on the store: the command uploads them)
+        return (f"a save to object storage is not fingerprinted in the job; run `megatron-preflight fingerprint "
+                f"{save}` once it is written (it stores them beside the checkpoint there)")
     if getattr(args, "use_megatron_fsdp", False):  # (its parameters are DTensor shards over the data-parallel ranks)
         return ("a Megatron-FSDP save is not fingerprinted in the job; run `megatron-preflight fingerprint "
                 f"{getattr(args, 'save', None) or 'SAVE_DIR'}` once it is written")

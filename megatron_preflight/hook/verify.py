@@ -26,7 +26,7 @@ from typing import Any
 
 from megatron_preflight import reshard  # its modules load on first use (a lazy package)
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.hook import consensus, legacy_load, runtime, verify_rng
+from megatron_preflight.hook import consensus, legacy_load, remote_load, runtime, verify_rng
 from megatron_preflight.layout import naming
 from megatron_preflight.prove import fingerprint, placement
 from megatron_preflight.reshard.plan.rules import canonical_name, spellings
@@ -298,6 +298,7 @@ def verify_after_load(model: Any, args: Any, optimizer: Any = None) -> None:
              "checkpoint's fsdp_dtensor form")
         return
     trust = bool(getattr(args, "preflight_trust_checkpoint", False))
+    load_dir = remote_load.local_dir(load_dir)  # (an msc:// checkpoint: its node's staged mirror; collective)
     index = legacy_load.shared_index(load_dir, getattr(args, "ckpt_step", None), trust, False)
     root = index.layout.root or load_dir
     target = legacy_load.target_from_args(args)

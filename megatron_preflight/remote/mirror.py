@@ -234,7 +234,9 @@ class Mirror:
         if iteration is None:
             return list(self.objects)
         name = naming.iteration_dir_name(iteration)
-        return [r for r in self.objects if "/" not in r or r.startswith(name + "/")]
+        # the root's files, the iteration's, and those of other dirs that are no iteration (fingerprints, tokenizer)
+        return [r for r in self.objects if "/" not in r or r.startswith(name + "/")
+                or naming.parse_iteration_dir(r.split("/", 1)[0]) is None]
 
     def _refuse_legacy(self, scope: list[str]) -> None:
         legacy = [r for r in scope if r.endswith((naming.MODEL_FILENAME, naming.DISTRIB_OPTIM_FILENAME))]

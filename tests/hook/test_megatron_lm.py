@@ -1700,15 +1700,24 @@ def test_a_checkpoint_on_object_storage_resumes_as_from_disk(tmp_path):
              29790),
             ("tp2_torch_dist", 1, ["--tensor-model-parallel-size", "1"], 29792)):
         store.upload_dir(fixture_path(name), f"megatron/{name}")
-        common = ("--preflight", "auto", "--ckpt-format", "torch_dist", "--train-iters", "4", *flags)
+        mode = "auto"
+        if name == "tp2_torch_dist":  # fingerprinted on the store, then loaded and verified against them
+            r = subprocess.run([sys.executable, "-m", "megatron_preflight", "fingerprint", f"msc://store/megatron/{name}"],
+                               capture_output=True, text=True, timeout=300, env={**os.environ, "MSC_CONFIG": config})
+            assert r.returncode == 0, r.stderr
+            mode = "verify"
+        common = ("--preflight", mode, "--ckpt-format", "torch_dist", "--train-iters", "4", *flags)
         rc, local = run(tmp_path, fixture_path(name), nproc, *common, port=port, verify=False)
         assert rc == 0, local[-3000:]
         rc, remote = run(tmp_path, fixture_path(name), nproc, *common, "--load", f"msc://store/megatron/{name}",
                          "--enable-msc", port=port + 1, verify=False, env_extra={"MSC_CONFIG": config})
         assert rc == 0, remote[-3000:]
-        assert f"checkpoint msc://store/megatron/{name}" in remote and "preflight-msc-" not in remote
+        said = [line for line in remote.splitlines() if "[megatron-preflight]" in line]
+        assert f"checkpoint msc://store/megatron/{name}" in remote and not any("preflight-msc-" in s for s in said)
         if name.startswith("distopt_dpr"):
             assert "loaded through the in-memory resharder" in remote
+        else:
+            assert VERIFIED.search(remote), remote[-3000:]
         for it in (3, 4):
             assert loss(remote, it, 4) is not None and loss(remote, it, 4) == loss(local, it, 4), (name, it)
 

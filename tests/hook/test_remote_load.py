@@ -137,3 +137,19 @@ def test_a_hugging_face_model_on_the_store_starts_a_job_as_from_disk(store, monk
             assert torch.equal(value, remote["model"][key]), key
     mirror = remote_load._MIRRORS["msc://store/hook/llama"]
     assert mirror.store.counters.fetched < 0.75 * mirror.size
+
+
+def test_a_save_to_the_store_is_fingerprinted_by_the_command_the_job_names(store, capsys):
+    """The hook does not write fingerprints beside an msc:// save (the store is not a path); the command it names,
+    run as printed, stores them there, and the content check on the store passes against them."""
+    import re
+
+    from megatron_preflight.cli.main import main
+    from megatron_preflight.hook import save_fingerprint
+
+    store.upload_dir(fixture_path("tp2_torch_dist"), "hook/saved")
+    why = save_fingerprint.skipped(argparse.Namespace(preflight="auto", save="msc://store/hook/saved"), {})
+    command = re.search(r"`megatron-preflight (fingerprint [^`]+)`", why).group(1).split()
+    assert main(command) == 0
+    assert main(["inspect", "msc://store/hook/saved", "--verify-content"]) == 0
+    assert "equal" in capsys.readouterr().out.lower()
