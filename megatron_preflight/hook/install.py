@@ -26,7 +26,7 @@ from typing import Any
 from megatron_preflight.check.verdict import Loader
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.gc_budget import fewer_collections
-from megatron_preflight.hook import early, legacy_load, runtime, save_fingerprint, verify
+from megatron_preflight.hook import early, legacy_load, remote_load, runtime, save_fingerprint, verify
 from megatron_preflight.hook import state as state_mod
 from megatron_preflight.hook.flags import add_preflight_arguments
 
@@ -171,6 +171,8 @@ def install() -> None:
                 result = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **k)
                 if decision is not None and decision.mode == "verify" and load_arg == "load":
                     verify.verify_after_load(ddp_model, get_args(), optimizer)
+                if load_arg == "load":
+                    remote_load.release(getattr(get_args(), "load", None))
                 return result
 
             def reshard_base(load_dir, args, rank0=False, sharded_state_dict=None, *ba, **bk):
@@ -214,6 +216,7 @@ def install() -> None:
                          f"{spent.get('build', 0.0):.2f} s)")
             if decision.mode == "verify":
                 verify.verify_after_load(ddp_model, get_args(), optimizer)
+            remote_load.release(getattr(get_args(), "load", None))
             return result
 
         return _mark(load_checkpoint)

@@ -4,8 +4,8 @@ builds its state dict (reshard/sources/byte_ranges.py: only the chunks, rows and
 
 The node's staging dir is made by its local rank 0 (remote/mirror.staging_root: ``$MEGATRON_PREFLIGHT_STAGING``,
 else memory when it holds twice the checkpoint, else the temp dir) and named to the node's other ranks; it holds the
-node's share of the checkpoint while the job runs and is removed when the local rank 0 exits normally (a job killed
-leaves it: ``preflight-msc-*``)."""
+node's share of the checkpoint during the load and is removed right after it (:func:`release`; a job killed during
+its load leaves it: ``preflight-msc-*``, also removed at the local rank 0's normal exit)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,19 @@ def local_dir(load_dir: str, *, whole: bool = False) -> str:
         mirror = Mirror.attach(at, url)
     _MIRRORS[url] = mirror
     return mirror.local
+
+
+def release(load_dir: str | None) -> None:
+    """After the load, on every rank (collective when ``load_dir`` was staged): the node's staging dir removed by its
+    local rank 0 once every rank is past its reads. What was built from it stays readable (a mapped file outlives its
+    name), and the node's memory or disk does not hold the checkpoint for the rest of the run."""
+    mirror = _MIRRORS.pop(load_dir.rstrip("/"), None) if is_msc(load_dir) else None
+    if mirror is None:
+        return
+    consensus.all_gather(None)  # every rank past its reads
+    if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+        mirror.close()
+        log.info("%s: its staging dir %s removed after the load", mirror.url, mirror.root)
 
 
 def _mirror_of(path: str) -> Mirror | None:

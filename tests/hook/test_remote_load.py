@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -86,6 +87,14 @@ def test_the_resharder_loads_from_the_store_what_it_loads_from_disk_reading_only
     run = dict(ARGS, padded_vocab_size=128, ckpt_format="torch_dist", use_distributed_optimizer=True,
                pipeline_model_parallel_size=2, world_size=2, preflight="auto")
     monkeypatch.setattr(consensus, "world_size", lambda: 2)
+    made = []
+
+    class Recorded(remote_load.Mirror):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(remote_load, "Mirror", Recorded)
     loaded = {}
     for where in (fixture_path("distopt_dpr_tp2dp2_torch_dist"), "msc://store/hook/dpr"):
         mods, state = make_fake_megatron_training(monkeypatch)
@@ -101,8 +110,10 @@ def test_the_resharder_loads_from_the_store_what_it_loads_from_disk_reading_only
     for key, value in local["model"].items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, remote["model"][key]), key
-    mirror = remote_load._MIRRORS["msc://store/hook/dpr"]
+    mirror = made[-1]
     assert mirror.store.counters.fetched < 0.75 * mirror.size  # one pipeline stage's chunks and the metadata
+    # released after the load: the node's staging dir gone, what was built from it still whole
+    assert not os.path.exists(mirror.root) and "msc://store/hook/dpr" not in remote_load._MIRRORS
 
 
 def test_a_hugging_face_model_on_the_store_starts_a_job_as_from_disk(store, monkeypatch, tmp_path):
@@ -122,6 +133,14 @@ def test_a_hugging_face_model_on_the_store_starts_a_job_as_from_disk(store, monk
     store.upload_dir(hf, "hook/llama")
     run = dict(vars(discover(hf).saved_args), tensor_model_parallel_size=2, world_size=2, preflight="auto")
     monkeypatch.setattr(consensus, "world_size", lambda: 2)  # one process plays rank 0 of the 2-rank world
+    made = []
+
+    class Recorded(remote_load.Mirror):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(remote_load, "Mirror", Recorded)
     loaded = {}
     for where in (hf, "msc://store/hook/llama"):
         mods, state = make_fake_megatron_training(monkeypatch)
@@ -135,8 +154,9 @@ def test_a_hugging_face_model_on_the_store_starts_a_job_as_from_disk(store, monk
     for key, value in local["model"].items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, remote["model"][key]), key
-    mirror = remote_load._MIRRORS["msc://store/hook/llama"]
+    mirror = made[-1]
     assert mirror.store.counters.fetched < 0.75 * mirror.size
+    assert not os.path.exists(mirror.root)
 
 
 def test_a_save_to_the_store_is_fingerprinted_by_the_command_the_job_names(store, capsys):
