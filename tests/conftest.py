@@ -90,3 +90,14 @@ def training_pool(held: dict):
 def mcore_pool2():
     """A 2-process world: fewer processes than cores, so gloo collectives in torch_dist saves/loads do not starve."""
     yield from _pool(2)
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A real S3-compatible server (SeaweedFS: tests/helpers/s3_server.py), MSC_CONFIG naming its profile ``store``
+    (skipped where the client or the server is not installed)."""
+    from tests.helpers import s3_server
+
+    server = s3_server.for_tests()
+    monkeypatch.setenv("MSC_CONFIG", server.config())
+    return server

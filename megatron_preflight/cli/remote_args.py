@@ -60,7 +60,7 @@ def staged_args(ns: argparse.Namespace) -> Iterator[None]:
     import tempfile  # (a verdict on a local path need not pay for it)
 
     # object storage: loaded only for a command given an msc:// URL
-    from megatron_preflight.remote.mirror import Mirror
+    from megatron_preflight.remote.mirror import staged
     from megatron_preflight.remote.publish import publish, require_empty
     from megatron_preflight.remote.store import Store
 
@@ -93,12 +93,8 @@ def staged_args(ns: argparse.Namespace) -> Iterator[None]:
                     publish_to = (store, local)
                     setattr(ns, arg, local)
                     continue
-                mirror = stack.enter_context(Mirror(url))
+                mirror = stack.enter_context(staged(url, need, getattr(ns, "iteration", None)))
                 mirrors.append(mirror)
-                if need == "metadata":
-                    mirror.stage_metadata(getattr(ns, "iteration", None))
-                else:
-                    mirror.fetch_all()
                 setattr(ns, arg, mirror.local)
             yield
             if publish_to is not None and not getattr(ns, "dry_run", False) and os.path.isdir(publish_to[1]):

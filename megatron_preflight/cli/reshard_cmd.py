@@ -199,9 +199,10 @@ def add_parser(sub: argparse._SubParsersAction, *, arguments: bool = True) -> No
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
                    help="with --ckpt-format hf: the weights' dtype (default: the run's)")
     p.add_argument("--ckpt-format", choices=("torch", "torch_dist", "fsdp_dtensor", "hf"),
-                   help="the format to write (default: torch, legacy; torch_dist to an msc:// destination; torch_dist: Megatron's default, optimizer "
-                        "state in model space; fsdp_dtensor: Megatron-FSDP's, for --use-megatron-fsdp runs; hf: a "
-                        "Hugging Face model, weights only, docs/hf.md)")
+                   help="the format to write (default: torch, legacy; torch_dist to an msc:// destination; "
+                        "torch_dist: Megatron's default, optimizer state in model space; fsdp_dtensor: "
+                        "Megatron-FSDP's, for --use-megatron-fsdp runs; hf: a Hugging Face model, weights only, "
+                        "docs/hf.md)")
     p.add_argument("--verify", action="store_true",
                    help="first compare the source with the fingerprints stored beside it (if any: nothing is written "
                         "when they differ), then check every written tensor against its source slices")

@@ -14,13 +14,15 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.hook import consensus
-from megatron_preflight.remote.mirror import Mirror
 from megatron_preflight.remote.store import is_msc
 from megatron_preflight.units import human_bytes
+
+if TYPE_CHECKING:
+    from megatron_preflight.remote.mirror import Mirror
 
 log = logging.getLogger(__name__)
 _MIRRORS: dict[str, Mirror] = {}  # URL -> this process's view of its node's mirror
@@ -35,6 +37,8 @@ def local_dir(load_dir: str, *, whole: bool = False) -> str:
     url = load_dir.rstrip("/")
     if url in _MIRRORS:
         return _MIRRORS[url].local
+    from megatron_preflight.remote.mirror import Mirror  # (an msc:// load only)
+
     first = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
     mirror, failed = None, None
     if first:
@@ -89,16 +93,11 @@ def prefetch(r: Any, plan: Any) -> None:
     mirror = _mirror_of(r.layout.path)
     if mirror is None:
         return
-    from megatron_preflight.reshard.sources.byte_ranges import plan_byte_ranges, relative, total  # (a remote load)
+    from megatron_preflight.reshard.sources.byte_ranges import relative, total  # (a remote load)
 
     started = time.perf_counter()
     before = mirror.store.counters.fetched
-    masters = []  # the distributed optimizer's sampled check of the masters it reads (Resharder.check_masters)
-    if r.dist_index is not None and r.keep_optimizer:
-        masters = [ref for shard, weight, _, master in r.dist_index.checked if shard in plan.sources
-                   for ref in (weight, master)]
-    ranges = relative(plan_byte_ranges(plan, r.layout.iter_dir or r.layout.path, trust=r.trust, extra=masters),
-                      mirror.local)
+    ranges = relative(r.byte_ranges(plan), mirror.local)
     mirror.fetch(ranges)
     log.info("rank %d: fetched %s for its plan (%s asked, of %s) from %s in %.2f s", consensus.rank(),
              human_bytes(mirror.store.counters.fetched - before), human_bytes(total(ranges)),

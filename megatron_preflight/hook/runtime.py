@@ -28,8 +28,7 @@ from megatron_preflight.errors import PreflightError, environment_error
 from megatron_preflight.hook import consensus
 from megatron_preflight.hook.state import STATE, reset  # noqa: F401 - reset is part of this module's API
 from megatron_preflight.layout import naming, optimizer_kinds, storage
-from megatron_preflight.remote.mirror import NO_OBJECTS, STAGING_ENV, Mirror
-from megatron_preflight.remote.store import is_msc
+from megatron_preflight.remote.store import NO_OBJECTS, is_msc
 from megatron_preflight.reshard.plan.rules import MTP_LAYER_NAMES
 from megatron_preflight.units import human_bytes
 
@@ -253,10 +252,13 @@ def _remote_decision(args: Any, mode: str, url: str) -> Decision:
                                "finds no checkpoint there ('could not find the metadata file'), trains from scratch "
                                f"and exits 0. Fix: {fix} (with multi-storage-client installed and MSC_CONFIG naming "
                                "the profile), or --load a local copy.")
+    from megatron_preflight.remote.mirror import Mirror  # (an msc:// load only)
+
     try:
         mirror = Mirror(url)
     except PreflightError as exc:
-        if exc.code == NO_OBJECTS and getattr(args, "preflight_allow_missing_checkpoint", False):
+        if exc.code == NO_OBJECTS and exc.path == url.rstrip("/") and \
+                getattr(args, "preflight_allow_missing_checkpoint", False):  # (not a malformed URL's usage error)
             return Decision(mode, Verdict.SKIP, None, checkpoint=url,
                             report=f"no checkpoint under {url}; starting from scratch "
                                    "(--preflight-allow-missing-checkpoint)")
@@ -276,14 +278,14 @@ def _remote_decision(args: Any, mode: str, url: str) -> Decision:
 def _fetch_estimate(index: Any, d: Decision, size: int) -> str:
     """What the in-memory reshard of a remote checkpoint fetches: the bytes of the largest rank's plan (planned at
     the representative ranks of a large target), besides its node's metadata."""
-    from megatron_preflight.reshard.sources.byte_ranges import plan_byte_ranges, total  # (a remote reshard only)
+    # a remote reshard only
+    from megatron_preflight.remote.mirror import STAGING_ENV
+    from megatron_preflight.reshard.sources.byte_ranges import total
 
     r = reshard.open_resharder(index, d.target, keep_optimizer=d.load_optimizer)
     every = naming.shard_writers(r.tgt)
     names = reshard.representative_ranks(r.tgt) if len(every) > 64 else list(every)
-    where = r.layout.iter_dir or r.layout.path
-    most = max((total(plan_byte_ranges(r.plan_for_coords(every[n], n), where, trust=r.trust)) for n in names),
-               default=0)
+    most = max((total(r.byte_ranges(r.plan_for_coords(every[n], n))) for n in names), default=0)
     return (f"load: each rank fetches its own bytes into its node's staged mirror, the largest {human_bytes(most)} "
             f"of {human_bytes(size)} (staged in memory where it fits, else the temp dir; ${STAGING_ENV} chooses)")
 

@@ -27,14 +27,15 @@ from contextlib import contextmanager
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
+from megatron_preflight.layout.dist import COMMON_PT, DCP_METADATA, object_index, read_dcp_metadata
 from megatron_preflight.layout.hf.safetensors import MAX_HEADER  # (a longer header: not fetched, the reader refuses it)
-from megatron_preflight.remote.store import Store
+from megatron_preflight.remote.store import NO_OBJECTS, Store
 from megatron_preflight.units import human_bytes
 
 log = logging.getLogger(__name__)
 
 TENSOR_SUFFIXES = (".distcp", ".safetensors", ".bin", ".pt", ".pth")  # files whose bulk is tensor bytes
-SMALL_FILES = ("common.pt",)  # ... except these, read whole
+SMALL_FILES = (COMMON_PT,)  # ... except these, read whole
 MAX_SMALL = 512 * 2**20  # a non-tensor file larger than this is not metadata (a DeepSeek-V3 .metadata is ~60 MB)
 PART = 64 * 2**20  # one ranged GET of an ``all`` fetch
 WORKERS = 8  # GETs in flight (each up to PART bytes held)
@@ -43,7 +44,6 @@ SMALL = 4 * 2**20  # for a 1,024-rank save: latency-bound, not bandwidth-bound)
 STAGING_ENV = "MEGATRON_PREFLIGHT_STAGING"  # where mirrors are staged (default: staging_root's choice)
 SHM = "/dev/shm"
 MANIFEST = "manifest.json"  # beside the mirrored tree (whose root is named for the profile)
-NO_OBJECTS = "usage"  # the error code of an empty prefix (a usage error: the URL names no checkpoint)
 
 
 def staging_root(nbytes: int) -> str:
@@ -164,10 +164,12 @@ class Mirror:
     def fetch(self, ranges: dict[str, Iterable[tuple[int, int]]], *, workers: int | None = None) -> None:
         """Fetch ``rel -> (offset, length) ranges`` into place (ranges already fetched are not fetched again)."""
         jobs = []
+        asked: dict[str, list[tuple[int, int]]] = {}
         for rel, want in ranges.items():
             size = self.objects[rel]
-            have = self.fetched.setdefault(rel, [])
-            for off, n in _merged((o, min(n, size - o)) for o, n in want if o < size):
+            have = self.fetched.get(rel, [])
+            asked[rel] = _merged((o, min(n, size - o)) for o, n in want if o < size)
+            for off, n in asked[rel]:
                 if any(a <= off and off + n <= a + b for a, b in have):
                     continue
                 for part in range(off, off + n, PART):
@@ -191,8 +193,8 @@ class Mirror:
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
             for _ in pool.map(one, jobs):
                 pass
-        for rel, want in ranges.items():
-            self.fetched[rel] = _merged([*self.fetched.get(rel, []), *want])
+        for rel, got in asked.items():
+            self.fetched[rel] = _merged([*self.fetched.get(rel, []), *got])
 
     def fetch_all(self, rels: Iterable[str] | None = None) -> None:
         """Every byte of ``rels`` (default: every object: refused up front when the staging dir cannot hold it)."""
@@ -209,9 +211,9 @@ class Mirror:
     def stage_metadata(self, iteration: int | str | None = None) -> None:
         """Fetch what a verdict reads (see the module docstring)."""
         scope = self._scope(iteration)
+        self._refuse_legacy(scope)
         small = [r for r in scope if not _is_tensor_file(r) and self.objects[r] <= MAX_SMALL]
         self.fetch_all(small)
-        self._refuse_legacy(scope)
         heads = [r for r in scope if r.endswith(".safetensors")]
         self.fetch({r: [(0, 8)] for r in heads})  # each header's length, then the header: no tensor byte
         lengths = {}
@@ -220,7 +222,7 @@ class Mirror:
                 lengths[r] = int.from_bytes(fh.read(8), "little")
         self.fetch({r: [(8, n)] for r, n in lengths.items() if 0 < n <= MAX_HEADER})
         for rel in scope:
-            if rel.rsplit("/", 1)[-1] == ".metadata" and any(r.endswith(".distcp") for r in scope):
+            if rel.rsplit("/", 1)[-1] == DCP_METADATA and any(r.endswith(".distcp") for r in scope):
                 self._stage_objects(rel.rsplit("/", 1)[0] if "/" in rel else "")
 
     def _scope(self, iteration: int | str | None) -> list[str]:
@@ -251,8 +253,6 @@ class Mirror:
 
     def _stage_objects(self, iter_rel: str) -> None:
         """A torch_dist iteration's non-tensor items, where its ``.metadata`` says they lie."""
-        from megatron_preflight.layout.dist import object_index, read_dcp_metadata  # (a torch_dist mirror only)
-
         md = read_dcp_metadata(self.path(iter_rel) if iter_rel else self.local)
         want: dict[str, list[tuple[int, int]]] = {}
         for info in object_index(md).values():

@@ -11,11 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
+from megatron_preflight.layout.dist import COMMON_PT, DCP_METADATA, METADATA_JSON
+from megatron_preflight.layout.hf.names import CONFIG, INDEX
 from megatron_preflight.remote.store import Store
 
 WORKERS = 4
-NAMING = (".metadata", "metadata.json", "common.pt", "model.safetensors.index.json")  # name the tensor files
-LAST = (naming.TRACKER_FILENAME, "config.json")  # what makes a prefix a checkpoint
+NAMING = (DCP_METADATA, METADATA_JSON, COMMON_PT, INDEX)  # the files that name the tensor files
+LAST = (naming.TRACKER_FILENAME, CONFIG)  # what makes a prefix a checkpoint
 
 
 def _rank(rel: str) -> int:

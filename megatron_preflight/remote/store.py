@@ -18,6 +18,8 @@ from typing import Any
 from megatron_preflight.errors import PreflightError
 
 SCHEME = "msc://"
+NO_OBJECTS = "usage"  # the error code of an empty prefix (a usage error: the URL names no checkpoint; told apart
+# from a malformed URL's by the error's path, the URL)
 SHORT_READ_ATTEMPTS = 3
 MAX_OBJECTS = 1_000_000  # a listing longer than this is not one checkpoint
 INSTALL = "pip install 'multi-storage-client[boto3]' (the S3 provider; [google-cloud-storage], [azure-storage-blob] ... " \
@@ -97,7 +99,6 @@ class Store:
         prefix = self._base + "/" if self._base else ""
         try:
             for obj in self._client.list(path=prefix):
-                self._count(0)
                 if getattr(obj, "type", "file") != "file":
                     continue
                 key = obj.key[len(prefix):] if obj.key.startswith(prefix) else obj.key
@@ -166,8 +167,8 @@ class Store:
     def _error(self, exc: BaseException, where: str) -> PreflightError:
         """The client's ``exc`` as one clear error naming ``where``."""
         text = f"{type(exc).__name__}: {exc}"
-        code = getattr(getattr(exc, "response", None), "get", lambda *_: None)("Error") or {}
-        code = code.get("Code", "") if isinstance(code, dict) else ""
+        response = getattr(exc, "response", None)  # botocore's ClientError: the store's own error code
+        code = str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
         attempts = self._attempts() if hasattr(self, "_client") else None
         tried = f" (after the client's {attempts} attempts: the profile's retry.attempts)" if attempts else ""
         config = os.environ.get("MSC_CONFIG", "the default MSC config file (~/.msc_config.yaml, /etc/msc_config.yaml)")

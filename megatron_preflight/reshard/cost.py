@@ -22,8 +22,7 @@ from typing import Any
 
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Format
-from megatron_preflight.reshard.execute.replicas import planned
-from megatron_preflight.reshard.plan.types import RankPlan, flat_parts
+from megatron_preflight.reshard.plan.types import RankPlan, flat_parts, planned
 from megatron_preflight.reshard.sources.byte_ranges import read_plans
 from megatron_preflight.reshard.sources.files import SourceFiles
 

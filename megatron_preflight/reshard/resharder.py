@@ -43,6 +43,7 @@ from megatron_preflight.reshard.plan.spec import TE, SpecChange, bridge, spec_ch
 from megatron_preflight.reshard.plan.topology import saved_arg
 from megatron_preflight.reshard.plan.types import GlobalKey, RankPlan, VocabPlan
 from megatron_preflight.reshard.plan.validate import validate_plan
+from megatron_preflight.reshard.sources.byte_ranges import plan_byte_ranges
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
 
@@ -237,6 +238,15 @@ class Resharder:
         if self.source_dist_index is None or not self.keep_optimizer:
             return 0
         return check_masters(self.source_dist_index, files, shards=shards)
+
+    def byte_ranges(self, plan: RankPlan) -> dict[str, list[tuple[int, int]]]:
+        """Source file -> the (offset, length) ranges a build of ``plan`` reads (sources/byte_ranges.py), the sampled
+        masters :meth:`check_masters` reads in the plan's source dirs included."""
+        masters = []
+        if self.source_dist_index is not None and self.keep_optimizer:
+            masters = [ref for shard, weight, _, master in self.source_dist_index.checked if shard in plan.sources
+                       for ref in (weight, master)]
+        return plan_byte_ranges(plan, self.layout.iter_dir or self.layout.path, trust=self.trust, extra=masters)
 
     def plan_for_rank(self, rank: int, world_size: int | None = None) -> RankPlan:
         name, coords = naming.shard_for_rank(rank, world_size or self.tgt.min_world(), self.tgt)

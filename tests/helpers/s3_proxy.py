@@ -1,7 +1,7 @@
 """A fault-making HTTP proxy in front of the real S3 server (tests/helpers/s3_server.py), for the faults the server
 cannot make itself: a response cut short, a 5xx, a stalled response, a throttled store (503 SlowDown for the first
 few requests). It forwards every request unchanged (the Host header too: the client's signature stays valid) and
-spoils only the GETs whose path holds :attr:`Proxy.target`."""
+spoils only the requests of :attr:`Proxy.methods` (GETs by default) whose path holds :attr:`Proxy.target`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class _Handler(BaseHTTPRequestHandler):
         proxy: Proxy = self.server.proxy  # type: ignore[attr-defined]
         n = int(self.headers.get("Content-Length", 0) or 0)
         body = self.rfile.read(n) if n else None
-        spoil = self.command == "GET" and proxy.target in self.path
+        spoil = self.command in proxy.methods and proxy.target in self.path
         if spoil:
             proxy.spoiled += 1
         if spoil and proxy.mode in ("error", "throttle") and (proxy.mode == "error" or proxy.spoiled <= proxy.times):
@@ -75,10 +75,12 @@ class _Server(ThreadingHTTPServer):
 class Proxy:
     """``with Proxy(upstream, mode, target) as p:`` — ``p.endpoint`` for the client's profile."""
 
-    def __init__(self, upstream: str, mode: str, target: str, *, times: int = 1, stall_s: float = 5.0) -> None:
+    def __init__(self, upstream: str, mode: str, target: str, *, times: int = 1, stall_s: float = 5.0,
+                 methods: tuple[str, ...] = ("GET",)) -> None:
         if mode not in ("cut", "error", "stall", "throttle"):
             raise ValueError(mode)
         self.upstream, self.mode, self.target, self.times, self.stall_s = upstream, mode, target, times, stall_s
+        self.methods = methods
         self.spoiled = 0
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.proxy = self  # type: ignore[attr-defined]

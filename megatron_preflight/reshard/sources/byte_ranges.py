@@ -16,9 +16,8 @@ from typing import Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.layout.hf.safetensors import SafeRef
-from megatron_preflight.reshard.plan.types import CopyOp, RankPlan, TensorPlan, flat_parts
-from megatron_preflight.reshard.sources.torch_dist_reader import Chunk, RegionRef, chunk_index, source_metadata
-from megatron_preflight.tree import iter_leaves
+from megatron_preflight.reshard.plan.types import CopyOp, RankPlan, TensorPlan, flat_parts, planned
+from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, dist_reader
 
 Ranges = dict[str, list[tuple[int, int]]]  # file path -> (offset, length)
 
@@ -26,33 +25,25 @@ Ranges = dict[str, list[tuple[int, int]]]  # file path -> (offset, length)
 def read_plans(plan: RankPlan) -> list[TensorPlan]:
     """Every tensor the plan builds from source slices: model and optimizer state, and each parameter's state inside
     a distributed optimizer's world tensors."""
-    out = list(plan.tensors) + [leaf for _, leaf in iter_leaves(plan.optimizer) if isinstance(leaf, TensorPlan)]
+    out = list(planned(plan))
     for _, fp in flat_parts(plan.dist_optimizer):
         out += [tp for _, tp in fp.parts]
     return [tp for tp in out if tp.shape is not None]
-
-
-def _overlaps(c: Chunk, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
-    if len(c.offsets) != len(offsets):
-        return True  # another coordinate form (a flattened fragment): conservatively, every chunk
-    return all(a < o + s and o < a + n for a, n, o, s in zip(c.offsets, c.sizes, offsets, sizes, strict=True))
 
 
 def plan_byte_ranges(plan: RankPlan, iter_dir: str, *, trust: bool = False, extra: Iterable[Any] = ()) -> Ranges:
     """file path -> the (offset, length) ranges ``plan`` reads of it (see the module docstring); ``extra``: other
     source pieces read whole beside the plan (the sampled fp32 masters and weights of a distributed optimizer)."""
     out: Ranges = defaultdict(list)
-    chunks: dict[str, list[Chunk]] | None = None
+    reader = None
     refs = [(ref, op) for tp in read_plans(plan) for op in tp.ops for ref in (op.ref, *(r for _, r in op.replicas))]
     refs += [(ref, None) for ref in extra]
     for ref, op in refs:
         if isinstance(ref, RegionRef):
-            if chunks is None:
-                chunks = chunk_index(source_metadata(iter_dir, trust=trust))
+            reader = reader or dist_reader(iter_dir, trust=trust)  # (opens no file: the chunk index only)
             for slab in ref.slabs:
-                for c in chunks.get(slab.fqn, ()):
-                    if slab.fragment is not None or _overlaps(c, slab.offsets, slab.sizes):
-                        out[os.path.join(iter_dir, c.file)].append((c.start, c.length))
+                for c in reader.chunks_meeting(slab):
+                    out[os.path.join(iter_dir, c.file)].append((c.start, c.length))
         elif isinstance(ref, SafeRef):
             _safe_ranges(ref, op, iter_dir, out)
         elif getattr(ref, "file", None):

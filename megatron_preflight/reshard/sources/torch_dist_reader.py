@@ -191,6 +191,16 @@ class DistReader:
             out.extend(index.get(tuple(offsets[:k]), ()))
         return out
 
+    def chunks_meeting(self, s: Slab) -> list[Chunk]:
+        """The saved chunks the slab's box meets: the ones a read of it opens (every chunk of a tensor stored flattened
+        by fragments, whose chunks are in other coordinates)."""
+        if s.fragment is not None:
+            return list(self.chunks.get(s.fqn, ()))
+        return [c for c in self._candidates(s.fqn, s.offsets, s.sizes)
+                if len(c.offsets) != len(s.offsets)
+                or all(co < o + n and o < co + cs for o, n, co, cs in zip(s.offsets, s.sizes, c.offsets, c.sizes,
+                                                                          strict=True))]
+
     def _holding_chunk(self, s: Slab) -> Chunk | None:
         """The saved chunk that holds the slab's box whole, if one does."""
         for c in self._candidates(s.fqn, s.offsets, s.sizes):

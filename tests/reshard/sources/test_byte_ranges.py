@@ -1,7 +1,7 @@
-"""The byte ranges a rank's plan reads are all it reads: a copy of the checkpoint with every other tensor byte zeroed
-(what a staged remote mirror holds: the metadata, and the holes never fetched) builds the same state dict, model and
-optimizer, as the original — torch_dist with a dp_reshardable distributed optimizer, an MoE model, and an HF model
-in FP8 (rows and scale rows only)."""
+"""The byte ranges a rank's plan reads (Resharder.byte_ranges) are all it reads: a copy of the checkpoint with every
+other tensor byte zeroed (what a staged remote mirror holds: the metadata, and the holes never fetched) builds the same
+state dict, model and optimizer, as the original — torch_dist with a dp_reshardable distributed optimizer, an MoE
+model, and an HF model in FP8 (rows and scale rows only)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from megatron_preflight.layout.dist import object_index, read_dcp_metadata  # noqa: E402
 from megatron_preflight.remote.mirror import _is_tensor_file  # noqa: E402
 from megatron_preflight.reshard import SourceFiles, TargetLayout, build_tree, open_resharder  # noqa: E402
-from megatron_preflight.reshard.sources.byte_ranges import plan_byte_ranges, total  # noqa: E402
+from megatron_preflight.reshard.sources.byte_ranges import total  # noqa: E402
 from tests.conftest import fixture_path  # noqa: E402
 
 
@@ -72,9 +72,7 @@ def _holed(src: str, dst: str, target: TargetLayout, coords: dict, name: str):
     shutil.copytree(src, dst)
     r = open_resharder(dst, target)
     plan = r.plan_for_coords(coords, name)
-    masters = [ref for shard, w, _, m in (r.dist_index.checked if r.dist_index is not None else ())
-               if shard in plan.sources for ref in (w, m)]
-    ranges = plan_byte_ranges(plan, r.layout.iter_dir or r.layout.path, extra=masters)
+    ranges = r.byte_ranges(plan)
     _keep_metadata(dst, {k: list(v) for k, v in ranges.items()})
     return r, plan, ranges
 
