@@ -24,13 +24,18 @@ def _run(ns: argparse.Namespace) -> int:
                              path=p.path if p else layout.path,
                              fix=(p.fix if p else "") or "run `megatron-preflight inspect` on it", code="checkpoint")
     flags = model_flags(layout.saved_args) + tokenizer_flags(layout)
+    saved = layout.saved_args
+    hybrid = getattr(saved, "hybrid_layer_pattern", None) or getattr(saved, "hybrid_override_pattern", None)
+    script = "pretrain_hybrid.py" if hybrid else "pretrain_gpt.py"
     if ns.json:
         print(json.dumps({"path": layout.path, "format": layout.format.value if layout.format else None,
-                          "flags": flags}, indent=1))
+                          "script": script, "flags": flags}, indent=1))
         return EXIT_OK
     if layout.format == Format.HF:
-        print(f"# {layout.saved_args.hf_architecture}: load it with --load {layout.path} --preflight auto "
+        print(f"# {saved.hf_architecture}: run {script} with these flags and --load {layout.path} --preflight auto "
               "(weights only, iteration 0)")
+    else:
+        print(f"# run {script} with these flags")
     print(" \\\n".join(flags))
     return EXIT_OK if not fatal else EXIT_PROBLEMS
 

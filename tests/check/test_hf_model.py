@@ -16,8 +16,8 @@ from megatron_preflight.reshard import open_index
 hf_models = pytest.importorskip("tests.helpers.hf_models")
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"]
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe"]
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
 RUN = ["--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
        "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2"]
 
@@ -82,6 +82,13 @@ MLA_EDITS = [("q_lora_rank", ["--q-lora-rank", "8"]), ("kv_lora_rank", ["--kv-lo
              ("transformer_impl", ["--transformer-impl", "local"])]
 MLA_DROPS = [("multi_latent_attention", "--multi-latent-attention"),
              ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias")]
+# GLM-4.5's own fields: RoPE on half of each head, its router (sigmoid, bias, groups, scaling), its shared expert
+GLM_EDITS = [("rotary_percent", ["--rotary-percent", "1.0"]),
+             ("moe_router_score_function", ["--moe-router-score-function", "softmax"]),
+             ("moe_router_num_groups", ["--moe-router-num-groups", "4"]),
+             ("moe_router_topk_scaling_factor", ["--moe-router-topk-scaling-factor", "1.0"]),
+             ("moe_shared_expert_intermediate_size", ["--moe-shared-expert-intermediate-size", "32"])]
+GLM_DROPS = [("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias")]
 NOT_MLA = ("num_query_groups", "kv_channels", "group_query_attention")  # MLA has neither groups nor kv channels
 DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
          ("qk_layernorm", "--qk-layernorm"), ("add_qkv_bias", "--add-qkv-bias"),
@@ -90,11 +97,12 @@ DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--unti
 
 def _cases():
     for name in FAMILIES:
-        mla = name == "deepseek_v3"
-        for field, edit in EDITS + (MOE_EDITS if name in MOE else []) + (MLA_EDITS if mla else []):
+        mla, glm = name == "deepseek_v3", name == "glm4_moe"
+        for field, edit in EDITS + (MOE_EDITS if name in MOE else []) + (MLA_EDITS if mla else []) + (
+                GLM_EDITS if glm else []):
             if not (mla and field in NOT_MLA):
                 yield name, field, edit, None
-        for field, flag in DROPS + (MLA_DROPS if mla else []):
+        for field, flag in DROPS + (MLA_DROPS if mla else []) + (GLM_DROPS if glm else []):
             if not (mla and field in NOT_MLA):
                 yield name, field, None, flag
 
@@ -114,7 +122,7 @@ def test_each_wrong_flag_is_named_and_its_fix_clears_it(models, name, field, edi
     names = set(found)
     if field == "group_query_attention":
         field = "num_query_groups"  # GQA off means one group per head: the groups differ
-    if field == "moe_router_score_function" and name == "deepseek_v3":
+    if field == "moe_router_score_function" and name in ("deepseek_v3", "glm4_moe"):
         names.discard("moe_router_enable_expert_bias")  # (an expert bias needs sigmoid: said as well)
     assert field in names, f"{name}: {bad} -> {found}"
     fixed = apply(bad, found[field])

@@ -26,18 +26,25 @@ def test_an_hf_models_flags_as_a_launch_script_holds_them(tmp_path):
     done = flags(path)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("# Qwen3MoeForCausalLM") and f"--load {path} --preflight auto" in lines[0]
+    assert lines[0].startswith("# Qwen3MoeForCausalLM: run pretrain_gpt.py") and \
+        f"--load {path} --preflight auto" in lines[0]
     body = [line.rstrip(" \\") for line in lines[1:]]
     for expected in ("--num-layers 2", "--qk-layernorm", "--num-experts 4", "--moe-ffn-hidden-size 48",
                      "--norm-epsilon 1e-06", "--disable-bias-linear", "--swiglu", "--normalization RMSNorm"):
         assert expected in body
     doc = json.loads(flags(path, "--json").stdout)
-    assert doc["format"] == "hf" and doc["flags"] == body
+    assert doc["format"] == "hf" and doc["flags"] == body and doc["script"] == "pretrain_gpt.py"
 
 
 def test_a_megatron_checkpoints_saved_model_flags():
     done = flags(fixture_path("bf16_gqa_tp2_torch"))
     assert done.returncode == 0 and "--bf16" in done.stdout and "--num-query-groups 2" in done.stdout
+    assert done.stdout.startswith("# run pretrain_gpt.py")
+
+
+def test_a_hybrid_checkpoint_names_its_script():
+    doc = json.loads(flags(fixture_path("hyb_tp2_torch"), "--json").stdout)
+    assert doc["script"] == "pretrain_hybrid.py"
 
 
 def test_an_unsupported_model_is_one_paragraph(tmp_path):

@@ -36,6 +36,12 @@ def configs() -> dict[str, Any]:
                                           routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
                                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                                           tie_word_embeddings=False, rope_scaling=None),
+        # GLM-4.5: QKV bias, QK norm, RoPE on half of each head, a dense first layer, 8 routed experts in 2 groups
+        # with a sigmoid router and its bias, a shared expert, a routed scaling factor
+        "glm4_moe": T.Glm4MoeConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, moe_intermediate_size=16,
+                                    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                    first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                    attention_bias=True, use_qk_norm=True, tie_word_embeddings=False),
     }
 
 
@@ -97,10 +103,20 @@ def build_from_args(args: dict[str, Any], tp: int, pp: int = 1, ep: int = 1) -> 
         kw.update(num_moe_experts=args["num_experts"], moe_router_topk=args["moe_router_topk"],
                   moe_ffn_hidden_size=args["moe_ffn_hidden_size"], moe_token_dispatcher_type="allgather",
                   moe_aux_loss_coeff=0.0, moe_router_pre_softmax=args["moe_router_pre_softmax"],
-                  moe_router_score_function=args["moe_router_score_function"])
+                  moe_router_score_function=args["moe_router_score_function"],
+                  moe_layer_freq=args.get("moe_layer_freq", 1))
+        for name in ("moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias", "moe_router_num_groups",
+                     "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_dtype"):
+            if args.get(name) is not None:
+                kw[name] = args[name]
     cfg = TransformerConfig(**kw)
-    spec = get_gpt_layer_local_spec(num_experts=args.get("num_experts"), qk_layernorm=args["qk_layernorm"],
-                                    normalization=args["normalization"])
+    if args.get("num_experts") and args.get("moe_layer_freq", 1) != 1:  # dense and MoE layers: a block spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=args["normalization"])
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=args.get("num_experts"), qk_layernorm=args["qk_layernorm"],
+                                        normalization=args["normalization"])
     from megatron_preflight.parallel import pad_vocab
 
     padded = pad_vocab(args["true_vocab"], args["make_vocab_size_divisible_by"], tp)

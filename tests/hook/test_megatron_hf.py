@@ -70,7 +70,12 @@ CASES = [("llama", 2, ["--tensor-model-parallel-size", "2"]), ("llama", 2, ["--p
          ("qwen3", 2, ["--pipeline-model-parallel-size", "2"]),
          ("mixtral", 2, ["--expert-model-parallel-size", "2"]),
          ("qwen3_moe", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-         ("qwen3_moe", 2, ["--expert-model-parallel-size", "2"])]
+         ("qwen3_moe", 2, ["--expert-model-parallel-size", "2"]),
+         # GLM-4.5 (local spec): QKV bias, QK norm, RoPE on half of each head, a dense first layer, grouped sigmoid
+         # routing with the expert bias and a scaling factor, a shared expert
+         ("glm4_moe", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+         ("glm4_moe", 2, ["--pipeline-model-parallel-size", "2"]),
+         ("glm4_moe", 2, ["--expert-model-parallel-size", "2"])]
 
 
 @pytest.mark.parametrize("name, nproc, layout", CASES, ids=[f"{c[0]}-{'-'.join(c[2]) or 'tp1'}" for c in CASES])
@@ -147,6 +152,23 @@ def test_deepseek_rotating_halves_and_its_mtp_layer(tmp_path, data):
         assert ("mtp_1 loss" in log) == (path == mtp)
 
 
+@pytest.mark.skipif(not TE_CPU, reason="MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
+def test_glm_with_its_mtp_layer(tmp_path, data):
+    """A GLM-4.5 whose files carry the multi-token prediction layer the hub's do (--mtp-num-layers 1, printed);
+    transformers ignores the layer, so the lm loss is still its own, and Megatron computes an MTP loss from the loaded
+    layer. Under the Transformer Engine spec (through te_cpu, a CPU stand-in, not TE): Megatron-LM main builds an MTP
+    layer only with Transformer Engine installed (its inference-linear check names TE's classes)."""
+    from tests.helpers import hf_data, hf_models
+
+    path = hf_models.add_mtp(hf_models.write("glm4_moe", str(tmp_path / "mtp")))
+    assert "--mtp-num-layers" in printed_flags(path)
+    rc, log = run(tmp_path, path, 2, *printed_flags(path), "--data-path", data, "--tensor-model-parallel-size", "2",
+                  "--sequence-parallel", "--preflight", "auto", base=BASE, port=29748, verify=False, te=True)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
+    assert "mtp_1 loss" in log
+
+
 # A model trained by real Megatron-LM from an HF start and saved in each form, then exported back (--ckpt-format
 # hf): transformers' loss on the tokens equals the loss Megatron computes when the saved model is loaded again (its
 # first iteration after a --finetune load: the saved weights, before any update).
@@ -159,6 +181,7 @@ EXPORTS = [
     ("qwen3_moe", 2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--ckpt-format", "torch_dist"],
      True),
     ("deepseek_v3", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format", "torch"], True),
+    ("glm4_moe", 2, ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"], True),
 ]
 
 
@@ -170,8 +193,8 @@ def test_a_trained_model_handed_back_as_hf_computes_megatrons_loss(tmp_path, dat
     from tests.helpers import hf_data, hf_models
 
     path = models[name][0]
-    if name == "deepseek_v3":
-        path = hf_models.add_mtp(hf_models.write(name, str(tmp_path / "dsv3_mtp")))
+    if name in ("deepseek_v3", "glm4_moe"):  # (the MTP layer trained and handed back too)
+        path = hf_models.add_mtp(hf_models.write(name, str(tmp_path / f"{name}_mtp")))
     save = str(tmp_path / "saved")
     rc, log = run(tmp_path, path, nproc, *printed_flags(path), "--data-path", data, *layout, "--preflight", "auto",
                   "--save", save, "--save-interval", "2", "--train-iters", "2", base=BASE, port=29746, verify=False,

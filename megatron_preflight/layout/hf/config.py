@@ -1,13 +1,17 @@
-"""A Hugging Face ``config.json`` normalised: the hub's spellings (transformers 4: ``rope_theta`` and ``rope_scaling``,
-Qwen3-MoE's ``num_experts``) and transformers 5's (``rope_parameters``, ``num_local_experts``) read into one
-:class:`HfConfig`."""
+"""A Hugging Face ``config.json`` normalised into one :class:`HfConfig`, through the config table of the model's family
+(:class:`Key` rows, declared in each family's module under :mod:`.families`): the hub's spellings (transformers 4:
+``rope_theta`` and ``rope_scaling``) and transformers 5's (``rope_parameters``) alike.
+
+Only what the family declares is read, each field typed and bounded before it is used; a field the family does not
+declare keeps :class:`HfConfig`'s neutral value (never another family's default), and a key that changes what a model
+computes but that the family does not read is refused (:data:`MODEL_KEYS`), never dropped silently."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_preflight.errors import CorruptFileError, PreflightError
 from megatron_preflight.layout.hf import files
@@ -44,15 +48,16 @@ class HfConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    max_position_embeddings: int | None
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    norm_eps: float
-    tie_word_embeddings: bool
-    hidden_act: str
-    attention_bias: bool | None
-    mlp_bias: bool
-    dtype: str | None
+    # (below: the neutral value of a field the family does not declare)
+    max_position_embeddings: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool | None = None
+    mlp_bias: bool = False
+    dtype: str | None = None
     num_experts: int | None = None
     experts_per_token: int | None = None
     moe_intermediate_size: int | None = None
@@ -75,6 +80,8 @@ class HfConfig:
     routed_scaling_factor: float | None = None
     scoring_func: str = "softmax"
     mtp_layers: int = 0
+    qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3 always; GLM-4.5 with use_qk_norm)
+    rotary_percent: float = 1.0  # the share of each head RoPE rotates (GLM-4.5: partial_rotary_factor 0.5)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -97,6 +104,23 @@ class HfConfig:
 
 
 _MISSING = object()
+REQUIRED = _MISSING  # a Key's default: config.json must set it
+
+
+class Key(NamedTuple):
+    """One row of a family's config table: ``config.json``'s key ``hf`` (or one of ``aliases``, other writers'
+    spellings) holds :class:`HfConfig`'s field ``field``; ``default`` is the family's value when config.json omits it
+    (transformers' default for the family's config class; :data:`REQUIRED`: it must be there). An export writes the
+    field back under ``hf``: the inverse comes from the same row."""
+
+    hf: str
+    field: str
+    default: Any = REQUIRED
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.hf, *self.aliases)
 # Bounds on config.json's numbers, checked before any is used: far beyond any published model (DeepSeek-V3: 61 layers,
 # 7,168 wide, 256 experts; Llama 4: 10M positions; Gemma 3: a 262k vocab), small enough that nothing sized by them
 # (a table per layer, a row count) can exhaust memory or overflow
@@ -169,7 +193,11 @@ class _Fields:
         return v
 
 
-def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
+def _rope(f: _Fields, theta_default: float, partial_default: float | None) \
+        -> tuple[float, RopeScaling | None, float]:
+    """(RoPE's base, its frequency scaling, the share of each head it rotates) from ``rope_parameters``
+    (transformers 5), ``rope_scaling`` and the top level (transformers 4, the hub). ``partial_default`` None: the
+    family rotates whole heads, and a config that says otherwise is refused by the family's undeclared-key check."""
     raw = f.raw
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
@@ -186,12 +214,17 @@ def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
     m = _Fields(merged, f.path)
     theta = m.float("rope_theta", default=None)
     if theta is None:
-        theta = f.float("rope_theta", default=10000.0)
+        theta = f.float("rope_theta", default=theta_default)
+    partial = m.float("partial_rotary_factor", default=None, hi=1.0)
+    if partial is None:
+        partial = f.float("partial_rotary_factor", default=partial_default, hi=1.0)
+    if partial is None:
+        partial = 1.0
     kind = merged.get("rope_type") or merged.get("type") or "default"
     if not isinstance(kind, str):
         raise f._bad("rope_type", kind, "a string")
     if kind == "default":
-        return theta, None
+        return theta, None, partial
 
     def num(name: str) -> float | None:
         return m.float(name, default=None, lo=-1e6, open_lo=False, hi=1e6)
@@ -199,7 +232,7 @@ def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
     factor = m.float("factor", default=None, hi=1e6)
     orig = m.int("original_max_position_embeddings", default=None, hi=MAX_POSITIONS)
     return theta, RopeScaling(kind, factor, num("low_freq_factor"), num("high_freq_factor"), orig, num("beta_fast"),
-                              num("beta_slow"), num("mscale"), num("mscale_all_dim"))
+                              num("beta_slow"), num("mscale"), num("mscale_all_dim")), partial
 
 
 def load_raw(model_dir: str) -> tuple[dict[str, Any], str]:
@@ -222,65 +255,89 @@ def architecture_of(raw: dict[str, Any]) -> str:
     return str(archs[0]) if archs else str(raw.get("model_type", "unknown"))
 
 
-def normalise(raw: dict[str, Any], path: str) -> HfConfig:
-    """The model ``raw`` (a decoder-only language model's ``config.json``) describes. A missing field the model
-    cannot be described without, a field of the wrong type or out of range, is an error naming it."""
-    arch = architecture_of(raw)
+def _layer_list(f: _Fields, names: tuple[str, ...], default: Any, got: dict[str, Any]) -> tuple[int, ...]:
+    name, v, _ = f.first(*names, default=default)
+    layers = got["num_layers"]
+    if not isinstance(v, (list, tuple)) or any(type(i) is not int or not 0 <= i < layers for i in v):
+        raise f._bad(name, v, f"a list of layer numbers in [0, {layers})")
+    return tuple(v)
+
+
+def _experts(got: dict[str, Any]) -> int:
+    return max(1, got.get("num_experts") or MAX_EXPERTS)
+
+
+_Reader = Any  # (f, names, default, fields read so far) -> value
+# how each HfConfig field is read: its type and bounds (a bound may depend on a field read before it, in this order)
+READERS: dict[str, _Reader] = {
+    "num_layers": lambda f, n, d, g: f.int(*n, hi=MAX_LAYERS, default=d),
+    "num_attention_heads": lambda f, n, d, g: f.int(*n, hi=MAX_HEADS, default=d),
+    "hidden_size": lambda f, n, d, g: f.int(*n, default=d),
+    # (one that does not divide the heads: the family refuses it)
+    "num_key_value_heads": lambda f, n, d, g: f.int(*n, hi=g["num_attention_heads"], default=d),
+    "head_dim": lambda f, n, d, g: f.int(*n, default=d),
+    "vocab_size": lambda f, n, d, g: f.int(*n, hi=MAX_VOCAB, default=d),
+    "intermediate_size": lambda f, n, d, g: f.int(*n, default=d),
+    "max_position_embeddings": lambda f, n, d, g: f.int(*n, hi=MAX_POSITIONS, default=d),
+    "norm_eps": lambda f, n, d, g: f.float(*n, hi=1.0, default=d),
+    "tie_word_embeddings": lambda f, n, d, g: f.bool(n[0], d),
+    "hidden_act": lambda f, n, d, g: f.str(*n, default=d),
+    "attention_bias": lambda f, n, d, g: f.bool(n[0], d),
+    "mlp_bias": lambda f, n, d, g: f.bool(n[0], d),
+    "qk_norm": lambda f, n, d, g: f.bool(n[0], d),
+    "dtype": lambda f, n, d, g: f.str(*n, default=d),
+    "num_experts": lambda f, n, d, g: f.int(*n, lo=0, hi=MAX_EXPERTS, default=d),
+    "experts_per_token": lambda f, n, d, g: f.int(*n, hi=_experts(g), default=d),
+    "moe_intermediate_size": lambda f, n, d, g: f.int(*n, default=d),
+    "norm_topk_prob": lambda f, n, d, g: f.bool(n[0], d),
+    "decoder_sparse_step": lambda f, n, d, g: f.int(*n, hi=max(1, g["num_layers"]), default=d),
+    "mlp_only_layers": _layer_list,
+    "sliding_window": lambda f, n, d, g: (f.int(*n, hi=MAX_POSITIONS, default=d)
+                                          if f.bool("use_sliding_window", True) is not False else None),
+    "q_lora_rank": lambda f, n, d, g: f.int(*n, default=d),
+    "kv_lora_rank": lambda f, n, d, g: f.int(*n, default=d),
+    "qk_nope_head_dim": lambda f, n, d, g: f.int(*n, default=d),
+    "qk_rope_head_dim": lambda f, n, d, g: f.int(*n, default=d),
+    "v_head_dim": lambda f, n, d, g: f.int(*n, default=d),
+    "rope_interleave": lambda f, n, d, g: f.bool(n[0], d),
+    "shared_experts": lambda f, n, d, g: f.int(*n, lo=0, hi=MAX_EXPERTS, default=d),
+    "first_k_dense": lambda f, n, d, g: f.int(*n, lo=0, hi=g["num_layers"], default=d),
+    "n_group": lambda f, n, d, g: f.int(*n, hi=_experts(g), default=d),
+    "topk_group": lambda f, n, d, g: f.int(*n, hi=_experts(g), default=d),
+    "routed_scaling_factor": lambda f, n, d, g: f.float(*n, hi=1e6, default=d),
+    "scoring_func": lambda f, n, d, g: f.str(*n, default=d),
+    "mtp_layers": lambda f, n, d, g: f.int(*n, lo=0, hi=MAX_LAYERS, default=d),
+}
+ROPE_FIELDS = ("rope_theta", "rotary_percent", "rope_scaling")  # read together by _rope
+# the fields every family declares (what a decoder-only language model cannot be described without)
+CORE_FIELDS = ("num_layers", "num_attention_heads", "hidden_size", "vocab_size", "intermediate_size", "norm_eps",
+               "tie_word_embeddings", "hidden_act", "rope_theta")
+
+
+def normalise(raw: dict[str, Any], path: str, keys: tuple[Key, ...], fixed: dict[str, Any] | None = None) -> HfConfig:
+    """The model ``raw`` (a decoder-only language model's ``config.json``) describes, read through ``keys`` (its
+    family's config table); ``fixed``: fields its architecture fixes whatever the config says. A missing field the
+    model cannot be described without, a field of the wrong type or out of range, is an error naming it; a field no
+    key declares keeps :class:`HfConfig`'s neutral value."""
     f = _Fields(raw, path)
-    layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
-    heads = f.int("num_attention_heads", hi=MAX_HEADS)
-    hidden = f.int("hidden_size")
-    kv_heads = f.int("num_key_value_heads", default=heads, hi=heads)  # (one that does not divide: families refuses)
-    head_dim = f.int("head_dim", default=None)
-    if head_dim is None:
+    by_field = {k.field: k for k in keys}
+    got: dict[str, Any] = {}
+    for field_name, reader in READERS.items():
+        key = by_field.get(field_name)
+        if key is not None:
+            got[field_name] = reader(f, key.names, key.default, got)
+    if got.get("num_key_value_heads") is None:
+        got["num_key_value_heads"] = got["num_attention_heads"]
+    if got.get("head_dim") is None:
+        hidden, heads = got["hidden_size"], got["num_attention_heads"]
         if hidden % heads:
             raise f._bad("hidden_size", hidden, f"a multiple of num_attention_heads ({heads}) when head_dim is not "
                          "given")
-        head_dim = hidden // heads
-    theta, scaling = _rope(f)
-    experts = f.int("num_local_experts", "num_experts", "n_routed_experts", default=None, lo=0, hi=MAX_EXPERTS)
-    topk = f.int("num_experts_per_tok", default=None, hi=max(1, experts or MAX_EXPERTS))
-
-    def layer_list(name: str) -> tuple[int, ...]:
-        v = raw.get(name) or []
-        if not isinstance(v, list) or any(type(i) is not int or not 0 <= i < layers for i in v):
-            raise f._bad(name, v, f"a list of layer numbers in [0, {layers})")
-        return tuple(v)
-
-    # transformers' DeepseekV3 router is sigmoid whatever the config says: decided by the architecture, not the
-    # model_type (Kimi K2 is DeepseekV3ForCausalLM under model_type kimi_k2, with its own code in auto_map)
-    scoring = f.str("scoring_func", default=None) or ("sigmoid" if arch in SIGMOID_ROUTERS else "softmax")
-    return HfConfig(
-        path=path, architecture=arch, model_type=str(raw.get("model_type", "")),
-        vocab_size=f.int("vocab_size", hi=MAX_VOCAB), hidden_size=hidden,
-        intermediate_size=f.int("intermediate_size"), num_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=f.int("max_position_embeddings", default=None, hi=MAX_POSITIONS),
-        rope_theta=theta, rope_scaling=scaling,
-        norm_eps=f.float("rms_norm_eps", "layer_norm_eps", "norm_eps", default=1e-6, hi=1.0),
-        tie_word_embeddings=f.bool("tie_word_embeddings", True),
-        hidden_act=f.str("hidden_act", "activation_function", default="silu"),
-        attention_bias=f.bool("attention_bias", None), mlp_bias=f.bool("mlp_bias", False),
-        dtype=f.str("dtype", "torch_dtype", default=None),
-        num_experts=experts or None,
-        experts_per_token=topk,
-        moe_intermediate_size=f.int("moe_intermediate_size", default=None),
-        norm_topk_prob=f.bool("norm_topk_prob", None),
-        decoder_sparse_step=f.int("decoder_sparse_step", default=1, hi=max(1, layers)),
-        mlp_only_layers=layer_list("mlp_only_layers"),
-        sliding_window=(f.int("sliding_window", default=None, hi=MAX_POSITIONS)
-                        if f.bool("use_sliding_window", True) is not False else None),
-        q_lora_rank=f.int("q_lora_rank", default=None), kv_lora_rank=f.int("kv_lora_rank", default=None),
-        qk_nope_head_dim=f.int("qk_nope_head_dim", default=None),
-        qk_rope_head_dim=f.int("qk_rope_head_dim", default=None),
-        v_head_dim=f.int("v_head_dim", default=None),
-        # transformers' DeepseekV3Config default: the hub's config.json does not say, and its rows are interleaved
-        rope_interleave=f.bool("rope_interleave", True),
-        shared_experts=f.int("n_shared_experts", default=0, lo=0, hi=MAX_EXPERTS),
-        first_k_dense=f.int("first_k_dense_replace", default=0, lo=0, hi=layers),
-        n_group=f.int("n_group", default=None, hi=max(1, experts or 1)),
-        topk_group=f.int("topk_group", default=None, hi=max(1, experts or 1)),
-        routed_scaling_factor=f.float("routed_scaling_factor", default=None, hi=1e6),
-        scoring_func=scoring,
-        mtp_layers=f.int("num_nextn_predict_layers", default=0, lo=0, hi=MAX_LAYERS),
-        raw=raw)
+        got["head_dim"] = hidden // heads
+    theta = by_field["rope_theta"].default
+    partial = by_field["rotary_percent"].default if "rotary_percent" in by_field else None
+    got["rope_theta"], got["rope_scaling"], got["rotary_percent"] = _rope(f, theta, partial)
+    got["num_experts"] = got.get("num_experts") or None
+    got.update(fixed or {})
+    return HfConfig(path=path, architecture=architecture_of(raw), model_type=str(raw.get("model_type", "")),
+                    raw=raw, **got)

@@ -17,7 +17,7 @@ from megatron_preflight import dtypes, parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.hf import families, files, quant
-from megatron_preflight.layout.hf.config import architecture_of, load_raw, normalise
+from megatron_preflight.layout.hf.config import architecture_of, load_raw
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import Run, SafeRef, safe_ref, tensor_table
 from megatron_preflight.layout.model import Format, Layout, Shard
@@ -34,7 +34,7 @@ def discover_hf(path: str) -> Layout:
     layout.looks_like = f"a Hugging Face model ({arch})"
     try:
         family = families.family_for(arch, config_path)
-        cfg = normalise(raw, config_path)
+        cfg = families.read_config(family, raw, config_path)
         scheme = quant.scheme_of(raw, config_path)
     except PreflightError as e:
         layout.add(e.code or "hf_unsupported", e.path or config_path, e.message, e.fix or "")

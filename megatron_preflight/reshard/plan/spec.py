@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,11 @@ _MOE_NORM = "pre_mlp_layernorm."
 _FINAL_NORM = "decoder.final_layernorm."
 ATTENTION_EXTRA = "self_attention.core_attention._extra_state"
 EXPERTS_MODULE = "mlp.experts."
+# an MTP layer: its transformer layer (named mtp_model_layer from megatron-core 0.17, transformer_layer before), and
+# its own norms (TE norms under the TE spec, with an extra state of their own)
+_MTP_INNER = re.compile(r"^(mtp\.layers\.\d+\.(?:mtp_model_layer|transformer_layer)\.)(.*)$")
+_MTP_NORM_EXTRA = re.compile(r"^mtp\.layers\.\d+\.(?:enorm|hnorm|final_layernorm)\._extra_state$")
+_MTP_NORMS = ("enorm.", "hnorm.", "final_layernorm.")
 
 
 def spec_of(args: Any) -> str:
@@ -234,32 +240,51 @@ def _expert_head(key: GlobalKey) -> str:
     return "" if key.layer is not None else key.suffix[:key.suffix.index("linear_fc")]
 
 
-def _rename(key: GlobalKey, change: SpecChange, dense_layers: set[int]) -> GlobalKey | None:
-    """The key's name in the target spec; None when the target modules have no such entry (extra state only)."""
-    layer, expert, style, suffix = key
+def _plain_suffix(suffix: str, change: SpecChange, dense: bool) -> str | None:
+    """A transformer layer's key suffix (a decoder layer's, or an MTP layer's inner layer's) in the target spec; None
+    when the target modules have no such entry (extra state only). ``dense``: the layer's MLP is not a MoE."""
     to_te, to_local = change.source == LOCAL and change.target == TE, change.source == TE and change.target == LOCAL
-    if layer is None and style == "plain":
-        if to_local and suffix == _FINAL_NORM + "_extra_state":
+    if to_te:
+        for module, fused in LOCAL_SPEC_KEYS.items():
+            if suffix.startswith(module) and (module != _MOE_NORM or dense):
+                return fused + suffix[len(module):]
+    if to_local:
+        for module, fused in LOCAL_SPEC_KEYS.items():
+            if suffix.startswith(fused):
+                return module + suffix[len(fused):]
+        if suffix == ATTENTION_EXTRA or (suffix.endswith("._extra_state") and
+                                          suffix.startswith((_MOE_NORM, *_TE_NORMS))):
             return None
+    if suffix.startswith(EXPERTS_MODULE) and suffix.endswith("._extra_state") and not change.target_grouped:
+        return None  # a grouped linear's extra state: the sequential experts get one each
+    return suffix
+
+
+def mtp_inner(suffix: str) -> tuple[str, str] | None:
+    """(an MTP layer's inner-layer prefix, the rest) of a top-level key inside an MTP layer's transformer layer."""
+    m = _MTP_INNER.match(suffix)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def _rename(key: GlobalKey, change: SpecChange, dense_layers: set[int | str]) -> GlobalKey | None:
+    """The key's name in the target spec; None when the target modules have no such entry (extra state only).
+    ``dense_layers``: the decoder layers (numbers) and MTP inner layers (prefixes) whose MLP is not a MoE."""
+    layer, expert, style, suffix = key
+    to_local = change.source == TE and change.target == LOCAL
+    if layer is None and style == "plain":
+        if to_local and (suffix == _FINAL_NORM + "_extra_state" or _MTP_NORM_EXTRA.match(suffix)):
+            return None
+        inner = mtp_inner(suffix)
+        if inner is not None:
+            new = _plain_suffix(inner[1], change, inner[0] in dense_layers)
+            return None if new is None else GlobalKey(None, None, style, inner[0] + new)
         if "." + EXPERTS_MODULE in suffix and "local_experts" not in suffix and \
                 suffix.endswith("._extra_state") and not change.target_grouped:
             return None  # an MTP layer's grouped linear's extra state: the sequential experts get one each
         return key
     if style == "plain":
-        if to_te:
-            for module, fused in LOCAL_SPEC_KEYS.items():
-                if suffix.startswith(module) and (module != _MOE_NORM or layer in dense_layers):
-                    return GlobalKey(layer, None, style, fused + suffix[len(module):])
-        if to_local:
-            for module, fused in LOCAL_SPEC_KEYS.items():
-                if suffix.startswith(fused):
-                    return GlobalKey(layer, None, style, module + suffix[len(fused):])
-            if suffix == ATTENTION_EXTRA or (suffix.endswith("._extra_state") and
-                                              suffix.startswith((_MOE_NORM, *_TE_NORMS))):
-                return None
-        if suffix.startswith(EXPERTS_MODULE) and suffix.endswith("._extra_state") and not change.target_grouped:
-            return None  # a grouped linear's extra state: the sequential experts get one each
-        return key
+        new = _plain_suffix(suffix, change, layer in dense_layers)
+        return None if new is None else GlobalKey(layer, None, style, new)
     if style == "te_grouped" and not change.target_grouped:
         return GlobalKey(layer, expert, "seq_expert", suffix)
     if style == "seq_expert" and change.target_grouped:
@@ -271,8 +296,16 @@ def bridge(index: OrderedDict[GlobalKey, GlobalEntry], change: SpecChange, *,
            swiglu: bool) -> tuple[OrderedDict[GlobalKey, GlobalEntry], dict[GlobalKey, GlobalKey]]:
     """The global index in the target spec, and old -> new keys of every renamed parameter (what the optimizer state
     follows). Keys keep Megatron's module order of the target spec."""
-    dense_layers = {k.layer for k in index if k.layer is not None and k.style == "plain"
-                    and k.suffix.startswith("mlp.linear_fc1.")}
+    dense_layers: set[int | str] = {k.layer for k in index if k.layer is not None and k.style == "plain"
+                                    and k.suffix.startswith("mlp.linear_fc1.")}
+    mtp_heads: dict[str, bool] = {}  # an MTP inner layer's prefix -> whether it is a MoE layer
+    for k in index:
+        inner = mtp_inner(k.suffix) if k.layer is None else None
+        if inner is not None:
+            mtp_heads[inner[0]] = mtp_heads.get(inner[0], False) or k.expert is not None or \
+                inner[1].startswith(EXPERTS_MODULE) or inner[1].startswith("mlp.router.")
+            if inner[1].startswith("mlp.linear_fc1."):
+                dense_layers.add(inner[0])
     moe_layers = {k.layer for k in index if k.layer is not None and k.expert is not None}
     experts: dict[tuple[int | None, str], set[int]] = {}  # (layer, an MTP layer's head) -> its experts
     for k in index:
@@ -302,6 +335,15 @@ def bridge(index: OrderedDict[GlobalKey, GlobalEntry], change: SpecChange, *,
                 made.append(GlobalKey(layer, None, "plain", _MOE_NORM + "_extra_state"))
         if GlobalKey(None, None, "plain", _FINAL_NORM + "weight") in out:
             made.append(GlobalKey(None, None, "plain", _FINAL_NORM + "_extra_state"))
+        for head, moe in mtp_heads.items():  # an MTP layer's inner layer and its own norms, as a layer's above
+            mtp = ".".join(head.split(".")[:3]) + "."  # mtp.layers.{d}.
+            made.append(GlobalKey(None, None, "plain", head + ATTENTION_EXTRA))
+            for norm in _TE_NORMS + ((_MOE_NORM,) if moe else ()):
+                if GlobalKey(None, None, "plain", head + norm + "weight") in out:
+                    made.append(GlobalKey(None, None, "plain", head + norm + "_extra_state"))
+            for norm in _MTP_NORMS:
+                if GlobalKey(None, None, "plain", mtp + norm + "weight") in out:
+                    made.append(GlobalKey(None, None, "plain", mtp + norm + "_extra_state"))
     for (layer, head), ids in experts.items():
         for linear in ("linear_fc1", "linear_fc2"):
             if change.target_grouped:

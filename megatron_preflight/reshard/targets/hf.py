@@ -107,7 +107,7 @@ def _plan(r: Resharder) -> Export:
     rows = {k: (tp.shape[0] if tp.shape else 1) for k, tp in plans.items()}
     tensors: dict[str, HfTensor] = {}
     mapped: set[str] = set()
-    copies = families.mtp_copies(cfg, rows) if family.mla else []
+    copies = families.mtp_copies(cfg, rows)
     for m in families.mappings(family, cfg, {}, megatron_rows=rows) + copies:
         if not m.blocks:
             continue

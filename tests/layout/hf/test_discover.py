@@ -9,7 +9,8 @@ import os
 import pytest
 
 from megatron_preflight.layout.discover import discover
-from megatron_preflight.layout.hf.config import load_raw, normalise
+from megatron_preflight.layout.hf import families
+from megatron_preflight.layout.hf.config import load_raw
 from megatron_preflight.layout.model import Format
 
 hf_models = pytest.importorskip("tests.helpers.hf_models")
@@ -69,7 +70,8 @@ def test_transformers_4_spellings_read_alike(models, tmp_path):
     old["num_experts"] = old.pop("num_local_experts")
     old["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 8192}
-    new, old_cfg = normalise(raw, path), normalise(old, path)
+    family = families.family_for(raw["architectures"][0], path)
+    new, old_cfg = families.read_config(family, raw, path), families.read_config(family, old, path)
     assert old_cfg.num_experts == new.num_experts == 4 and old_cfg.rope_theta == new.rope_theta
     assert old_cfg.rope_scaling.kind == "llama3" and old_cfg.rope_scaling.factor == 8.0
 

@@ -189,7 +189,7 @@ def test_a_truncated_file_is_one_finding_listing_its_tensors(model, capsys):
     ("rms_norm_eps", -1e-6, ["rms_norm_eps is -1e-06"]),
     ("rope_parameters", {"rope_theta": -5, "rope_type": "default"}, ["rope_theta is -5"]),
     ("rope_parameters", {"rope_theta": 1e4, "rope_type": "linear", "factor": "8"}, ["factor is '8'"]),
-    ("mlp_only_layers", [7], ["mlp_only_layers is [7]"]),
+    ("head_dim", 2**21, ["head_dim is 2097152"]),
 ])
 def test_a_config_number_of_the_wrong_type_or_range_is_refused(model, capsys, field, value, words):
     _config(model, **{field: value})

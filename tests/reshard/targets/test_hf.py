@@ -49,13 +49,19 @@ ROUND_TRIPS = [("llama", ["--tensor-model-parallel-size", "2"], "torch"),
                 "torch_dist"),
                ("deepseek_v3", ["--expert-model-parallel-size", "2", "--transformer-impl", "transformer_engine",
                                 "--moe-grouped-gemm"], "torch"),
-               ("qwen3_moe", [], "fsdp_dtensor")]
+               ("qwen3_moe", [], "fsdp_dtensor"),
+               ("glm4_moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                             "--pipeline-model-parallel-size", "2"], "torch_dist"),
+               ("glm4_moe", ["--expert-model-parallel-size", "2"], "torch"),
+               # under the TE spec: its fused norms and extra states, in the MTP layer's own layer too, both ways
+               ("glm4_moe", ["--expert-model-parallel-size", "2", "--transformer-impl", "transformer_engine"],
+                "torch")]
 
 
-@pytest.mark.parametrize("name, layout, fmt", ROUND_TRIPS, ids=[f"{r[0]}-{r[2]}" for r in ROUND_TRIPS])
+@pytest.mark.parametrize("name, layout, fmt", ROUND_TRIPS, ids=[f"{r[0]}-{r[2]}{'-te' if 'transformer_engine' in r[1] else ''}" for r in ROUND_TRIPS])
 def test_hf_to_megatron_to_hf_is_tensor_identical(tmp_path, name, layout, fmt):
     src = hf_models.write(name, str(tmp_path / "hf"))
-    if name == "deepseek_v3":
+    if name in ("deepseek_v3", "glm4_moe"):
         hf_models.add_mtp(src)  # the MTP layer travels both ways
     mid, back = str(tmp_path / "megatron"), str(tmp_path / "back")
     done = cli("reshard", src, mid, "--no-progress", "--ckpt-format", fmt, "--", *layout)

@@ -1,0 +1,123 @@
+"""THE families of Hugging Face architectures, one module each (:mod:`.llama`, :mod:`.qwen2`, :mod:`.qwen3`,
+:mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.deepseek_v3`, :mod:`.glm4_moe`): for each, which Megatron model its
+``config.json`` describes (its config table, :class:`~megatron_preflight.layout.hf.config.Key` rows) and how each
+Megatron tensor is made of Hugging Face tensors (:mod:`.rows`). Import, export, ``flags`` and ``check`` read the same
+declaration (:mod:`.spec` holds the code that reads it); adding a family is adding its module to :data:`FAMILIES`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.hf.config import HfConfig, normalise
+from megatron_preflight.layout.hf.families import deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe
+from megatron_preflight.layout.hf.families.rows import Block, Mapping, Moe
+from megatron_preflight.layout.hf.families.spec import (
+    LLAMA3_FIXED,
+    MAX_TP,
+    MLA_YARN_ORIGINAL,
+    Family,
+    arg,
+    config_from_args,
+    config_json,
+    ignored,
+    mappings,
+    megatron_args,
+    mtp_copies,
+    mtp_depth,
+    qk_norm,
+    qkv_bias,
+    refusals,
+    traits,
+    true_vocab,
+)
+
+FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3,
+                                                        glm4_moe))
+
+__all__ = ["FAMILIES", "LLAMA3_FIXED", "MAX_TP", "MLA_YARN_ORIGINAL", "Block", "Family", "Mapping", "Moe",
+           "UnsupportedModel", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",
+           "fitting_families", "ignored", "mappings", "megatron_args", "mtp_copies", "mtp_depth", "qk_norm",
+           "qkv_bias", "read_config", "refusals", "supported", "true_vocab"]
+
+
+def supported() -> list[str]:
+    """Every architecture a family covers."""
+    return [a for f in FAMILIES for a in f.architectures]
+
+
+class UnsupportedModel(PreflightError):
+    """An HF model no family expresses as a Megatron GPT model."""
+
+
+def family_for(architecture: str, path: str) -> Family:
+    """The family of ``architecture``; an unsupported one is refused, naming what is supported."""
+    for f in FAMILIES:
+        if architecture in f.architectures:
+            return f
+    what = ("this Hugging Face model dir's config.json names no architecture (no architectures, no model_type)"
+            if architecture == "unknown" else
+            f"the Hugging Face architecture {architecture} is not one megatron-preflight maps to Megatron's GPT model")
+    raise UnsupportedModel(what, path=path,
+                           fix="supported: " + ", ".join(supported()) + "; convert other models with the tool that "
+                               "knows them (e.g. Megatron-Bridge)", code="hf_unsupported")
+
+
+def read_config(family: Family, raw: dict[str, Any], path: str) -> HfConfig:
+    """``config.json`` (``raw``) read through ``family``'s config table."""
+    return normalise(raw, path, family.keys, family.fixed)
+
+
+def export_refusals(args: Any) -> list[str]:
+    """Why no HF architecture expresses the Megatron model of ``args``, whatever the family (empty: one may)."""
+    out = []
+    if arg(args, "position_embedding_type", "learned_absolute") != "rope":
+        out.append(f"{arg(args, 'position_embedding_type', 'learned_absolute')} position embeddings (the "
+                   "architectures here use RoPE)")
+    if not arg(args, "swiglu", False):
+        out.append("an MLP without SwiGLU (the architectures here gate with silu)")
+    if str(arg(args, "normalization", "LayerNorm")).lower() != "rmsnorm":
+        out.append(f"{arg(args, 'normalization', 'LayerNorm')} (the architectures here use RMSNorm)")
+    if arg(args, "add_bias_linear", True):
+        out.append("biases on every linear layer (--disable-bias-linear was not given)")
+    if arg(args, "apply_layernorm_1p", False) or arg(args, "layernorm_zero_centered_gamma", False):
+        out.append("zero-centred norm weights (--apply-layernorm-1p)")
+    if arg(args, "hybrid_layer_pattern") or arg(args, "hybrid_override_pattern"):
+        out.append("a HybridModel (Mamba / gated delta net layers)")
+    return out
+
+
+def fitting_families(args: Any) -> list[Family]:
+    """The families that express the Megatron model of ``args`` (best first)."""
+    return sorted((f for f in FAMILIES if f.expresses(args)), key=lambda f: f.rank)
+
+
+def _traits_text(args: Any) -> str:
+    t = traits(args)
+    said = [name.replace("_", " ") for name, on in t._asdict().items() if on]
+    return "a model with " + (", ".join(said) if said else "none of MLA, MoE, QK norm, QKV bias")
+
+
+def family_for_args(args: Any, architecture: str | None, path: str) -> tuple[Family, str]:
+    """(the family an export writes, the architecture it names): ``architecture`` (``--hf-architecture``) when it
+    expresses the model, else the first that does; refused with the reason before anything is written."""
+    reasons = export_refusals(args)
+    fits = [] if reasons else fitting_families(args)
+    if architecture is not None:
+        chosen = next((f for f in FAMILIES if architecture in f.architectures), None)
+        if chosen is None:
+            raise UnsupportedModel(f"--hf-architecture {architecture} is not one the families here write", path=path,
+                                   fix="one of: " + ", ".join(supported()), code="usage")
+        if chosen not in fits:
+            why = "; ".join(reasons) or f"its attention, experts or norms differ from the model's ({_traits_text(args)})"
+            raise UnsupportedModel(f"{architecture} does not express this model ({why})", path=path,
+                                   fix="leave --hf-architecture out" + (
+                                       f" (this model writes as {fits[0].architectures[0]})" if fits else ""),
+                                   code="hf_unsupported")
+        return chosen, architecture
+    if not fits:
+        why = "; ".join(reasons) or f"no family here has this combination ({_traits_text(args)})"
+        raise UnsupportedModel(f"no Hugging Face architecture here expresses this model: {why}", path=path,
+                               fix="export it with a tool that maps this model, or keep it as a Megatron checkpoint",
+                               code="hf_unsupported")
+    return fits[0], fits[0].architectures[0]

@@ -1,0 +1,210 @@
+"""How each Megatron tensor is made of Hugging Face tensors: the row transforms a family's module composes.
+
+Every Megatron tensor (a legacy key of the layer spec at TP1, PP1, EP1: the global tensor) is a stack along dim 0 of
+row blocks of Hugging Face tensors (:class:`Block`); the other dims are whole. The transforms:
+
+* ``copy`` — one HF tensor as is (norms, ``o_proj`` -> ``linear_proj``, ``down_proj`` -> ``linear_fc2``, embeddings);
+* ``glu``  — SwiGLU's fc1 is ``[gate; up]``: ``gate_proj`` rows, then ``up_proj`` rows;
+* ``qkv``  — Megatron's fused QKV is grouped per query group: for each group ``g`` its ``q`` heads, then its one
+  ``k`` head, then its ``v`` head (weight and bias alike);
+* ``rope`` — DeepSeek's multi-latent attention rotates each head's rotary rows in interleaved pairs ``(2i, 2i+1)``
+  (``rope_interleave``, the default), and so does Megatron's MLA (it de-interleaves before rotating halves): the rows
+  are taken as they are. A model that rotates halves (``rope_interleave: false``) has its rows interleaved: row
+  ``2i`` from ``i``, row ``2i + 1`` from ``i + d/2`` (measured: without it the loss differs from ``transformers``');
+* ``experts`` — routed experts one by one (``experts.{j}.{gate,up,down}``), the router, its expert bias, the shared
+  experts.
+
+The same blocks read backwards split a Megatron tensor into its HF tensors, so a reader and a writer of HF models
+share these rows. The layer spec's other names (Transformer Engine's fused norms, grouped experts) are the
+resharder's bridge (:mod:`megatron_preflight.reshard.plan.spec`), not these rows'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from megatron_preflight.layout.hf.config import HfConfig
+
+
+class Block(NamedTuple):  # (tuples: a DeepSeek-V3 is 31k mappings)
+    """Rows ``src0 .. src0 + rows`` (dim 0) of HF tensor ``hf`` are rows ``dst0 ..`` of the Megatron tensor."""
+
+    hf: str
+    src0: int
+    rows: int
+    dst0: int
+
+
+class Mapping(NamedTuple):
+    """One Megatron tensor (a global legacy key) and the HF row blocks it is made of, in order (no blocks: an
+    extra state, ``None``)."""
+
+    key: str
+    blocks: tuple[Block, ...]
+
+
+@dataclass(frozen=True)
+class Moe:
+    """Where a family keeps its MoE block and what it calls the expert projections."""
+
+    block: str  # the module under each layer (``block_sparse_moe`` / ``mlp``)
+    gate: str  # the router's linear
+    experts: tuple[str, str, str]  # (gate, up, down) projection names of one expert
+    shared: str = "shared_experts"  # the shared experts' module (when the config names any)
+
+
+def stack(names: list[tuple[str, int, int]]) -> tuple[Block, ...]:
+    """Blocks stacked along dim 0, each ``(hf, src0, rows)``."""
+    out, at = [], 0
+    for hf, src0, rows in names:
+        out.append(Block(hf, src0, rows, at))
+        at += rows
+    return tuple(out)
+
+
+class Rows:
+    """The transforms for one direction: reading an HF model (``rows``: each HF tensor's dim-0 size, from the
+    safetensors headers) or writing one (``megatron_rows``: each Megatron tensor's; a copied tensor has its rows,
+    each SwiGLU half half of them)."""
+
+    def __init__(self, rows: dict[str, int], megatron_rows: dict[str, int] | None) -> None:
+        self.rows, self.megatron_rows = rows, megatron_rows
+
+    def size(self, hf: str, key: str, parts: int) -> int:
+        if self.megatron_rows is not None:
+            return self.megatron_rows.get(key, 0) // parts
+        return self.rows.get(hf, 0)
+
+    def copy(self, key: str, hf: str) -> Mapping:
+        return Mapping(key, stack([(hf, 0, self.size(hf, key, 1))]))
+
+    def glu(self, key: str, gate: str, up: str) -> Mapping:
+        return Mapping(key, stack([(gate, 0, self.size(gate, key, 2)), (up, 0, self.size(up, key, 2))]))
+
+    @staticmethod
+    def extra(key: str) -> Mapping:
+        return Mapping(key, ())
+
+
+def heads_with_rope(hf: str, heads: int, plain: int, rope: int, interleaved: bool, base: int = 0) -> list[tuple]:
+    """Row blocks of ``heads`` heads of ``plain + rope`` rows each from ``base``: the plain rows as they are, the
+    rotary rows as they are when the model interleaves them (Megatron's MLA does too), else interleaved here."""
+    out: list[tuple] = []
+    half = rope // 2
+    for h in range(heads):
+        at = base + h * (plain + rope)
+        if plain:
+            out.append((hf, at, plain))
+        if interleaved:
+            out.append((hf, at + plain, rope))
+        else:
+            out += [(hf, at + plain + i + j * half, 1) for i in range(half) for j in (0, 1)]
+    return out
+
+
+def qkv(prefix: str, what: str, cfg: HfConfig) -> tuple[Block, ...]:
+    """Megatron's fused QKV rows, per query group: q heads, k head, v head."""
+    hd, groups = cfg.head_dim, cfg.num_key_value_heads
+    per = cfg.num_attention_heads // groups
+    parts = []
+    for g in range(groups):
+        parts += [(f"{prefix}q_proj.{what}", g * per * hd, per * hd), (f"{prefix}k_proj.{what}", g * hd, hd),
+                  (f"{prefix}v_proj.{what}", g * hd, hd)]
+    return stack(parts)
+
+
+def moe_block(r: Rows, moe: Moe, cfg: HfConfig, hf: str, mg: str, extras: bool) -> list[Mapping]:
+    """A MoE layer's router (and its expert bias with a sigmoid router), its routed experts one by one and its shared
+    experts, in Megatron's order; ``extras``: each linear's extra state."""
+    block = hf + moe.block + "."
+    out = [r.copy(mg + "mlp.router.weight", block + moe.gate + ".weight")]
+    if cfg.scoring_func == "sigmoid":
+        out.append(r.copy(mg + "mlp.router.expert_bias", block + moe.gate + ".e_score_correction_bias"))
+    g, u, d = moe.experts
+    assert cfg.num_experts
+    for j in range(cfg.num_experts):
+        e, me = f"{block}experts.{j}.", f"{mg}mlp.experts.local_experts.{j}."
+        out.append(r.glu(me + "linear_fc1.weight", f"{e}{g}.weight", f"{e}{u}.weight"))
+        if extras:
+            out.append(r.extra(me + "linear_fc1._extra_state"))
+        out.append(r.copy(me + "linear_fc2.weight", f"{e}{d}.weight"))
+        if extras:
+            out.append(r.extra(me + "linear_fc2._extra_state"))
+    if cfg.shared_experts:
+        sh, ms = block + moe.shared + ".", mg + "mlp.shared_experts."
+        out += [r.glu(ms + "linear_fc1.weight", sh + f"{g}.weight", sh + f"{u}.weight"),
+                r.extra(ms + "linear_fc1._extra_state"), r.copy(ms + "linear_fc2.weight", sh + f"{d}.weight"),
+                r.extra(ms + "linear_fc2._extra_state")]
+    return out
+
+
+def gqa_layer(r: Rows, cfg: HfConfig, hf: str, mg: str, is_moe: bool, moe: Moe | None, bias: bool,
+              qk_norm: bool) -> list[Mapping]:
+    """A grouped-query attention layer under the local spec's names: input norm, fused QKV (its bias), QK norms,
+    the pre-MLP norm, then a SwiGLU MLP or a MoE block."""
+    attn = hf + "self_attn."
+    out = [r.copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
+           r.copy(mg + "self_attention.linear_proj.weight", attn + "o_proj.weight"),
+           r.extra(mg + "self_attention.linear_proj._extra_state"),
+           Mapping(mg + "self_attention.linear_qkv.weight", qkv(attn, "weight", cfg))]
+    if bias:
+        out.append(Mapping(mg + "self_attention.linear_qkv.bias", qkv(attn, "bias", cfg)))
+    out.append(r.extra(mg + "self_attention.linear_qkv._extra_state"))
+    if qk_norm:
+        out += [r.copy(mg + "self_attention.q_layernorm.weight", attn + "q_norm.weight"),
+                r.copy(mg + "self_attention.k_layernorm.weight", attn + "k_norm.weight")]
+    out.append(r.copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"))
+    if is_moe:
+        assert moe is not None
+        return out + moe_block(r, moe, cfg, hf, mg, extras=True)
+    return out + [r.glu(mg + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                  r.extra(mg + "mlp.linear_fc1._extra_state"),
+                  r.copy(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight"),
+                  r.extra(mg + "mlp.linear_fc2._extra_state")]
+
+
+def mla_layer(r: Rows, cfg: HfConfig, hf: str, mg: str, is_moe: bool, moe: Moe) -> list[Mapping]:
+    """A DeepSeek-V3 layer under the Transformer Engine spec's names (Megatron builds MLA with it only): a separate
+    input norm, the fused q/kv up projections' norms, sequential experts, shared experts, the router's expert bias."""
+    attn, heads = hf + "self_attn.", cfg.num_attention_heads
+    nope, rope = cfg.qk_nope_head_dim or 0, cfg.qk_rope_head_dim or 0
+    inter = cfg.rope_interleave
+
+    def extra(name: str) -> Mapping:
+        return Mapping(mg + name + "._extra_state", ())
+
+    out = [r.copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight"), extra("input_layernorm"),
+           extra("self_attention.core_attention"),
+           r.copy(mg + "self_attention.linear_proj.weight", attn + "o_proj.weight"), extra("self_attention.linear_proj")]
+    if cfg.q_lora_rank:
+        out += [r.copy(mg + "self_attention.linear_q_down_proj.weight", attn + "q_a_proj.weight"),
+                extra("self_attention.linear_q_down_proj"),
+                r.copy(mg + "self_attention.linear_q_up_proj.layer_norm_weight", attn + "q_a_layernorm.weight"),
+                Mapping(mg + "self_attention.linear_q_up_proj.weight",
+                        stack(heads_with_rope(attn + "q_b_proj.weight", heads, nope, rope, inter))),
+                extra("self_attention.linear_q_up_proj")]
+    else:
+        out += [Mapping(mg + "self_attention.linear_q_proj.weight",
+                        stack(heads_with_rope(attn + "q_proj.weight", heads, nope, rope, inter))),
+                extra("self_attention.linear_q_proj")]
+    kv_a = attn + "kv_a_proj_with_mqa.weight"
+    # (kv_b_proj's rows per head, [k_nope, v], are Megatron's linear_kv_up_proj rows as they are)
+    out += [Mapping(mg + "self_attention.linear_kv_down_proj.weight",
+                    stack([(kv_a, 0, cfg.kv_lora_rank or 0)]
+                          + heads_with_rope(kv_a, 1, 0, rope, inter, base=cfg.kv_lora_rank or 0))),
+            extra("self_attention.linear_kv_down_proj"),
+            r.copy(mg + "self_attention.linear_kv_up_proj.layer_norm_weight", attn + "kv_a_layernorm.weight"),
+            r.copy(mg + "self_attention.linear_kv_up_proj.weight", attn + "kv_b_proj.weight"),
+            extra("self_attention.linear_kv_up_proj")]
+    if not is_moe:
+        return out + [r.copy(mg + "mlp.linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
+                      r.glu(mg + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                      extra("mlp.linear_fc1"), r.copy(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight"),
+                      extra("mlp.linear_fc2")]
+    out += [r.copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"), extra("pre_mlp_layernorm")]
+    return out + moe_block(r, moe, cfg, hf, mg, extras=True)
+
+
+LayerFn = Callable[[Rows, HfConfig, str, str, bool], list]  # (rows, cfg, hf prefix, megatron prefix, is_moe)
