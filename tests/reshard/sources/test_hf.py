@@ -51,7 +51,7 @@ def _reshard(src: str, dst: str, *flags: str) -> None:
     assert rc == 0, err.getvalue()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_moe", "glm4_moe"])
 def test_offline_megatron_checkpoints_hold_the_same_model(mcore_pool, models, name, tmp_path):
     """HF -> legacy PP2 (and torch_dist TP2 or EP2) on disk -> each read back at TP1 in memory: transformers' logits."""
     path, ref = models[name]
