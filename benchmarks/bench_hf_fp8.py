@@ -92,7 +92,7 @@ def write_fp8(path: str, layers: int, files: int = 4) -> int:
         raw = json.dumps(header).encode()
         with open(os.path.join(path, name), "wb") as fh:
             fh.write(struct.pack("<Q", len(raw)) + raw)
-            for t, shape, code in part:
+            for _t, shape, code in part:
                 fh.write(_random(code, ITEM[code] * math.prod(shape)))
         total += at
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
