@@ -430,8 +430,8 @@ def repipe(source: str, given: str | None, pp: int, vpp: int | None, *, keep: bo
             raise PreflightError(
                 f"the hybrid layer pattern {given!r} is another model than the checkpoint's {source!r} (not the same "
                 "layers in the same order with the same MTP depths): no relayout turns one into the other",
-                fix=f"run with the checkpoint's layers, e.g. --hybrid-layer-pattern '{source}' (only the '|' "
-                    "pipeline cuts may move)", code="layout")
+                fix=f"set --hybrid-layer-pattern '{source}'; the checkpoint's layers (only the '|' pipeline cuts "
+                    "may move)", code="layout")
         return given
     if keep:
         return source

@@ -48,6 +48,7 @@ ARCH_FIELDS = (
     ("position_embedding_type", "the position embedding type differs"),
     ("normalization", "the normalization differs (LayerNorm has a bias, RMSNorm not)"),
     ("swiglu", "SwiGLU changes the fc1 weight's shape and meaning"),
+    ("squared_relu", "a squared-ReLU MLP computes another function than the checkpoint's"),
     ("add_bias_linear", "linear-layer biases are present in one and not the other"),
     ("qk_layernorm", "q/k layernorm weights are present in one and not the other"),
     ("untie_embeddings_and_output_weights", "tied vs untied output layer: a separate output_layer.weight exists in one"),
@@ -77,7 +78,7 @@ def _norm(field: str, value: Any) -> Any:
     if field in ("num_experts", "mtp_num_layers") and value in (0, None):
         return None
     if field in ("swiglu", "add_bias_linear", "qk_layernorm", "untie_embeddings_and_output_weights",
-                 "multi_latent_attention"):
+                 "multi_latent_attention", "squared_relu"):
         return bool(value)
     if isinstance(value, str):
         return value.lower() if field == "normalization" else value
@@ -138,6 +139,7 @@ def compare_architecture(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     out.extend(_compare_dtype(saved, rt))
     out.extend(_compare_spec(layout, rt))
     out.extend(_compare_hybrid(layout, rt))
+    out.extend(_compare_mamba(saved, rt))
     if parallel.hybrid_pattern(saved) is None:  # (HybridModel's MTP stack is `mtp_model_layer` wherever it exists)
         out.extend(_compare_mtp_name(layout, rt))
     else:
@@ -191,6 +193,39 @@ def _compare_hybrid(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
                         + ("" if legacy else " (Megatron's dist loader places them)"),
                         _reshard_fix(layout, rt) if legacy else "")]
     return []
+
+
+# a Mamba-2 mixer's sizes: (field, Megatron's default, what it sizes)
+MAMBA_SIZES = (("mamba_state_dim", 128, "the Mamba-2 state size (the B and C rows of in_proj, the conv channels)"),
+               ("mamba_head_dim", 64, "the Mamba-2 head dim"),
+               ("mamba_num_groups", 8, "the Mamba-2 groups (the B and C rows of in_proj)"))
+
+
+def _compare_mamba(saved: Any, rt: RuntimeArgs) -> list[Finding]:
+    """A HybridModel's Mamba-2 sizes, run against checkpoint (Megatron's defaults where a side leaves one out): any
+    difference gives the mixers other shapes."""
+    ck_pattern, run_pattern = parallel.hybrid_pattern(saved), parallel.hybrid_pattern(rt)
+    if not (ck_pattern and run_pattern and "M" in ck_pattern):
+        return []
+    out = []
+    for field, default, what in MAMBA_SIZES:
+        ck, run = _get(saved, field) or default, getattr(rt, field, None) or default
+        if ck != run:
+            out.append(Finding(field, ck, run, FATAL, f"{what} differs: checkpoint {ck}, run {run}",
+                               f"set {_flag(field)} {ck}"))
+
+    def heads(args: Any, head_dim: int) -> int | None:
+        given = _get(args, "mamba_num_heads")
+        hidden = _get(args, "hidden_size")
+        return given or ((_get(args, "mamba_expand") or 2) * hidden // head_dim if hidden and head_dim else None)
+
+    ck_heads = heads(saved, _get(saved, "mamba_head_dim") or 64)
+    run_heads = heads(rt, rt.mamba_head_dim or 64)
+    if ck_heads and run_heads and ck_heads != run_heads and not out:
+        out.append(Finding("mamba_num_heads", ck_heads, run_heads, FATAL,
+                           f"the Mamba-2 heads differ: checkpoint {ck_heads}, run {run_heads}",
+                           f"set --mamba-num-heads {ck_heads}"))
+    return out
 
 
 def _reshard_fix(layout: Layout, rt: RuntimeArgs) -> str:

@@ -69,6 +69,10 @@ MODEL_FLAGS = (
     ("moe_router_num_groups", "--moe-router-num-groups"), ("moe_router_group_topk", "--moe-router-group-topk"),
     ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"), ("moe_router_dtype", "--moe-router-dtype"),
     ("mtp_num_layers", "--mtp-num-layers"), ("transformer_impl", "--transformer-impl"),
+    # a HybridModel (pretrain_hybrid.py): its layer spec, pattern and Mamba-2 mixers; its squared-ReLU MLP
+    ("spec", "--spec"), ("hybrid_layer_pattern", "--hybrid-layer-pattern"), ("mamba_num_heads", "--mamba-num-heads"),
+    ("mamba_head_dim", "--mamba-head-dim"), ("mamba_state_dim", "--mamba-state-dim"),
+    ("mamba_num_groups", "--mamba-num-groups"), ("squared_relu", "--squared-relu"),
     ("bf16", "--bf16"), ("fp16", "--fp16"),
 )
 
@@ -76,6 +80,8 @@ MODEL_FLAGS = (
 def _render(field: str, flag: str, value: Any) -> str | None:
     if field == "add_bias_linear":
         return None if value else flag  # --disable-bias-linear
+    if field == "spec" and isinstance(value, (list, tuple)) and value:
+        return f"{flag} " + " ".join(str(v) for v in value)  # (a module and a name: two words)
     if isinstance(value, bool):
         return flag if value else None
     if value is None:

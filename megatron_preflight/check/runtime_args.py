@@ -96,6 +96,7 @@ class RuntimeArgs:
     mamba_num_groups: int = 8
     mamba_state_dim: int = 128
     mamba_expand: int = 2
+    squared_relu: bool = False  # the MLP's activation: ReLU squared (NemotronH) instead of GELU / SwiGLU
     linear_num_key_heads: int | None = None
     linear_num_value_heads: int | None = None
     untie_embeddings_and_output_weights: bool = False

@@ -16,7 +16,7 @@ from megatron_preflight.reshard import open_index
 hf_models = pytest.importorskip("tests.helpers.hf_models")
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "nemotron_h"]
 MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
 RUN = ["--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
        "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2"]
@@ -89,6 +89,13 @@ GLM_EDITS = [("rotary_percent", ["--rotary-percent", "1.0"]),
              ("moe_router_topk_scaling_factor", ["--moe-router-topk-scaling-factor", "1.0"]),
              ("moe_shared_expert_intermediate_size", ["--moe-shared-expert-intermediate-size", "32"])]
 GLM_DROPS = [("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias")]
+# NemotronH's own fields: its layer pattern and Mamba-2 mixers, its squared-ReLU MLP; it has no RoPE to edit
+HYBRID_EDITS = [("hybrid_layer_pattern", ["--hybrid-layer-pattern", "MM*-"]),
+                ("mamba_state_dim", ["--mamba-state-dim", "8"]), ("mamba_head_dim", ["--mamba-head-dim", "8"]),
+                ("mamba_num_groups", ["--mamba-num-groups", "1"]), ("mamba_num_heads", ["--mamba-num-heads", "2"])]
+HYBRID_DROPS = [("squared_relu", "--squared-relu")]
+# (no RoPE, no QK norm or QKV bias to edit; its layers are its pattern's, compared as the pattern)
+NOT_HYBRID = ("rotary_base", "use_rope_scaling", "qk_layernorm", "add_qkv_bias", "num_layers")
 NOT_MLA = ("num_query_groups", "kv_channels", "group_query_attention")  # MLA has neither groups nor kv channels
 DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
          ("qk_layernorm", "--qk-layernorm"), ("add_qkv_bias", "--add-qkv-bias"),
@@ -97,13 +104,14 @@ DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--unti
 
 def _cases():
     for name in FAMILIES:
-        mla, glm = name == "deepseek_v3", name == "glm4_moe"
+        mla, glm, hyb = name == "deepseek_v3", name == "glm4_moe", name == "nemotron_h"
         for field, edit in EDITS + (MOE_EDITS if name in MOE else []) + (MLA_EDITS if mla else []) + (
-                GLM_EDITS if glm else []):
-            if not (mla and field in NOT_MLA):
+                GLM_EDITS if glm else []) + (HYBRID_EDITS if hyb else []):
+            if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID):
                 yield name, field, edit, None
-        for field, flag in DROPS + (MLA_DROPS if mla else []) + (GLM_DROPS if glm else []):
-            if not (mla and field in NOT_MLA):
+        for field, flag in DROPS + (MLA_DROPS if mla else []) + (GLM_DROPS if glm else []) + (
+                HYBRID_DROPS if hyb else []):
+            if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID):
                 yield name, field, None, flag
 
 

@@ -42,6 +42,11 @@ def configs() -> dict[str, Any]:
                                     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                                     first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                                     attention_bias=True, use_qk_norm=True, tie_word_embeddings=False),
+        # NemotronH: Mamba-2 (4 heads of 16 in 2 groups, state 16), attention without RoPE, a squared-ReLU MLP
+        "nemotron_h": T.NemotronHConfig(**{k: v for k, v in COMMON.items() if k != "num_hidden_layers"},
+                                        hybrid_override_pattern="M*M-", head_dim=8, mamba_num_heads=4,
+                                        mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+                                        chunk_size=8, tie_word_embeddings=False),
     }
 
 

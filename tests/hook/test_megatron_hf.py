@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
-from tests.hook.test_megatron_lm import ROOT, TE_CPU, megatron_env, run
+from tests.hook.test_megatron_lm import MAMBA_CPU, ROOT, TE_CPU, megatron_env, run
 
 pytestmark = pytest.mark.skipif(not ROOT, reason="MEGATRON_LM_ROOT is not set: no real Megatron-LM checkout here")
 PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,7 +57,7 @@ def printed_flags(path: str) -> list[str]:
                           timeout=120)
     assert done.returncode == 0, done.stderr
     lines = [line.rstrip(" \\") for line in done.stdout.splitlines() if not line.startswith("#")]
-    return [word.strip("'") for line in lines for word in line.split(" ", 1)]
+    return [word for line in lines for word in shlex.split(line)]  # (as a shell reads the launch script)
 
 
 def first_loss(log: str) -> float:
@@ -167,6 +168,54 @@ def test_glm_with_its_mtp_layer(tmp_path, data):
     assert rc == 0, log[-4000:]
     assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
     assert "mtp_1 loss" in log
+
+
+NEMOTRON_H = [(1, []), (2, ["--tensor-model-parallel-size", "2"]),
+              (2, ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "M*|M-"])]
+
+
+@pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
+                                                       "stand-ins for Transformer Engine and mamba_ssm)")
+@pytest.mark.parametrize("nproc, layout", NEMOTRON_H, ids=["tp1", "tp2", "pp2"])
+def test_nemotron_h_trains_with_transformers_loss(tmp_path, data, nproc, layout):
+    """NemotronH (Mamba-2, attention without RoPE, squared-ReLU MLPs) started by pretrain_hybrid.py with the printed
+    flags (the hybrid stack spec: its Mamba mixers through mamba_cpu and its layers through te_cpu, CPU stand-ins for
+    mamba_ssm and Transformer Engine, not those packages): transformers' own loss on the same tokens."""
+    from tests.helpers import hf_data, hf_models
+
+    path = hf_models.write("nemotron_h", str(tmp_path / "nemotron_h"))
+    flags = printed_flags(path)
+    if "--hybrid-layer-pattern" in layout:  # (the run's pattern with its pipeline cut replaces the printed one)
+        i = flags.index("--hybrid-layer-pattern")
+        flags = flags[:i] + flags[i + 2:]
+    rc, log = run(tmp_path, path, nproc, *flags, "--data-path", data, *layout, "--preflight", "auto",
+                  script="pretrain_hybrid.py", base=BASE, port=29749, verify=False, te=True)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
+
+
+@pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
+                                                       "stand-ins for Transformer Engine and mamba_ssm)")
+def test_a_trained_nemotron_h_handed_back_as_hf_computes_megatrons_loss(tmp_path, data):
+    """NemotronH trained two steps by pretrain_hybrid.py from its HF start at TP2, saved torch_dist, exported
+    (--ckpt-format hf): transformers' loss on the tokens equals the loss Megatron computes on reloading the save."""
+    from tests.helpers import hf_data, hf_models
+
+    path = hf_models.write("nemotron_h", str(tmp_path / "nemotron_h"))
+    save, layout = str(tmp_path / "saved"), ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]
+    common = dict(script="pretrain_hybrid.py", base=BASE, verify=False, te=True)
+    rc, log = run(tmp_path, path, 2, *printed_flags(path), "--data-path", data, *layout, "--preflight", "auto",
+                  "--save", save, "--save-interval", "2", "--train-iters", "2", port=29750, **common)
+    assert rc == 0 and os.path.isdir(save), log[-4000:]
+    out = str(tmp_path / "exported")
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", save, out, "--no-progress",
+                           "--ckpt-format", "hf", "--dtype", "fp32", "--verify"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rc, log = run(tmp_path, save, 2, *printed_flags(path), "--data-path", data, *layout, "--finetune",
+                  "--no-load-rng", plugin=False, port=29751, **common)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(hf_data.hf_loss(out, SEQ, VOCAB), abs=1e-5)
 
 
 # A model trained by real Megatron-LM from an HF start and saved in each form, then exported back (--ckpt-format

@@ -82,6 +82,14 @@ class HfConfig:
     mtp_layers: int = 0
     qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3 always; GLM-4.5 with use_qk_norm)
     rotary_percent: float = 1.0  # the share of each head RoPE rotates (GLM-4.5: partial_rotary_factor 0.5)
+    # a hybrid model (NemotronH): its layer pattern in Megatron's symbols (M Mamba-2, * attention, - MLP, E MoE) and
+    # its Mamba-2 mixers' sizes
+    hybrid_pattern: str | None = None
+    mamba_heads: int | None = None
+    mamba_head_dim: int | None = None
+    mamba_state: int | None = None
+    mamba_groups: int | None = None
+    mamba_conv: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -242,7 +250,7 @@ def load_raw(model_dir: str) -> tuple[dict[str, Any], str]:
     if not os.path.lexists(path):
         raise PreflightError("cannot read the model's config (no such file)", path=path,
                              fix="a Hugging Face model dir holds config.json beside its safetensors", code="format")
-    raw = files.load_json(files.member(model_dir, CONFIG, model_dir), "download config.json again")
+    raw = files.load_json(files.member(model_dir, CONFIG, model_dir), "download config.json again", infinity=True)
     if not isinstance(raw, dict):
         raise CorruptFileError("config.json is not a JSON object", path=path, fix="download config.json again",
                                code="corrupt_file")
@@ -261,6 +269,26 @@ def _layer_list(f: _Fields, names: tuple[str, ...], default: Any, got: dict[str,
     if not isinstance(v, (list, tuple)) or any(type(i) is not int or not 0 <= i < layers for i in v):
         raise f._bad(name, v, f"a list of layer numbers in [0, {layers})")
     return tuple(v)
+
+
+# a hybrid model's layer kinds as transformers 5 lists them (layers_block_type) -> Megatron's pattern symbols
+BLOCK_SYMBOLS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-",
+                 "moe": "E"}
+PATTERN_SYMBOLS = frozenset("M*-E")
+
+
+def _pattern(f: _Fields, names: tuple[str, ...], default: Any, got: dict[str, Any]) -> str:
+    """A hybrid model's layer pattern: the hub's string (``hybrid_override_pattern``: ``M-M*-...``) or transformers
+    5's list of layer kinds (``layers_block_type``), one symbol per layer either way."""
+    name, v, _ = f.first(*names, default=default)
+    if isinstance(v, list) and all(isinstance(x, str) and x in BLOCK_SYMBOLS for x in v):
+        v = "".join(BLOCK_SYMBOLS[x] for x in v)
+    layers = got.get("num_layers")
+    if not isinstance(v, str) or not v or set(v) - PATTERN_SYMBOLS or len(v) > MAX_LAYERS or (
+            layers is not None and len(v) != layers):
+        raise f._bad(name, v, f"a layer pattern of {layers or 'num_hidden_layers'} symbols from M * - E (or a list "
+                     "of layer kinds: " + ", ".join(BLOCK_SYMBOLS) + ")")
+    return v
 
 
 def _experts(got: dict[str, Any]) -> int:
@@ -307,6 +335,12 @@ READERS: dict[str, _Reader] = {
     "routed_scaling_factor": lambda f, n, d, g: f.float(*n, hi=1e6, default=d),
     "scoring_func": lambda f, n, d, g: f.str(*n, default=d),
     "mtp_layers": lambda f, n, d, g: f.int(*n, lo=0, hi=MAX_LAYERS, default=d),
+    "hybrid_pattern": _pattern,
+    "mamba_heads": lambda f, n, d, g: f.int(*n, hi=MAX_HEADS, default=d),
+    "mamba_head_dim": lambda f, n, d, g: f.int(*n, default=d),
+    "mamba_state": lambda f, n, d, g: f.int(*n, default=d),
+    "mamba_groups": lambda f, n, d, g: f.int(*n, hi=MAX_HEADS, default=d),
+    "mamba_conv": lambda f, n, d, g: f.int(*n, hi=64, default=d),
 }
 ROPE_FIELDS = ("rope_theta", "rotary_percent", "rope_scaling")  # read together by _rope
 # the fields every family declares (what a decoder-only language model cannot be described without)
@@ -326,6 +360,8 @@ def normalise(raw: dict[str, Any], path: str, keys: tuple[Key, ...], fixed: dict
         key = by_field.get(field_name)
         if key is not None:
             got[field_name] = reader(f, key.names, key.default, got)
+    if got.get("num_layers") is None and got.get("hybrid_pattern"):  # (transformers 5's NemotronH: one per kind)
+        got["num_layers"] = len(got["hybrid_pattern"])
     if got.get("num_key_value_heads") is None:
         got["num_key_value_heads"] = got["num_attention_heads"]
     if got.get("head_dim") is None:

@@ -94,7 +94,7 @@ def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespa
     values = families.megatron_args(family, cfg)
     values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
                   expert_tensor_parallel_size=1, context_parallel_size=1,
-                  transformer_impl="transformer_engine" if family.mla else "local",
+                  transformer_impl=family.transformer_impl,
                   moe_grouped_gemm=False, use_distributed_optimizer=False, ckpt_format="torch", iteration=0,
                   layernorm_epsilon=values["norm_epsilon"], consumed_train_samples=0,
                   params_dtype=dtypes.dtype(cfg.dtype if cfg.dtype in ("bfloat16", "float16") else "float32"),

@@ -135,16 +135,24 @@ def _refuse_constant(name: str) -> Any:
     raise _NotANumber(name)
 
 
-def parse_json(raw: bytes | str, path: str, fix: str, counted: tuple[str, ...] = ()) -> Any:
+def _infinity_only(name: str) -> Any:
+    if name == "NaN":
+        raise _NotANumber(name)
+    return float(name)  # (Infinity / -Infinity: a config's unbounded limit; every number used is checked finite)
+
+
+def parse_json(raw: bytes | str, path: str, fix: str, counted: tuple[str, ...] = (), infinity: bool = False) -> Any:
     """``raw`` parsed as JSON: nesting bounded (the parser's recursion limit), a duplicate key refused, naming it, and
-    ``NaN`` / ``Infinity`` (which Python's parser accepts) refused.
+    ``NaN`` / ``Infinity`` (which Python's parser accepts) refused (``infinity``: ``Infinity`` taken, as transformers 4
+    writes an unbounded limit such as NemotronH's ``time_step_limit``; each number a reader uses is checked finite).
 
     ``counted``: keys that each object of the top level's values holds once (a safetensors header's ``dtype``,
     ``shape``, ``data_offsets``); their occurrences counted in ``raw`` decide, at C speed, whether the exact duplicate
     check (a Python call per object) is needed: without a duplicate, each is met as often as there are entries."""
     try:
         if not counted:  # (the exact check in the one parse)
-            return json.loads(raw, parse_constant=_refuse_constant, object_pairs_hook=_refuse_duplicates)
+            return json.loads(raw, parse_constant=_infinity_only if infinity else _refuse_constant,
+                              object_pairs_hook=_refuse_duplicates)
         value = json.loads(raw, parse_constant=_refuse_constant)
         if isinstance(value, dict):
             data = raw.encode() if isinstance(raw, str) else raw
@@ -166,9 +174,9 @@ def parse_json(raw: bytes | str, path: str, fix: str, counted: tuple[str, ...] =
     return value
 
 
-def load_json(path: str, fix: str) -> Any:
+def load_json(path: str, fix: str, infinity: bool = False) -> Any:
     """The small JSON file ``path`` (a config, an index), read through :func:`read_bounded` and :func:`parse_json`."""
-    return parse_json(read_bounded(path), path, fix)
+    return parse_json(read_bounded(path), path, fix, infinity=infinity)
 
 
 def present(model_dir: str, names: tuple[str, ...]) -> tuple[str, ...]:

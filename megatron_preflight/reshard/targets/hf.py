@@ -98,7 +98,7 @@ def _plan(r: Resharder) -> Export:
     cfg = families.config_from_args(family, args, where, arch)
     g = open_resharder(r.checkpoint, TargetLayout(tp=1, pp=1, ep=1, etp=1, padded_vocab_size=cfg.vocab_size,
                                              vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=1,
-                                             transformer_impl="transformer_engine" if family.mla else "local",
+                                             transformer_impl=family.transformer_impl,
                                              moe_grouped_gemm=False, distributed_optimizer=False),
                        keep_optimizer=False)
     plan = g.plan_for_coords({"tp": 0, "pp": 0, "ep": 0, "etp": 0}, naming.shard_dir_name(0, 0, 0, pp_size=1,

@@ -55,7 +55,9 @@ ROUND_TRIPS = [("llama", ["--tensor-model-parallel-size", "2"], "torch"),
                ("glm4_moe", ["--expert-model-parallel-size", "2"], "torch"),
                # under the TE spec: its fused norms and extra states, in the MTP layer's own layer too, both ways
                ("glm4_moe", ["--expert-model-parallel-size", "2", "--transformer-impl", "transformer_engine"],
-                "torch")]
+                "torch"),
+               ("nemotron_h", ["--tensor-model-parallel-size", "2"], "torch_dist"),
+               ("nemotron_h", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "M*|M-"], "torch")]
 
 
 @pytest.mark.parametrize("name, layout, fmt", ROUND_TRIPS, ids=[f"{r[0]}-{r[2]}{'-te' if 'transformer_engine' in r[1] else ''}" for r in ROUND_TRIPS])

@@ -1,5 +1,5 @@
 """THE families of Hugging Face architectures, one module each (:mod:`.llama`, :mod:`.qwen2`, :mod:`.qwen3`,
-:mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.deepseek_v3`, :mod:`.glm4_moe`): for each, which Megatron model its
+:mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.deepseek_v3`, :mod:`.glm4_moe`, :mod:`.nemotron_h`): for each, which Megatron model its
 ``config.json`` describes (its config table, :class:`~megatron_preflight.layout.hf.config.Key` rows) and how each
 Megatron tensor is made of Hugging Face tensors (:mod:`.rows`). Import, export, ``flags`` and ``check`` read the same
 declaration (:mod:`.spec` holds the code that reads it); adding a family is adding its module to :data:`FAMILIES`."""
@@ -8,9 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.hf.config import HfConfig, normalise
-from megatron_preflight.layout.hf.families import deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe
+from megatron_preflight.layout.hf.families import (
+    deepseek_v3,
+    glm4_moe,
+    llama,
+    mixtral,
+    nemotron_h,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from megatron_preflight.layout.hf.families.rows import Block, Mapping, Moe
 from megatron_preflight.layout.hf.families.spec import (
     LLAMA3_FIXED,
@@ -33,7 +43,7 @@ from megatron_preflight.layout.hf.families.spec import (
 )
 
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3,
-                                                        glm4_moe))
+                                                        glm4_moe, nemotron_h))
 
 __all__ = ["FAMILIES", "LLAMA3_FIXED", "MAX_TP", "MLA_YARN_ORIGINAL", "Block", "Family", "Mapping", "Moe",
            "UnsupportedModel", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",
@@ -71,19 +81,18 @@ def read_config(family: Family, raw: dict[str, Any], path: str) -> HfConfig:
 def export_refusals(args: Any) -> list[str]:
     """Why no HF architecture expresses the Megatron model of ``args``, whatever the family (empty: one may)."""
     out = []
-    if arg(args, "position_embedding_type", "learned_absolute") != "rope":
-        out.append(f"{arg(args, 'position_embedding_type', 'learned_absolute')} position embeddings (the "
-                   "architectures here use RoPE)")
-    if not arg(args, "swiglu", False):
-        out.append("an MLP without SwiGLU (the architectures here gate with silu)")
+    hybrid = bool(parallel.hybrid_pattern(args))
+    position = arg(args, "position_embedding_type", "learned_absolute")
+    if position != "rope" and not (hybrid and position == "none"):
+        out.append(f"{position} position embeddings (the architectures here use RoPE; a hybrid one none)")
+    if not arg(args, "swiglu", False) and not (hybrid and arg(args, "squared_relu", False)):
+        out.append("an MLP without SwiGLU (the architectures here gate with silu; a hybrid one squares a ReLU)")
     if str(arg(args, "normalization", "LayerNorm")).lower() != "rmsnorm":
         out.append(f"{arg(args, 'normalization', 'LayerNorm')} (the architectures here use RMSNorm)")
     if arg(args, "add_bias_linear", True):
         out.append("biases on every linear layer (--disable-bias-linear was not given)")
     if arg(args, "apply_layernorm_1p", False) or arg(args, "layernorm_zero_centered_gamma", False):
         out.append("zero-centred norm weights (--apply-layernorm-1p)")
-    if arg(args, "hybrid_layer_pattern") or arg(args, "hybrid_override_pattern"):
-        out.append("a HybridModel (Mamba / gated delta net layers)")
     return out
 
 

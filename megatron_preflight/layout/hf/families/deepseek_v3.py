@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from megatron_preflight.layout.hf.config import REQUIRED, Key
 from megatron_preflight.layout.hf.families.rows import Moe
-from megatron_preflight.layout.hf.families.spec import Family, table, traits
+from megatron_preflight.layout.hf.families.spec import Family, gpt, table, traits
 
 FAMILY = Family(
     "deepseek_v3", ("DeepseekV3ForCausalLM",),
@@ -29,5 +29,5 @@ FAMILY = Family(
                without=("head_dim",)),
     attention="mla", qkv_bias="never", moe=Moe("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
     json=lambda cfg: {"topk_method": "noaux_tc"},
-    expresses=lambda args: (lambda t: t.mla and t.moe and t.sigmoid and t.expert_bias)(traits(args)), rank=5,
+    expresses=lambda args: (lambda t: gpt(t) and t.mla and t.moe and t.sigmoid and t.expert_bias)(traits(args)), rank=5,
 )

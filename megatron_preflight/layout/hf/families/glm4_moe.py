@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from megatron_preflight.layout.hf.config import REQUIRED, Key
 from megatron_preflight.layout.hf.families.rows import Moe
-from megatron_preflight.layout.hf.families.spec import Family, table, traits
+from megatron_preflight.layout.hf.families.spec import Family, gpt, table, traits
 
 FAMILY = Family(
     "glm4_moe", ("Glm4MoeForCausalLM",),
@@ -26,5 +26,5 @@ FAMILY = Family(
                Key("norm_topk_prob", "norm_topk_prob", True), Key("num_nextn_predict_layers", "mtp_layers", 1)),
     qkv_bias="config", qk_norm="config", moe=Moe("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
     fixed={"scoring_func": "sigmoid"},  # (its router is sigmoid by definition: no config key says so)
-    expresses=lambda args: (lambda t: not t.mla and t.moe and t.sigmoid and t.expert_bias)(traits(args)), rank=6,
+    expresses=lambda args: (lambda t: gpt(t) and not t.mla and t.moe and t.sigmoid and t.expert_bias)(traits(args)), rank=6,
 )

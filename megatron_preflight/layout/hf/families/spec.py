@@ -92,10 +92,19 @@ class Family:
     # export: whether it expresses the Megatron model of ``args`` (a Namespace), and its rank among those that do
     expresses: Callable[[Any], bool] = lambda args: False
     rank: int = 100
+    acts: tuple[str, ...] = ("silu", "swish")  # the MLP activations (config's hidden_act) it takes
+    # its own tensors, where they are not a GPT model's layers (a hybrid model): (rows, cfg) -> mappings
+    tensors: Callable[[Rows, HfConfig], list[Mapping]] | None = None
+    impl: str = ""  # the layer spec Megatron builds it with ("": Transformer Engine's for MLA, else local)
+    inert: frozenset[str] = frozenset()  # config keys its transformers class reads for nothing this family maps
 
     @property
     def mla(self) -> bool:
         return self.attention == "mla"
+
+    @property
+    def transformer_impl(self) -> str:
+        return self.impl or ("transformer_engine" if self.mla else "local")
 
     def declares(self, name: str) -> bool:
         """Whether the family's config table reads field ``name``."""
@@ -103,7 +112,8 @@ class Family:
 
     def config_keys(self) -> frozenset[str]:
         """Every config.json key the family reads."""
-        return frozenset(n for k in self.keys for n in k.names) | {"rope_theta", "rope_parameters", "rope_scaling"}
+        return frozenset(n for k in self.keys for n in k.names) | {"rope_theta", "rope_parameters", "rope_scaling"} \
+            | self.inert
 
 
 def table(*own: Key, without: tuple[str, ...] = ()) -> tuple[Key, ...]:
@@ -150,8 +160,9 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
     if cfg.rotary_percent != 1.0 and not family.declares("rotary_percent"):
         out.append(f"RoPE on {cfg.rotary_percent} of each head (partial_rotary_factor: the {family.name} family here "
                    "rotates whole heads)")
-    if cfg.hidden_act not in ("silu", "swish"):
-        out.append(f"hidden_act {cfg.hidden_act!r} (Megatron's gated MLP here is SwiGLU: silu)")
+    if cfg.hidden_act not in family.acts:
+        out.append(f"hidden_act {cfg.hidden_act!r} (the {family.name} family here takes " + " / ".join(family.acts)
+                   + ("; Megatron's gated MLP here is SwiGLU: silu)" if "silu" in family.acts else ")"))
     if cfg.mlp_bias:
         out.append("mlp_bias: the MLP projections have biases, which Megatron adds only with every linear's bias")
     sc = cfg.rope_scaling
@@ -274,6 +285,8 @@ def mappings(family: Family, cfg: HfConfig, rows: dict[str, int],
     tensor's dim-0 size (from the safetensors headers); writing an HF model, ``megatron_rows`` instead: each Megatron
     tensor's."""
     r = Rows(rows, megatron_rows)
+    if family.tensors is not None:
+        return family.tensors(r, cfg)
     out = [r.copy("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i, is_moe in enumerate(cfg.moe_layers()):
         out += layer(family, r, cfg, f"model.layers.{i}.", f"decoder.layers.{i}.", is_moe)
@@ -387,6 +400,15 @@ def config_from_args(family: Family, args: Any, path: str, architecture: str | N
         routed_scaling_factor=arg(args, "moe_router_topk_scaling_factor"),
         scoring_func=arg(args, "moe_router_score_function", "softmax"),
         mtp_layers=int(arg(args, "mtp_num_layers", 0) or 0))
+    pattern = parallel.hybrid_pattern(args)
+    if pattern:  # a HybridModel: its layers in order, its Mamba-2 mixers (Megatron's d_inner: 2 x hidden)
+        head_dim = int(arg(args, "mamba_head_dim", 64))
+        values.update(hybrid_pattern=parallel.hybrid_layers(pattern), mamba_head_dim=head_dim,
+                      mamba_heads=int(arg(args, "mamba_num_heads", 0) or 2 * hidden // head_dim),
+                      mamba_state=int(arg(args, "mamba_state_dim", 128)),
+                      mamba_groups=int(arg(args, "mamba_num_groups", 8)), mamba_conv=4)
+    if arg(args, "squared_relu", False):
+        values["hidden_act"] = "relu2"
     declared = {k.field for k in family.keys} | {"rope_scaling", "rotary_percent", "dtype"}
     kept = {k: v for k, v in values.items() if k in declared or k in REQUIRED_FIELDS}
     kept.update(family.fixed)
@@ -445,6 +467,8 @@ class Traits(NamedTuple):
     shared: bool  # shared experts
     partial_rope: bool  # RoPE on part of each head
     mtp: bool  # multi-token prediction layers
+    hybrid: bool  # a HybridModel (a layer pattern)
+    gated: bool  # a SwiGLU MLP
 
 
 def traits(args: Any) -> Traits:
@@ -456,14 +480,20 @@ def traits(args: Any) -> Traits:
         expert_bias=moe and bool(arg(args, "moe_router_enable_expert_bias", False)),
         pre_softmax=moe and bool(arg(args, "moe_router_pre_softmax", False)),
         shared=moe and bool(arg(args, "moe_shared_expert_intermediate_size")),
-        partial_rope=float(arg(args, "rotary_percent", 1.0)) != 1.0, mtp=bool(arg(args, "mtp_num_layers")))
+        partial_rope=float(arg(args, "rotary_percent", 1.0)) != 1.0, mtp=bool(arg(args, "mtp_num_layers")),
+        hybrid=bool(parallel.hybrid_pattern(args)), gated=bool(arg(args, "swiglu", False)))
+
+
+def gpt(t: Traits) -> bool:
+    """A GPT model (not a hybrid one) with SwiGLU MLPs."""
+    return t.gated and not t.hybrid
 
 
 def plain_dense(t: Traits) -> bool:
     """A dense GQA model with RoPE on whole heads and no MTP layers (what Llama, Qwen2 and Qwen3 share)."""
-    return not (t.mla or t.moe or t.partial_rope or t.mtp)
+    return gpt(t) and not (t.mla or t.moe or t.partial_rope or t.mtp)
 
 
 def softmax_moe(t: Traits) -> bool:
     """A GQA MoE model with a softmax router, no shared experts, RoPE on whole heads, no MTP layers."""
-    return t.moe and not (t.mla or t.sigmoid or t.expert_bias or t.shared or t.partial_rope or t.mtp)
+    return gpt(t) and t.moe and not (t.mla or t.sigmoid or t.expert_bias or t.shared or t.partial_rope or t.mtp)
