@@ -125,3 +125,27 @@ def test_no_branch_on_a_familys_name_outside_its_module():
                     if pattern.search(line):
                         found.append(f"{os.path.relpath(path, REPO)}:{n}: {line.strip()}")
     assert found == []
+
+
+def test_infinity_in_a_config_is_taken_where_a_limit_is_unbounded_and_refused_where_a_number_is_used(written,
+                                                                                                   tmp_path):
+    """transformers 4 writes NemotronH's time_step_limit as [0.0, Infinity]: the config reads; an Infinity where a
+    number is used (a RoPE base) is refused, naming the field; NaN anywhere stays refused (test_files.py)."""
+    import shutil
+
+    from megatron_preflight.layout.hf.discover import discover_hf
+
+    nem = tmp_path / "nem"
+    shutil.copytree(written["nemotron_h"], nem)
+    text = (nem / "config.json").read_text().rstrip().rstrip("}")
+    (nem / "config.json").write_text(text.replace('"time_step_limit"', '"old_time_step_limit"')
+                                     + ', "time_step_limit": [0.0, Infinity]}')
+    layout = discover_hf(str(nem))
+    assert [p.message for p in layout.problems] == []
+    llama = tmp_path / "llama"
+    shutil.copytree(written["llama"], llama)
+    raw = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": float("inf")}))  # (json writes Infinity)
+    assert "Infinity" in (llama / "config.json").read_text()
+    with pytest.raises(Exception, match="rms_norm_eps is inf: it must be a finite number"):
+        _read(str(llama))
