@@ -80,9 +80,9 @@ class MegatronDirs:
         notes = assets.copy_tokenizer(r.layout, iter_out)
         if self.integrity:
             assets.write_integrity(iter_out)
-        elif os.path.isdir(iter_out):
-            assets.remove_digests(iter_out)
             notes.append(f"{assets.INTEGRITY}: SHA-256 of every file of the iteration dir (Megatron's "
                          "--verify-integrity checks it)")
+        elif os.path.isdir(iter_out):
+            assets.remove_digests(iter_out)
         durable.write_text(os.path.join(tmp, naming.TRACKER_FILENAME), str(iteration))
         return notes

@@ -35,6 +35,18 @@ def test_a_torch_dist_output_carries_the_tokenizer_dir_and_a_manifest_megatron_c
     assert "common.pt: its SHA-256 no longer matches" in capsys.readouterr().out
 
 
+def test_the_manifest_is_said_written_only_where_it_is(tmp_path, capsys):
+    """reshard says "integrity.json: ..." for a torch_dist output, which has one, and not for a legacy one, which has
+    none (Megatron checks it for torch_dist only)."""
+    for fmt in ("torch_dist", "torch"):
+        out = tmp_path / fmt
+        assert main(["reshard", fixture_path("muon_tp2_torch_dist"), str(out), "--no-progress", "--tp", "1",
+                     "--ckpt-format", fmt]) == 0
+        said = "integrity.json: SHA-256" in capsys.readouterr().out
+        written = (out / "iter_0000002" / "integrity.json").exists()
+        assert said == written == (fmt == "torch_dist"), (fmt, said, written)
+
+
 def test_a_hugging_face_models_tokenizer_goes_into_the_iteration_dir(tmp_path):
     hf = tmp_path / "hf"
     shutil.copytree(fixture_path("../hf/llama"), hf)
