@@ -163,9 +163,12 @@ def save_tree(tree: Any, files: SourceFiles, path: str, tap: Tap | None = None) 
     data, pending = _records(tree)
     kit = TORCH if tap is not None or not all(bytes_only(source) for _, source in pending) else BYTES
     written = 0
-    # the file is written by a second thread while this one builds the next piece (write_behind: both release the
-    # GIL); every call on the archive goes through it, in order
-    with TorchZipWriter(path, _archive(path)) as zw, WriteBehind() as behind:
+    # the file is written by a second thread while this one builds the next pieces (write_behind: both release the
+    # GIL); every call on the archive goes through it, in order. Its queue holds every piece buffer's two calls
+    # (append, give back) and a record's end and next begin: the piece buffers, not the queue, bound what waits
+    # (a queue of 2 calls kept the builder one piece ahead and serialised the two: 0.92 -> 0.72 s for the 1.2 GB
+    # TP2 -> TP1 reshard's data on tmpfs)
+    with TorchZipWriter(path, _archive(path)) as zw, WriteBehind(depth=2 * PIECE_BUFFERS + 2) as behind:
         behind.submit(zw.write, "data.pkl", data)
         behind.submit(zw.write, ".format_version", _FORMAT_VERSION)
         behind.submit(zw.write, "byteorder", _BYTEORDER)
