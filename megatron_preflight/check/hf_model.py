@@ -73,8 +73,18 @@ MODEL_FLAGS = (
     ("spec", "--spec"), ("hybrid_layer_pattern", "--hybrid-layer-pattern"), ("mamba_num_heads", "--mamba-num-heads"),
     ("mamba_head_dim", "--mamba-head-dim"), ("mamba_state_dim", "--mamba-state-dim"),
     ("mamba_num_groups", "--mamba-num-groups"), ("squared_relu", "--squared-relu"),
+    ("linear_key_head_dim", "--linear-key-head-dim"), ("linear_value_head_dim", "--linear-value-head-dim"),
+    ("linear_num_key_heads", "--linear-num-key-heads"), ("linear_num_value_heads", "--linear-num-value-heads"),
     ("bf16", "--bf16"), ("fp16", "--fp16"),
 )
+# fields that mean something only with multi-latent attention (Megatron's args hold their defaults without it), only
+# with rotary embeddings, only in a HybridModel: printed only where they do
+_MLA_ONLY = frozenset({"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                       "rotary_scaling_factor", "mscale", "mscale_all_dim"})
+_ROTARY_ONLY = frozenset({"rotary_base", "rotary_percent", "rotary_seq_len_interpolation_factor"})
+_HYBRID_ONLY = frozenset({"spec", "hybrid_layer_pattern", "mamba_num_heads", "mamba_head_dim", "mamba_state_dim",
+                          "mamba_num_groups", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                          "linear_num_value_heads"})
 
 
 def _render(field: str, flag: str, value: Any) -> str | None:
@@ -111,6 +121,14 @@ def model_flags(args: Any) -> list[str]:
             continue
         if field == "transformer_impl" and not get("multi_latent_attention"):
             continue  # any spec builds the others; MLA is built with Transformer Engine's only
+        if field in _MLA_ONLY and not get("multi_latent_attention"):
+            continue
+        if field in _ROTARY_ONLY and get("position_embedding_type") not in ("rope", "yarn", "mrope"):
+            continue
+        if field in _HYBRID_ONLY and not (get("hybrid_layer_pattern") or get("hybrid_override_pattern")):
+            continue
+        if field == "hybrid_layer_pattern" and value is None:
+            value = get("hybrid_override_pattern")  # (its older name: main takes both)
         rendered = _render(field, flag, value)
         if rendered is not None:
             out.append(rendered)

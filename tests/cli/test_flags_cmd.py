@@ -42,9 +42,13 @@ def test_a_megatron_checkpoints_saved_model_flags():
     assert done.stdout.startswith("# run pretrain_gpt.py")
 
 
-def test_a_hybrid_checkpoint_names_its_script():
+def test_a_hybrid_checkpoint_names_its_script_and_prints_only_what_its_model_has():
     doc = json.loads(flags(fixture_path("hyb_tp2_torch"), "--json").stdout)
     assert doc["script"] == "pretrain_hybrid.py"
+    assert "--hybrid-layer-pattern MG*-E/*-" in doc["flags"] and "--linear-num-value-heads 4" in doc["flags"]
+    assert not any(f.startswith(("--kv-lora-rank", "--rotary-base", "--mscale")) for f in doc["flags"])
+    plain = json.loads(flags(fixture_path("bf16_gqa_tp2_torch"), "--json").stdout)["flags"]
+    assert not any(f.startswith(("--spec", "--mamba", "--linear-", "--kv-lora-rank")) for f in plain)
 
 
 def test_an_unsupported_model_is_one_paragraph(tmp_path):

@@ -289,3 +289,30 @@ def test_an_impossible_hybrid_layout_is_answered_by_the_plugin_before_megatron(t
                      "--tensor-model-parallel-size", "3", "--ckpt-format", "torch", "--preflight", "check",
                      port=29798, verify=False)
     assert_stopped_by_the_plugin(rc, log, "8 Mamba heads are not divisible by TP3")
+
+
+def test_the_printed_flags_of_a_hybrid_checkpoint_start_pretrain_hybrid_as_the_hand_written_ones(tmp_path):
+    """`flags` of a HybridModel checkpoint (its spec, pattern, Mamba-2 and gated delta net sizes; no MLA or rotary
+    defaults it never used), run as printed by pretrain_hybrid.py with --preflight auto at TP1: iterations 3, 4 and the
+    MTP losses equal those of the same resume with the fixture's hand-written flags."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.helpers.tiny import MODEL_FLAGS
+
+    ckpt = fixture_path("hyb_tp2_torch")
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "flags", ckpt], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("# run pretrain_hybrid.py"), done.stderr
+    printed = [w for line in done.stdout.splitlines() if not line.startswith("#")
+               for w in shlex.split(line.rstrip(" \\"))]
+    assert "--kv-lora-rank" not in printed and "--rotary-base" not in printed
+    train = TINY[len(MODEL_FLAGS):] + ["--train-iters", "4", "--seq-length", "32"]  # (a run setting, not the model)
+    rc, log = run(tmp_path, ckpt, 1, *printed, "--preflight", "auto", "--ckpt-format", "torch",
+                  script="pretrain_hybrid.py", base=train, port=29973)
+    assert rc == 0, log[-3000:]
+    rc2, log2 = hybrid(tmp_path, ckpt, 1, "--preflight", "auto", "--ckpt-format", "torch", "--hybrid-layer-pattern",
+                       PATTERN, port=29974)
+    assert rc2 == 0, log2[-3000:]
+    assert_trains_alike_with_mtp(log, log2)
