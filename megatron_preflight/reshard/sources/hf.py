@@ -110,9 +110,16 @@ class HfReader:
                 raise CorruptFileError(f"tensor {q.name + quant.SCALE_SUFFIX!r} holds a non-finite scale (rows {lo}..{hi - 1})",
                                        path=os.path.join(self.model_dir, q.scale_file), code="corrupt_file",
                                        fix="download the model again")
-            scale = scale.repeat_interleave(br, 0)[s0 - lo * br:s0 - lo * br + k]
+            # each block row's scales spread over its columns (block-row count x columns, not rows x columns), then
+            # the rows of each block row multiplied by them straight into ``out`` (cast on the way: no full-size
+            # temporaries beside the float32 values)
             scale = scale.repeat_interleave(bc, 1)[:, :q.cols]
-            out[a - first:b - first].copy_((values * scale).reshape(out[a - first:b - first].shape))
+            dst = out[a - first:b - first].view(k, q.cols)
+            row = s0
+            while row < s0 + k:
+                end = min((row // br + 1) * br, s0 + k)
+                torch.mul(values[row - s0:end - s0], scale[row // br - lo], out=dst[row - s0:end - s0])
+                row = end
 
     def sample_bytes(self, shard: str, ref: SafeRef, k: int) -> bytes | None:
         return None  # (a model dir holds no replicas)
