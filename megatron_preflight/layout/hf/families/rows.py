@@ -21,7 +21,6 @@ resharder's bridge (:mod:`megatron_preflight.reshard.plan.spec`), not these rows
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -205,6 +204,3 @@ def mla_layer(r: Rows, cfg: HfConfig, hf: str, mg: str, is_moe: bool, moe: Moe) 
                       extra("mlp.linear_fc2")]
     out += [r.copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"), extra("pre_mlp_layernorm")]
     return out + moe_block(r, moe, cfg, hf, mg, extras=True)
-
-
-LayerFn = Callable[[Rows, HfConfig, str, str, bool], list]  # (rows, cfg, hf prefix, megatron prefix, is_moe)

@@ -24,17 +24,6 @@ COMMON = (
     Key("hidden_act", "hidden_act", "silu"), Key("rope_theta", "rope_theta", 10000.0),
     Key("rope_scaling", "rope_scaling", None, ("rope_parameters",)), Key("torch_dtype", "dtype", None, ("dtype",)),
 )
-# keys of config.json no family reads because they change nothing a model computes (bookkeeping, generation,
-# training-time settings transformers' forward ignores here)
-INERT = frozenset({
-    "architectures", "model_type", "transformers_version", "use_cache", "bos_token_id", "eos_token_id",
-    "pad_token_id", "initializer_range", "attention_dropout", "hidden_dropout", "output_router_logits",
-    "router_aux_loss_coef", "router_jitter_noise", "aux_loss_alpha", "seq_aux", "ep_size", "topk_method",
-    "quantization_config", "auto_map", "pretraining_tp", "_name_or_path", "tokenizer_class", "max_window_layers",
-    "torch_dtype", "dtype", "use_sliding_window", "sliding_window", "layer_types", "id2label", "label2id",
-    "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions", "output_hidden_states", "return_dict",
-    "problem_type", "num_nextn_predict_layers", "moe_layer_freq",
-})
 
 
 def _falsy(v: Any, raw: dict) -> bool:
@@ -46,7 +35,8 @@ def _one(v: Any, raw: dict) -> bool:
 
 
 # config.json keys that change what a model computes, each with the test of its neutral value: a family that does not
-# declare one refuses a config that sets it otherwise (read as another model, it would train silently wrong)
+# declare one (a Key row, or its ``inert`` set) refuses a config that sets it otherwise (read as another model, it
+# would train silently wrong). A key outside this table is not checked: the table is the list of known ones.
 MODEL_KEYS: dict[str, Callable[[Any, dict], bool]] = {
     "partial_rotary_factor": _one, "use_qk_norm": _falsy, "attention_bias": _falsy, "mlp_bias": _falsy,
     "qkv_bias": _falsy, "hidden_activation": lambda v, raw: v in (None, "silu"),
