@@ -316,3 +316,15 @@ def test_the_printed_flags_of_a_hybrid_checkpoint_start_pretrain_hybrid_as_the_h
                        PATTERN, port=29974)
     assert rc2 == 0, log2[-3000:]
     assert_trains_alike_with_mtp(log, log2)
+
+
+def test_an_impossible_layout_of_a_hybrid_run_is_answered_by_the_plugin_before_megatron(tmp_path):
+    """pretrain_hybrid.py at TP3 over 4 ranks on the hybrid fixture (4 attention heads, 2 gated delta net key heads):
+    the plugin's message at argument parsing with its fix and the nearest layouts of 4 ranks, every rank exit 1, no
+    Megatron traceback. (Over 3 ranks this model has no layout at all: its global batch of 2 takes no DP3, its 5
+    layers no PP3; the message then names none.)"""
+    from tests.hook.test_megatron_releases import assert_stopped_by_the_plugin
+
+    rc, log = hybrid(tmp_path, fixture_path("hyb_tp2_torch"), 4, "--preflight", "check", "--ckpt-format", "torch",
+                     "--hybrid-layer-pattern", PATTERN, "--tensor-model-parallel-size", "3", port=29975, verify=False)
+    assert_stopped_by_the_plugin(rc, log, "4 attention heads are not divisible by TP3")
