@@ -149,3 +149,35 @@ def test_infinity_in_a_config_is_taken_where_a_limit_is_unbounded_and_refused_wh
     assert "Infinity" in (llama / "config.json").read_text()
     with pytest.raises(Exception, match="rms_norm_eps is inf: it must be a finite number"):
         _read(str(llama))
+
+
+def test_the_hubs_spellings_read_as_transformers_5s(written, tmp_path):
+    """GLM-4.5's config.json as the hub writes it (transformers 4: partial_rotary_factor and rope_theta at the top) and
+    NemotronH's (hybrid_override_pattern, attention_head_dim, time_step_limit with Infinity, the Mamba flags of its
+    remote code) describe the same models as transformers 5's spellings of them."""
+    for name, edit in (("glm4_moe", _glm_hub), ("nemotron_h", _nemotron_hub)):
+        raw, path = load_raw(written[name])
+        family = families.family_for(raw["architectures"][0], path)
+        hub = edit(dict(raw))
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(hub).replace('"INF"', "Infinity"))
+        hub_raw, _ = load_raw(str(tmp_path / name))
+        a, b = families.read_config(family, raw, path), families.read_config(family, hub_raw, path)
+        assert {k: v for k, v in _fields(a).items() if _fields(b)[k] != v} == {}, name
+        assert families.refusals(family, b) == [], name
+
+
+def _glm_hub(raw: dict) -> dict:
+    params = raw.pop("rope_parameters")
+    return {**raw, "rope_theta": params["rope_theta"], "partial_rotary_factor": params["partial_rotary_factor"],
+            "rope_scaling": None}
+
+
+def _nemotron_hub(raw: dict) -> dict:
+    kinds = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-"}
+    pattern = "".join(kinds[k] for k in raw.pop("layers_block_type"))
+    head_dim = raw.pop("head_dim")
+    raw.pop("time_step_limit", None)
+    return {**raw, "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern),
+            "attention_head_dim": head_dim, "time_step_limit": [0.0, "INF"], "use_bias": False,
+            "use_conv_bias": True, "mamba_hidden_act": "silu", "rescale_prenorm_residual": True}

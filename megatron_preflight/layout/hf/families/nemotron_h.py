@@ -101,7 +101,9 @@ def _expresses(args: Any) -> bool:
 FAMILY = Family(
     "nemotron_h", ("NemotronHForCausalLM",),
     # (transformers 5 writes no num_hidden_layers: the pattern's length)
-    keys=table(Key("num_hidden_layers", "num_layers", None), Key("layer_norm_epsilon", "norm_eps", 1e-5), Key("mlp_hidden_act", "hidden_act", "relu2"),
+    keys=table(Key("num_hidden_layers", "num_layers", None), Key("layer_norm_epsilon", "norm_eps", 1e-5),
+               # (the hub's configs name the attention head dim attention_head_dim)
+               Key("head_dim", "head_dim", None, ("attention_head_dim",)), Key("mlp_hidden_act", "hidden_act", "relu2"),
                Key("attention_bias", "attention_bias", False), Key("mlp_bias", "mlp_bias", False),
                Key("hybrid_override_pattern", "hybrid_pattern", REQUIRED, ("layers_block_type",)),
                Key("mamba_num_heads", "mamba_heads", REQUIRED), Key("mamba_head_dim", "mamba_head_dim", REQUIRED),
