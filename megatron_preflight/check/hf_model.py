@@ -41,6 +41,14 @@ FUNCTION_FIELDS = (
     ("rotary_scaling_factor", "YaRN's scaling factor"),
     ("mscale", "YaRN's attention scale (mscale)"),
     ("mscale_all_dim", "YaRN's attention scale over all dims (mscale_all_dim)"),
+    ("apply_layernorm_1p", "zero-centred norm weights (each norm computes with 1 + its weight)"),
+    ("attention_output_gate", "the attention output's sigmoid gate"),
+    ("moe_shared_expert_gate", "the shared expert's sigmoid gate"),
+    ("linear_key_head_dim", "the gated delta nets' key head dim"),
+    ("linear_value_head_dim", "the gated delta nets' value head dim"),
+    ("linear_num_key_heads", "the gated delta nets' key heads"),
+    ("linear_num_value_heads", "the gated delta nets' value heads"),
+    ("linear_conv_kernel_dim", "the gated delta nets' convolution taps"),
 )
 
 # the model flags of a run, in the order a launch script lists them: (field, flag); a bool is the flag alone
@@ -73,6 +81,8 @@ MODEL_FLAGS = (
     ("spec", "--spec"), ("hybrid_layer_pattern", "--hybrid-layer-pattern"), ("mamba_num_heads", "--mamba-num-heads"),
     ("mamba_head_dim", "--mamba-head-dim"), ("mamba_state_dim", "--mamba-state-dim"),
     ("mamba_num_groups", "--mamba-num-groups"), ("squared_relu", "--squared-relu"),
+    ("apply_layernorm_1p", "--apply-layernorm-1p"), ("attention_output_gate", "--attention-output-gate"),
+    ("moe_shared_expert_gate", "--moe-shared-expert-gate"), ("linear_conv_kernel_dim", "--linear-conv-kernel-dim"),
     ("linear_key_head_dim", "--linear-key-head-dim"), ("linear_value_head_dim", "--linear-value-head-dim"),
     ("linear_num_key_heads", "--linear-num-key-heads"), ("linear_num_value_heads", "--linear-num-value-heads"),
     ("bf16", "--bf16"), ("fp16", "--fp16"),
@@ -84,7 +94,7 @@ _MLA_ONLY = frozenset({"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb
 _ROTARY_ONLY = frozenset({"rotary_base", "rotary_percent", "rotary_seq_len_interpolation_factor"})
 _HYBRID_ONLY = frozenset({"spec", "hybrid_layer_pattern", "mamba_num_heads", "mamba_head_dim", "mamba_state_dim",
                           "mamba_num_groups", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                          "linear_num_value_heads"})
+                          "linear_num_value_heads", "linear_conv_kernel_dim"})
 
 
 def _render(field: str, flag: str, value: Any) -> str | None:

@@ -97,8 +97,14 @@ class RuntimeArgs:
     mamba_state_dim: int = 128
     mamba_expand: int = 2
     squared_relu: bool = False  # the MLP's activation: ReLU squared (NemotronH) instead of GELU / SwiGLU
+    apply_layernorm_1p: bool = False  # zero-centred norm weights (Qwen3-Next)
+    attention_output_gate: bool = False  # a sigmoid gate on the attention's output (Qwen3-Next)
+    moe_shared_expert_gate: bool = False  # a sigmoid gate on the shared expert (Qwen3-Next)
+    linear_conv_kernel_dim: int = 4  # a gated delta net's convolution taps
     linear_num_key_heads: int | None = None
     linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None  # (Megatron's defaults: 128 and 128; None: not given)
+    linear_value_head_dim: int | None = None
     untie_embeddings_and_output_weights: bool = False
     transformer_impl: str = "transformer_engine"
     # The run's Adam: "torch" (AdamW) or "fused" (TE's or apex's FusedAdam). Not a Megatron flag: Megatron takes the
@@ -323,6 +329,10 @@ def from_mapping(values: dict[str, Any]) -> RuntimeArgs:
             key, value = "add_bias_linear", not bool(value)
         if key == "layernorm_epsilon":  # Megatron-LM main's name for --norm-epsilon
             key = "norm_epsilon"
+        if key == "layernorm_zero_centered_gamma":  # Megatron-LM main's name for --apply-layernorm-1p
+            key = "apply_layernorm_1p"
+            if not value and values.get("apply_layernorm_1p"):
+                continue
         if key in _FIELDS and value is not None:
             setattr(args, key, _coerce(key, value))
             args.given.add(key)

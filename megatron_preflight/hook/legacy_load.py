@@ -173,6 +173,25 @@ def match_extra_state(state: dict[str, Any], model: Any) -> int:
     return changed
 
 
+def refuse_unmatched(state: dict[str, Any], model: Any, load_dir: str) -> None:
+    """Every parameter of the running modules is in the built state dict: Megatron's legacy loader, failing a strict
+    load, loads again non-strictly and leaves what it did not find at its initial values, silently. A parameter the
+    resharder did not build under the running module's name stops the run here, named."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    for i, chunk in enumerate(chunks):
+        sd = state.get("model" if len(chunks) == 1 else f"model{i}")
+        if not isinstance(sd, dict):
+            continue
+        missing = [name for name, _ in unwrapped(chunk).named_parameters() if name not in sd]
+        if missing:
+            raise PreflightError(
+                f"the state built for this rank lacks {len(missing)} of the running model's parameters, first "
+                f"{missing[0]!r} (the built state names {len(sd)} entries): Megatron would load the rest and leave "
+                "these at their initial values", path=load_dir,
+                fix="check that the run's model flags are the checkpoint's (megatron-preflight check LOAD_DIR -- "
+                    "<the run's flags>); if they are, report it with both names", code="layout")
+
+
 def match_mtp_names(state: dict[str, Any], model: Any) -> int:
     """Put each key a Megatron release names otherwise under the running modules' name (Megatron loads strictly, and
     on a strict failure its legacy loader loads again non-strictly, leaving those modules at init): an MTP layer's
@@ -226,6 +245,7 @@ def resharded_state_dict(load_dir: str, args: Any, *, rank0: bool = False, optim
         if moved:
             log.info("%d _extra_state entries matched to the running modules (%s)", moved,
                      r.spec.describe() if r.spec is not None and r.spec.changes else "same layer spec")
+        refuse_unmatched(state, model, load_dir)
     log.info("built rank state dict from %s (%d tensors, %.1f MiB)", ", ".join(plan.sources), len(plan.tensors),
              plan.nbytes / 2**20)
     return state, name, release

@@ -16,8 +16,9 @@ from megatron_preflight.reshard import open_index
 hf_models = pytest.importorskip("tests.helpers.hf_models")
 pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "nemotron_h"]
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "nemotron_h",
+            "qwen3_next"]
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next")
 RUN = ["--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
        "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2"]
 
@@ -94,6 +95,17 @@ HYBRID_EDITS = [("hybrid_layer_pattern", ["--hybrid-layer-pattern", "MM*-"]),
                 ("mamba_state_dim", ["--mamba-state-dim", "8"]), ("mamba_head_dim", ["--mamba-head-dim", "8"]),
                 ("mamba_num_groups", ["--mamba-num-groups", "1"]), ("mamba_num_heads", ["--mamba-num-heads", "2"])]
 HYBRID_DROPS = [("squared_relu", "--squared-relu")]
+# Qwen3-Next's own fields: its layer pattern, gated delta nets, partial RoPE, gates and zero-centred norms
+NEXT_EDITS = [("hybrid_layer_pattern", ["--hybrid-layer-pattern", "GE*EGE*E"]),
+              ("linear_key_head_dim", ["--linear-key-head-dim", "16"]),
+              ("linear_value_head_dim", ["--linear-value-head-dim", "16"]),
+              ("linear_num_value_heads", ["--linear-num-value-heads", "2"]),
+              ("linear_conv_kernel_dim", ["--linear-conv-kernel-dim", "2"]),
+              ("rotary_percent", ["--rotary-percent", "0.5"])]
+NEXT_DROPS = [("apply_layernorm_1p", "--apply-layernorm-1p"), ("attention_output_gate", "--attention-output-gate"),
+              ("moe_shared_expert_gate", "--moe-shared-expert-gate")]
+# (its MoE layers are its pattern's E layers; two Megatron layers per HF layer)
+NOT_NEXT = ("num_layers", "moe_layer_freq", "use_rope_scaling")
 # (no RoPE, no QK norm or QKV bias to edit; its layers are its pattern's, compared as the pattern)
 NOT_HYBRID = ("rotary_base", "use_rope_scaling", "qk_layernorm", "add_qkv_bias", "num_layers")
 NOT_MLA = ("num_query_groups", "kv_channels", "group_query_attention")  # MLA has neither groups nor kv channels
@@ -104,14 +116,14 @@ DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--unti
 
 def _cases():
     for name in FAMILIES:
-        mla, glm, hyb = name == "deepseek_v3", name == "glm4_moe", name == "nemotron_h"
+        mla, glm, hyb, nxt = name == "deepseek_v3", name == "glm4_moe", name == "nemotron_h", name == "qwen3_next"
         for field, edit in EDITS + (MOE_EDITS if name in MOE else []) + (MLA_EDITS if mla else []) + (
-                GLM_EDITS if glm else []) + (HYBRID_EDITS if hyb else []):
-            if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID):
+                GLM_EDITS if glm else []) + (HYBRID_EDITS if hyb else []) + (NEXT_EDITS if nxt else []):
+            if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID) and not (nxt and field in NOT_NEXT):
                 yield name, field, edit, None
         for field, flag in DROPS + (MLA_DROPS if mla else []) + (GLM_DROPS if glm else []) + (
-                HYBRID_DROPS if hyb else []):
-            if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID):
+                HYBRID_DROPS if hyb else []) + (NEXT_DROPS if nxt else []):
+            if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID) and not (nxt and field in NOT_NEXT):
                 yield name, field, None, flag
 
 

@@ -47,6 +47,13 @@ def configs() -> dict[str, Any]:
                                         hybrid_override_pattern="M*M-", head_dim=8, mamba_num_heads=4,
                                         mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
                                         chunk_size=8, tie_word_embeddings=False),
+        # Qwen3-Next: 3 gated delta nets (2 key / 4 value heads of 8) then gated attention (RoPE on a quarter of each
+        # head, QK norm), every layer a MoE of 4 experts with a gated shared expert, zero-centred norms
+        "qwen3_next": T.Qwen3NextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=8, num_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                        linear_conv_kernel_dim=4, tie_word_embeddings=False),
     }
 
 

@@ -194,6 +194,26 @@ def test_nemotron_h_trains_with_transformers_loss(tmp_path, data, nproc, layout)
     assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
 
 
+QWEN3_NEXT = [(1, []), (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+              (2, ["--expert-model-parallel-size", "2"])]
+
+
+@pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
+                                                       "stand-ins for Transformer Engine, mamba_ssm and fla)")
+@pytest.mark.parametrize("nproc, layout", QWEN3_NEXT, ids=["tp1", "tp2", "ep2"])
+def test_qwen3_next_trains_with_transformers_loss(tmp_path, data, nproc, layout):
+    """Qwen3-Next (gated delta nets, gated attention, zero-centred norms, MoE with a gated shared expert) started by
+    pretrain_hybrid.py with the printed flags, two Megatron layers per HF layer (its gated delta nets through
+    mamba_cpu's fla stand-in and its layers through te_cpu, CPU stand-ins, not those packages): transformers' loss."""
+    from tests.helpers import hf_data, hf_models
+
+    path = hf_models.write("qwen3_next", str(tmp_path / "qwen3_next"))
+    rc, log = run(tmp_path, path, nproc, *printed_flags(path), "--data-path", data, *layout, "--preflight", "auto",
+                  script="pretrain_hybrid.py", base=BASE, port=29752, verify=False, te=True)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
+
+
 @pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
                                                        "stand-ins for Transformer Engine and mamba_ssm)")
 def test_a_trained_nemotron_h_handed_back_as_hf_computes_megatrons_loss(tmp_path, data):

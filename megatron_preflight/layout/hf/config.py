@@ -90,6 +90,15 @@ class HfConfig:
     mamba_state: int | None = None
     mamba_groups: int | None = None
     mamba_conv: int | None = None
+    # Qwen3-Next: each layer's kind (layer_types: linear_attention / full_attention), its gated delta nets' sizes, the
+    # size of its one gated shared expert
+    layer_kinds: tuple[str, ...] = ()
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_conv: int | None = None
+    shared_expert_size: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -291,6 +300,22 @@ def _pattern(f: _Fields, names: tuple[str, ...], default: Any, got: dict[str, An
     return v
 
 
+LAYER_KINDS = frozenset({"linear_attention", "full_attention"})
+
+
+def _kinds(f: _Fields, names: tuple[str, ...], default: Any, got: dict[str, Any]) -> tuple[str, ...]:
+    """Each layer's kind: ``layer_types``, else (as transformers derives it) full attention every
+    ``full_attention_interval``-th layer, linear attention between."""
+    name, v, given = f.first(*names, default=None)
+    layers = got["num_layers"]
+    if not given:
+        every = f.int("full_attention_interval", default=4, hi=max(1, layers))
+        return tuple("full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers))
+    if not isinstance(v, (list, tuple)) or len(v) != layers or any(x not in LAYER_KINDS for x in v):
+        raise f._bad(name, v, f"a list of {layers} layer kinds, each one of " + ", ".join(sorted(LAYER_KINDS)))
+    return tuple(v)
+
+
 def _experts(got: dict[str, Any]) -> int:
     return max(1, got.get("num_experts") or MAX_EXPERTS)
 
@@ -341,6 +366,13 @@ READERS: dict[str, _Reader] = {
     "mamba_state": lambda f, n, d, g: f.int(*n, default=d),
     "mamba_groups": lambda f, n, d, g: f.int(*n, hi=MAX_HEADS, default=d),
     "mamba_conv": lambda f, n, d, g: f.int(*n, hi=64, default=d),
+    "layer_kinds": _kinds,
+    "linear_key_head_dim": lambda f, n, d, g: f.int(*n, default=d),
+    "linear_value_head_dim": lambda f, n, d, g: f.int(*n, default=d),
+    "linear_num_key_heads": lambda f, n, d, g: f.int(*n, hi=MAX_HEADS, default=d),
+    "linear_num_value_heads": lambda f, n, d, g: f.int(*n, hi=MAX_HEADS, default=d),
+    "linear_conv": lambda f, n, d, g: f.int(*n, hi=64, default=d),
+    "shared_expert_size": lambda f, n, d, g: f.int(*n, lo=0, default=d),
 }
 ROPE_FIELDS = ("rope_theta", "rotary_percent", "rope_scaling")  # read together by _rope
 # the fields every family declares (what a decoder-only language model cannot be described without)

@@ -9,6 +9,7 @@ Every later stage (index, planner, executor, writers, the hook's loader) then re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections import OrderedDict
 from typing import Any
@@ -76,7 +77,12 @@ def discover_hf(path: str) -> Layout:
     for name in missing:
         layout.add("missing_tensor", path, f"the model has no tensor {name!r}, which {arch} with this config.json "
                    "has", "download the model again (or check that config.json belongs to these weights)")
-    stray = sorted(k for k in table.tensors if k not in needed and not families.ignored(k, cfg))
+    unloaded = sorted(k for k in table.tensors if family.unloaded and k.startswith(family.unloaded))
+    if unloaded:
+        layout.notes.append(f"{len(unloaded)} tensor(s) under {', '.join(family.unloaded)} (the multi-token prediction "
+                            f"weights of {arch}'s files) are not loaded: the model trains without them")
+    stray = sorted(k for k in table.tensors if k not in needed and not families.ignored(k, cfg)
+                   and not (family.unloaded and k.startswith(family.unloaded)))
     if stray and not missing:
         layout.add("unmapped_tensor", path, f"{len(stray)} tensor(s) that {arch} with this config.json does not "
                    f"have, first {stray[0]!r} (never dropped silently)",
@@ -129,7 +135,8 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
             missing.extend(n for n in dict.fromkeys(gone) if n not in missing)
             continue
         try:
-            model[m.key] = _ref(m, tensors, path, scheme, cfg, checked)
+            ref = _ref(m, tensors, path, scheme, cfg, checked)
+            model[m.key] = dataclasses.replace(ref, add=m.add) if m.add else ref
         except PreflightError as e:
             errors.append(e)
     if scheme is not None:  # the scales are the weights' too

@@ -183,6 +183,7 @@ class SafeRef(TensorRef):
     runs: tuple[Run, ...] = ()
     # FP8 rows dequantized into this tensor's dtype (layout/hf/quant.py); then ``runs`` is empty
     quant: tuple[Any, ...] = ()
+    add: float = 0.0  # added to every value read (families/rows.Mapping.add): the values are computed, not copied
 
     def __repr__(self) -> str:
         if self.quant:
@@ -195,8 +196,8 @@ class SafeRef(TensorRef):
 
     def window(self, start: int, shape: tuple[int, ...]) -> SafeRef:
         """Elements ``start ..`` of this tensor (flattened) as a contiguous tensor of ``shape``."""
-        if self.quant:  # (a flat window of a Hugging Face weight: never asked; a model dir has no optimizer state)
-            raise ValueError("a window of a dequantized tensor")
+        if self.quant or self.add:  # (a flat window of an HF weight: never asked; a model dir has no optimizer state)
+            raise ValueError("a window of a computed tensor")
         item = self.dtype.itemsize
         lo, hi = start * item, (start + math.prod(shape)) * item
         runs = []
@@ -214,10 +215,11 @@ def _dtype(name: str) -> Any:
     return dtypes.dtype(name)
 
 
-def safe_ref(key: str, dtype: str, shape: tuple[int, ...], runs: tuple[Run, ...], quant: tuple[Any, ...] = ()) \
-        -> SafeRef:
+def safe_ref(key: str, dtype: str, shape: tuple[int, ...], runs: tuple[Run, ...], quant: tuple[Any, ...] = (),
+             add: float = 0.0) -> SafeRef:
     """The ref of a tensor of ``shape`` made of ``runs`` (or of dequantized FP8 ``quant`` runs)."""
     dt = _dtype(dtype)
     n = math.prod(shape)
     first = runs[0].file if runs else quant[0].file if quant else ""
-    return SafeRef(first, StorageRef(key, dt, n), 0, tuple(shape), row_major(tuple(shape)), runs=runs, quant=quant)
+    return SafeRef(first, StorageRef(key, dt, n), 0, tuple(shape), row_major(tuple(shape)), runs=runs, quant=quant,
+                   add=add)

@@ -131,7 +131,9 @@ def expected_shapes(args: Any) -> dict[tuple[bool, str], tuple[int | None, ...]]
     ffn, moe_ffn = get("ffn_hidden_size"), get("moe_ffn_hidden_size") or get("ffn_hidden_size")
     out: dict[tuple[bool, str], tuple[int | None, ...]] = {
         (False, "embedding.word_embeddings.weight"): (None, hidden),
-        (False, "self_attention.linear_qkv.weight"): ((heads + 2 * (groups or heads)) * kv, hidden),
+        # (--attention-output-gate: each query head's gate beside it, per group)
+        (False, "self_attention.linear_qkv.weight"): ((heads * (2 if getattr(args, "attention_output_gate", False)
+                                                                else 1) + 2 * (groups or heads)) * kv, hidden),
         (False, "self_attention.linear_proj.weight"): (hidden, heads * kv),
         (False, "input_layernorm.weight"): (hidden,),
         (False, "self_attention.linear_qkv.layer_norm_weight"): (hidden,),

@@ -54,10 +54,12 @@ class HfReader:
         if ref.quant:
             self._dequantize(ref, 0, t)
             self._last = (ref, t)
-            return t
+            return t.add_(ref.add) if ref.add else t
         buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         for r in ref.runs:
             self._pread(r.file, r.start, buf[r.dst:r.dst + r.nbytes])
+        if ref.add:
+            t.add_(ref.add)
         self._last = (ref, t)
         return t
 
@@ -72,7 +74,7 @@ class HfReader:
         out = torch.empty((n, *ref.shape[1:]), dtype=dtypes.to_torch(ref.dtype))
         if ref.quant:
             self._dequantize(ref, first, out)
-            return out
+            return out.add_(ref.add) if ref.add else out
         buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         lo = first * ref.row_bytes
         hi = lo + n * ref.row_bytes
@@ -80,7 +82,7 @@ class HfReader:
             a, b = max(lo, r.dst), min(hi, r.dst + r.nbytes)
             if a < b:
                 self._pread(r.file, r.start + a - r.dst, buf[a - lo:b - lo])
-        return out
+        return out.add_(ref.add) if ref.add else out
 
     def item(self, shard: str, ref: SafeRef) -> Any:
         return self.tensor(shard, ref).item()
@@ -125,14 +127,14 @@ class HfReader:
         return None  # (a model dir holds no replicas)
 
     def extent(self, shard: str, ref: SafeRef) -> tuple[str, int, int] | None:
-        if len(ref.runs) != 1 or not ref.shape or ref.quant:
+        if len(ref.runs) != 1 or not ref.shape or ref.quant or ref.add:
             return None
         r = ref.runs[0]
         return os.path.join(self.model_dir, r.file), r.start, ref.row_bytes
 
     def read_rows(self, shard: str, ref: SafeRef, row0: int, out: Any) -> int | None:
         """Rows from ``row0`` into ``out`` (as many as it holds), run by run: their CRC-32."""
-        if not ref.shape or ref.quant:  # (a dequantized tensor's bytes are computed, not read)
+        if not ref.shape or ref.quant or ref.add:  # (a computed tensor's bytes are not the file's)
             return None
         buf = memoryview(out).cast("B")
         lo = row0 * ref.row_bytes

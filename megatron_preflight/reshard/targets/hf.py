@@ -66,6 +66,7 @@ class Export:
     dtype: str  # torch's name
     tensors: dict[str, HfTensor]
     files: dict[str, list[str]]  # output file -> the HF tensors it holds, in order
+    adds: dict[str, float] = field(default_factory=dict)  # Megatron key -> the constant its import added (undone)
 
     def nbytes(self, name: str) -> int:
         return math.prod(self.tensors[name].shape) * dtypes.dtype(self.dtype).itemsize
@@ -108,9 +109,12 @@ def _plan(r: Resharder) -> Export:
     tensors: dict[str, HfTensor] = {}
     mapped: set[str] = set()
     copies = families.mtp_copies(cfg, rows)
+    adds: dict[str, float] = {}
     for m in families.mappings(family, cfg, {}, megatron_rows=rows) + copies:
         if not m.blocks:
             continue
+        if m.add:
+            adds[m.key] = m.add
         if m.key not in plans:
             raise PreflightError(f"{arch} has {m.blocks[0].hf}, which this checkpoint lacks ({m.key})", path=where,
                                  fix="check the saved args describe the model (or pass another --hf-architecture)",
@@ -140,7 +144,7 @@ def _plan(r: Resharder) -> Export:
     dtype = DTYPES.get(r.target.dtype or "", None) or cfg.dtype or "float32"
     config = families.config_json(family, cfg)
     config["torch_dtype"] = dtype
-    return Export(g, plans, family, config, dtype, tensors, _files(tensors, dtype))
+    return Export(g, plans, family, config, dtype, tensors, _files(tensors, dtype), adds)
 
 
 def _files(tensors: dict[str, HfTensor], dtype: str) -> dict[str, list[str]]:
@@ -187,6 +191,9 @@ def _rows_bytes(e: Export, tp: TensorPlan, a: int, b: int, files: SourceFiles) -
 
     # release: each source's mapped pages dropped once copied (the process holds a chunk, not the files it read)
     t = build_rows(tp, files, 0, 1, release=True) if not tp.shape else build_rows(tp, files, a, b, release=True)
+    add = e.adds.get(canonical_name(tp.key))
+    if add:  # (the value the import added, taken off in the tensor's own precision first)
+        t = t - add
     t = t.to(dtypes.dtype(e.dtype)).contiguous()
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 

@@ -57,7 +57,11 @@ ROUND_TRIPS = [("llama", ["--tensor-model-parallel-size", "2"], "torch"),
                ("glm4_moe", ["--expert-model-parallel-size", "2", "--transformer-impl", "transformer_engine"],
                 "torch"),
                ("nemotron_h", ["--tensor-model-parallel-size", "2"], "torch_dist"),
-               ("nemotron_h", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "M*|M-"], "torch")]
+               ("nemotron_h", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "M*|M-"], "torch"),
+               ("qwen3_next", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+                "torch_dist"),
+               ("qwen3_next", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "GEGE|GE*E"],
+                "torch")]
 
 
 @pytest.mark.parametrize("name, layout, fmt", ROUND_TRIPS, ids=[f"{r[0]}-{r[2]}{'-te' if 'transformer_engine' in r[1] else ''}" for r in ROUND_TRIPS])

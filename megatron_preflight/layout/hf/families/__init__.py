@@ -1,5 +1,5 @@
 """THE families of Hugging Face architectures, one module each (:mod:`.llama`, :mod:`.qwen2`, :mod:`.qwen3`,
-:mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.deepseek_v3`, :mod:`.glm4_moe`, :mod:`.nemotron_h`): for each, which Megatron model its
+:mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.deepseek_v3`, :mod:`.glm4_moe`, :mod:`.nemotron_h`, :mod:`.qwen3_next`): for each, which Megatron model its
 ``config.json`` describes (its config table, :class:`~megatron_preflight.layout.hf.config.Key` rows) and how each
 Megatron tensor is made of Hugging Face tensors (:mod:`.rows`). Import, export, ``flags`` and ``check`` read the same
 declaration (:mod:`.spec` holds the code that reads it); adding a family is adding its module to :data:`FAMILIES`."""
@@ -20,6 +20,7 @@ from megatron_preflight.layout.hf.families import (
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )
 from megatron_preflight.layout.hf.families.rows import Block, Mapping, Moe
 from megatron_preflight.layout.hf.families.spec import (
@@ -43,7 +44,7 @@ from megatron_preflight.layout.hf.families.spec import (
 )
 
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3,
-                                                        glm4_moe, nemotron_h))
+                                                        glm4_moe, nemotron_h, qwen3_next))
 
 __all__ = ["FAMILIES", "LLAMA3_FIXED", "MAX_TP", "MLA_YARN_ORIGINAL", "Block", "Family", "Mapping", "Moe",
            "UnsupportedModel", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",
@@ -91,8 +92,6 @@ def export_refusals(args: Any) -> list[str]:
         out.append(f"{arg(args, 'normalization', 'LayerNorm')} (the architectures here use RMSNorm)")
     if arg(args, "add_bias_linear", True):
         out.append("biases on every linear layer (--disable-bias-linear was not given)")
-    if arg(args, "apply_layernorm_1p", False) or arg(args, "layernorm_zero_centered_gamma", False):
-        out.append("zero-centred norm weights (--apply-layernorm-1p)")
     return out
 
 

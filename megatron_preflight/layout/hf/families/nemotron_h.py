@@ -95,7 +95,7 @@ def _expresses(args: Any) -> bool:
     t = traits(args)
     pattern = hybrid_layers(hybrid_pattern(args) or "")  # (its layers: the pipeline cuts and MTP depths aside)
     return t.hybrid and not t.gated and bool(arg(args, "squared_relu", False)) and set(pattern) <= set("M*-") \
-        and not (t.moe or t.mla or t.mtp)
+        and not (t.moe or t.mla or t.mtp or t.zero_centred)
 
 
 FAMILY = Family(

@@ -38,10 +38,12 @@ class Block(NamedTuple):  # (tuples: a DeepSeek-V3 is 31k mappings)
 
 class Mapping(NamedTuple):
     """One Megatron tensor (a global legacy key) and the HF row blocks it is made of, in order (no blocks: an
-    extra state, ``None``)."""
+    extra state, ``None``); ``add``: a constant added to every value read (a norm weight that one side stores
+    zero-centred and the other not: Qwen3-Next's gated delta net norm, ``w - 1`` in Megatron's zero-centred form)."""
 
     key: str
     blocks: tuple[Block, ...]
+    add: float = 0.0
 
 
 @dataclass(frozen=True)

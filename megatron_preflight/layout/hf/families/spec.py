@@ -87,6 +87,9 @@ class Family:
     tensors: Callable[[Rows, HfConfig], list[Mapping]] | None = None
     impl: str = ""  # the layer spec Megatron builds it with ("": Transformer Engine's for MLA, else local)
     inert: frozenset[str] = frozenset()  # config keys its transformers class reads for nothing this family maps
+    unloaded: tuple[str, ...] = ()  # prefixes of HF tensors its files may hold that are not loaded (said in a note)
+    # export: its fields from a Megatron model's args where the generic inverse of ``args`` does not give them
+    back: Callable[[dict[str, Any], Any], dict[str, Any]] = lambda values, args: values
 
     @property
     def mla(self) -> bool:
@@ -399,6 +402,7 @@ def config_from_args(family: Family, args: Any, path: str, architecture: str | N
                       mamba_groups=int(arg(args, "mamba_num_groups", 8)), mamba_conv=4)
     if arg(args, "squared_relu", False):
         values["hidden_act"] = "relu2"
+    values = family.back(values, args)
     declared = {k.field for k in family.keys} | {"rope_scaling", "rotary_percent", "dtype"}
     kept = {k: v for k, v in values.items() if k in declared or k in REQUIRED_FIELDS}
     kept.update(family.fixed)
@@ -459,6 +463,7 @@ class Traits(NamedTuple):
     mtp: bool  # multi-token prediction layers
     hybrid: bool  # a HybridModel (a layer pattern)
     gated: bool  # a SwiGLU MLP
+    zero_centred: bool  # zero-centred norm weights (--apply-layernorm-1p: Qwen3-Next's)
 
 
 def traits(args: Any) -> Traits:
@@ -471,12 +476,13 @@ def traits(args: Any) -> Traits:
         pre_softmax=moe and bool(arg(args, "moe_router_pre_softmax", False)),
         shared=moe and bool(arg(args, "moe_shared_expert_intermediate_size")),
         partial_rope=float(arg(args, "rotary_percent", 1.0)) != 1.0, mtp=bool(arg(args, "mtp_num_layers")),
-        hybrid=bool(parallel.hybrid_pattern(args)), gated=bool(arg(args, "swiglu", False)))
+        hybrid=bool(parallel.hybrid_pattern(args)), gated=bool(arg(args, "swiglu", False)),
+        zero_centred=bool(arg(args, "apply_layernorm_1p", False) or arg(args, "layernorm_zero_centered_gamma", False)))
 
 
 def gpt(t: Traits) -> bool:
-    """A GPT model (not a hybrid one) with SwiGLU MLPs."""
-    return t.gated and not t.hybrid
+    """A GPT model (not a hybrid one) with SwiGLU MLPs and plain norm weights."""
+    return t.gated and not t.hybrid and not t.zero_centred
 
 
 def plain_dense(t: Traits) -> bool:
