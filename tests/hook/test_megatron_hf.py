@@ -214,15 +214,22 @@ def test_qwen3_next_trains_with_transformers_loss(tmp_path, data, nproc, layout)
     assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
 
 
+HYBRID_EXPORTS = [("nemotron_h", ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
+                  ("qwen3_next", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format",
+                                  "torch_dist"])]
+
+
 @pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
-                                                       "stand-ins for Transformer Engine and mamba_ssm)")
-def test_a_trained_nemotron_h_handed_back_as_hf_computes_megatrons_loss(tmp_path, data):
-    """NemotronH trained two steps by pretrain_hybrid.py from its HF start at TP2, saved torch_dist, exported
-    (--ckpt-format hf): transformers' loss on the tokens equals the loss Megatron computes on reloading the save."""
+                                                       "stand-ins for Transformer Engine, mamba_ssm and fla)")
+@pytest.mark.parametrize("name, layout", HYBRID_EXPORTS, ids=[e[0] for e in HYBRID_EXPORTS])
+def test_a_trained_hybrid_model_handed_back_as_hf_computes_megatrons_loss(tmp_path, data, name, layout):
+    """NemotronH and Qwen3-Next trained two steps by pretrain_hybrid.py from their HF start at TP2, saved torch_dist,
+    exported (--ckpt-format hf; Qwen3-Next's gated delta net norms back from Megatron's zero-centred form):
+    transformers' loss on the tokens equals the loss Megatron computes on reloading the save."""
     from tests.helpers import hf_data, hf_models
 
-    path = hf_models.write("nemotron_h", str(tmp_path / "nemotron_h"))
-    save, layout = str(tmp_path / "saved"), ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]
+    path = hf_models.write(name, str(tmp_path / name))
+    save = str(tmp_path / "saved")
     common = dict(script="pretrain_hybrid.py", base=BASE, verify=False, te=True)
     rc, log = run(tmp_path, path, 2, *printed_flags(path), "--data-path", data, *layout, "--preflight", "auto",
                   "--save", save, "--save-interval", "2", "--train-iters", "2", port=29750, **common)
