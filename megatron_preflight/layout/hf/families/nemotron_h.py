@@ -13,10 +13,9 @@ from typing import Any
 
 from megatron_preflight.layout.hf.config import REQUIRED, HfConfig, Key
 from megatron_preflight.layout.hf.families.rows import Mapping, Rows, qkv
-from megatron_preflight.layout.hf.families.spec import Family, arg, table, traits
+from megatron_preflight.layout.hf.families.spec import HYBRID_SPEC, Family, arg, table, traits
 from megatron_preflight.parallel import hybrid_layers, hybrid_pattern
 
-HYBRID_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
 CONV = 4  # Megatron's Mamba mixer convolves over 4 positions (no flag sets another)
 
 

@@ -19,9 +19,8 @@ from typing import Any
 
 from megatron_preflight import parallel
 from megatron_preflight.layout.hf.config import REQUIRED, HfConfig, Key
-from megatron_preflight.layout.hf.families.nemotron_h import HYBRID_SPEC
 from megatron_preflight.layout.hf.families.rows import Mapping, Moe, Rows, stack
-from megatron_preflight.layout.hf.families.spec import Family, arg, table, traits
+from megatron_preflight.layout.hf.families.spec import HYBRID_SPEC, Family, arg, table, traits
 
 
 def pattern(cfg: HfConfig) -> str:
@@ -158,6 +157,9 @@ def _expresses(args: Any) -> bool:
 
 def _refuse(cfg: HfConfig) -> list[str]:
     out = []
+    if (cfg.linear_num_value_heads or 1) % (cfg.linear_num_key_heads or 1):
+        out.append(f"{cfg.linear_num_value_heads} gated delta net value heads over {cfg.linear_num_key_heads} key "
+                   "heads (a whole number of value heads per key head is needed)")
     if cfg.attention_bias:
         out.append("attention_bias (a gated attention's QKV bias is not mapped here)")
     return out

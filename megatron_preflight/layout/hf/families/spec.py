@@ -141,6 +141,8 @@ def qk_norm(family: Family, cfg: HfConfig) -> bool:
 
 
 MAX_TP = 8  # the vocab is kept unpadded up to this TP
+# the layer spec a HybridModel family's run names (--spec): Megatron's Transformer Engine hybrid stack
+HYBRID_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
 MLA_YARN_ORIGINAL = 4096  # MLATransformerConfig's original_max_position_embeddings (no flag sets it for MLA)
 # what Megatron's RotaryEmbedding applies with --use-rope-scaling besides the factor (no flag sets them)
 LLAMA3_FIXED: dict[str, Any] = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
