@@ -392,6 +392,12 @@ def _int(args: Any, name: str, default: int | None = None) -> int | None:
                              fix=f"pass an integer for --{name.replace('_', '-')}") from None
 
 
+def gated_mlp(args: Any) -> bool:
+    """Whether the model's MLPs are gated linear units (fc1 is ``[gate; up]``, each half split over TP): SwiGLU
+    (``--swiglu``) or GPT-OSS's quick GEGLU (``--quick-geglu``), Megatron's ``gated_linear_unit``."""
+    return bool(_get(args, "swiglu") or _get(args, "quick_geglu"))
+
+
 MTP_SEPARATOR, PIPE = "/", "|"
 
 

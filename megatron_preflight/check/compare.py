@@ -23,7 +23,7 @@ def _flag(field: str) -> str:
 
 def _bool_fix(field: str, ckpt_value: bool) -> str:
     flags = {
-        "swiglu": "--swiglu",
+        "swiglu": "--swiglu", "quick_geglu": "--quick-geglu",
         "qk_layernorm": "--qk-layernorm",
         "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
         "group_query_attention": "--group-query-attention",
@@ -49,6 +49,7 @@ ARCH_FIELDS = (
     ("normalization", "the normalization differs (LayerNorm has a bias, RMSNorm not)"),
     ("swiglu", "SwiGLU changes the fc1 weight's shape and meaning"),
     ("squared_relu", "a squared-ReLU MLP computes another function than the checkpoint's"),
+    ("quick_geglu", "a quick-GEGLU MLP (gated: fc1 is [gate; up]) computes another function than the checkpoint's"),
     ("add_bias_linear", "linear-layer biases are present in one and not the other"),
     ("qk_layernorm", "q/k layernorm weights are present in one and not the other"),
     ("untie_embeddings_and_output_weights", "tied vs untied output layer: a separate output_layer.weight exists in one"),
@@ -78,7 +79,7 @@ def _norm(field: str, value: Any) -> Any:
     if field in ("num_experts", "mtp_num_layers") and value in (0, None):
         return None
     if field in ("swiglu", "add_bias_linear", "qk_layernorm", "untie_embeddings_and_output_weights",
-                 "multi_latent_attention", "squared_relu"):
+                 "multi_latent_attention", "squared_relu", "quick_geglu"):
         return bool(value)
     if isinstance(value, str):
         return value.lower() if field == "normalization" else value

@@ -49,6 +49,16 @@ FUNCTION_FIELDS = (
     ("linear_num_key_heads", "the gated delta nets' key heads"),
     ("linear_num_value_heads", "the gated delta nets' value heads"),
     ("linear_conv_kernel_dim", "the gated delta nets' convolution taps"),
+    ("position_embedding_type", "the position embedding (YaRN: rotary frequencies and an attention scale)"),
+    ("yarn_original_max_position_embeddings", "YaRN's original context"),
+    ("yarn_beta_fast", "YaRN's beta_fast"), ("yarn_beta_slow", "YaRN's beta_slow"),
+    ("yarn_correction_range_round_to_int", "whether YaRN rounds its correction range (transformers' truncate)"),
+    ("softmax_type", "the attention softmax (learnable: a sink logit per head)"),
+    ("window_size", "the sliding attention window"),
+    ("window_attn_skip_freq", "which layers attend over the sliding window"),
+    ("quick_geglu", "the MLP's activation (quick GELU, gated)"),
+    ("glu_linear_offset", "the offset added to the GLU's linear half"),
+    ("activation_func_clamp_value", "the clamp of the GLU's halves"),
 )
 
 # the model flags of a run, in the order a launch script lists them: (field, flag); a bool is the flag alone
@@ -85,12 +95,21 @@ MODEL_FLAGS = (
     ("moe_shared_expert_gate", "--moe-shared-expert-gate"), ("linear_conv_kernel_dim", "--linear-conv-kernel-dim"),
     ("linear_key_head_dim", "--linear-key-head-dim"), ("linear_value_head_dim", "--linear-value-head-dim"),
     ("linear_num_key_heads", "--linear-num-key-heads"), ("linear_num_value_heads", "--linear-num-value-heads"),
+    # YaRN on a GPT model (Megatron-LM main); GPT-OSS's sinks, sliding window and clamped quick GEGLU
+    ("yarn_original_max_position_embeddings", "--yarn-original-max-position-embeddings"),
+    ("yarn_beta_fast", "--yarn-beta-fast"), ("yarn_beta_slow", "--yarn-beta-slow"),
+    ("yarn_correction_range_round_to_int", "--no-yarn-correction-range-round-to-int"),
+    ("softmax_type", "--softmax-type"), ("window_size", "--window-size"),
+    ("window_attn_skip_freq", "--window-attn-skip-freq"), ("quick_geglu", "--quick-geglu"),
+    ("glu_linear_offset", "--glu-linear-offset"), ("activation_func_clamp_value", "--activation-func-clamp-value"),
     ("bf16", "--bf16"), ("fp16", "--fp16"),
 )
 # fields that mean something only with multi-latent attention (Megatron's args hold their defaults without it), only
 # with rotary embeddings, only in a HybridModel: printed only where they do
-_MLA_ONLY = frozenset({"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
-                       "rotary_scaling_factor", "mscale", "mscale_all_dim"})
+_MLA_ONLY = frozenset({"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type"})
+_YARN = frozenset({"rotary_scaling_factor", "mscale", "mscale_all_dim"})  # MLA's, or a GPT model's YaRN
+_GPT_YARN_ONLY = frozenset({"yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+                            "yarn_correction_range_round_to_int"})
 _ROTARY_ONLY = frozenset({"rotary_base", "rotary_percent", "rotary_seq_len_interpolation_factor"})
 _HYBRID_ONLY = frozenset({"spec", "hybrid_layer_pattern", "mamba_num_heads", "mamba_head_dim", "mamba_state_dim",
                           "mamba_num_groups", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
@@ -100,6 +119,12 @@ _HYBRID_ONLY = frozenset({"spec", "hybrid_layer_pattern", "mamba_num_heads", "ma
 def _render(field: str, flag: str, value: Any) -> str | None:
     if field == "add_bias_linear":
         return None if value else flag  # --disable-bias-linear
+    if field == "yarn_correction_range_round_to_int":
+        return None if value in (None, True) else flag  # --no-yarn-correction-range-round-to-int (default: round)
+    if field == "softmax_type" and value in (None, "vanilla"):
+        return None
+    if field == "window_size" and value:
+        return f"{flag} " + ",".join(str(int(v)) for v in value)
     if field == "spec" and isinstance(value, (list, tuple)) and value:
         return f"{flag} " + " ".join(str(v) for v in value)  # (a module and a name: two words)
     if isinstance(value, bool):
@@ -132,6 +157,10 @@ def model_flags(args: Any) -> list[str]:
         if field == "transformer_impl" and not get("multi_latent_attention"):
             continue  # any spec builds the others; MLA is built with Transformer Engine's only
         if field in _MLA_ONLY and not get("multi_latent_attention"):
+            continue
+        if field in _YARN and not (get("multi_latent_attention") or get("position_embedding_type") == "yarn"):
+            continue
+        if field in _GPT_YARN_ONLY and (get("multi_latent_attention") or get("position_embedding_type") != "yarn"):
             continue
         if field in _ROTARY_ONLY and get("position_embedding_type") not in ("rope", "yarn", "mrope"):
             continue
@@ -187,6 +216,21 @@ def _moe_layers(saved: Any, freq: Any) -> Any:
     return [int(m) for m in layers] if layers is not None else freq
 
 
+def _windowed(saved: Any, freq: Any) -> Any:
+    """``--window-attn-skip-freq`` as the 0/1 per layer Megatron makes of it (an int N: every N-th layer full
+    attention; None: every layer windowed); the value itself when it is a pattern expression."""
+    layers = int(getattr(saved, "num_layers", 0) or 0)
+    if freq is None:
+        return [1] * layers
+    if isinstance(freq, (list, tuple)):
+        return [int(x) for x in freq]
+    text = str(freq)
+    if text.isdigit():
+        return [int((i + 1) % int(text) != 0) for i in range(layers)]
+    parts = text.split(",")
+    return [int(x) for x in parts] if all(x.isdigit() for x in parts) else text
+
+
 def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     """For a Hugging Face source: each model-function flag of the run that differs from the model's (fatal, with the
     flag that fixes it), the run's vocab against the model's rows, and what loads (weights only)."""
@@ -216,6 +260,10 @@ def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
         run = getattr(rt, field, None)
         if field == "moe_layer_freq":  # compared as the layers it makes MoE layers
             ck, run = _moe_layers(saved, ck), _moe_layers(saved, 1 if run is None else run)
+        if field == "window_attn_skip_freq":  # compared as the layers it makes windowed
+            ck, run = _windowed(saved, ck), _windowed(saved, run)
+        if field == "window_size" and ck is not None:
+            ck = ",".join(str(int(v)) for v in ck)
         if ck is None and run is None:
             continue
         if not _same(ck, run):

@@ -80,6 +80,19 @@ class RuntimeArgs:
     rotary_scaling_factor: float = 1.0  # YaRN (MLA)
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # YaRN on a GPT model (Megatron-LM main), Megatron's effective defaults
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_correction_range_round_to_int: bool = True
+    # GPT-OSS's attention sinks, sliding window (``W,0``; the layers: an int frequency or a 0/1 list, as given) and
+    # clamped quick GEGLU with a linear offset
+    softmax_type: str = "vanilla"
+    window_size: str | None = None
+    window_attn_skip_freq: str | None = None
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
     multi_latent_attention: bool = False  # MLA, and its sizes (Megatron's defaults)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 32
@@ -356,6 +369,10 @@ def _coerce(key: str, value: Any) -> Any:
         except (TypeError, ValueError):
             raise PreflightError(f"argument {key} must be a number, got {value!r}", fix=f"pass a number for {key}",
                                  code="usage") from None
+    if key in ("window_size", "window_attn_skip_freq"):  # (a tuple / list / int from a Namespace, text from flags)
+        text = ",".join(str(int(v)) for v in value) if isinstance(value, (list, tuple)) else str(value)
+        text = text.replace(" ", "")
+        return text.strip("()[]") if re.fullmatch(r"[\[(]?[\d,]*[\])]?", text) else text  # (a pattern: as given)
     if "tuple" in str(typ):  # a list of names: "a,b" on the command line
         items = value.split(",") if isinstance(value, str) else value
         return tuple(str(v).strip() for v in items if str(v).strip())
@@ -397,6 +414,8 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(flag, dest=name, default=None)
     p.add_argument("--disable-bias-linear", dest="disable_bias_linear", action="store_true", default=None)
+    p.add_argument("--no-yarn-correction-range-round-to-int", dest="yarn_correction_range_round_to_int",
+                   action="store_false", default=None)
     for old in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):  # Megatron's old spelling
         p.add_argument("--" + old.replace("_", "-").replace("opt-param", "opt_param"), dest=old, action="store_true",
                        default=None)

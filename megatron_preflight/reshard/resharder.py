@@ -344,7 +344,7 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
                          packed=index.layout.format == Format.TORCH and has_legacy_grouped(index.layout))
     tensors, renamed_keys = None, {}
     if change.changes:
-        tensors, renamed_keys = bridge(index.tensors, change, swiglu=bool(saved_arg(view.saved_args, "swiglu", False)))
+        tensors, renamed_keys = bridge(index.tensors, change, swiglu=parallel.gated_mlp(view.saved_args))
         log.info("tensors renamed for the target: %s", change.describe())
     if tgt.hybrid_pattern is not None and hybrid_pattern(view.saved_args) is None:  # GPT -> HybridModel
         problem = gpt_to_hybrid_problem(view.saved_args, tgt.hybrid_pattern)

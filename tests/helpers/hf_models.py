@@ -54,6 +54,11 @@ def configs() -> dict[str, Any]:
                                         shared_expert_intermediate_size=16, linear_num_key_heads=2,
                                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                                         linear_conv_kernel_dim=4, tie_word_embeddings=False),
+        # GPT-OSS: attention sinks, biases on every projection, a 4-token sliding window on the even layers (the
+        # sequence is 16: it matters), YaRN (transformers' default: factor 32, not truncated), 4 experts stored
+        # stacked with a clamped SwiGLU
+        "gpt_oss": T.GptOssConfig(**COMMON, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                  tie_word_embeddings=False),
     }
 
 

@@ -76,7 +76,13 @@ CASES = [("llama", 2, ["--tensor-model-parallel-size", "2"]), ("llama", 2, ["--p
          # routing with the expert bias and a scaling factor, a shared expert
          ("glm4_moe", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
          ("glm4_moe", 2, ["--pipeline-model-parallel-size", "2"]),
-         ("glm4_moe", 2, ["--expert-model-parallel-size", "2"])]
+         ("glm4_moe", 2, ["--expert-model-parallel-size", "2"]),
+         # GPT-OSS: biases on every linear; Megatron's local MoE path runs them only with EP > 1 and ETP 1 (at EP 1
+         # it raises on an in-place bias add; the TE spec runs EP 1: TE_CASES)
+         ("gpt_oss", 2, ["--expert-model-parallel-size", "2"]),
+         ("gpt_oss", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
+                         "2", "--expert-tensor-parallel-size", "1"]),
+         ("gpt_oss", 4, ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"])]
 
 
 @pytest.mark.parametrize("name, nproc, layout", CASES, ids=[f"{c[0]}-{'-'.join(c[2]) or 'tp1'}" for c in CASES])
@@ -119,7 +125,12 @@ TE_CASES = [("llama", ["--tensor-model-parallel-size", "2"]), ("llama", ["--cont
             # DeepSeek-V3: MLA (built with the TE spec only), a dense first layer, grouped sigmoid routing with the
             # expert bias, a shared expert
             ("deepseek_v3", []), ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
-            ("deepseek_v3", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-grouped-gemm"])]
+            ("deepseek_v3", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-grouped-gemm"]),
+            # GPT-OSS at EP 1 (grouped experts with biases), and at TP 2 (MoE biases take ETP 1: a Megatron rule the
+            # plugin states first)
+            ("gpt_oss", ["--moe-grouped-gemm"]),
+            ("gpt_oss", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size",
+                         "1", "--moe-grouped-gemm"])]
 
 
 @pytest.mark.skipif(not TE_CPU, reason="MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
@@ -258,6 +269,8 @@ EXPORTS = [
      True),
     ("deepseek_v3", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format", "torch"], True),
     ("glm4_moe", 2, ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"], True),
+    ("gpt_oss", 2, ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"], False),
+    ("gpt_oss", 2, ["--moe-grouped-gemm", "--ckpt-format", "torch"], True),
 ]
 
 

@@ -32,6 +32,8 @@ class RopeScaling:
     beta_slow: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    truncate: bool | None = None  # YaRN: round the correction range to whole dims (transformers' default: yes)
+    attention_factor: float | None = None  # YaRN: the attention scale, where config.json fixes it
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,11 @@ class HfConfig:
     linear_num_value_heads: int | None = None
     linear_conv: int | None = None
     shared_expert_size: int | None = None
+    # GPT-OSS: which layers attend over the sliding window (layer_types: sliding_attention / full_attention), its
+    # clamped SwiGLU's limit and the sigmoid's slope
+    window_layers: tuple[bool, ...] = ()
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -248,8 +255,12 @@ def _rope(f: _Fields, theta_default: float, partial_default: float | None) \
 
     factor = m.float("factor", default=None, hi=1e6)
     orig = m.int("original_max_position_embeddings", default=None, hi=MAX_POSITIONS)
+    truncate = merged.get("truncate")
+    if truncate is not None and type(truncate) is not bool:
+        raise f._bad("truncate", truncate, "true or false")
     return theta, RopeScaling(kind, factor, num("low_freq_factor"), num("high_freq_factor"), orig, num("beta_fast"),
-                              num("beta_slow"), num("mscale"), num("mscale_all_dim")), partial
+                              num("beta_slow"), num("mscale"), num("mscale_all_dim"), truncate,
+                              m.float("attention_factor", default=None, hi=1e6)), partial
 
 
 def load_raw(model_dir: str) -> tuple[dict[str, Any], str]:
@@ -316,6 +327,21 @@ def _kinds(f: _Fields, names: tuple[str, ...], default: Any, got: dict[str, Any]
     return tuple(v)
 
 
+WINDOW_KINDS = frozenset({"sliding_attention", "full_attention"})
+
+
+def _windowed(f: _Fields, names: tuple[str, ...], default: Any, got: dict[str, Any]) -> tuple[bool, ...]:
+    """Whether each layer attends over the sliding window: ``layer_types``, else (as transformers' GPT-OSS derives it)
+    the even layers (0, 2, ..)."""
+    name, v, given = f.first(*names, default=None)
+    layers = got["num_layers"]
+    if not given:
+        return tuple(i % 2 == 0 for i in range(layers))
+    if not isinstance(v, (list, tuple)) or len(v) != layers or any(x not in WINDOW_KINDS for x in v):
+        raise f._bad(name, v, f"a list of {layers} layer kinds, each one of " + ", ".join(sorted(WINDOW_KINDS)))
+    return tuple(x == "sliding_attention" for x in v)
+
+
 def _experts(got: dict[str, Any]) -> int:
     return max(1, got.get("num_experts") or MAX_EXPERTS)
 
@@ -373,6 +399,9 @@ READERS: dict[str, _Reader] = {
     "linear_num_value_heads": lambda f, n, d, g: f.int(*n, hi=MAX_HEADS, default=d),
     "linear_conv": lambda f, n, d, g: f.int(*n, hi=64, default=d),
     "shared_expert_size": lambda f, n, d, g: f.int(*n, lo=0, default=d),
+    "window_layers": _windowed,
+    "swiglu_limit": lambda f, n, d, g: f.float(*n, hi=1e6, default=d),
+    "swiglu_alpha": lambda f, n, d, g: f.float(*n, hi=1e6, default=d),
 }
 ROPE_FIELDS = ("rope_theta", "rotary_percent", "rope_scaling")  # read together by _rope
 # the fields every family declares (what a decoder-only language model cannot be described without)

@@ -17,7 +17,7 @@ from typing import Any
 from megatron_preflight import dtypes, parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
-from megatron_preflight.layout.hf import families, files, quant
+from megatron_preflight.layout.hf import families, files, quant, stacked
 from megatron_preflight.layout.hf.config import architecture_of, load_raw
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import Run, SafeRef, safe_ref, tensor_table
@@ -57,11 +57,23 @@ def discover_hf(path: str) -> Layout:
     layout.saved_args = args
     layout.notes.append(f"Hugging Face {arch} ({family.name} family): read as a TP1 PP1 EP1 Megatron checkpoint, "
                         "weights only (iteration 0, no optimizer or RNG state)")
-    if cfg.sliding_window and cfg.max_position_embeddings and cfg.sliding_window < cfg.max_position_embeddings:
+    if cfg.sliding_window and cfg.max_position_embeddings and cfg.sliding_window < cfg.max_position_embeddings \
+            and not getattr(args, "window_size", None):
         layout.notes.append(f"the model attends over a sliding window of {cfg.sliding_window} tokens: Megatron's "
                             "GPT model attends over the whole sequence (the same for sequences up to the window)")
-    model, missing, needed, errors = _model(family, cfg, table.tensors, path, scheme)
-    if scheme is not None:
+    tensors, covers, errors = stacked.expand(table.tensors, family.stacked, quant.dequantized_dtype(cfg.dtype),
+                                             isinstance(scheme, quant.Mxfp4), path)
+    model, missing, needed, more = _model(family, cfg, tensors, path, scheme)
+    errors += more
+    mx = sum(1 for n in needed if getattr(tensors.get(n), "stored_dtype", None) == stacked.MXFP4)
+    if isinstance(scheme, quant.Mxfp4):
+        layout.notes.append(f"{mx} expert weights are {scheme.describe()}: dequantized to "
+                            f"{quant.dequantized_dtype(cfg.dtype)} as they are read (each rank its own rows, with "
+                            "their scales; nothing written in between); the other tensors are read as stored. An "
+                            "export back writes them in the run's dtype (not re-quantized)" if mx else
+                            "config.json names MXFP4 quantization but no weight is stored as MXFP4 blocks: the "
+                            "weights are read as stored")
+    elif scheme is not None:
         fp8 = sum(1 for n in needed if n.endswith(quant.SCALE_SUFFIX))  # (each FP8 weight's scale is needed: _model)
         if fp8:
             layout.notes.append(f"{fp8} weights are {scheme.describe()}: dequantized to "
@@ -77,11 +89,11 @@ def discover_hf(path: str) -> Layout:
     for name in missing:
         layout.add("missing_tensor", path, f"the model has no tensor {name!r}, which {arch} with this config.json "
                    "has", "download the model again (or check that config.json belongs to these weights)")
-    unloaded = sorted(k for k in table.tensors if family.unloaded and k.startswith(family.unloaded))
+    unloaded = sorted(k for k in tensors if family.unloaded and k.startswith(family.unloaded))
     if unloaded:
         layout.notes.append(f"{len(unloaded)} tensor(s) under {', '.join(family.unloaded)} (the multi-token prediction "
                             f"weights of {arch}'s files) are not loaded: the model trains without them")
-    stray = sorted(k for k in table.tensors if k not in needed and not families.ignored(k, cfg)
+    stray = sorted(k for k in tensors if k not in needed and not families.ignored(k, cfg)
                    and not (family.unloaded and k.startswith(family.unloaded)))
     if stray and not missing:
         layout.add("unmapped_tensor", path, f"{len(stray)} tensor(s) that {arch} with this config.json does not "
@@ -111,7 +123,7 @@ def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespa
 
 
 def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str,
-           scheme: quant.BlockFp8 | None = None) \
+           scheme: quant.BlockFp8 | quant.Mxfp4 | None = None) \
         -> tuple[OrderedDict[str, Any], list[str], set[str], list[PreflightError]]:
     """(the Megatron state dict of SafeRefs, in Megatron's order; the HF tensors it needs that are missing; every
     HF tensor it reads; the tensors that do not fit their Megatron tensor)."""
@@ -139,14 +151,14 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
             model[m.key] = dataclasses.replace(ref, add=m.add) if m.add else ref
         except PreflightError as e:
             errors.append(e)
-    if scheme is not None:  # the scales are the weights' too
+    if isinstance(scheme, quant.BlockFp8):  # the scales are the weights' too
         needed |= {n + quant.SCALE_SUFFIX for n in list(needed) if n in tensors and tensors[n].dtype == quant.FP8}
-    else:  # (a quantized model's FP8 weights are read with their scales: _ref)
+    else:  # (a block-FP8 model's weights are read with their scales: _ref)
         for name in sorted(n for n in needed if n in tensors and tensors[n].dtype.startswith("float8")):
             t = tensors[name]
             errors.append(PreflightError(
-                f"tensor {name!r} is {t.dtype} and config.json names no quantization_config: without the scales "
-                "its values are not the model's weights", path=os.path.join(path, t.file), code="hf_quantized",
+                f"tensor {name!r} is {t.dtype} and config.json names no FP8 quantization_config: without the "
+                "scales its values are not the model's weights", path=os.path.join(path, t.file), code="hf_quantized",
                 fix="use the model's config.json with its quantization_config (or a bf16 / fp32 copy of the model)"))
     taken: dict[str, int] = {}
     for m in maps:
@@ -161,10 +173,12 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
     return model, missing, needed, errors
 
 
-def _ref(m: families.Mapping, tensors: dict[str, Any], path: str, scheme: quant.BlockFp8 | None = None,
-         cfg: Any = None, checked: set[str] | None = None) -> SafeRef:
+def _ref(m: families.Mapping, tensors: dict[str, Any], path: str,
+         scheme: quant.BlockFp8 | quant.Mxfp4 | None = None, cfg: Any = None, checked: set[str] | None = None) -> SafeRef:
     first = tensors[m.blocks[0].hf]
-    if scheme is not None and first.dtype == quant.FP8:
+    if isinstance(first, stacked.Part):
+        return _stacked(m, tensors, path)
+    if isinstance(scheme, quant.BlockFp8) and first.dtype == quant.FP8:
         return _dequantized(m, tensors, path, scheme, cfg, set() if checked is None else checked)
     if len(m.blocks) == 1 and m.blocks[0].src0 == 0 and m.blocks[0].rows == (first.shape[0] if first.shape else 1):
         return safe_ref(m.key, first.dtype, first.shape, (Run(first.file, first.start, first.nbytes, 0),))  # a copy
@@ -210,3 +224,20 @@ def _dequantized(m: families.Mapping, tensors: dict[str, Any], path: str, scheme
         at += b.rows
     return safe_ref(m.key, quant.dequantized_dtype(cfg.dtype if cfg is not None else None), (at, *first.shape[1:]), (),
                     tuple(runs))
+
+
+def _stacked(m: families.Mapping, tensors: dict[str, Any], path: str) -> SafeRef:
+    """The Megatron tensor ``m`` from rows of per-expert tensors of stacked ones (:mod:`.stacked`)."""
+    first = tensors[m.blocks[0].hf]
+    runs = []
+    at = 0
+    for b in m.blocks:
+        t = tensors[b.hf]
+        if not isinstance(t, stacked.Part) or t.shape[1:] != first.shape[1:] or b.src0 + b.rows > t.shape[0]:
+            raise PreflightError(f"tensor {b.hf!r} ({t.dtype}, {list(t.shape)}) does not fit {m.key} beside "
+                                 f"{m.blocks[0].hf!r} ({first.dtype}, {list(first.shape)})",
+                                 path=os.path.join(path, t.file), code="hf_shape",
+                                 fix="check that config.json belongs to these weights")
+        runs.append(stacked.run(t, b.src0, b.rows, at))
+        at += b.rows
+    return safe_ref(m.key, first.dtype, (at, *first.shape[1:]), (), tuple(runs))

@@ -7,6 +7,9 @@ DeepSeek-V3 / V3.1 / R1, Kimi K2, the Qwen3 ``-FP8`` models): each quantized lin
 (DeepSeek's ``weight_dequant``: the name says inverse, the value multiplies), cast to the model's dtype. What the
 quantization leaves alone (norms, the router, embeddings, the output layer) is stored in that dtype and read as is.
 
+MXFP4 (``quant_method: mxfp4``; GPT-OSS): its experts' stacked weights as e2m1 blocks with e8m0 scales
+(:mod:`.stacked`), everything else stored in the model's dtype.
+
 A rank dequantizes only the rows it holds, reading only the scale rows that cover them
 (:class:`~megatron_preflight.reshard.sources.hf.HfReader`). Any other ``quantization_config`` is refused, naming it.
 """
@@ -38,7 +41,16 @@ class BlockFp8:
         return f"{FP8} with {self.block[0]}x{self.block[1]} block scales (weight{SCALE_SUFFIX})"
 
 
-def scheme_of(raw: dict[str, Any], path: str) -> BlockFp8 | None:
+@dataclass(frozen=True)
+class Mxfp4:
+    """MXFP4 experts: two e2m1 values a byte, one e8m0 exponent per 32 values (:mod:`.stacked` reads them)."""
+
+    @staticmethod
+    def describe() -> str:
+        return "MXFP4 (e2m1 values in *_blocks, an e8m0 exponent per 32 in *_scales)"
+
+
+def scheme_of(raw: dict[str, Any], path: str) -> BlockFp8 | Mxfp4 | None:
     """The quantization ``config.json`` names (None: none); a scheme megatron-preflight does not read is an error
     naming the field and its value."""
     quant = raw.get("quantization_config")
@@ -50,11 +62,12 @@ def scheme_of(raw: dict[str, Any], path: str) -> BlockFp8 | None:
         raise PreflightError(f"config.json's quantization_config is {quant!r:.80}: not an object", path=path,
                              fix=fix, code="hf_quantized")
     method = quant.get("quant_method")
+    if method == "mxfp4":
+        return Mxfp4()
     if method != "fp8":
-        what = "MXFP4 experts (two e2m1 values a byte, an e8m0 exponent per 32)" if method == "mxfp4" else \
-            f"quant_method {method!r}"
-        raise PreflightError(f"config.json's quantization_config holds {what}, which megatron-preflight does not "
-                             "dequantize yet", path=path, fix=fix, code="hf_quantized")
+        raise PreflightError(f"config.json's quantization_config holds quant_method {method!r}, which "
+                             "megatron-preflight does not dequantize (it reads FP8 e4m3 with block scales and MXFP4)",
+                             path=path, fix=fix, code="hf_quantized")
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise PreflightError(f"config.json's quantization_config.fmt is {fmt!r}: FP8 e4m3 is read", path=path,

@@ -181,13 +181,14 @@ class SafeRef(TensorRef):
     tensor stacked along dim 0 are its bytes concatenated (read by :mod:`megatron_preflight.reshard.sources.hf`)."""
 
     runs: tuple[Run, ...] = ()
-    # FP8 rows dequantized into this tensor's dtype (layout/hf/quant.py); then ``runs`` is empty
+    # computed rows, then ``runs`` is empty: FP8 rows dequantized into this tensor's dtype (layout/hf/quant.py's QRun),
+    # rows of stacked experts (layout/hf/stacked.py's XRun: strided, transposed, or dequantized from MXFP4)
     quant: tuple[Any, ...] = ()
     add: float = 0.0  # added to every value read (families/rows.Mapping.add): the values are computed, not copied
 
     def __repr__(self) -> str:
         if self.quant:
-            return f"SafeRef({tuple(self.shape)}, {self.dtype} from {len(self.quant)} FP8 run(s))"
+            return f"SafeRef({tuple(self.shape)}, {self.dtype} from {len(self.quant)} computed run(s))"
         return f"SafeRef({tuple(self.shape)}, {self.dtype}, {len(self.runs)} run(s))"
 
     @property

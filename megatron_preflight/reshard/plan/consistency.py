@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
@@ -127,7 +128,7 @@ def expected_shapes(args: Any) -> dict[tuple[bool, str], tuple[int | None, ...]]
         return {}
     groups = get("num_query_groups") if getattr(args, "group_query_attention", False) else heads
     kv = get("kv_channels") or hidden // heads
-    glu = 2 if getattr(args, "swiglu", False) else 1
+    glu = 2 if parallel.gated_mlp(args) else 1
     ffn, moe_ffn = get("ffn_hidden_size"), get("moe_ffn_hidden_size") or get("ffn_hidden_size")
     out: dict[tuple[bool, str], tuple[int | None, ...]] = {
         (False, "embedding.word_embeddings.weight"): (None, hidden),

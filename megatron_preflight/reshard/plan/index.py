@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from megatron_preflight import parallel
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Layout
 from megatron_preflight.parallel import ParallelLayout
@@ -41,7 +42,7 @@ def _layer_orders(keys: list[str]) -> dict[str, tuple[int, int]]:
 def iter_source_keys(layout: Layout, src: ParallelLayout) -> Any:
     """Every model-chunk entry of every source shard, with its global key and split group coordinates. The legacy
     GroupedMLP's packed expert weights are unpacked into each expert's linear."""
-    swiglu = bool(saved_arg(layout.saved_args, "swiglu", False))
+    swiglu = parallel.gated_mlp(layout.saved_args)
     num_local = (saved_arg(layout.saved_args, "num_experts", 0) or 0) // max(src.ep, 1)
     dirs = naming.shard_writers(src)
     shards = sorted(layout.shards, key=lambda s: (s.pp_rank or 0, s.tp_rank or 0, s.ep_rank or 0))

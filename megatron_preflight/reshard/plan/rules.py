@@ -69,6 +69,8 @@ _TABLE: list[tuple[str, Rule]] = [
     (r"self_attention\.(q|k)_layernorm\.(weight|bias)", REPL),
     (r"self_attention\.linear_proj\.weight", ROW),
     (r"self_attention\.linear_proj\.bias", REPL),
+    # learnable softmax offsets (attention sinks, GPT-OSS): one per head, the heads split over TP
+    (r"self_attention\.core_attention\.softmax_offset", COLUMN),
     # multi-latent attention (MLASelfAttention, TE spec): the up projections and the plain Q projection are
     # column-parallel, whole heads per rank ([q_nope, q_pe] / [k_nope, v] per head); the down projections are TE's
     # duplicated linears, the same on every TP rank (the local spec's column-split down projections cannot be built

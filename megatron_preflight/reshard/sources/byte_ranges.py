@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_preflight import dtypes
 from megatron_preflight.layout.hf.safetensors import SafeRef
+from megatron_preflight.layout.hf.stacked import XRun
 from megatron_preflight.reshard.plan.types import CopyOp, RankPlan, TensorPlan, flat_parts, planned
 from megatron_preflight.reshard.sources.torch_dist_reader import RegionRef, dist_reader
 
@@ -65,6 +66,10 @@ def _safe_ranges(ref: SafeRef, op: CopyOp | None, model_dir: str, out: Ranges) -
         for q in ref.quant:
             a, b = max(first, q.dst_row0), min(last, q.dst_row0 + q.rows)
             if a >= b:
+                continue
+            if isinstance(q, XRun):
+                for file, start, n in q.byte_ranges(a, b):
+                    out[os.path.join(model_dir, file)].append((start, n))
                 continue
             s0, k = q.src_row0 + a - q.dst_row0, b - a
             out[os.path.join(model_dir, q.file)].append((q.start + s0 * q.cols, k * q.cols))  # one byte an FP8 value

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import crc, dtypes
 from megatron_preflight.errors import CorruptFileError
-from megatron_preflight.layout.hf import files, quant
+from megatron_preflight.layout.hf import files, quant, stacked
 from megatron_preflight.layout.hf.safetensors import SafeRef
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
@@ -97,6 +97,9 @@ class HfReader:
             a, b = max(first, q.dst_row0), min(last, q.dst_row0 + q.rows)
             if a >= b:
                 continue
+            if isinstance(q, stacked.XRun):
+                self._stacked(q, a, b, out[a - first:b - first])
+                continue
             s0, k = q.src_row0 + a - q.dst_row0, b - a
             raw = torch.empty(k * q.cols, dtype=torch.uint8)
             self._pread(q.file, q.start + s0 * q.cols, memoryview(raw.numpy()))
@@ -122,6 +125,41 @@ class HfReader:
                 end = min((row // br + 1) * br, s0 + k)
                 torch.mul(values[row - s0:end - s0], scale[row // br - lo], out=dst[row - s0:end - s0])
                 row = end
+
+    def _stacked(self, x: stacked.XRun, a: int, b: int, out: torch.Tensor) -> None:
+        """Rows ``a .. b`` of a SafeRef (within the run ``x``) into ``out``: rows of one expert's stored matrix, every
+        ``step``-th, read as a column of a matrix stored ``[in, out]``, or dequantized from MXFP4 blocks."""
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+        lo, hi = x.src_rows(a, b)
+        (file, start, n), *scale = x.byte_ranges(a, b)
+        if x.dtype == stacked.MXFP4:
+            raw = torch.empty(n, dtype=torch.uint8)
+            self._pread(file, start, memoryview(raw.numpy()))
+            exp = torch.empty(scale[0][2], dtype=torch.uint8)
+            self._pread(scale[0][0], scale[0][1], memoryview(exp.numpy()))
+            blocks = raw.view(hi - lo, x.cols // 2)[::x.step]
+            exps = exp.view(hi - lo, x.cols // stacked.MX_GROUP)[::x.step].to(torch.int32) - stacked.E8M0_BIAS
+            lut = torch.tensor(stacked.FP4_VALUES, dtype=torch.float32)
+            values = torch.empty((b - a, x.cols), dtype=torch.float32)
+            values[:, 0::2] = lut[(blocks & 0x0F).long()]
+            values[:, 1::2] = lut[(blocks >> 4).long()]
+            values = values.view(b - a, -1, stacked.MX_GROUP)
+            torch.ldexp(values, exps.unsqueeze(-1), out=values)
+            if not bool(torch.isfinite(values).all()):
+                raise CorruptFileError(f"tensor {x.name!r} dequantizes to a non-finite value (an e8m0 scale of 255 "
+                                       "is NaN)", path=os.path.join(self.model_dir, x.scale_file),
+                                       code="corrupt_file", fix="download the model again")
+            out.view(b - a, x.cols).copy_(values.view(b - a, x.cols))
+            return
+        dtype = dtypes.to_torch(dtypes.dtype(x.dtype))
+        t = torch.empty(n // dtypes.dtype(x.dtype).itemsize, dtype=dtype)
+        self._pread(file, start, memoryview(t.view(torch.uint8).numpy()))
+        if x.transposed:
+            rows = t.view(x.cols, x.out)[:, lo:hi:x.step].t()
+        else:
+            rows = t.view(hi - lo, x.cols)[::x.step]
+        out.view(b - a, x.cols).copy_(rows)
 
     def sample_bytes(self, shard: str, ref: SafeRef, k: int) -> bytes | None:
         return None  # (a model dir holds no replicas)

@@ -25,7 +25,7 @@ import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_preflight import dtypes
+from megatron_preflight import dtypes, parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.dist import METADATA_JSON, ObjectReader, metadata_facts, object_index
@@ -119,7 +119,7 @@ class _Builder:
         self.par = par
         self.md = md
         args = layout.saved_args
-        self.swiglu = bool(getattr(args, "swiglu", False))
+        self.swiglu = parallel.gated_mlp(args)
         self.local_spec = is_local_spec(args)
         self.te_grouped = grouped_experts(args)
         self.dirs = naming.shard_writers(par)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming, optimizer_kinds
 from megatron_preflight.layout.dist import FSDP_OPTIMIZER_STATE
@@ -119,7 +120,7 @@ def fsdp_state(src: Any, target: TargetLayout, *, iteration: Any = None, trust: 
                              path=g.layout.iter_dir, fix="pass --drop-optimizer", code="optimizer")
     if half is None:
         half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-    glu = bool(getattr(args, "swiglu", False))
+    glu = parallel.gated_mlp(args)
     files = SourceFiles(g.layout.iter_dir or "", trust=trust)
     header = r.header(files)
     new_args = header["args"]

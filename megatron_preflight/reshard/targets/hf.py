@@ -27,6 +27,7 @@ from megatron_preflight.layout import naming
 from megatron_preflight.layout.hf import families
 from megatron_preflight.layout.hf.names import INDEX, TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import NAMES
+from megatron_preflight.layout.hf.stacked import Stacked, stored_of
 from megatron_preflight.reshard.execute.executor import build_rows
 from megatron_preflight.reshard.plan.rules import canonical_name
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
@@ -48,11 +49,15 @@ TOKENIZER_EXTRA = ("special_tokens_map.json", "added_tokens.json", "chat_templat
 
 @dataclass
 class HfTensor:
-    """One HF tensor: its shape and the Megatron rows it is made of, ``(key, megatron row, rows, hf row)``."""
+    """One HF tensor: its shape and the Megatron rows it is made of, ``(key, megatron row, rows, hf row)``; or a
+    stacked one (``how``): each expert's per-expert tensors (``experts``: their names, in part order), joined as the
+    family declares (:mod:`megatron_preflight.layout.hf.stacked`)."""
 
     name: str
     shape: tuple[int, ...]
     sources: list[tuple[str, int, int, int]] = field(default_factory=list)
+    how: Stacked | None = None
+    experts: list[list[str]] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +72,7 @@ class Export:
     tensors: dict[str, HfTensor]
     files: dict[str, list[str]]  # output file -> the HF tensors it holds, in order
     adds: dict[str, float] = field(default_factory=dict)  # Megatron key -> the constant its import added (undone)
+    parts: dict[str, HfTensor] = field(default_factory=dict)  # every per-expert tensor, stacked ones' included
 
     def nbytes(self, name: str) -> int:
         return math.prod(self.tensors[name].shape) * dtypes.dtype(self.dtype).itemsize
@@ -141,10 +147,35 @@ def _plan(r: Resharder) -> Export:
             if hf0 != at:
                 raise PreflightError(f"{t.name}: rows {at}..{hf0} have no source", path=where, code="internal")
             at += n
+    parts = tensors
+    if family.stacked:
+        tensors = _stack(tensors, family.stacked)
     dtype = DTYPES.get(r.target.dtype or "", None) or cfg.dtype or "float32"
     config = families.config_json(family, cfg)
     config["torch_dtype"] = dtype
-    return Export(g, plans, family, config, dtype, tensors, _files(tensors, dtype), adds)
+    return Export(g, plans, family, config, dtype, tensors, _files(tensors, dtype), adds, parts)
+
+
+def _stack(tensors: dict[str, HfTensor], declared: tuple[Stacked, ...]) -> dict[str, HfTensor]:
+    """The per-expert tensors of stacked ones joined into them (in the place of the first), the others as they are
+    (the per-expert ones stay in the export's ``parts``: each stacked tensor is built from them)."""
+    out: dict[str, HfTensor] = {}
+    for name, t in tensors.items():
+        found = stored_of(declared, name)
+        if found is None:
+            out[name] = t
+            continue
+        how, layer, expert, _part = found
+        stored = out.setdefault(layer + how.stored, HfTensor(layer + how.stored, (), how=how))
+        while len(stored.experts) <= expert:
+            stored.experts.append(how.part_names(layer, len(stored.experts)))
+        part = tensors[name].shape
+        rows = part[0] * len(how.parts)
+        if len(part) == 1:
+            stored.shape = (len(stored.experts), rows)
+        else:
+            stored.shape = (len(stored.experts), *((part[1], rows) if how.transposed else (rows, part[1])))
+    return out
 
 
 def _files(tensors: dict[str, HfTensor], dtype: str) -> dict[str, list[str]]:
@@ -184,6 +215,31 @@ def _chunks(e: Export, t: HfTensor) -> Any:
         step = max(1, CHUNK_BYTES // row)
         for a in range(r0, r0 + n, step):
             yield tp, a, min(a + step, r0 + n)
+
+
+def _tensor_bytes(e: Export, name: str, files: SourceFiles) -> Any:
+    """The bytes of HF tensor ``name`` in order, a chunk at a time (a stacked tensor: an expert at a time)."""
+    t = e.tensors[name]
+    if t.how is None:
+        for tp, a, b in _chunks(e, t):
+            yield _rows_bytes(e, tp, a, b, files)
+        return
+    import torch  # deferred: torch only where tensors are made
+
+    for names in t.experts:
+        pieces = [_whole(e, e.parts[n], files) for n in names]
+        joined = torch.stack(pieces, dim=1).flatten(0, 1) if t.how.interleaved else torch.cat(pieces)
+        if t.how.transposed and joined.dim() == 2:
+            joined = joined.t()
+        yield joined.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _whole(e: Export, t: HfTensor, files: SourceFiles) -> Any:
+    """HF tensor ``t`` (a per-expert one: small) built whole, in the export's dtype."""
+    import torch  # deferred: torch only where tensors are made
+
+    data = b"".join(_rows_bytes(e, tp, a, b, files) for tp, a, b in _chunks(e, t))
+    return torch.frombuffer(bytearray(data), dtype=dtypes.to_torch(dtypes.dtype(e.dtype))).reshape(t.shape)
 
 
 def _rows_bytes(e: Export, tp: TensorPlan, a: int, b: int, files: SourceFiles) -> bytes:
@@ -226,8 +282,7 @@ class HfTarget:
                 fh.write(head)
                 written += len(head)
                 for name in e.files[unit]:
-                    for tp, a, b in _chunks(e, e.tensors[name]):
-                        data = _rows_bytes(e, tp, a, b, files)
+                    for data in _tensor_bytes(e, name, files):
                         fh.write(data)
                         writeback.advance()
                         written += len(data)
@@ -262,8 +317,7 @@ def _verify(e: Export, unit: str, path: str, start: int, files: SourceFiles) -> 
     with open(path, "rb") as fh:
         fh.seek(start)
         for name in e.files[unit]:
-            for tp, a, b in _chunks(e, e.tensors[name]):
-                want = _rows_bytes(e, tp, a, b, files)
+            for want in _tensor_bytes(e, name, files):
                 if fh.read(len(want)) != want:
                     raise PreflightError(f"{name} differs from its source rows after writing", path=path,
                                          code="verify", fix="check the destination's storage and write again")

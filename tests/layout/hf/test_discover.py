@@ -180,8 +180,23 @@ def test_deepseek_yarn_reads_as_megatrons_mla_yarn(models, tmp_path):
     lay = discover(_edit_config(models["deepseek_v3"], str(tmp_path / "o"), rope_scaling=other, rope_parameters=None))
     assert any(p.code == "hf_unsupported" and "original_max_position_embeddings 8192" in p.message
                for p in lay.problems)
+
+
+def test_yarn_on_a_gqa_model_reads_as_megatrons_gpt_yarn(models, tmp_path):
+    """YaRN on a GQA model (Megatron-LM main's --position-embedding-type yarn): the factor, original context, betas
+    and rounding as given; the attention scale from the factor (transformers divides the mscales only when both are
+    set); an attention_factor config.json fixes to another value than that is refused, naming it."""
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "beta_fast": 16,
+            "beta_slow": 2, "truncate": False}
     lay = discover(_edit_config(models["llama"], str(tmp_path / "l"), rope_scaling=yarn, rope_parameters=None))
-    assert any(p.code == "hf_unsupported" and "'yarn'" in p.message for p in lay.problems)
+    assert lay.problems == []
+    a = lay.saved_args
+    assert (a.position_embedding_type, a.rotary_scaling_factor, a.yarn_original_max_position_embeddings,
+            a.yarn_beta_fast, a.yarn_beta_slow, a.yarn_correction_range_round_to_int, a.mscale, a.mscale_all_dim) == \
+        ("yarn", 8.0, 2048, 16.0, 2.0, False, 1.0, 0.0)
+    fixed = dict(yarn, attention_factor=1.0)
+    lay = discover(_edit_config(models["llama"], str(tmp_path / "f"), rope_scaling=fixed, rope_parameters=None))
+    assert any(p.code == "hf_unsupported" and "attention_factor 1.0" in p.message for p in lay.problems)
 
 
 def test_llama3_rope_scaling_megatron_cannot_set_is_refused(models, tmp_path):

@@ -214,7 +214,7 @@ def test_a_float8_weight_without_its_scales_is_refused(model, tmp_path, capsys):
     lo, hi = header[name]["data_offsets"]
     header[name].update(dtype="F8_E4M3", data_offsets=[lo, lo + (hi - lo) // 4])
     _rewrite(model / SAFE, json.dumps(header).encode(), body)
-    _refused(capsys, model, name, "float8_e4m3fn", "no quantization_config")
+    _refused(capsys, model, name, "float8_e4m3fn", "no FP8 quantization_config")
     out = tmp_path / "out"
     _refused(capsys, model, "float8_e4m3fn", out=out)
     assert not out.exists()

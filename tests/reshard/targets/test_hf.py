@@ -61,7 +61,12 @@ ROUND_TRIPS = [("llama", ["--tensor-model-parallel-size", "2"], "torch"),
                ("qwen3_next", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
                 "torch_dist"),
                ("qwen3_next", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "GEGE|GE*E"],
-                "torch")]
+                "torch"),
+               # GPT-OSS: stacked experts (transposed, gate / up rows interleaved) split per expert and joined back
+               ("gpt_oss", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                            "--expert-tensor-parallel-size", "1"], "torch_dist"),
+               ("gpt_oss", ["--pipeline-model-parallel-size", "2", "--transformer-impl", "transformer_engine",
+                            "--moe-grouped-gemm"], "torch")]
 
 
 @pytest.mark.parametrize("name, layout, fmt", ROUND_TRIPS, ids=[f"{r[0]}-{r[2]}{'-te' if 'transformer_engine' in r[1] else ''}" for r in ROUND_TRIPS])

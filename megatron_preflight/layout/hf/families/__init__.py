@@ -1,5 +1,6 @@
 """THE families of Hugging Face architectures, one module each (:mod:`.llama`, :mod:`.qwen2`, :mod:`.qwen3`,
-:mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.deepseek_v3`, :mod:`.glm4_moe`, :mod:`.nemotron_h`, :mod:`.qwen3_next`): for each, which Megatron model its
+:mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.deepseek_v3`, :mod:`.glm4_moe`, :mod:`.nemotron_h`, :mod:`.qwen3_next`,
+:mod:`.gpt_oss`): for each, which Megatron model its
 ``config.json`` describes (its config table, :class:`~megatron_preflight.layout.hf.config.Key` rows) and how each
 Megatron tensor is made of Hugging Face tensors (:mod:`.rows`). Import, export, ``flags`` and ``check`` read the same
 declaration (:mod:`.spec` holds the code that reads it); adding a family is adding its module to :data:`FAMILIES`."""
@@ -14,6 +15,7 @@ from megatron_preflight.layout.hf.config import HfConfig, normalise
 from megatron_preflight.layout.hf.families import (
     deepseek_v3,
     glm4_moe,
+    gpt_oss,
     llama,
     mixtral,
     nemotron_h,
@@ -44,7 +46,7 @@ from megatron_preflight.layout.hf.families.spec import (
 )
 
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3,
-                                                        glm4_moe, nemotron_h, qwen3_next))
+                                                        glm4_moe, nemotron_h, qwen3_next, gpt_oss))
 
 __all__ = ["FAMILIES", "LLAMA3_FIXED", "MAX_TP", "MLA_YARN_ORIGINAL", "Block", "Family", "Mapping", "Moe",
            "UnsupportedModel", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",
@@ -84,13 +86,15 @@ def export_refusals(args: Any) -> list[str]:
     out = []
     hybrid = bool(parallel.hybrid_pattern(args))
     position = arg(args, "position_embedding_type", "learned_absolute")
-    if position != "rope" and not (hybrid and position == "none"):
-        out.append(f"{position} position embeddings (the architectures here use RoPE; a hybrid one none)")
-    if not arg(args, "swiglu", False) and not (hybrid and arg(args, "squared_relu", False)):
-        out.append("an MLP without SwiGLU (the architectures here gate with silu; a hybrid one squares a ReLU)")
+    if position not in ("rope", "yarn") and not (hybrid and position == "none"):
+        out.append(f"{position} position embeddings (the architectures here use RoPE or YaRN; a hybrid one none)")
+    biased = any(f.linear_bias and f.expresses(args) for f in FAMILIES)  # (GPT-OSS: its clamped quick GEGLU too)
+    if not arg(args, "swiglu", False) and not (hybrid and arg(args, "squared_relu", False)) and not biased:
+        out.append("an MLP without SwiGLU (the architectures here gate with silu, GPT-OSS with a clamped quick GELU "
+                   "and biases; a hybrid one squares a ReLU)")
     if str(arg(args, "normalization", "LayerNorm")).lower() != "rmsnorm":
         out.append(f"{arg(args, 'normalization', 'LayerNorm')} (the architectures here use RMSNorm)")
-    if arg(args, "add_bias_linear", True):
+    if arg(args, "add_bias_linear", True) and not biased:
         out.append("biases on every linear layer (--disable-bias-linear was not given)")
     return out
 

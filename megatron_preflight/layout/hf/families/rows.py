@@ -54,6 +54,7 @@ class Moe:
     gate: str  # the router's linear
     experts: tuple[str, str, str]  # (gate, up, down) projection names of one expert
     shared: str = "shared_experts"  # the shared experts' module (when the config names any)
+    bias: bool = False  # the router and every expert projection carry a bias (GPT-OSS; Megatron's add_bias_linear)
 
 
 def stack(names: list[tuple[str, int, int]]) -> tuple[Block, ...]:
@@ -121,6 +122,8 @@ def moe_block(r: Rows, moe: Moe, cfg: HfConfig, hf: str, mg: str, extras: bool) 
     experts, in Megatron's order; ``extras``: each linear's extra state."""
     block = hf + moe.block + "."
     out = [r.copy(mg + "mlp.router.weight", block + moe.gate + ".weight")]
+    if moe.bias:
+        out.append(r.copy(mg + "mlp.router.bias", block + moe.gate + ".bias"))
     if cfg.scoring_func == "sigmoid":
         out.append(r.copy(mg + "mlp.router.expert_bias", block + moe.gate + ".e_score_correction_bias"))
     g, u, d = moe.experts
@@ -128,9 +131,13 @@ def moe_block(r: Rows, moe: Moe, cfg: HfConfig, hf: str, mg: str, extras: bool) 
     for j in range(cfg.num_experts):
         e, me = f"{block}experts.{j}.", f"{mg}mlp.experts.local_experts.{j}."
         out.append(r.glu(me + "linear_fc1.weight", f"{e}{g}.weight", f"{e}{u}.weight"))
+        if moe.bias:
+            out.append(r.glu(me + "linear_fc1.bias", f"{e}{g}.bias", f"{e}{u}.bias"))
         if extras:
             out.append(r.extra(me + "linear_fc1._extra_state"))
         out.append(r.copy(me + "linear_fc2.weight", f"{e}{d}.weight"))
+        if moe.bias:
+            out.append(r.copy(me + "linear_fc2.bias", f"{e}{d}.bias"))
         if extras:
             out.append(r.extra(me + "linear_fc2._extra_state"))
     if cfg.shared_experts:
@@ -142,13 +149,18 @@ def moe_block(r: Rows, moe: Moe, cfg: HfConfig, hf: str, mg: str, extras: bool) 
 
 
 def gqa_layer(r: Rows, cfg: HfConfig, hf: str, mg: str, is_moe: bool, moe: Moe | None, bias: bool,
-              qk_norm: bool) -> list[Mapping]:
-    """A grouped-query attention layer under the local spec's names: input norm, fused QKV (its bias), QK norms,
-    the pre-MLP norm, then a SwiGLU MLP or a MoE block."""
+              qk_norm: bool, out_bias: bool = False, sinks: bool = False) -> list[Mapping]:
+    """A grouped-query attention layer under the local spec's names: input norm, its attention sinks (Megatron's
+    learnable softmax offset, one per head), the output projection (its bias), fused QKV (its bias), QK norms, the
+    pre-MLP norm, then a SwiGLU MLP or a MoE block."""
     attn = hf + "self_attn."
-    out = [r.copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
-           r.copy(mg + "self_attention.linear_proj.weight", attn + "o_proj.weight"),
-           r.extra(mg + "self_attention.linear_proj._extra_state"),
+    out = [r.copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight")]
+    if sinks:
+        out.append(r.copy(mg + "self_attention.core_attention.softmax_offset", attn + "sinks"))
+    out.append(r.copy(mg + "self_attention.linear_proj.weight", attn + "o_proj.weight"))
+    if out_bias:
+        out.append(r.copy(mg + "self_attention.linear_proj.bias", attn + "o_proj.bias"))
+    out += [r.extra(mg + "self_attention.linear_proj._extra_state"),
            Mapping(mg + "self_attention.linear_qkv.weight", qkv(attn, "weight", cfg))]
     if bias:
         out.append(Mapping(mg + "self_attention.linear_qkv.bias", qkv(attn, "bias", cfg)))

@@ -6,6 +6,7 @@ Nothing here branches on a family's name: what differs is declared in the family
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -13,6 +14,7 @@ from typing import Any, NamedTuple
 from megatron_preflight import parallel
 from megatron_preflight.layout.hf.config import HfConfig, Key, RopeScaling
 from megatron_preflight.layout.hf.families.rows import Mapping, Moe, Rows, gqa_layer, mla_layer, stack
+from megatron_preflight.layout.hf.stacked import Stacked
 
 # the config rows every family has (a family overrides a row by declaring its field again: its default, its key)
 COMMON = (
@@ -90,6 +92,9 @@ class Family:
     unloaded: tuple[str, ...] = ()  # prefixes of HF tensors its files may hold that are not loaded (said in a note)
     # export: its fields from a Megatron model's args where the generic inverse of ``args`` does not give them
     back: Callable[[dict[str, Any], Any], dict[str, Any]] = lambda values, args: values
+    stacked: tuple[Stacked, ...] = ()  # its experts' tensors stored stacked, one per layer (layout/hf/stacked.py)
+    linear_bias: bool = False  # every linear carries a bias (Megatron's add_bias_linear; GPT-OSS)
+    sinks: bool = False  # attention sinks: a learnable logit per head in each softmax (--softmax-type learnable)
 
     @property
     def mla(self) -> bool:
@@ -175,9 +180,13 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
             if value is not None and float(value) != float(megatron):
                 out.append(f"llama3 RoPE scaling's {name} {value} (Megatron's --use-rope-scaling takes {megatron}: its "
                            "command line cannot set it, and the rotary frequencies would differ)")
+    elif sc is not None and sc.kind == "yarn":
+        if sc.attention_factor is not None and abs(sc.attention_factor - yarn_attention_factor(cfg)) > 1e-9:
+            out.append(f"YaRN's attention_factor {sc.attention_factor} (Megatron scales attention by "
+                       f"{yarn_attention_factor(cfg):.6g} from the factor and mscales: no flag sets it)")
     elif sc is not None and sc.kind != "linear":
-        out.append(f"RoPE scaling {sc.kind!r} (Megatron's GPT model applies llama3 scaling (--use-rope-scaling) and "
-                   "linear interpolation (--rotary-seq-len-interpolation-factor); YaRN with multi-latent attention)")
+        out.append(f"RoPE scaling {sc.kind!r} (Megatron's GPT model applies llama3 scaling (--use-rope-scaling), "
+                   "linear interpolation (--rotary-seq-len-interpolation-factor) and YaRN)")
     if sc is not None and sc.kind == "linear" and sc.factor is not None and float(sc.factor) != int(sc.factor):
         out.append(f"linear RoPE scaling by {sc.factor} (Megatron takes an integer factor)")
     if cfg.num_attention_heads % cfg.num_key_value_heads and not family.mla:
@@ -187,6 +196,36 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
     if cfg.scoring_func == "sigmoid" and cfg.norm_topk_prob is False and (cfg.experts_per_token or 1) > 1:
         out.append("sigmoid routing without norm_topk_prob (Megatron normalises the top-k sigmoid scores)")
     return out
+
+
+def _yarn_mscales(sc: RopeScaling) -> tuple[float, float]:
+    """(mscale, mscale_all_dim) as Megatron takes them: transformers divides the two scales only when both are set
+    (else it scales by ``0.1 ln(factor) + 1``: Megatron's with its defaults 1 and 0)."""
+    if sc.mscale and sc.mscale_all_dim:
+        return float(sc.mscale), float(sc.mscale_all_dim)
+    return 1.0, 0.0
+
+
+def _yarn_factor(cfg: HfConfig) -> float:
+    sc = cfg.rope_scaling
+    assert sc is not None
+    if sc.factor is not None:
+        return float(sc.factor)
+    orig = sc.original_max_position_embeddings or cfg.max_position_embeddings or 1
+    return float((cfg.max_position_embeddings or orig) / orig)
+
+
+def yarn_attention_factor(cfg: HfConfig) -> float:
+    """The attention scale YaRN applies (transformers' and Megatron's formula alike)."""
+    sc = cfg.rope_scaling
+    assert sc is not None
+    factor = _yarn_factor(cfg)
+    mscale, all_dim = _yarn_mscales(sc)
+
+    def m(scale: float, k: float) -> float:
+        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+
+    return m(factor, mscale) / m(factor, all_dim)
 
 
 def _divisor(vocab: int) -> int:
@@ -212,7 +251,7 @@ def megatron_args(family: Family, cfg: HfConfig) -> dict[str, Any]:
         else cfg.rope_theta, "rotary_percent": cfg.rotary_percent,
         "use_rope_scaling": False, "rotary_seq_len_interpolation_factor": None,
         "normalization": "RMSNorm", "norm_epsilon": cfg.norm_eps, "swiglu": True,
-        "add_bias_linear": False, "add_qkv_bias": qkv_bias(family, cfg), "qk_layernorm": qk_norm(family, cfg),
+        "add_bias_linear": family.linear_bias, "add_qkv_bias": qkv_bias(family, cfg), "qk_layernorm": qk_norm(family, cfg),
         "untie_embeddings_and_output_weights": not cfg.tie_word_embeddings,
         "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.vocab_size,
         "make_vocab_size_divisible_by": _divisor(cfg.vocab_size),
@@ -231,6 +270,15 @@ def megatron_args(family: Family, cfg: HfConfig) -> dict[str, Any]:
             args.update(rope_type="yarn", rotary_scaling_factor=float(sc.factor or 1.0),
                         mscale=float(sc.mscale if sc.mscale is not None else 1.0),
                         mscale_all_dim=float(sc.mscale_all_dim if sc.mscale_all_dim is not None else 0.0))
+    sc = cfg.rope_scaling
+    if sc is not None and sc.kind == "yarn" and not family.mla:  # Megatron-LM main's GPT YaRN
+        mscale, all_dim = _yarn_mscales(sc)
+        args.update(position_embedding_type="yarn", rotary_scaling_factor=_yarn_factor(cfg),
+                    yarn_original_max_position_embeddings=int(sc.original_max_position_embeddings
+                                                              or cfg.max_position_embeddings or 4096),
+                    yarn_beta_fast=float(sc.beta_fast or 32.0), yarn_beta_slow=float(sc.beta_slow or 1.0),
+                    yarn_correction_range_round_to_int=sc.truncate is not False, mscale=mscale,
+                    mscale_all_dim=all_dim)
     if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
         args["use_rope_scaling"] = True
         args["rope_scaling_factor"] = cfg.rope_scaling.factor
@@ -271,7 +319,8 @@ def layer(family: Family, r: Rows, cfg: HfConfig, hf: str, mg: str, is_moe: bool
     if family.mla:
         assert family.moe is not None
         return mla_layer(r, cfg, hf, mg, is_moe, family.moe)
-    return gqa_layer(r, cfg, hf, mg, is_moe, family.moe, qkv_bias(family, cfg), qk_norm(family, cfg))
+    return gqa_layer(r, cfg, hf, mg, is_moe, family.moe, qkv_bias(family, cfg), qk_norm(family, cfg),
+                     out_bias=family.linear_bias, sinks=family.sinks)
 
 
 def mappings(family: Family, cfg: HfConfig, rows: dict[str, int],
@@ -362,6 +411,13 @@ def config_from_args(family: Family, args: Any, path: str, architecture: str | N
     if family.mla and arg(args, "rope_type") == "yarn":
         scaling = RopeScaling("yarn", float(arg(args, "rotary_scaling_factor", 1.0)), None, None, MLA_YARN_ORIGINAL,
                               32.0, 1.0, float(arg(args, "mscale", 1.0)), float(arg(args, "mscale_all_dim", 0.0)))
+    elif arg(args, "position_embedding_type") == "yarn":
+        scaling = RopeScaling("yarn", float(arg(args, "rotary_scaling_factor", 1.0)), None, None,
+                              int(arg(args, "yarn_original_max_position_embeddings", 4096)),
+                              float(arg(args, "yarn_beta_fast", 32.0)), float(arg(args, "yarn_beta_slow", 1.0)),
+                              *((float(arg(args, "mscale")), float(arg(args, "mscale_all_dim")))
+                                if arg(args, "mscale", 1.0) and arg(args, "mscale_all_dim", 0.0) else (None, None)),
+                              truncate=bool(arg(args, "yarn_correction_range_round_to_int", True)))
     elif arg(args, "use_rope_scaling", False):
         scaling = RopeScaling("llama3", float(arg(args, "rope_scaling_factor", 8.0)), **LLAMA3_FIXED)
     elif arg(args, "rotary_seq_len_interpolation_factor"):
@@ -421,7 +477,7 @@ def _scaling_json(sc: RopeScaling) -> dict[str, Any]:
                               ("high_freq_factor", sc.high_freq_factor),
                               ("original_max_position_embeddings", sc.original_max_position_embeddings),
                               ("beta_fast", sc.beta_fast), ("beta_slow", sc.beta_slow), ("mscale", sc.mscale),
-                              ("mscale_all_dim", sc.mscale_all_dim)) if v is not None}
+                              ("mscale_all_dim", sc.mscale_all_dim), ("truncate", sc.truncate)) if v is not None}
 
 
 def config_json(family: Family, cfg: HfConfig) -> dict[str, Any]:
