@@ -124,7 +124,7 @@ def _render(field: str, flag: str, value: Any) -> str | None:
     if field == "softmax_type" and value in (None, "vanilla"):
         return None
     if field == "window_size" and value:
-        return f"{flag} " + ",".join(str(int(v)) for v in value)
+        return f"{flag} " + (value if isinstance(value, str) else ",".join(str(int(v)) for v in value))
     if field == "spec" and isinstance(value, (list, tuple)) and value:
         return f"{flag} " + " ".join(str(v) for v in value)  # (a module and a name: two words)
     if isinstance(value, bool):

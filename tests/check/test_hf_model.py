@@ -17,10 +17,12 @@ hf_models = pytest.importorskip("tests.helpers.hf_models")
 pytest.importorskip("transformers")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "nemotron_h",
-            "qwen3_next"]
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next")
-RUN = ["--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
-       "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2"]
+            "qwen3_next", "gpt_oss"]
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss")
+# (GPT-OSS's MoE biases take expert-tensor-parallel size 1: a Megatron rule, checked as any layout rule)
+RUN = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--tokenizer-type",
+       "NullTokenizer", "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "1",
+       "--global-batch-size", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,16 @@ NEXT_EDITS = [("hybrid_layer_pattern", ["--hybrid-layer-pattern", "GE*EGE*E"]),
               ("rotary_percent", ["--rotary-percent", "0.5"])]
 NEXT_DROPS = [("apply_layernorm_1p", "--apply-layernorm-1p"), ("attention_output_gate", "--attention-output-gate"),
               ("moe_shared_expert_gate", "--moe-shared-expert-gate")]
+# GPT-OSS's own fields: YaRN, attention sinks, the sliding window and its layers, the clamped quick GEGLU
+OSS_EDITS = [("rotary_scaling_factor", ["--rotary-scaling-factor", "8.0"]),
+             ("yarn_original_max_position_embeddings", ["--yarn-original-max-position-embeddings", "2048"]),
+             ("yarn_beta_fast", ["--yarn-beta-fast", "16"]), ("yarn_beta_slow", ["--yarn-beta-slow", "2"]),
+             ("softmax_type", ["--softmax-type", "vanilla"]), ("window_size", ["--window-size", "7,0"]),
+             ("window_attn_skip_freq", ["--window-attn-skip-freq", "[0,1]"]),
+             ("glu_linear_offset", ["--glu-linear-offset", "0.0"]),
+             ("activation_func_clamp_value", ["--activation-func-clamp-value", "10.0"])]
+OSS_DROPS = [("quick_geglu", "--quick-geglu"),
+             ("yarn_correction_range_round_to_int", "--no-yarn-correction-range-round-to-int")]
 # (its MoE layers are its pattern's E layers; two Megatron layers per HF layer)
 NOT_NEXT = ("num_layers", "moe_layer_freq", "use_rope_scaling")
 # (no RoPE, no QK norm or QKV bias to edit; its layers are its pattern's, compared as the pattern)
@@ -117,12 +129,14 @@ DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--unti
 def _cases():
     for name in FAMILIES:
         mla, glm, hyb, nxt = name == "deepseek_v3", name == "glm4_moe", name == "nemotron_h", name == "qwen3_next"
+        oss = name == "gpt_oss"
         for field, edit in EDITS + (MOE_EDITS if name in MOE else []) + (MLA_EDITS if mla else []) + (
-                GLM_EDITS if glm else []) + (HYBRID_EDITS if hyb else []) + (NEXT_EDITS if nxt else []):
+                GLM_EDITS if glm else []) + (HYBRID_EDITS if hyb else []) + (NEXT_EDITS if nxt else []) + (
+                OSS_EDITS if oss else []):
             if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID) and not (nxt and field in NOT_NEXT):
                 yield name, field, edit, None
         for field, flag in DROPS + (MLA_DROPS if mla else []) + (GLM_DROPS if glm else []) + (
-                HYBRID_DROPS if hyb else []) + (NEXT_DROPS if nxt else []):
+                HYBRID_DROPS if hyb else []) + (NEXT_DROPS if nxt else []) + (OSS_DROPS if oss else []):
             if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID) and not (nxt and field in NOT_NEXT):
                 yield name, field, None, flag
 

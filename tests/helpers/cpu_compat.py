@@ -65,6 +65,18 @@ def apply() -> None:
 
     schedules.torch = _TorchProxy()
 
+    # W-L: the sliding window's mask (megatron.core.transformer.utils) is made on "cuda"; Megatron's own code runs,
+    # its tensors made on the CPU.
+    from megatron.core.transformer import utils as tutils
+
+    class _OnesProxy(_TorchProxy):
+        @staticmethod
+        def ones(*args, **kwargs):
+            kwargs.pop("device", None)
+            return torch.ones(*args, **kwargs)
+
+    tutils.torch = _OnesProxy()
+
 
 _OPTIMIZER = False
 

@@ -126,7 +126,22 @@ def build_from_args(args: dict[str, Any], tp: int, pp: int = 1, ep: int = 1) -> 
                      "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_dtype"):
             if args.get(name) is not None:
                 kw[name] = args[name]
+    if args.get("quick_geglu"):  # GPT-OSS: a clamped quick GEGLU with a linear offset, sinks, a sliding window
+        from megatron.core.activations import quick_gelu
+
+        kw.update(activation_func=quick_gelu, gated_linear_unit=True, glu_linear_offset=args["glu_linear_offset"],
+                  activation_func_clamp_value=args["activation_func_clamp_value"])
+    for name in ("softmax_type", "window_size", "window_attn_skip_freq"):
+        if args.get(name) is not None:
+            kw[name] = args[name]
     cfg = TransformerConfig(**kw)
+    if args.get("position_embedding_type") == "yarn":  # (the GPT model reads YaRN's settings off the config)
+        for name, arg in (("yarn_rotary_scaling_factor", "rotary_scaling_factor"),
+                          ("yarn_original_max_position_embeddings", "yarn_original_max_position_embeddings"),
+                          ("yarn_beta_fast", "yarn_beta_fast"), ("yarn_beta_slow", "yarn_beta_slow"),
+                          ("yarn_mscale", "mscale"), ("yarn_mscale_all_dim", "mscale_all_dim"),
+                          ("yarn_correction_range_round_to_int", "yarn_correction_range_round_to_int")):
+            setattr(cfg, name, args[arg])
     if args.get("num_experts") and args.get("moe_layer_freq", 1) != 1:  # dense and MoE layers: a block spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -140,7 +155,8 @@ def build_from_args(args: dict[str, Any], tp: int, pp: int = 1, ep: int = 1) -> 
     model = GPTModel(cfg, spec, vocab_size=padded, max_sequence_length=SEQ,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
-                     position_embedding_type="rope", rotary_base=args["rotary_base"],
+                     position_embedding_type=args.get("position_embedding_type", "rope"),
+                     rotary_base=args["rotary_base"],
                      rotary_percent=args["rotary_percent"])
     model.eval()
     return [model]

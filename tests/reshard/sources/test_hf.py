@@ -17,7 +17,7 @@ pytest.importorskip("megatron.core")
 from tests.helpers import hf_models  # noqa: E402
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3"]
-MOE = ["mixtral", "qwen3_moe", "glm4_moe"]
+MOE = ["mixtral", "qwen3_moe", "glm4_moe", "gpt_oss"]
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
