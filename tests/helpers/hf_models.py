@@ -283,3 +283,62 @@ def write_fp8(src: str, dst: str, block: tuple[int, int] = (16, 16), dtype: torc
     with open(os.path.join(dst, "config.json"), "w") as fh:
         json.dump(cfg, fh)
     return dst, deq_dir
+
+
+FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1's magnitudes by code
+
+
+def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[..., in]`` as MXFP4 (test-only): per 32 values an e8m0 exponent (biased by 127) that puts the largest
+    magnitude at or under 6, each value rounded to the nearest e2m1 code; (blocks ``[..., in / 32, 16]`` uint8, the
+    low nibble the even value; scales ``[..., in / 32]`` uint8)."""
+    *prefix, cols = w.shape
+    groups = w.float().reshape(*prefix, cols // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-100)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.pow(2.0, exp).unsqueeze(-1)
+    grid = torch.tensor(FP4_GRID)
+    code = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1) + 8 * (scaled < 0)
+    code = code.to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def write_mxfp4(src: str, dst: str) -> tuple[str, str]:
+    """The GPT-OSS model at ``src`` as the hub publishes it (test-only): each expert weight (``gate_up_proj``,
+    ``down_proj``) as MXFP4 ``*_blocks`` / ``*_scales`` in the hub's ``[experts, out, in / 32, 16]`` layout, config.json
+    naming the scheme; and beside it ``dst + "_dequantized"``: the same model with those weights dequantized by
+    transformers' own ``convert_moe_packed_tensors`` (the oracle's model). Returns (the MXFP4 dir, the dequantized)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    deq_dir = dst + "_dequantized"
+    for d in (dst, deq_dir):
+        shutil.copytree(src, d)
+        for f in os.listdir(d):
+            if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+                os.remove(os.path.join(d, f))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, f)))
+    mx, deq = {}, {}
+    for name, w in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            blocks, scales = _to_mxfp4(w.transpose(1, 2))  # (transformers' [E, in, out] -> the hub's [E, out, in])
+            mx[name + "_blocks"], mx[name + "_scales"] = blocks, scales
+            deq[name] = convert_moe_packed_tensors(blocks, scales, dtype=w.dtype).contiguous()
+        else:
+            mx[name] = deq[name] = w
+    save_file(mx, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, os.path.join(deq_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as fh:
+        cfg = json.load(fh)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return dst, deq_dir

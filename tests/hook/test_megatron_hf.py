@@ -370,6 +370,29 @@ def test_an_fp8_model_as_published_trains_with_transformers_loss_of_it_dequantiz
     assert first_loss(log2) == first_loss(log)
 
 
+def test_an_mxfp4_gpt_oss_as_published_trains_with_transformers_loss_of_it_dequantized(tmp_path, data, models):
+    """GPT-OSS with its experts in MXFP4 as the hub publishes it (tests/helpers/hf_models.write_mxfp4), started at EP2
+    with the printed flags: iteration 1's loss is transformers' own on the model dequantized by transformers'
+    convert_moe_packed_tensors; its offline conversion, loaded by plain Megatron, the same."""
+    from tests.helpers import hf_data, hf_models
+
+    mx, deq = hf_models.write_mxfp4(models["gpt_oss"][0], str(tmp_path / "gpt_oss_mxfp4"))
+    oracle = hf_data.hf_loss(deq, SEQ, VOCAB)
+    flags, layout = printed_flags(mx), ["--expert-model-parallel-size", "2"]
+    rc, log = run(tmp_path, mx, 2, *flags, "--data-path", data, *layout, "--preflight", "auto", base=BASE,
+                  port=29788, verify=False)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(oracle, abs=1e-5)
+    out = str(tmp_path / "converted")
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", mx, out, "--no-progress", "--",
+                           *flags, *layout], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rc, log2 = run(tmp_path, out, 2, *flags, "--data-path", data, *layout, "--ckpt-format", "torch", plugin=False,
+                   base=BASE, port=29789, verify=False)
+    assert rc == 0, log2[-4000:]
+    assert first_loss(log2) == first_loss(log)
+
+
 def test_an_hf_model_on_object_storage_trains_with_transformers_loss(tmp_path, data, models):
     """The Qwen3-MoE model dir on a real S3-compatible server (SeaweedFS, tests/helpers/s3_server.py), a TP2 job with
     ``--load msc://... --enable-msc --preflight auto``: each rank fetches its own rows into its node's staged mirror,

@@ -65,9 +65,9 @@ def discover_hf(path: str) -> Layout:
                                              isinstance(scheme, quant.Mxfp4), path)
     model, missing, needed, more = _model(family, cfg, tensors, path, scheme)
     errors += more
-    mx = sum(1 for n in needed if getattr(tensors.get(n), "stored_dtype", None) == stacked.MXFP4)
+    mx = sum(1 for stored in covers.values() if stored[0].endswith(stacked.BLOCKS))
     if isinstance(scheme, quant.Mxfp4):
-        layout.notes.append(f"{mx} expert weights are {scheme.describe()}: dequantized to "
+        layout.notes.append(f"{mx} stacked expert weights are {scheme.describe()}: dequantized to "
                             f"{quant.dequantized_dtype(cfg.dtype)} as they are read (each rank its own rows, with "
                             "their scales; nothing written in between); the other tensors are read as stored. An "
                             "export back writes them in the run's dtype (not re-quantized)" if mx else

@@ -32,6 +32,7 @@ BLOCKS, SCALES = "_blocks", "_scales"
 MX_GROUP = 32  # values per e8m0 scale
 MX_BYTES = 16  # bytes per group (two e2m1 values a byte)
 E8M0_BIAS = 127
+E8M0_NAN = 255  # the one e8m0 code that is not a power of two
 # e2m1's 16 values by code (sign bit 3): the OCP MX spec's
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -76,6 +77,7 @@ class Part(NamedTuple):
     stored_dtype: str  # "mxfp4", or the stored float dtype
     scales: SafeTensor | None  # MXFP4: the scales tensor
     scale_start: int  # MXFP4: the expert's first scale byte
+    stored: str  # the stored tensor's name (MXFP4: its scales'), for messages
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +101,7 @@ class XRun(NamedTuple):
     dst_row0: int
     scale_file: str = ""
     scale_start: int = 0
+    stored: str = ""  # the stored tensor (MXFP4: its scales), for messages
 
     def src_rows(self, a: int, b: int) -> tuple[int, int]:
         """(first, last + 1) stored output rows that rows ``a .. b`` of the SafeRef (within this run) come from."""
@@ -184,7 +187,7 @@ def _float_parts(out: dict[str, Any], t: SafeTensor, how: Stacked, layer: str, m
     for j in range(experts):
         for p, name in enumerate(how.part_names(layer, j)):
             out[name] = Part(name, t.file, t.dtype, shape, t.start + j * per, t.start + (j + 1) * per, how, p, outs,
-                             cols, t.dtype, None, 0)
+                             cols, t.dtype, None, 0, t.name)
     return None
 
 
@@ -208,7 +211,7 @@ def _mx_parts(out: dict[str, Any], blocks: SafeTensor, scales: SafeTensor, how: 
         for p, name in enumerate(how.part_names(layer, j)):
             out[name] = Part(name, blocks.file, value_dtype, (outs // n, cols), blocks.start + j * per,
                              blocks.start + (j + 1) * per, how, p, outs, cols, MXFP4, scales,
-                             scales.start + j * per_scale)
+                             scales.start + j * per_scale, scales.name)
     return None
 
 
@@ -220,7 +223,7 @@ def run(part: Part, src0: int, rows: int, dst_row0: int) -> XRun:
     mx = part.stored_dtype == MXFP4
     return XRun(part.name, part.file, part.start, part.stored_dtype, part.out, part.cols,
                 part.how.transposed and not mx and len(part.shape) == 2, row0, step, rows, dst_row0,
-                part.scales.file if mx and part.scales is not None else "", part.scale_start)
+                part.scales.file if mx and part.scales is not None else "", part.scale_start, part.stored)
 
 
 def stored_of(declared: tuple[Stacked, ...], name: str) -> tuple[Stacked, str, int, int] | None:

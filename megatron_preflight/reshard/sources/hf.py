@@ -139,17 +139,19 @@ class HfReader:
             exp = torch.empty(scale[0][2], dtype=torch.uint8)
             self._pread(scale[0][0], scale[0][1], memoryview(exp.numpy()))
             blocks = raw.view(hi - lo, x.cols // 2)[::x.step]
-            exps = exp.view(hi - lo, x.cols // stacked.MX_GROUP)[::x.step].to(torch.int32) - stacked.E8M0_BIAS
+            exps = exp.view(hi - lo, x.cols // stacked.MX_GROUP)[::x.step]
+            if bool((exps == stacked.E8M0_NAN).any()):
+                raise CorruptFileError(f"tensor {x.stored!r} holds an e8m0 scale of {stacked.E8M0_NAN} (NaN: a "
+                                       f"non-finite value) among the scales of {x.name!r}",
+                                       path=os.path.join(self.model_dir, x.scale_file), code="corrupt_file",
+                                       fix="download the model again")
+            exps = exps.to(torch.int32) - stacked.E8M0_BIAS
             lut = torch.tensor(stacked.FP4_VALUES, dtype=torch.float32)
             values = torch.empty((b - a, x.cols), dtype=torch.float32)
             values[:, 0::2] = lut[(blocks & 0x0F).long()]
             values[:, 1::2] = lut[(blocks >> 4).long()]
             values = values.view(b - a, -1, stacked.MX_GROUP)
             torch.ldexp(values, exps.unsqueeze(-1), out=values)
-            if not bool(torch.isfinite(values).all()):
-                raise CorruptFileError(f"tensor {x.name!r} dequantizes to a non-finite value (an e8m0 scale of 255 "
-                                       "is NaN)", path=os.path.join(self.model_dir, x.scale_file),
-                                       code="corrupt_file", fix="download the model again")
             out.view(b - a, x.cols).copy_(values.view(b - a, x.cols))
             return
         dtype = dtypes.to_torch(dtypes.dtype(x.dtype))
