@@ -24,7 +24,7 @@ from megatron_preflight.reshard.optimizer.family import family_of, saved_family
 from megatron_preflight.reshard.optimizer.plain import OptimizerIndex, OptimizerNotReshardable, index_optimizer
 from megatron_preflight.reshard.optimizer.status import OptimizerStatus, optimizer_status
 from megatron_preflight.reshard.plan import sections
-from megatron_preflight.reshard.plan.consistency import checkpoint_problems, complete_problems
+from megatron_preflight.reshard.plan.consistency import args_problems, checkpoint_problems, complete_problems
 from megatron_preflight.reshard.plan.index import GlobalIndex, has_mtp, index_sources
 from megatron_preflight.reshard.plan.topology import is_tied, source_topology
 from megatron_preflight.reshard.plan.types import SourcePiece
@@ -273,6 +273,12 @@ class CheckpointIndex:
             return float(value)
         finally:
             files.close()
+
+    @cached_property
+    def model_problems(self) -> list[PreflightError]:
+        """Why the indexed model cannot be resharded: a split tensor missing a rank's piece, pieces that disagree,
+        shards that contradict their saved args (computed once per process: each resharder of it asks)."""
+        return complete_problems(self.tensors, self.view) + args_problems(self.tensors, self.view)
 
     def source_problem(self) -> str | None:
         """Why the resharder could not serve a torch_dist checkpoint with its optimizer state (None: it can):

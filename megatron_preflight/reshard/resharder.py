@@ -35,7 +35,7 @@ from megatron_preflight.reshard.optimizer.plain import (
     OptimizerNotReshardable,
     plan_optimizer,
 )
-from megatron_preflight.reshard.plan.consistency import args_problems, complete_problems, raise_first
+from megatron_preflight.reshard.plan.consistency import raise_first
 from megatron_preflight.reshard.plan.hybrid import conv_named, gpt_to_hybrid_problem, to_hybrid
 from megatron_preflight.reshard.plan.index import VOCAB_KEYS, GlobalIndex, has_legacy_grouped
 from megatron_preflight.reshard.plan.planner import by_layer, plan_rank, rewrite_args, target_vocab
@@ -327,7 +327,7 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
     index.require_readable()
     view = index.view
     tgt = resolve_target(index, target)
-    raise_first(complete_problems(index.tensors, view) + args_problems(index.tensors, view))
+    raise_first(index.model_problems)
     vocab_entries = [e for k, e in index.tensors.items() if k.suffix in VOCAB_KEYS and e.rule.kind == "vocab"]
     vocab = target_vocab(view, tgt, target.padded_vocab_size, target.vocab_size, target.make_vocab_size_divisible_by,
                          vocab_entries[0].global_len() or 0) if vocab_entries else None
