@@ -17,8 +17,8 @@ hf_models = pytest.importorskip("tests.helpers.hf_models")
 pytest.importorskip("transformers")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "nemotron_h",
-            "qwen3_next", "gpt_oss"]
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss")
+            "qwen3_next", "gpt_oss", "qwen3_5_moe"]
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "qwen3_5_moe")
 # (GPT-OSS's MoE biases take expert-tensor-parallel size 1: a Megatron rule, checked as any layout rule)
 RUN = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--tokenizer-type",
        "NullTokenizer", "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "1",
@@ -128,7 +128,8 @@ DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--unti
 
 def _cases():
     for name in FAMILIES:
-        mla, glm, hyb, nxt = name == "deepseek_v3", name == "glm4_moe", name == "nemotron_h", name == "qwen3_next"
+        mla, glm, hyb = name == "deepseek_v3", name == "glm4_moe", name == "nemotron_h"
+        nxt = name in ("qwen3_next", "qwen3_5_moe")
         oss = name == "gpt_oss"
         for field, edit in EDITS + (MOE_EDITS if name in MOE else []) + (MLA_EDITS if mla else []) + (
                 GLM_EDITS if glm else []) + (HYBRID_EDITS if hyb else []) + (NEXT_EDITS if nxt else []) + (

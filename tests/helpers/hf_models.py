@@ -54,6 +54,13 @@ def configs() -> dict[str, Any]:
                                         shared_expert_intermediate_size=16, linear_num_key_heads=2,
                                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                                         linear_conv_kernel_dim=4, tie_word_embeddings=False),
+        # Qwen3.5-MoE: Qwen3-Next's layers with the gated delta nets' input projections stored section by section
+        "qwen3_5_moe": T.Qwen3_5MoeTextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=8, num_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=16,
+                                              shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                                              linear_num_value_heads=4, linear_key_head_dim=8,
+                                              linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                              tie_word_embeddings=False),
         # GPT-OSS: attention sinks, biases on every projection, a 4-token sliding window on the even layers (the
         # sequence is 16: it matters), YaRN (transformers' default: factor 32, not truncated), 4 experts stored
         # stacked with a clamped SwiGLU

@@ -211,14 +211,15 @@ QWEN3_NEXT = [(1, []), (2, ["--tensor-model-parallel-size", "2", "--sequence-par
 
 @pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
                                                        "stand-ins for Transformer Engine, mamba_ssm and fla)")
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
 @pytest.mark.parametrize("nproc, layout", QWEN3_NEXT, ids=["tp1", "tp2", "ep2"])
-def test_qwen3_next_trains_with_transformers_loss(tmp_path, data, nproc, layout):
+def test_qwen3_next_trains_with_transformers_loss(tmp_path, data, nproc, layout, name):
     """Qwen3-Next (gated delta nets, gated attention, zero-centred norms, MoE with a gated shared expert) started by
     pretrain_hybrid.py with the printed flags, two Megatron layers per HF layer (its gated delta nets through
     mamba_cpu's fla stand-in and its layers through te_cpu, CPU stand-ins, not those packages): transformers' loss."""
     from tests.helpers import hf_data, hf_models
 
-    path = hf_models.write("qwen3_next", str(tmp_path / "qwen3_next"))
+    path = hf_models.write(name, str(tmp_path / name))
     rc, log = run(tmp_path, path, nproc, *printed_flags(path), "--data-path", data, *layout, "--preflight", "auto",
                   script="pretrain_hybrid.py", base=BASE, port=29752, verify=False, te=True)
     assert rc == 0, log[-4000:]

@@ -62,6 +62,8 @@ ROUND_TRIPS = [("llama", ["--tensor-model-parallel-size", "2"], "torch"),
                 "torch_dist"),
                ("qwen3_next", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "GEGE|GE*E"],
                 "torch"),
+               ("qwen3_5_moe", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+                "torch_dist"),
                # GPT-OSS: stacked experts (transposed, gate / up rows interleaved) split per expert and joined back
                ("gpt_oss", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                             "--expert-tensor-parallel-size", "1"], "torch_dist"),

@@ -1,6 +1,6 @@
 """THE families of Hugging Face architectures, one module each (:mod:`.llama`, :mod:`.qwen2`, :mod:`.qwen3`,
 :mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.deepseek_v3`, :mod:`.glm4_moe`, :mod:`.nemotron_h`, :mod:`.qwen3_next`,
-:mod:`.gpt_oss`): for each, which Megatron model its
+:mod:`.gpt_oss`, :mod:`.qwen3_5`; Qwen3-Next and Qwen3.5 share :mod:`.qwen_hybrid`): for each, which Megatron model its
 ``config.json`` describes (its config table, :class:`~megatron_preflight.layout.hf.config.Key` rows) and how each
 Megatron tensor is made of Hugging Face tensors (:mod:`.rows`). Import, export, ``flags`` and ``check`` read the same
 declaration (:mod:`.spec` holds the code that reads it); adding a family is adding its module to :data:`FAMILIES`."""
@@ -21,6 +21,7 @@ from megatron_preflight.layout.hf.families import (
     nemotron_h,
     qwen2,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     qwen3_next,
 )
@@ -46,7 +47,7 @@ from megatron_preflight.layout.hf.families.spec import (
 )
 
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3,
-                                                        glm4_moe, nemotron_h, qwen3_next, gpt_oss))
+                                                        glm4_moe, nemotron_h, qwen3_next, gpt_oss, qwen3_5))
 
 __all__ = ["FAMILIES", "LLAMA3_FIXED", "MAX_TP", "MLA_YARN_ORIGINAL", "Block", "Family", "Mapping", "Moe",
            "UnsupportedModel", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",
@@ -112,9 +113,16 @@ def _traits_text(args: Any) -> str:
 
 def family_for_args(args: Any, architecture: str | None, path: str) -> tuple[Family, str]:
     """(the family an export writes, the architecture it names): ``architecture`` (``--hf-architecture``) when it
-    expresses the model, else the first that does; refused with the reason before anything is written."""
+    expresses the model, else the one the model was read from (its args' ``hf_architecture``: Qwen3-Next and Qwen3.5
+    build the same Megatron model) when it does, else the first that does; refused with the reason before anything
+    is written."""
     reasons = export_refusals(args)
     fits = [] if reasons else fitting_families(args)
+    came_from = arg(args, "hf_architecture")
+    if architecture is None and came_from is not None:
+        fits = sorted(fits, key=lambda f: came_from not in f.architectures)
+        if fits and came_from in fits[0].architectures:
+            return fits[0], came_from
     if architecture is not None:
         chosen = next((f for f in FAMILIES if architecture in f.architectures), None)
         if chosen is None:
