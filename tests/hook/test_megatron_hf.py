@@ -8,6 +8,7 @@ The MoE runs at TP2 need --sequence-parallel (a Megatron rule), which the CPU ru
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -228,7 +229,10 @@ def test_qwen3_next_trains_with_transformers_loss(tmp_path, data, nproc, layout,
 
 HYBRID_EXPORTS = [("nemotron_h", ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
                   ("qwen3_next", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format",
-                                  "torch_dist"])]
+                                  "torch_dist"]),
+                  # (Megatron's save does not say which of Qwen3-Next and Qwen3.5 it came from: named on export)
+                  ("qwen3_5_moe", ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"])]
+EXPORT_AS = {"qwen3_5_moe": ["--hf-architecture", "Qwen3_5MoeForCausalLM"]}
 
 
 @pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
@@ -248,9 +252,12 @@ def test_a_trained_hybrid_model_handed_back_as_hf_computes_megatrons_loss(tmp_pa
     assert rc == 0 and os.path.isdir(save), log[-4000:]
     out = str(tmp_path / "exported")
     done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", save, out, "--no-progress",
-                           "--ckpt-format", "hf", "--dtype", "fp32", "--verify"], capture_output=True, text=True,
-                          timeout=300)
+                           "--ckpt-format", "hf", "--dtype", "fp32", "--verify", *EXPORT_AS.get(name, [])],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    with open(os.path.join(out, "config.json")) as fh:
+        assert json.load(fh)["architectures"] == [type(hf_models.configs()[name]).__name__.replace(
+            "TextConfig", "Config").replace("Config", "ForCausalLM")]
     rc, log = run(tmp_path, save, 2, *printed_flags(path), "--data-path", data, *layout, "--finetune",
                   "--no-load-rng", plugin=False, port=29751, **common)
     assert rc == 0, log[-4000:]
