@@ -61,6 +61,10 @@ def configs() -> dict[str, Any]:
                                               linear_num_value_heads=4, linear_key_head_dim=8,
                                               linear_value_head_dim=8, linear_conv_kernel_dim=4,
                                               tie_word_embeddings=False),
+        # Qwen3.5 (dense): the same layers with dense MLPs
+        "qwen3_5": T.Qwen3_5TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=8, linear_num_key_heads=2,
+                                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                       linear_conv_kernel_dim=4, tie_word_embeddings=False),
         # GPT-OSS: attention sinks, biases on every projection, a 4-token sliding window on the even layers (the
         # sequence is 16: it matters), YaRN (transformers' default: factor 32, not truncated), 4 experts stored
         # stacked with a clamped SwiGLU

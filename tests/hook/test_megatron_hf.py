@@ -210,10 +210,15 @@ QWEN3_NEXT = [(1, []), (2, ["--tensor-model-parallel-size", "2", "--sequence-par
               (2, ["--expert-model-parallel-size", "2"])]
 
 
+QWEN_HYBRIDS = [(name, *case) for name in ("qwen3_next", "qwen3_5_moe") for case in QWEN3_NEXT] + [
+    ("qwen3_5", *case) for case in QWEN3_NEXT[:2]] + [
+    ("qwen3_5", 2, ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "G-G-|G-*-"])]
+
+
 @pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
                                                        "stand-ins for Transformer Engine, mamba_ssm and fla)")
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
-@pytest.mark.parametrize("nproc, layout", QWEN3_NEXT, ids=["tp1", "tp2", "ep2"])
+@pytest.mark.parametrize("name, nproc, layout", QWEN_HYBRIDS,
+                         ids=[f"{c[0]}-{'-'.join(c[2][:2]) or 'tp1'}" for c in QWEN_HYBRIDS])
 def test_qwen3_next_trains_with_transformers_loss(tmp_path, data, nproc, layout, name):
     """Qwen3-Next (gated delta nets, gated attention, zero-centred norms, MoE with a gated shared expert) started by
     pretrain_hybrid.py with the printed flags, two Megatron layers per HF layer (its gated delta nets through
@@ -231,7 +236,8 @@ HYBRID_EXPORTS = [("nemotron_h", ["--tensor-model-parallel-size", "2", "--ckpt-f
                   ("qwen3_next", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format",
                                   "torch_dist"]),
                   # (Megatron's save does not say which of Qwen3-Next and Qwen3.5 it came from: named on export)
-                  ("qwen3_5_moe", ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"])]
+                  ("qwen3_5_moe", ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
+                  ("qwen3_5", ["--pipeline-model-parallel-size", "2", "--ckpt-format", "torch"])]
 EXPORT_AS = {"qwen3_5_moe": ["--hf-architecture", "Qwen3_5MoeForCausalLM"]}
 
 

@@ -64,6 +64,7 @@ ROUND_TRIPS = [("llama", ["--tensor-model-parallel-size", "2"], "torch"),
                 "torch"),
                ("qwen3_5_moe", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
                 "torch_dist"),
+               ("qwen3_5", ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "G-G-|G-*-"], "torch"),
                # GPT-OSS: stacked experts (transposed, gate / up rows interleaved) split per expert and joined back
                ("gpt_oss", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                             "--expert-tensor-parallel-size", "1"], "torch_dist"),

@@ -46,8 +46,10 @@ from megatron_preflight.layout.hf.families.spec import (
     true_vocab,
 )
 
-FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3,
-                                                        glm4_moe, nemotron_h, qwen3_next, gpt_oss, qwen3_5))
+# (a module declares FAMILY, or FAMILIES where one architecture comes as two models: Qwen3.5 dense and MoE)
+FAMILIES: tuple[Family, ...] = tuple(f for m in (llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, glm4_moe,
+                                                 nemotron_h, qwen3_next, gpt_oss, qwen3_5)
+                                     for f in getattr(m, "FAMILIES", None) or (m.FAMILY,))
 
 __all__ = ["FAMILIES", "LLAMA3_FIXED", "MAX_TP", "MLA_YARN_ORIGINAL", "Block", "Family", "Mapping", "Moe",
            "UnsupportedModel", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",

@@ -1,8 +1,8 @@
-"""Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``, the text model): Qwen3-Next's architecture (:mod:`.qwen_hybrid`: gated delta
+"""Qwen3.5-MoE and Qwen3.5 (``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForCausalLM``, the text models; two families here): Qwen3-Next's architecture (:mod:`.qwen_hybrid`: gated delta
 nets beside gated attention, zero-centred norms, MoE layers with a gated shared expert) with its gated delta nets'
 input projections stored section by section — ``in_proj_qkv`` ``[q, k, v]`` (all heads of each), ``in_proj_z``,
 ``in_proj_b``, ``in_proj_a`` — which are Megatron's ``in_proj`` rows ``[q, k, v, z, b, a]`` as they are; every layer
-a MoE layer whose top-k probabilities are always renormalised. The hub's Qwen3.5 checkpoints are the vision-language
+a MoE layer whose top-k probabilities are always renormalised (the dense models: every layer a dense MLP). The hub's Qwen3.5 checkpoints are the vision-language
 model (``Qwen3_5MoeForConditionalGeneration``): refused, naming it (its language model alone is this family)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _args(cfg: HfConfig) -> dict[str, Any]:
     return {**qh.args(cfg), "ffn_hidden_size": cfg.intermediate_size or cfg.moe_intermediate_size}
 
 
-FAMILY = Family(
+MOE_FAMILY = Family(
     "qwen3_5_moe", ("Qwen3_5MoeForCausalLM",), model_types={"Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"},
     # transformers' Qwen3_5MoeTextConfig defaults, where config.json may leave a field out
     keys=qh.keys(Key("rms_norm_eps", "norm_eps", 1e-6), Key("intermediate_size", "intermediate_size", 0),
@@ -40,3 +40,13 @@ FAMILY = Family(
     impl="transformer_engine", inert=frozenset({"router_aux_loss_coef", "output_router_logits"}),
     unloaded=("mtp.",), back=qh.back, expresses=qh.expresses, rank=9,
 )
+
+DENSE_FAMILY = Family(
+    "qwen3_5", ("Qwen3_5ForCausalLM",), model_types={"Qwen3_5ForCausalLM": "qwen3_5_text"},
+    # transformers' Qwen3_5TextConfig defaults, where config.json may leave a field out (no experts)
+    keys=qh.keys(Key("rms_norm_eps", "norm_eps", 1e-6), sparse=False, experts=False),
+    qkv_bias="never", qk_norm="always", moe=qh.MOE, args=qh.args, tensors=qh.tensors(_gdn_in_proj),
+    refuse=qh.refuse, impl="transformer_engine", unloaded=("mtp.",), back=qh.back,
+    expresses=lambda args: qh.expresses(args, dense=True), rank=9,
+)
+FAMILIES = (MOE_FAMILY, DENSE_FAMILY)

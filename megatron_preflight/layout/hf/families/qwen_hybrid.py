@@ -137,13 +137,16 @@ def back(values: dict[str, Any], args: Any) -> dict[str, Any]:
     return values
 
 
-def expresses(args: Any) -> bool:
+def expresses(args: Any, dense: bool = False) -> bool:
+    """Whether the Megatron model of ``args`` is this hybrid: MoE layers with a gated shared expert (or, ``dense``,
+    dense MLPs only)."""
     layers = parallel.hybrid_layers(parallel.hybrid_pattern(args) or "")
-    pairs = len(layers) % 2 == 0 and all(m in "G*" for m in layers[0::2]) and all(m in "E-" for m in layers[1::2])
+    mlps = "-" if dense else "E-"
+    pairs = len(layers) % 2 == 0 and all(m in "G*" for m in layers[0::2]) and all(m in mlps for m in layers[1::2])
     t = traits(args)
     return bool(layers) and pairs and t.gated and t.qk_norm and t.zero_centred \
         and not (t.mla or t.mtp or t.sigmoid or t.qkv_bias) and bool(arg(args, "attention_output_gate", False)) \
-        and bool(arg(args, "moe_shared_expert_gate", False))
+        and (dense or bool(arg(args, "moe_shared_expert_gate", False)))
 
 
 def refuse(cfg: HfConfig) -> list[str]:
@@ -156,21 +159,22 @@ def refuse(cfg: HfConfig) -> list[str]:
     return out
 
 
-def keys(*own: Key, sparse: bool = True) -> tuple[Key, ...]:
+def keys(*own: Key, sparse: bool = True, experts: bool = True) -> tuple[Key, ...]:
     """The config table both families read (transformers' Qwen3NextConfig defaults), ``own`` rows replacing or adding
     to it; ``sparse``: the family reads which layers are MoE layers and whether the top-k is renormalised (Qwen3-Next;
-    Qwen3.5's every layer is, and it always renormalises)."""
+    Qwen3.5's every layer is, and it always renormalises); ``experts``: it has experts (Qwen3.5's dense models not)."""
     rows = [Key("head_dim", "head_dim", 256), Key("attention_bias", "attention_bias", False),
             Key("partial_rotary_factor", "rotary_percent", 0.25),
             Key("layer_types", "layer_kinds", None), Key("linear_conv_kernel_dim", "linear_conv", 4),
             Key("linear_key_head_dim", "linear_key_head_dim", 128),
             Key("linear_value_head_dim", "linear_value_head_dim", 128),
             Key("linear_num_key_heads", "linear_num_key_heads", 16),
-            Key("linear_num_value_heads", "linear_num_value_heads", 32),
-            Key("num_experts", "num_experts", REQUIRED, ("num_local_experts",)),
-            Key("num_experts_per_tok", "experts_per_token", 10),
-            Key("moe_intermediate_size", "moe_intermediate_size", REQUIRED),
-            Key("shared_expert_intermediate_size", "shared_expert_size", 0)]
+            Key("linear_num_value_heads", "linear_num_value_heads", 32)]
+    if experts:
+        rows += [Key("num_experts", "num_experts", REQUIRED, ("num_local_experts",)),
+                 Key("num_experts_per_tok", "experts_per_token", 10),
+                 Key("moe_intermediate_size", "moe_intermediate_size", REQUIRED),
+                 Key("shared_expert_intermediate_size", "shared_expert_size", 0)]
     if sparse:
         rows += [Key("norm_topk_prob", "norm_topk_prob", True), Key("decoder_sparse_step", "decoder_sparse_step", 1),
                  Key("mlp_only_layers", "mlp_only_layers", ())]
