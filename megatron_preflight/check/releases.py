@@ -37,6 +37,9 @@ class ReleaseFacts:
     # Megatron's NullTokenizer: --vocab-size ids and an end-of-document one up to 0.17; from 0.18 its last id is the
     # end of document (megatron/core/tokenizers/text/libraries/null_tokenizer.py)
     null_tokenizer_adds_eod: bool = True
+    # the local spec's sequential experts add their output bias in place (megatron/core/transformer/mlp.py, from 0.15):
+    # at EP 1 and ETP 1 that is on a reduction's view of its input, which autograd refuses at the first training step
+    expert_bias_in_place: bool = True
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -57,7 +60,7 @@ def facts(version: tuple[int, int]) -> ReleaseFacts:
                         local_grouped_mlp=v < (0, 17),
                         mamba_conv_name="conv1d.weight" if v < (0, 19) else "conv1d_weight",
                         fsdp_mtp_layer_name="mtp_model_layer" if (0, 17) <= v < (0, 20) else "transformer_layer",
-                        null_tokenizer_adds_eod=v < (0, 18))
+                        null_tokenizer_adds_eod=v < (0, 18), expert_bias_in_place=v >= (0, 15))
 
 
 _DIST_INFO = re.compile(r"megatron[_.-]core-(\d+\.\d+[^-]*)\.dist-info$", re.IGNORECASE)
@@ -108,6 +111,8 @@ def apply(rt, release: ReleaseFacts) -> None:
         rt.null_tokenizer_adds_eod = release.null_tokenizer_adds_eod
         if "padded_vocab_size" not in rt.given and rt.vocab_size:  # (derived before the release was known)
             rt.padded_vocab_size = pad_vocab(rt.tokenizer_ids(), rt.make_vocab_size_divisible_by, rt.tp)
+    if rt.expert_bias_in_place is None:
+        rt.expert_bias_in_place = release.expert_bias_in_place
     if rt.builds_grouped_mlp is None:
         rt.builds_grouped_mlp = bool(rt.moe_grouped_gemm and rt.transformer_impl == "local"
                                      and release.local_grouped_mlp)

@@ -137,6 +137,9 @@ class RuntimeArgs:
     # What this Megatron names a Mamba mixer's conv in a state dict (``conv1d_weight`` from megatron-core 0.19,
     # ``conv1d.weight`` before); the hook and the CLI take it from the release table (check/releases.py)
     mamba_conv_name: str | None = None
+    # Whether the run's Megatron adds a local-spec expert's output bias in place (check/releases.py: 0.15 on); the
+    # hook and the CLI take it from the release table; None: unknown (not judged)
+    expert_bias_in_place: bool | None = None
     # Whether the run's megatron-core loads ShardedTensors with a flattened_range (the distributed optimizer's
     # fully_sharded_model_space form; megatron-core >= 0.16 does not); the hook asks megatron.core, None offline
     loads_flattened_range: bool | None = None

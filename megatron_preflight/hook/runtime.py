@@ -201,10 +201,13 @@ def _make_decision(args: Any, mode: str, load_dir: str) -> Decision:
     if rt.mtp_layer_name and rt.use_megatron_fsdp:
         rt.fsdp_mtp_layer_name = fsdp_mtp_layer_name()
     rt.param_group_keys = param_group_keys()
+    biased_experts = bool(rt.num_experts and rt.add_bias_linear)
     version = releases.installed_version() if rt.hybrid_layer_pattern or rt.tokenizer_type == "NullTokenizer" \
-        else None
+        or biased_experts else None
     if version is not None:
         rt.null_tokenizer_adds_eod = releases.facts(version).null_tokenizer_adds_eod
+        if biased_experts:
+            rt.expert_bias_in_place = releases.facts(version).expert_bias_in_place
         if rt.hybrid_layer_pattern:
             rt.mamba_conv_name = releases.facts(version).mamba_conv_name
     if rt.preflight_device_memory is None:

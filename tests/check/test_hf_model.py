@@ -190,3 +190,25 @@ def test_a_megatron_fsdp_runs_fix_is_run_as_printed(models, tmp_path):
     assert done.returncode == 0, done.stderr
     verdict, _ = advised(new, flags)
     assert verdict == "load"
+
+
+@pytest.mark.parametrize("extra, release, named", [
+    (["--transformer-impl", "local"], "0.16", True), (["--transformer-impl", "local"], "0.14", False),
+    (["--transformer-impl", "local", "--expert-model-parallel-size", "2"], "0.16", False),
+    (["--transformer-impl", "transformer_engine", "--moe-grouped-gemm"], "0.16", False)])
+def test_biased_experts_at_ep1_on_the_local_spec_are_refused_before_megatron(models, extra, release, named):
+    """GPT-OSS's expert biases on the local spec at EP 1: Megatron-LM from 0.15 adds them in place on a view and
+    autograd refuses the first step (seen on real Megatron-LM main: tests/hook/test_megatron_hf.py); the fix, applied
+    as printed, clears it."""
+    from megatron_preflight.check import releases
+
+    def found(flags: list[str]) -> dict[str, str]:
+        rt = from_cli(flags + RUN)
+        releases.apply(rt, releases.facts(releases.parse_version(release)))
+        return {f.field: f.fix for f in make_plan(models["gpt_oss"], rt).fatal}
+
+    run = printed(models["gpt_oss"]) + extra
+    got = found(run)
+    assert ("expert_model_parallel_size" in got) == named, got
+    if named:
+        assert "expert_model_parallel_size" not in found(apply(run, got["expert_model_parallel_size"]))

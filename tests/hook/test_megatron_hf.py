@@ -96,6 +96,20 @@ def test_an_hf_model_trains_with_transformers_loss(tmp_path, data, models, name,
     assert first_loss(log) == pytest.approx(oracle, abs=1e-5)
 
 
+def test_biased_experts_at_ep1_on_the_local_spec_are_refused_before_megatron_fails(tmp_path, data, models):
+    """GPT-OSS at EP 1 on the local spec: without the plugin Megatron-LM main fails its first step inside the
+    experts ('... is a view and is being modified inplace'); with it every rank exits 1 first, saying why and what
+    runs instead (the TE spec with grouped experts: TE_CASES trains it)."""
+    path = models["gpt_oss"][0]
+    rc, log = run(tmp_path, path, 1, *printed_flags(path), "--data-path", data, "--preflight", "auto", base=BASE,
+                  port=29790, verify=False)
+    assert rc != 0 and "MoE biases with the local spec's experts at EP 1" in log, log[-4000:]
+    assert "is being modified inplace" not in log.split("MoE biases with the local spec")[1].split("\n", 1)[1]
+    rc, log = run(tmp_path, path, 1, *printed_flags(path), "--data-path", data, "--preflight", "off", base=BASE,
+                  port=29791, verify=False)
+    assert rc != 0 and "is being modified inplace" in log, log[-4000:]  # (what it saves the user from)
+
+
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_the_offline_conversion_loads_in_plain_megatron(tmp_path, data, models, fmt):
     path, oracle = models["qwen3_moe"]
