@@ -307,7 +307,7 @@ def divisors(n: int) -> str:
 def fit_problems(layout: ParallelLayout, model: Any, *, training: bool = True) -> list[LayoutError]:
     """Whether ``layout`` can hold the model ``model`` describes (Megatron args: a Namespace, RuntimeArgs or
     mapping): heads, query groups and the ffn split over TP, experts over EP, the expert ffn over ETP (and, for a run
-    that trains, MoE biases only at ETP 1). Each problem names its field and the sizes that work. The check asks it
+    that trains, MoE biases only at ETP 1, and not at EP 1 on the local spec of a release that adds them in place). Each problem names its field and the sizes that work. The check asks it
     of the run's layout, the resharder of its target."""
     out: list[LayoutError] = []
     tp, ep, etp = layout.tp, layout.ep, layout.etp_eff
@@ -334,6 +334,16 @@ def fit_problems(layout: ParallelLayout, model: Any, *, training: bool = True) -
             out.append(LayoutError("MoE biases are only supported with expert-tensor-parallel size 1",
                                    field="expert_tensor_parallel_size",
                                    fix="add --disable-bias-linear or set --expert-tensor-parallel-size 1"))
+        if training and ep == 1 and etp == 1 and (bias is None or bool(bias)) \
+                and _get(model, "transformer_impl") == "local" and _get(model, "expert_bias_in_place"):
+            out.append(LayoutError(
+                "MoE biases with the local spec's experts at EP 1: Megatron-LM (0.15 on) adds each expert's output "
+                "bias in place on its row-parallel linear's output, which at EP 1 and ETP 1 is a reduction's view of "
+                "its input; autograd refuses that at the first training step ('Output 0 of "
+                "_ReduceFromModelParallelRegion is a view and is being modified inplace')",
+                field="expert_model_parallel_size",
+                fix="add --transformer-impl transformer_engine --moe-grouped-gemm (or run at an expert-parallel size "
+                    "of 2 or more)"))
         moe_ffn = _int(model, "moe_ffn_hidden_size") or ffn
         if moe_ffn and moe_ffn % etp:
             out.append(LayoutError(f"expert ffn size {moe_ffn} is not divisible by ETP{etp}",

@@ -411,14 +411,6 @@ def check_runtime_layout(rt: RuntimeArgs) -> list[Finding]:
     value = {"tensor_model_parallel_size": tp, "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
     for e in parallel.fit_problems(sizes, rt):  # heads, groups, ffn over TP; experts over EP, ETP: as the resharder
         bad(e.field, value.get(e.field), e.message, e.fix or "")
-    if ep == 1 and etp == 1 and rt.num_experts and rt.add_bias_linear and rt.transformer_impl == "local" \
-            and rt.expert_bias_in_place:
-        bad("expert_model_parallel_size", ep, "MoE biases with the local spec's experts at EP 1: Megatron-LM (0.15 "
-            "on) adds each expert's output bias in place on its row-parallel linear's output, which at EP 1 and ETP 1 "
-            "is a reduction's view of its input; autograd refuses that at the first training step ('Output 0 of "
-            "_ReduceFromModelParallelRegion is a view and is being modified inplace')",
-            "add --transformer-impl transformer_engine --moe-grouped-gemm (or run at an expert-parallel size of 2 or "
-            "more)")
     if ep > 1 and not rt.num_experts:
         bad("expert_model_parallel_size", ep, "expert parallelism without --num-experts",
             "remove --expert-model-parallel-size or add --num-experts")

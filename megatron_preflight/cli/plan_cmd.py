@@ -11,6 +11,15 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.units import human_bytes
 
 
+def _release(rt: Any) -> None:
+    """What the megatron-core installed here does differently (as ``check`` judges it: the layouts agree)."""
+    from megatron_preflight.check import releases  # (a small table)
+
+    version = releases.installed_version()
+    if version is not None:
+        releases.apply(rt, releases.facts(version))
+
+
 def _check_top(plan: Any, index: Any, count: int) -> None:
     """The full check of the top layouts' flags, as the run would be checked at job start: verdict, loader, and the
     in-memory reshard's cost."""
@@ -19,6 +28,7 @@ def _check_top(plan: Any, index: Any, count: int) -> None:
 
     for c in plan.candidates[:count]:
         rt = from_cli([*c.flags, "--world-size", str(plan.world)])
+        _release(rt)
         p = plan_from_layout(index, rt)
         first = p.fatal[0] if p.fatal else None
         c.checked = {"verdict": p.verdict.value, "loader": p.loader.value if p.loader else None,
@@ -94,6 +104,7 @@ def _run(ns: argparse.Namespace) -> int:
                                  "it holds)", code="usage")
     index.raise_problems()  # (a checkpoint that loads at no layout: nothing to plan)
     rt = run_args(layout.saved_args, ns.megatron_args)
+    _release(rt)
     plan = plan_layouts(index, rt, ns.megatron_args, ns.world_size, gpus_per_node=gpus_per_node,
                         device_gib=ns.device_memory, flags_for=None if ns.all else ns.top)
     if ns.megatron_args and ns.check_top:

@@ -106,7 +106,8 @@ def layouts(profile: ModelProfile, rt: RuntimeArgs, world: int, gpus_per_node: i
     for tp in divisors(min(world, gpus_per_node)):
         if world % tp or (tp_gcd and tp_gcd % tp):
             continue
-        if fit_problems(ParallelLayout(tp=tp, etp=1), rt):  # heads, query groups, ffn, sections (TP alone)
+        # heads, query groups, ffn, sections (TP alone: the expert rules are asked of each EP / ETP below)
+        if fit_problems(ParallelLayout(tp=tp, etp=1), rt, training=False):
             continue
         for cp in sizes(world // tp):
             if not sequence_ok(rt, cp) or (cp > 1 and rt.transformer_impl == "local"):

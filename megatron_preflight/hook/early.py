@@ -35,10 +35,21 @@ def layout_findings(args: Any) -> list[Finding]:
     from megatron_preflight.check.runtime_args import from_namespace
 
     try:
-        rt = from_namespace(args)
+        rt = _with_release(from_namespace(args))
         return [f for f in check_runtime_layout(rt) if f.severity == Severity.FATAL]
     except PreflightError as exc:  # a size that is no size (0, a negative): the run cannot have it either
         return [Finding(exc.code, None, None, Severity.FATAL, exc.message, exc.fix or "")]
+
+
+def _with_release(rt: Any) -> Any:
+    """``rt`` with what the running megatron-core does differently (check/releases.py: found on the path, not
+    imported), so that a layout the release cannot train is refused and not proposed."""
+    from megatron_preflight.check import releases
+
+    version = releases.installed_version()
+    if version is not None:
+        releases.apply(rt, releases.facts(version))
+    return rt
 
 
 def report(args: Any, findings: list[Finding]) -> str:
@@ -54,7 +65,7 @@ def report(args: Any, findings: list[Finding]) -> str:
         lines.append(f"{PREFIX}   {flag}: {f.message}. Fix: {f.fix.rstrip('.')}." if f.fix else
                      f"{PREFIX}   {flag}: {f.message}.")
     try:
-        nearest = nearest_by_args_text(from_namespace(args), getattr(args, "load", None))
+        nearest = nearest_by_args_text(_with_release(from_namespace(args)), getattr(args, "load", None))
     except Exception as exc:  # noqa: BLE001 - advice: never hides the findings
         log.debug("no nearest layouts: %s", exc)
         nearest = None

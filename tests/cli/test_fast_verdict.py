@@ -122,7 +122,9 @@ def test_a_verdict_loads_no_other_formats_reader_nor_the_planner(case):
     """The bench's checks (a fatal args mismatch, no layout problem): no Hugging Face or Megatron-FSDP reader, no
     distributed optimizer's reader without one, no layout planner, no hashing for a small .metadata."""
     flags = [*FLAGS, "--num-experts", "4"]
-    p = subprocess.run([sys.executable, "-c", _LOADED, "check", os.path.join(FIXTURES, case), "--json", "--", *flags],
+    # (judged for 0.14: from 0.15 the fixtures' biased experts at EP 1 on the local spec are a layout problem)
+    p = subprocess.run([sys.executable, "-c", _LOADED, "check", os.path.join(FIXTURES, case), "--json",
+                        "--megatron-version", "0.14", "--", *flags],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert json.loads(p.stdout)["verdict"] == "fail"  # (what the bench measures: the planner is not asked)
     loaded = set(json.loads(p.stderr.strip().splitlines()[-1]))
