@@ -44,6 +44,7 @@ def layout_findings(args: Any) -> list[Finding]:
 def _with_release(rt: Any) -> Any:
     """``rt`` with what the running megatron-core does differently (check/releases.py: found on the path, not
     imported), so that a layout the release cannot train is refused and not proposed."""
+    # the check's modules load when the check runs (never with --preflight off)
     from megatron_preflight.check import releases
 
     version = releases.installed_version()
