@@ -315,11 +315,12 @@ def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exp + 127).to(torch.uint8)
 
 
-def write_mxfp4(src: str, dst: str) -> tuple[str, str]:
+def write_mxfp4(src: str, dst: str, dtype: torch.dtype | None = None) -> tuple[str, str]:
     """The GPT-OSS model at ``src`` as the hub publishes it (test-only): each expert weight (``gate_up_proj``,
     ``down_proj``) as MXFP4 ``*_blocks`` / ``*_scales`` in the hub's ``[experts, out, in / 32, 16]`` layout, config.json
     naming the scheme; and beside it ``dst + "_dequantized"``: the same model with those weights dequantized by
-    transformers' own ``convert_moe_packed_tensors`` (the oracle's model). Returns (the MXFP4 dir, the dequantized)."""
+    transformers' own ``convert_moe_packed_tensors`` (the oracle's model); ``dtype``: the model's (bf16 as the hub's),
+    default the source's. Returns (the MXFP4 dir, the dequantized)."""
     import json
     import shutil
 
@@ -338,6 +339,7 @@ def write_mxfp4(src: str, dst: str) -> tuple[str, str]:
             tensors.update(load_file(os.path.join(src, f)))
     mx, deq = {}, {}
     for name, w in tensors.items():
+        w = w.to(dtype) if dtype is not None else w
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             blocks, scales = _to_mxfp4(w.transpose(1, 2))  # (transformers' [E, in, out] -> the hub's [E, out, in])
             mx[name + "_blocks"], mx[name + "_scales"] = blocks, scales
@@ -348,6 +350,10 @@ def write_mxfp4(src: str, dst: str) -> tuple[str, str]:
     save_file(deq, os.path.join(deq_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json")) as fh:
         cfg = json.load(fh)
+    if dtype is not None:
+        cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        with open(os.path.join(deq_dir, "config.json"), "w") as fh:
+            json.dump(cfg, fh)
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     with open(os.path.join(dst, "config.json"), "w") as fh:

@@ -8,6 +8,7 @@ held)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,29 @@ from megatron_preflight.layout.hf.safetensors import SafeRef
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
     import torch
+
+
+@functools.cache
+def _fp4_pairs(dtype: Any) -> torch.Tensor:
+    """Each byte's two e2m1 values (the low nibble first), one row per byte value."""
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+    lut = torch.tensor(stacked.FP4_VALUES, dtype=torch.float32)
+    return torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=1).to(dtype)
+
+
+def _pow2(exps: torch.Tensor, dtype: Any) -> torch.Tensor:
+    """2^(e - 127) of e8m0 codes ``exps`` (uint8, none 255) in ``dtype`` (bf16 or fp32: the code is their exponent
+    field; code 0, 2^-127, is a subnormal there)."""
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+    if dtype == torch.bfloat16:
+        scale = (exps.to(torch.int16) << 7).view(torch.bfloat16)
+    else:
+        scale = (exps.to(torch.int32) << 23).view(torch.float32)
+    if bool((exps == 0).any()):
+        scale = torch.where(exps == 0, torch.tensor(2.0 ** -127, dtype=dtype), scale)
+    return scale
 
 
 class HfReader:
@@ -145,14 +169,18 @@ class HfReader:
                                        f"non-finite value) among the scales of {x.name!r}",
                                        path=os.path.join(self.model_dir, x.scale_file), code="corrupt_file",
                                        fix="download the model again")
-            exps = exps.to(torch.int32) - stacked.E8M0_BIAS
-            lut = torch.tensor(stacked.FP4_VALUES, dtype=torch.float32)
-            values = torch.empty((b - a, x.cols), dtype=torch.float32)
-            values[:, 0::2] = lut[(blocks & 0x0F).long()]
-            values[:, 1::2] = lut[(blocks >> 4).long()]
-            values = values.view(b - a, -1, stacked.MX_GROUP)
-            torch.ldexp(values, exps.unsqueeze(-1), out=values)
-            out.view(b - a, x.cols).copy_(values.view(b - a, x.cols))
+            # each byte's two values from a 256-row table, times 2^(e - 127) built from its bits: exact in bf16 and
+            # fp32 (an e2m1 value has two significant bits), computed in the output's dtype where it is one of them
+            # (measured on one 2880 x 2880 expert: 29 M values/s with index tensors and ldexp, 287 M/s so in bf16)
+            k = b - a
+            work = out.dtype if out.dtype in (torch.bfloat16, torch.float32) else torch.float32
+            values = torch.index_select(_fp4_pairs(work), 0, blocks.reshape(-1).to(torch.int32))
+            scale = _pow2(exps, work)
+            dst = out.view(k, -1, stacked.MX_GROUP)
+            if work == out.dtype:
+                torch.mul(values.view(k, -1, stacked.MX_GROUP), scale.unsqueeze(-1), out=dst)
+            else:
+                dst.copy_(values.view(k, -1, stacked.MX_GROUP) * scale.unsqueeze(-1))
             return
         dtype = dtypes.to_torch(dtypes.dtype(x.dtype))
         t = torch.empty(n // dtypes.dtype(x.dtype).itemsize, dtype=dtype)

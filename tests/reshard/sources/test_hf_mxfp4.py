@@ -54,6 +54,26 @@ def test_read_it_is_transformers_dequantized_model_tensor_for_tensor(mx_model, t
         assert "quantization_config" not in json.load(fh)  # (written dequantized: said in the inspect note)
 
 
+def test_a_bf16_model_dequantizes_to_transformers_bf16_values(tmp_path):
+    """The hub's form (bf16 beside the MXFP4 experts): each rank's rows computed in bf16, bit for bit the values
+    transformers' own dequantizer gives in bf16 (code 0, a subnormal scale, included)."""
+    src = hf_models.write("gpt_oss", str(tmp_path / "src"))
+    mx, deq = hf_models.write_mxfp4(src, str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    rc, text = _cli("inspect", mx)
+    assert rc == 0 and "dequantized to bfloat16" in text, text
+    rc, text = _cli("diff", deq, mx)
+    assert rc == 0 and "EQUAL" in text, text
+
+
+def test_the_scale_of_code_zero_is_two_to_the_minus_127():
+    from megatron_preflight.reshard.sources.hf import _pow2
+
+    codes = torch.tensor([0, 1, 127, 254], dtype=torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32):
+        want = torch.ldexp(torch.ones(4, dtype=torch.float64), codes.to(torch.int64) - 127).to(dtype)
+        assert torch.equal(_pow2(codes, dtype), want), dtype
+
+
 @pytest.mark.parametrize("layout", [dict(tp=1), dict(ep=2)])
 def test_in_memory_logits_equal_transformers_on_the_dequantized_model(mcore_pool, mx_model, layout):
     pytest.importorskip("megatron.core")
