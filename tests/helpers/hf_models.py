@@ -243,12 +243,12 @@ def _quantized(name: str) -> bool:
     return ".layers." in name and name.endswith("proj.weight") or ".experts." in name and name.endswith(".weight")
 
 
-def write_fp8(src: str, dst: str, block: tuple[int, int] = (16, 16), dtype: torch.dtype | None = None) \
+def _quantized_pair(src: str, dst: str, quantize: Any, quantization_config: dict, dtype: torch.dtype | None) \
         -> tuple[str, str]:
-    """The model at ``src`` as the hub publishes an FP8 model (test-only): each decoder linear weight float8_e4m3fn
-    with a float32 ``weight_scale_inv`` per ``block`` (amax / 448, the edge blocks partial), config.json naming the
-    scheme; and beside it ``dst + "_dequantized"``: the same model with the dequantized weights (fp8 x scale, in the
-    model's dtype: ``dtype``, default the source's), the oracle's model. Returns (the FP8 dir, the dequantized dir)."""
+    """The model at ``src`` written twice (test-only): ``dst`` with each tensor as ``quantize(name, w)`` returns it
+    (the tensors stored for it, and its dequantized value) and config.json naming ``quantization_config``; and
+    ``dst + "_dequantized"`` with the dequantized values (the oracle's model). ``dtype``: the model's, default the
+    source's. Returns (the quantized dir, the dequantized dir)."""
     import json
     import shutil
 
@@ -260,17 +260,39 @@ def write_fp8(src: str, dst: str, block: tuple[int, int] = (16, 16), dtype: torc
         for f in os.listdir(d):
             if f.endswith(".safetensors") or f == "model.safetensors.index.json":
                 os.remove(os.path.join(d, f))
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
     for f in sorted(os.listdir(src)):
         if f.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(src, f)))
-    fp8, deq = {}, {}
-    br, bc = block
+    stored, deq = {}, {}
     for name, w in tensors.items():
-        w = w.to(dtype) if dtype is not None else w
+        parts, deq[name] = quantize(name, w.to(dtype) if dtype is not None else w)
+        stored.update(parts)
+    save_file(stored, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, os.path.join(deq_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as fh:
+        cfg = json.load(fh)
+    if dtype is not None:
+        cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        with open(os.path.join(deq_dir, "config.json"), "w") as fh:
+            json.dump(cfg, fh)
+    cfg["quantization_config"] = quantization_config
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return dst, deq_dir
+
+
+def write_fp8(src: str, dst: str, block: tuple[int, int] = (16, 16), dtype: torch.dtype | None = None) \
+        -> tuple[str, str]:
+    """The model at ``src`` as the hub publishes an FP8 model (test-only): each decoder linear weight float8_e4m3fn
+    with a float32 ``weight_scale_inv`` per ``block`` (amax / 448, the edge blocks partial), config.json naming the
+    scheme; and beside it ``dst + "_dequantized"``: the same model with the dequantized weights (fp8 x scale, in the
+    model's dtype: ``dtype``, default the source's), the oracle's model. Returns (the FP8 dir, the dequantized dir)."""
+    br, bc = block
+
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
         if not (_quantized(name) and w.dim() == 2):
-            fp8[name] = deq[name] = w
-            continue
+            return {name: w}, w
         r, c = w.shape
         rb, cb = -(-r // br), -(-c // bc)
         padded = torch.zeros(rb * br, cb * bc, dtype=torch.float32)
@@ -279,21 +301,10 @@ def write_fp8(src: str, dst: str, block: tuple[int, int] = (16, 16), dtype: torc
         scale = (amax / FP8_MAX).float()
         full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:r, :c]
         q = (w.float() / full).to(torch.float8_e4m3fn)
-        fp8[name], fp8[name + "_scale_inv"] = q, scale
-        deq[name] = (q.float() * full).to(w.dtype)
-    save_file(fp8, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    save_file(deq, os.path.join(deq_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json")) as fh:
-        cfg = json.load(fh)
-    if dtype is not None:
-        cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-        with open(os.path.join(deq_dir, "config.json"), "w") as fh:
-            json.dump(cfg, fh)
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block)}
-    with open(os.path.join(dst, "config.json"), "w") as fh:
-        json.dump(cfg, fh)
-    return dst, deq_dir
+        return {name: q, name + "_scale_inv": scale}, (q.float() * full).to(w.dtype)
+
+    return _quantized_pair(src, dst, quantize, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                                "weight_block_size": list(block)}, dtype)
 
 
 FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1's magnitudes by code
@@ -321,41 +332,14 @@ def write_mxfp4(src: str, dst: str, dtype: torch.dtype | None = None) -> tuple[s
     naming the scheme; and beside it ``dst + "_dequantized"``: the same model with those weights dequantized by
     transformers' own ``convert_moe_packed_tensors`` (the oracle's model); ``dtype``: the model's (bf16 as the hub's),
     default the source's. Returns (the MXFP4 dir, the dequantized)."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    deq_dir = dst + "_dequantized"
-    for d in (dst, deq_dir):
-        shutil.copytree(src, d)
-        for f in os.listdir(d):
-            if f.endswith(".safetensors") or f == "model.safetensors.index.json":
-                os.remove(os.path.join(d, f))
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(os.listdir(src)):
-        if f.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(src, f)))
-    mx, deq = {}, {}
-    for name, w in tensors.items():
-        w = w.to(dtype) if dtype is not None else w
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            blocks, scales = _to_mxfp4(w.transpose(1, 2))  # (transformers' [E, in, out] -> the hub's [E, out, in])
-            mx[name + "_blocks"], mx[name + "_scales"] = blocks, scales
-            deq[name] = convert_moe_packed_tensors(blocks, scales, dtype=w.dtype).contiguous()
-        else:
-            mx[name] = deq[name] = w
-    save_file(mx, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    save_file(deq, os.path.join(deq_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(dst, "config.json")) as fh:
-        cfg = json.load(fh)
-    if dtype is not None:
-        cfg["dtype"] = cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-        with open(os.path.join(deq_dir, "config.json"), "w") as fh:
-            json.dump(cfg, fh)
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    with open(os.path.join(dst, "config.json"), "w") as fh:
-        json.dump(cfg, fh)
-    return dst, deq_dir
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            return {name: w}, w
+        blocks, scales = _to_mxfp4(w.transpose(1, 2))  # (transformers' [E, in, out] -> the hub's [E, out, in])
+        return ({name + "_blocks": blocks, name + "_scales": scales},
+                convert_moe_packed_tensors(blocks, scales, dtype=w.dtype).contiguous())
+
+    return _quantized_pair(src, dst, quantize, {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}, dtype)

@@ -369,54 +369,38 @@ def test_deepseek_yarn(tmp_path, data):
     assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
 
 
-FP8_CASES = [("llama", ["--tensor-model-parallel-size", "2"]), ("qwen3_moe", ["--expert-model-parallel-size", "2"])]
+# (a model, its published quantized form, the layout): FP8 with block scales (float8_e4m3fn weights, a float32 scale
+# per 24x20 block), GPT-OSS's MXFP4 experts (e2m1 blocks, e8m0 scales)
+QUANTIZED = [("llama", "fp8", ["--tensor-model-parallel-size", "2"]),
+             ("qwen3_moe", "fp8", ["--expert-model-parallel-size", "2"]),
+             ("gpt_oss", "mxfp4", ["--expert-model-parallel-size", "2"])]
 
 
-@pytest.mark.parametrize("name, layout", FP8_CASES, ids=[c[0] for c in FP8_CASES])
-def test_an_fp8_model_as_published_trains_with_transformers_loss_of_it_dequantized(tmp_path, data, models, name,
-                                                                                    layout):
-    """The model quantized as the hub publishes FP8 ones (float8_e4m3fn weights, a float32 scale per 24x20 block:
-    tests/helpers/hf_models.write_fp8), loaded at job start with the printed flags: iteration 1's loss is transformers'
-    own on the same model dequantized by the test; its offline conversion, loaded by plain Megatron, the same."""
+@pytest.mark.parametrize("name, scheme, layout", QUANTIZED, ids=[f"{c[0]}-{c[1]}" for c in QUANTIZED])
+def test_a_quantized_model_as_published_trains_with_transformers_loss_of_it_dequantized(tmp_path, data, models, name,
+                                                                                        scheme, layout):
+    """The model quantized as the hub publishes it (tests/helpers/hf_models.write_fp8 / write_mxfp4), loaded at job
+    start with the printed flags: iteration 1's loss is transformers' own on the same model dequantized (by the test
+    for FP8, by transformers' convert_moe_packed_tensors for MXFP4); its offline conversion, loaded by plain Megatron,
+    the same."""
     from tests.helpers import hf_data, hf_models
 
-    fp8, deq = hf_models.write_fp8(models[name][0], str(tmp_path / f"{name}_fp8"), (24, 20))
+    where = str(tmp_path / f"{name}_{scheme}")
+    quantized, deq = hf_models.write_fp8(models[name][0], where, (24, 20)) if scheme == "fp8" else \
+        hf_models.write_mxfp4(models[name][0], where)
     oracle = hf_data.hf_loss(deq, SEQ, VOCAB)
-    flags = printed_flags(fp8)
-    rc, log = run(tmp_path, fp8, 2, *flags, "--data-path", data, *layout, "--preflight", "auto", base=BASE,
+    flags = printed_flags(quantized)
+    rc, log = run(tmp_path, quantized, 2, *flags, "--data-path", data, *layout, "--preflight", "auto", base=BASE,
                   port=29786, verify=False)
     assert rc == 0, log[-4000:]
     assert "loaded through the in-memory resharder (iteration 0" in log
     assert first_loss(log) == pytest.approx(oracle, abs=1e-5)
     out = str(tmp_path / "converted")
-    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", fp8, out, "--no-progress", "--",
-                           *flags, *layout], capture_output=True, text=True, timeout=300)  # (the run's flags)
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", quantized, out, "--no-progress",
+                           "--", *flags, *layout], capture_output=True, text=True, timeout=300)  # (the run's flags)
     assert done.returncode == 0, done.stderr
     rc, log2 = run(tmp_path, out, 2, *flags, "--data-path", data, *layout, "--ckpt-format", "torch", plugin=False,
                    base=BASE, port=29787, verify=False)
-    assert rc == 0, log2[-4000:]
-    assert first_loss(log2) == first_loss(log)
-
-
-def test_an_mxfp4_gpt_oss_as_published_trains_with_transformers_loss_of_it_dequantized(tmp_path, data, models):
-    """GPT-OSS with its experts in MXFP4 as the hub publishes it (tests/helpers/hf_models.write_mxfp4), started at EP2
-    with the printed flags: iteration 1's loss is transformers' own on the model dequantized by transformers'
-    convert_moe_packed_tensors; its offline conversion, loaded by plain Megatron, the same."""
-    from tests.helpers import hf_data, hf_models
-
-    mx, deq = hf_models.write_mxfp4(models["gpt_oss"][0], str(tmp_path / "gpt_oss_mxfp4"))
-    oracle = hf_data.hf_loss(deq, SEQ, VOCAB)
-    flags, layout = printed_flags(mx), ["--expert-model-parallel-size", "2"]
-    rc, log = run(tmp_path, mx, 2, *flags, "--data-path", data, *layout, "--preflight", "auto", base=BASE,
-                  port=29788, verify=False)
-    assert rc == 0, log[-4000:]
-    assert first_loss(log) == pytest.approx(oracle, abs=1e-5)
-    out = str(tmp_path / "converted")
-    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", mx, out, "--no-progress", "--",
-                           *flags, *layout], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    rc, log2 = run(tmp_path, out, 2, *flags, "--data-path", data, *layout, "--ckpt-format", "torch", plugin=False,
-                   base=BASE, port=29789, verify=False)
     assert rc == 0, log2[-4000:]
     assert first_loss(log2) == first_loss(log)
 

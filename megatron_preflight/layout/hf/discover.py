@@ -65,8 +65,8 @@ def discover_hf(path: str) -> Layout:
                                              isinstance(scheme, quant.Mxfp4), path)
     model, missing, needed, more = _model(family, cfg, tensors, path, scheme)
     errors += more
-    mx = sum(1 for stored in covers.values() if stored[0].endswith(stacked.BLOCKS))
     if isinstance(scheme, quant.Mxfp4):
+        mx = sum(1 for stored in covers.values() if stored[0].endswith(stacked.BLOCKS))
         layout.notes.append(f"{mx} stacked expert weights are {scheme.describe()}: dequantized to "
                             f"{quant.dequantized_dtype(cfg.dtype)} as they are read (each rank its own rows, with "
                             "their scales; nothing written in between); the other tensors are read as stored. An "
@@ -188,10 +188,7 @@ def _ref(m: families.Mapping, tensors: dict[str, Any], path: str,
     for b in m.blocks:
         t = tensors[b.hf]
         if t.dtype != first.dtype or t.shape[1:] != tail or b.src0 + b.rows > (t.shape[0] if t.shape else 1):
-            raise PreflightError(f"tensor {b.hf!r} ({t.dtype}, {list(t.shape)}) does not fit {m.key} beside "
-                                 f"{m.blocks[0].hf!r} ({first.dtype}, {list(first.shape)})",
-                                 path=os.path.join(path, t.file), code="hf_shape",
-                                 fix="check that config.json belongs to these weights")
+            raise _misfit(m, b.hf, t, first, path)
         row = t.nbytes // (t.shape[0] if t.shape else 1)
         runs.append(Run(t.file, t.start + b.src0 * row, b.rows * row, at))
         at += b.rows * row
@@ -209,10 +206,7 @@ def _dequantized(m: families.Mapping, tensors: dict[str, Any], path: str, scheme
     for b in m.blocks:
         t = tensors[b.hf]
         if t.dtype != quant.FP8 or t.shape[1:] != first.shape[1:] or b.src0 + b.rows > t.shape[0]:
-            raise PreflightError(f"tensor {b.hf!r} ({t.dtype}, {list(t.shape)}) does not fit {m.key} beside "
-                                 f"{m.blocks[0].hf!r} ({first.dtype}, {list(first.shape)})",
-                                 path=os.path.join(path, t.file), code="hf_shape",
-                                 fix="check that config.json belongs to these weights")
+            raise _misfit(m, b.hf, t, first, path)
         scale = tensors.get(b.hf + quant.SCALE_SUFFIX)
         if b.hf not in checked:  # (a tensor's rows may make many blocks: checked once)
             problem = quant.check_scale(b.hf, t.shape, scale, scheme, path)
@@ -234,10 +228,14 @@ def _stacked(m: families.Mapping, tensors: dict[str, Any], path: str) -> SafeRef
     for b in m.blocks:
         t = tensors[b.hf]
         if not isinstance(t, stacked.Part) or t.shape[1:] != first.shape[1:] or b.src0 + b.rows > t.shape[0]:
-            raise PreflightError(f"tensor {b.hf!r} ({t.dtype}, {list(t.shape)}) does not fit {m.key} beside "
-                                 f"{m.blocks[0].hf!r} ({first.dtype}, {list(first.shape)})",
-                                 path=os.path.join(path, t.file), code="hf_shape",
-                                 fix="check that config.json belongs to these weights")
+            raise _misfit(m, b.hf, t, first, path)
         runs.append(stacked.run(t, b.src0, b.rows, at))
         at += b.rows
     return safe_ref(m.key, first.dtype, (at, *first.shape[1:]), (), tuple(runs))
+
+
+def _misfit(m: families.Mapping, name: str, t: Any, first: Any, path: str) -> PreflightError:
+    """HF tensor ``name`` (``t``) cannot be rows of Megatron tensor ``m`` beside its first block's tensor."""
+    return PreflightError(f"tensor {name!r} ({t.dtype}, {list(t.shape)}) does not fit {m.key} beside "
+                          f"{m.blocks[0].hf!r} ({first.dtype}, {list(first.shape)})", path=os.path.join(path, t.file),
+                          code="hf_shape", fix="check that config.json belongs to these weights")

@@ -52,6 +52,8 @@ class HfReader:
         self.model_dir = model_dir
         self._fds: dict[str, int] = {}
         self._last: tuple[SafeRef, torch.Tensor] | None = None
+        # the last expert matrix stored [in, out] read whole (its parts' rows are its columns): ((file, start, bytes), it)
+        self._matrix: tuple[tuple[str, int, int], torch.Tensor] | None = None
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
@@ -182,9 +184,12 @@ class HfReader:
             else:
                 dst.copy_(values.view(k, -1, stacked.MX_GROUP) * scale.unsqueeze(-1))
             return
-        dtype = dtypes.to_torch(dtypes.dtype(x.dtype))
-        t = torch.empty(n // dtypes.dtype(x.dtype).itemsize, dtype=dtype)
-        self._pread(file, start, memoryview(t.view(torch.uint8).numpy()))
+        if x.transposed and self._matrix is not None and self._matrix[0] == (file, start, n):
+            t = self._matrix[1]  # (an expert's gate rows, then its up rows: one read of its matrix)
+        else:
+            t = torch.empty(n // dtypes.dtype(x.dtype).itemsize, dtype=dtypes.to_torch(dtypes.dtype(x.dtype)))
+            self._pread(file, start, memoryview(t.view(torch.uint8).numpy()))
+            self._matrix = ((file, start, n), t) if x.transposed else None
         if x.transposed:
             rows = t.view(x.cols, x.out)[:, lo:hi:x.step].t()
         else:
@@ -226,10 +231,10 @@ class HfReader:
         self.release_pages()
 
     def release_pages(self) -> None:
-        self._last = None
+        self._last = self._matrix = None
 
     def close(self) -> None:
-        self._last = None
+        self._last = self._matrix = None
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

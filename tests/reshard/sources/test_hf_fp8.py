@@ -5,8 +5,6 @@ by the test itself (fp8 x scale, in the model's dtype; tests/helpers/hf_models.w
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import struct
@@ -16,17 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from tests.helpers import hf_models  # noqa: E402
+from tests.helpers.cli_inproc import run as run_cli  # noqa: E402
+from tests.helpers.safetensors_edit import edit_header  # noqa: E402
 
 BLOCK = (24, 20)  # (the tiny models' 32 / 64 / 96-wide weights: partial edge blocks in both dims)
-
-
-def _cli(*args: str) -> tuple[int, str]:
-    from megatron_preflight.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(args))
-    return rc, out.getvalue() + err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +35,14 @@ def fp8_models(tmp_path_factory):
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe", "deepseek_v3", "llama_bf16"])
 def test_converted_offline_it_is_the_dequantized_model_tensor_for_tensor(fp8_models, name, tmp_path):
     fp8, deq = fp8_models[name]
-    rc, text = _cli("inspect", fp8)
+    rc, text = run_cli("inspect", fp8)
     assert rc == 0 and "block scales (weight_scale_inv): dequantized to" in text, text
     hf, legacy = str(tmp_path / "hf"), str(tmp_path / "legacy")
     flags = ["--ep", "2"] if name == "qwen3_moe" else ["--tp", "2"]
-    assert _cli("reshard", fp8, legacy, "--no-progress", *flags)[0] == 0
-    assert _cli("reshard", legacy, hf, "--ckpt-format", "hf", "--no-progress")[0] == 0
+    assert run_cli("reshard", fp8, legacy, "--no-progress", *flags)[0] == 0
+    assert run_cli("reshard", legacy, hf, "--ckpt-format", "hf", "--no-progress")[0] == 0
     for a, b in ((deq, legacy), (deq, hf)):
-        rc, text = _cli("diff", a, b)
+        rc, text = run_cli("diff", a, b)
         assert rc == 0 and "EQUAL" in text, text
 
 
@@ -85,17 +76,6 @@ def test_a_rank_reads_only_its_rows_and_the_scales_that_cover_them(fp8_models):
     assert sum(n for _, n in seen) == 16 * 64 + 2 * 4 * 4
 
 
-def _edit_header(path: str, fn) -> None:
-    data = open(path, "rb").read()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    body = bytearray(data[8 + n:])
-    fn(header, body)
-    raw = json.dumps(header).encode()
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw + bytes(body))
-
-
 SCALE = "model.layers.0.mlp.down_proj.weight_scale_inv"
 
 
@@ -115,8 +95,8 @@ def test_a_malformed_scale_is_refused_naming_the_tensor(fp8_models, tmp_path, da
         else:
             header[SCALE]["shape"] = [4, 2]
 
-    _edit_header(os.path.join(fp8, "model.safetensors"), fn)
-    rc, text = _cli("inspect", fp8)
+    edit_header(os.path.join(fp8, "model.safetensors"), fn)
+    rc, text = run_cli("inspect", fp8)
     assert rc == 1 and all(w in text for w in words), text
 
 
@@ -130,8 +110,8 @@ def test_a_non_finite_scale_stops_the_read_naming_the_tensor(fp8_models, tmp_pat
         lo = header[SCALE]["data_offsets"][0]
         body[lo:lo + 4] = struct.pack("<f", float("inf"))
 
-    _edit_header(os.path.join(fp8, "model.safetensors"), fn)
-    rc, text = _cli("reshard", fp8, str(tmp_path / "out"), "--no-progress")
+    edit_header(os.path.join(fp8, "model.safetensors"), fn)
+    rc, text = run_cli("reshard", fp8, str(tmp_path / "out"), "--no-progress")
     assert rc == 1 and SCALE in text and "non-finite" in text, text
     assert not os.path.exists(tmp_path / "out")
 
@@ -144,5 +124,5 @@ def test_another_quantization_is_refused_naming_it(fp8_models, tmp_path):
     cfg = json.load(open(os.path.join(fp8, "config.json")))
     cfg["quantization_config"] = {"quant_method": "gptq"}
     json.dump(cfg, open(os.path.join(fp8, "config.json"), "w"))
-    rc, text = _cli("inspect", fp8)
+    rc, text = run_cli("inspect", fp8)
     assert rc == 1 and "'gptq'" in text and "does not dequantize" in text, text

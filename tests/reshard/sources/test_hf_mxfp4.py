@@ -5,29 +5,19 @@ their scales. The oracle is the same model dequantized by ``transformers``' own 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
-import struct
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from tests.helpers import hf_models  # noqa: E402
+from tests.helpers.cli_inproc import run as run_cli  # noqa: E402
+from tests.helpers.safetensors_edit import edit_header  # noqa: E402
 
 BLOCKS = "model.layers.0.mlp.experts.gate_up_proj_blocks"
 SCALES = "model.layers.0.mlp.experts.gate_up_proj_scales"
-
-
-def _cli(*args: str) -> tuple[int, str]:
-    from megatron_preflight.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(args))
-    return rc, out.getvalue() + err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +29,16 @@ def mx_model(tmp_path_factory):
 
 def test_read_it_is_transformers_dequantized_model_tensor_for_tensor(mx_model, tmp_path):
     mx, deq = mx_model
-    rc, text = _cli("inspect", mx)
+    rc, text = run_cli("inspect", mx)
     assert rc == 0 and "4 stacked expert weights are MXFP4" in text and "dequantized to float32" in text, text
-    rc, text = _cli("diff", deq, mx)  # (the HF dirs themselves, tensor for tensor)
+    rc, text = run_cli("diff", deq, mx)  # (the HF dirs themselves, tensor for tensor)
     assert rc == 0 and "EQUAL" in text, text
     legacy, dist, hf = str(tmp_path / "legacy"), str(tmp_path / "dist"), str(tmp_path / "hf")
-    assert _cli("reshard", mx, legacy, "--no-progress", "--ep", "2", "--tp", "2", "--etp", "1")[0] == 0
-    assert _cli("reshard", mx, dist, "--no-progress", "--ckpt-format", "torch_dist")[0] == 0
-    assert _cli("reshard", legacy, hf, "--ckpt-format", "hf", "--no-progress")[0] == 0
+    assert run_cli("reshard", mx, legacy, "--no-progress", "--ep", "2", "--tp", "2", "--etp", "1")[0] == 0
+    assert run_cli("reshard", mx, dist, "--no-progress", "--ckpt-format", "torch_dist")[0] == 0
+    assert run_cli("reshard", legacy, hf, "--ckpt-format", "hf", "--no-progress")[0] == 0
     for a, b in ((deq, legacy), (deq, dist), (deq, hf)):
-        rc, text = _cli("diff", a, b)
+        rc, text = run_cli("diff", a, b)
         assert rc == 0 and "EQUAL" in text, text
     with open(os.path.join(hf, "config.json")) as fh:
         assert "quantization_config" not in json.load(fh)  # (written dequantized: said in the inspect note)
@@ -59,9 +49,9 @@ def test_a_bf16_model_dequantizes_to_transformers_bf16_values(tmp_path):
     transformers' own dequantizer gives in bf16 (code 0, a subnormal scale, included)."""
     src = hf_models.write("gpt_oss", str(tmp_path / "src"))
     mx, deq = hf_models.write_mxfp4(src, str(tmp_path / "bf16"), dtype=torch.bfloat16)
-    rc, text = _cli("inspect", mx)
+    rc, text = run_cli("inspect", mx)
     assert rc == 0 and "dequantized to bfloat16" in text, text
-    rc, text = _cli("diff", deq, mx)
+    rc, text = run_cli("diff", deq, mx)
     assert rc == 0 and "EQUAL" in text, text
 
 
@@ -103,28 +93,15 @@ def test_a_rank_reads_only_its_experts_blocks(mx_model):
                 assert {(s - t.start) // per, (s + n - 1 - t.start) // per} <= set(experts), (rank, t.name, s, n)
 
 
-def _edit_header(path: str, fn) -> None:
-    with open(path, "rb") as fh:
-        raw = fh.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    body = bytearray(raw[8 + n:])
-    fn(header, body)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(head)) + head + bytes(body))
-
-
 def test_malformed_scales_are_named(mx_model, tmp_path):
     import shutil
 
     mx, _ = mx_model
     bad = str(tmp_path / "shape")
     shutil.copytree(mx, bad)
-    _edit_header(os.path.join(bad, "model.safetensors"),
+    edit_header(os.path.join(bad, "model.safetensors"),
                  lambda h, b: h[SCALES].update(shape=[4, 64, 2]))  # (as many bytes, another shape)
-    rc, text = _cli("inspect", bad)
+    rc, text = run_cli("inspect", bad)
     assert rc == 1 and SCALES in text and "need uint8 of shape [4, 128, 1]" in text, text
     nan = str(tmp_path / "nan")
     shutil.copytree(mx, nan)
@@ -133,7 +110,7 @@ def test_malformed_scales_are_named(mx_model, tmp_path):
         lo = header[SCALES]["data_offsets"][0]
         body[lo] = 255  # (e8m0's NaN)
 
-    _edit_header(os.path.join(nan, "model.safetensors"), fn)
-    rc, text = _cli("reshard", nan, str(tmp_path / "out"), "--no-progress")
+    edit_header(os.path.join(nan, "model.safetensors"), fn)
+    rc, text = run_cli("reshard", nan, str(tmp_path / "out"), "--no-progress")
     assert rc == 1 and SCALES in text and "experts.0.gate_proj.weight" in text and "non-finite" in text, text
     assert not os.path.exists(tmp_path / "out")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_preflight.layout.hf.config import REQUIRED, HfConfig, Key
-from megatron_preflight.layout.hf.families.rows import Mapping, Rows, qkv
+from megatron_preflight.layout.hf.families.rows import Mapping, Rows, hybrid_tail, qkv, te_mlp
 from megatron_preflight.layout.hf.families.spec import HYBRID_SPEC, Family, arg, table, traits
 from megatron_preflight.parallel import hybrid_layers, hybrid_pattern
 
@@ -42,15 +42,9 @@ def _tensors(r: Rows, cfg: HfConfig) -> list[Mapping]:
                     Mapping(mg + "self_attention.linear_qkv.weight", qkv(mix, "weight", cfg)),
                     r.extra(mg + "self_attention.linear_qkv._extra_state")]
         elif kind == "-":
-            out += [r.copy(mg + "mlp.linear_fc1.layer_norm_weight", norm),
-                    r.copy(mg + "mlp.linear_fc1.weight", mix + "up_proj.weight"),
-                    r.extra(mg + "mlp.linear_fc1._extra_state"),
-                    r.copy(mg + "mlp.linear_fc2.weight", mix + "down_proj.weight"),
-                    r.extra(mg + "mlp.linear_fc2._extra_state")]
-    out += [r.copy("decoder.final_norm.weight", "backbone.norm_f.weight"), r.extra("decoder.final_norm._extra_state")]
-    if not cfg.tie_word_embeddings:
-        out.append(r.copy("output_layer.weight", "lm_head.weight"))
-    return out + [r.extra("output_layer._extra_state")]
+            out += te_mlp(r, mg, norm, r.copy(mg + "mlp.linear_fc1.weight", mix + "up_proj.weight"),
+                          mix + "down_proj.weight")
+    return out + hybrid_tail(r, cfg, "backbone.norm_f.weight")
 
 
 def _args(cfg: HfConfig) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron_preflight import parallel
 from megatron_preflight.layout.hf.config import REQUIRED, HfConfig, Key
-from megatron_preflight.layout.hf.families.rows import Mapping, Moe, Rows, stack
+from megatron_preflight.layout.hf.families.rows import Mapping, Moe, Rows, hybrid_tail, stack, te_mlp
 from megatron_preflight.layout.hf.families.spec import HYBRID_SPEC, arg, table, traits
 
 
@@ -95,15 +95,9 @@ def _tensors(r: Rows, cfg: HfConfig, in_proj: Callable[[str, HfConfig], Any]) ->
                     r.extra(ms + "linear_fc1._extra_state"), r.copy(ms + "linear_fc2.weight", sh + "down_proj.weight"),
                     r.extra(ms + "linear_fc2._extra_state")]
         else:
-            out += [r.copy(mlp + "mlp.linear_fc1.layer_norm_weight", post),
-                    r.glu(mlp + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-                    r.extra(mlp + "mlp.linear_fc1._extra_state"),
-                    r.copy(mlp + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight"),
-                    r.extra(mlp + "mlp.linear_fc2._extra_state")]
-    out += [r.copy("decoder.final_norm.weight", "model.norm.weight"), r.extra("decoder.final_norm._extra_state")]
-    if not cfg.tie_word_embeddings:
-        out.append(r.copy("output_layer.weight", "lm_head.weight"))
-    return out + [r.extra("output_layer._extra_state")]
+            out += te_mlp(r, mlp, post, r.glu(mlp + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight",
+                                              hf + "mlp.up_proj.weight"), hf + "mlp.down_proj.weight")
+    return out + hybrid_tail(r, cfg, "model.norm.weight")
 
 
 def args(cfg: HfConfig) -> dict[str, Any]:

@@ -218,3 +218,19 @@ def mla_layer(r: Rows, cfg: HfConfig, hf: str, mg: str, is_moe: bool, moe: Moe) 
                       extra("mlp.linear_fc2")]
     out += [r.copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"), extra("pre_mlp_layernorm")]
     return out + moe_block(r, moe, cfg, hf, mg, extras=True)
+
+
+def te_mlp(r: Rows, mg: str, norm: str, fc1: Mapping, down: str) -> list[Mapping]:
+    """A dense MLP under the Transformer Engine spec's names: its norm fused into fc1 (HF ``norm``), ``fc1`` (SwiGLU's
+    halves or one projection), fc2 (HF ``down``), their extra states."""
+    return [r.copy(mg + "mlp.linear_fc1.layer_norm_weight", norm), fc1, r.extra(mg + "mlp.linear_fc1._extra_state"),
+            r.copy(mg + "mlp.linear_fc2.weight", down), r.extra(mg + "mlp.linear_fc2._extra_state")]
+
+
+def hybrid_tail(r: Rows, cfg: HfConfig, norm: str) -> list[Mapping]:
+    """A HybridModel's last tensors: its final norm (HF ``norm``, Transformer Engine's), the output layer unless tied
+    to the embedding, its extra state."""
+    out = [r.copy("decoder.final_norm.weight", norm), r.extra("decoder.final_norm._extra_state")]
+    if not cfg.tie_word_embeddings:
+        out.append(r.copy("output_layer.weight", "lm_head.weight"))
+    return out + [r.extra("output_layer._extra_state")]
