@@ -42,3 +42,25 @@ def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
     if _SYNC_FILE_RANGE is None or nbytes <= 0:
         return False
     return _SYNC_FILE_RANGE(fd, offset, nbytes, flags) == 0
+
+
+_STATX = function("statx", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p))
+_AT_EMPTY_PATH, _STATX_DIOALIGN = 0x1000, 0x2000
+_STATX_SIZE, _DIO_MEM_ALIGN_AT = 256, 0x98  # struct statx's size; its stx_dio_mem_align, stx_dio_offset_align
+
+
+def dio_alignment(fd: int) -> tuple[int, int] | None:
+    """The memory and file-offset alignment direct I/O (``O_DIRECT``) needs on the open file ``fd``, as the kernel
+    reports it (``statx``'s ``STATX_DIOALIGN``, Linux 6.1+); None where the file system does not support direct I/O
+    or does not say (tmpfs, most network and FUSE file systems, older kernels)."""
+    if _STATX is None:
+        return None
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    if _STATX(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, buf) != 0:
+        return None
+    raw = buf.raw
+    if not int.from_bytes(raw[0:4], "little") & _STATX_DIOALIGN:
+        return None
+    mem = int.from_bytes(raw[_DIO_MEM_ALIGN_AT:_DIO_MEM_ALIGN_AT + 4], "little")
+    offset = int.from_bytes(raw[_DIO_MEM_ALIGN_AT + 4:_DIO_MEM_ALIGN_AT + 8], "little")
+    return (mem, offset) if mem and offset else None

@@ -21,6 +21,7 @@ from megatron_preflight.layout.hf import files
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 from megatron_preflight.layout.model import Format, Layout
 from megatron_preflight.reshard.targets import durable
+from megatron_preflight.reshard.targets.output_file import open_output
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class HashedFile:
         from concurrent.futures import ThreadPoolExecutor  # (a torch_dist write only)
 
         self.path = path
-        self.fh = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self.fh = open_output(path)  # (closed by close())
         self._h = hashlib.sha256()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
 
@@ -110,11 +111,16 @@ class HashedFile:
     def flush(self) -> None:
         self.fh.flush()
 
+    def commit(self) -> None:
+        """Everything written is on disk (fsync)."""
+        self.fh.commit()
+
     def fileno(self) -> int:
         return self.fh.fileno()
 
     def close(self) -> None:
-        """Close the file and the helper thread; the digest is left beside it (the file fsynced by the caller)."""
+        """Close the file and the helper thread; the digest is left beside it (the file made durable by the caller:
+        :meth:`commit`)."""
         self._pool.shutdown()
         if self.fh.closed:
             return

@@ -33,7 +33,8 @@ from megatron_preflight.reshard.plan.rules import canonical_name
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
-from megatron_preflight.reshard.targets.durable import Writeback, write_text
+from megatron_preflight.reshard.targets.durable import write_text
+from megatron_preflight.reshard.targets.output_file import open_output
 from megatron_preflight.reshard.targets.unit import ShardResult, Tapping
 
 if TYPE_CHECKING:
@@ -276,19 +277,16 @@ class HfTarget:
         path = os.path.join(out, unit)
         read = written = checked = 0
         try:
-            with open(path, "wb") as fh:
-                writeback = Writeback(fh)
+            with open_output(path) as fh:
                 head = _header(e, e.files[unit])
                 fh.write(head)
                 written += len(head)
                 for name in e.files[unit]:
                     for data in _tensor_bytes(e, name, files):
                         fh.write(data)
-                        writeback.advance()
                         written += len(data)
                         read += len(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+                fh.commit()
             files.finish()
             if verify:
                 checked = _verify(e, unit, path, len(head), files)

@@ -39,7 +39,7 @@ from megatron_preflight.tree import map_leaves
 if TYPE_CHECKING:
     import torch
 
-CHUNK_BYTES = 16 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
+CHUNK_BYTES = 4 * 2**20  # a target tensor is built and written this many bytes (whole rows) at a time
 PIECE_BUFFERS = 4  # the piece buffers of a file being written: one filled while the others wait for the writer
 
 # dtype name -> the legacy storage class torch.save names for it (the reverse of the reader's table; the float8

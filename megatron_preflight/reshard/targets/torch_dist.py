@@ -46,7 +46,7 @@ from megatron_preflight.reshard.sources.torch_dist import EXPERTS, SECTIONED, ob
 from megatron_preflight.reshard.sources.torch_dist_reader import dist_reader
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets.assets import HashedFile
-from megatron_preflight.reshard.targets.durable import Writeback
+from megatron_preflight.reshard.targets.output_file import open_output
 from megatron_preflight.reshard.targets.stream_save import can_write_blob, owns_storage, write_tensor_blob
 from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tap, Tapping
 
@@ -108,8 +108,7 @@ class ChunkWriter:
     def __init__(self, iter_dir: str, *, hashed: bool = False) -> None:
         """``hashed``: the data file's SHA-256 taken as it is written, left for integrity.json (assets.HashedFile)."""
         path = os.path.join(iter_dir, DATA_FILE)
-        self.fh: Any = HashedFile(path) if hashed else open(path, "wb")  # noqa: SIM115 - closed by close()
-        self.writeback = Writeback(self.fh)
+        self.fh: Any = HashedFile(path) if hashed else open_output(path)  # (closed by close())
         self.items: list[Item] = []
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
         self.objects: set[str] = set()
@@ -139,7 +138,6 @@ class ChunkWriter:
             self.fh.write(blob)
         length = self.fh.tell() - start
         self.bytes_written += length
-        self.writeback.advance()
         return start, length
 
     def put(self, fqn: str, offsets: tuple[int, ...] | None, value: Any) -> Item:
@@ -162,8 +160,7 @@ class ChunkWriter:
         self.objects.add(fqn)
 
     def close(self) -> None:
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
+        self.fh.commit()
         self.fh.close()
 
     def metadata(self) -> Any:

@@ -12,13 +12,12 @@ written.
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
 from typing import IO, Any
 
 from megatron_preflight import crc
-from megatron_preflight.reshard.targets.durable import Writeback
+from megatron_preflight.reshard.targets.output_file import open_output
 
 ALIGN = 64
 _PAD_ID = 0x4246  # "FB", the padding extra field torch's own writer uses
@@ -106,16 +105,16 @@ class _Entry:
 
 
 class TorchZipWriter:
-    """A torch zip archive written record by record: to ``path`` (a file of its own, fsynced on close), or into an
+    """A torch zip archive written record by record: to ``path`` (a file of its own, written as
+    :func:`~.output_file.open_output` chooses and fsynced on close), or into an
     open file ``fh`` at its current position (an archive inside a bigger file — a torch_dist chunk's blob —: its
     offsets counted from where it starts; the file left open, its caller makes it durable)."""
 
     def __init__(self, path: str | None, archive: str = "archive", *, fh: IO[bytes] | None = None) -> None:
         self.archive = archive
         self._own = fh is None
-        self._fh = open(path, "wb") if fh is None else fh  # type: ignore[arg-type]  # noqa: SIM115 - see close()
+        self._fh: Any = open_output(path) if fh is None else fh  # type: ignore[arg-type]  # (closed by close())
         self._base = 0 if fh is None else fh.tell()
-        self._writeback = Writeback(self._fh) if self._own else None
         self._entries: list[_Entry] = []
         self._current: _Entry | None = None
         self._left = 0
@@ -147,8 +146,6 @@ class TorchZipWriter:
             entry.crc = crc.crc32(view, entry.crc) if running_crc is None else running_crc
         self._fh.write(view)
         self._left -= view.nbytes
-        if self._writeback is not None:
-            self._writeback.advance()
 
     def end(self) -> None:
         """Finish the current record: its size checked, its CRC written into its header."""
@@ -191,8 +188,7 @@ class TorchZipWriter:
         try:
             if not self._fh.closed:
                 self._fh.write(self._end_records())
-                self._fh.flush()
-                os.fsync(self._fh.fileno())
+                self._fh.commit()
         finally:
             self._fh.close()
 
