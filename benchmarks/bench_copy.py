@@ -19,8 +19,13 @@ Megatron-LM's pretrain_gpt.py (its command is in bench_hf_export.py's docstring)
 TP2 legacy checkpoint with Adam state of about N GB instead (benchmarks/bench_reshard.make_checkpoint: random values,
 Megatron's key names and file layout).
 
+``--tmpfs DIR`` (a directory on tmpfs, e.g. /dev/shm) runs the copy and reshard rows a second time writing there:
+on tmpfs no disk is involved, so that ratio is the tool's CPU path against ``cp``'s (the page cache is the file; the
+writer goes through it, buffered), where the first is the disk's (the writer uses direct I/O where the file system
+supports it: reshard/targets/output_file.py). Both ratios and the throughput (GiB/s) are printed.
+
 Usage: python benchmarks/bench_copy.py [CKPT] [--make-gb 5] [--flags "--tp 1"] [--repeat 3] [--work DIR]
-       [--rows copy,reshard,verify,job]
+       [--rows copy,reshard,verify,job] [--tmpfs /dev/shm]
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--work", help="scratch dir on the same file system (default: a temp dir)")
     ap.add_argument("--rows", default="copy,reshard,verify,job")
+    ap.add_argument("--tmpfs", help="a directory on tmpfs: the copy and reshard rows written there too")
     ns = ap.parse_args()
     work = ns.work or tempfile.mkdtemp(prefix="bench_copy_")
     os.makedirs(work, exist_ok=True)
@@ -110,47 +116,60 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONPYCACHEPREFIX=os.path.join(work, "pycache"))
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     tool = [sys.executable, "-m", "megatron_preflight.cli.main"]
-    dst = os.path.join(work, "out")
     files = source_files(src)
     rows = ns.rows.split(",")
-    commands = {
-        "copy": ["sh", "-c", f"cp -r {shlex.quote(src)} {shlex.quote(dst)} && sync"],
-        "reshard": ["sh", "-c", shlex.join([*tool, "reshard", src, dst, *flags, "--no-progress"]) + " && sync"],
-        "verify": ["sh", "-c", shlex.join([*tool, "reshard", src, dst, *flags, "--no-progress", "--verify"])
-                   + " && sync"],
-        "job": [sys.executable, "-c", JOB, src, str(tp), str(pp)],
-        "read": [sys.executable, "-c", READ, *files],
-    }
-    order = [r for r in ("copy", "reshard", "verify") if r in rows] + (["read", "job"] if "job" in rows else [])
+    places = [("disk", work)] + ([("tmpfs", ns.tmpfs)] if ns.tmpfs else [])
+
+    def commands(dst: str) -> dict[str, list[str]]:
+        return {
+            "copy": ["sh", "-c", f"cp -r {shlex.quote(src)} {shlex.quote(dst)} && sync"],
+            "reshard": ["sh", "-c", shlex.join([*tool, "reshard", src, dst, *flags, "--no-progress"]) + " && sync"],
+            "verify": ["sh", "-c", shlex.join([*tool, "reshard", src, dst, *flags, "--no-progress", "--verify"])
+                       + " && sync"],
+            "job": [sys.executable, "-c", JOB, src, str(tp), str(pp)],
+            "read": [sys.executable, "-c", READ, *files],
+        }
+
+    order = [("disk", r) for r in ("copy", "reshard", "verify") if r in rows]
+    order += [("tmpfs", r) for r in ("copy", "reshard") if r in rows and ns.tmpfs]
+    order += [("disk", r) for r in ("read", "job") if "job" in rows]
     warm(src)
     subprocess.run([*tool, "inspect", src], env=env, capture_output=True, check=False)  # (bytecode cached)
     subprocess.run([sys.executable, "-c", "import megatron_preflight.reshard.resharder"], env=env, check=False)
-    got: dict[str, list[tuple[float, float]]] = {r: [] for r in order}
+    got: dict[tuple[str, str], list[tuple[float, float]]] = {o: [] for o in order}
     for _ in range(ns.repeat):
-        for r in order:
+        for where, r in order:
+            dst = os.path.join(dict(places)[where], "out")
             shutil.rmtree(dst, ignore_errors=True)
             subprocess.run(["sync"], check=True)
-            wall, rss, rc, out = timed(commands[r], env=env)
+            wall, rss, rc, out = timed(commands(dst)[r], env=env)
             if rc != 0:
                 raise SystemExit(f"{r} failed ({rc}):\n{out[-3000:]}")
             if r in ("job", "read"):
                 wall = float(out.split("job seconds ")[1].split()[0])
-            got[r].append((wall, rss))
-    shutil.rmtree(dst, ignore_errors=True)
+            got[(where, r)].append((wall, rss))
+    for _, place in places:
+        shutil.rmtree(os.path.join(place, "out"), ignore_errors=True)
     size = dir_bytes(src)
-    copy = statistics.median(w for w, _ in got["copy"]) if "copy" in got else None
-    read = statistics.median(w for w, _ in got["read"]) if "read" in got else None
+
+    def median(key: tuple[str, str]) -> float | None:
+        return statistics.median(w for w, _ in got[key]) if key in got else None
+
     print(f"{src}: {size / 2**30:.2f} GiB in {len(files)} files; reshard flags: {' '.join(flags)}; "
           f"median of {ns.repeat}, fresh processes, warm page cache, same minutes")
     labels = {"copy": "cp -r SRC DST && sync", "reshard": "reshard (fsynced)", "verify": "reshard --verify",
               "read": "read SRC into fresh memory", "job": "job start: rank 0's state dict"}
-    print(f"{'row':<34}{'wall s':>8}{'GiB/s':>8}{'x floor':>9}{'peak RSS MiB':>14}")
-    for r in order:
-        wall = statistics.median(w for w, _ in got[r])
-        floor = read if r in ("read", "job") else copy
+    print(f"{'written to':<12}{'row':<34}{'wall s':>8}{'GiB/s':>8}{'x floor':>9}{'peak RSS MiB':>14}")
+    for where, r in order:
+        wall = median((where, r))
+        assert wall is not None
+        floor = median(("disk", "read")) if r in ("read", "job") else median((where, "copy"))
         ratio = f"{wall / floor:>9.2f}" if floor else f"{'':>9}"
-        print(f"{labels[r]:<34}{wall:>8.2f}{size / 2**30 / wall:>8.2f}{ratio}{max(m for _, m in got[r]):>14.0f}")
-    print("x floor: reshard rows against the durable copy, the job row against reading the source once.")
+        place = where if r not in ("read", "job") else "memory"
+        print(f"{place:<12}{labels[r]:<34}{wall:>8.2f}{size / 2**30 / wall:>8.2f}{ratio}"
+              f"{max(m for _, m in got[(where, r)]):>14.0f}")
+    print("x floor: reshard rows against the durable copy to the same place, the job row against reading the source "
+          "once.")
     if not ns.work:
         shutil.rmtree(work, ignore_errors=True)
 
