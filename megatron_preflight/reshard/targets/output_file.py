@@ -125,10 +125,11 @@ class DirectFile:
     :meth:`seek`) patches the staging buffer, or — once its bytes are on their way — the aligned blocks on disk that
     hold them, read, changed and written back once the writes before them are done."""
 
-    def __init__(self, fd: int, path: str, align: int, stage_bytes: int = STAGE_BYTES, stages: int = STAGES) -> None:
+    def __init__(self, fd: int, path: str, align: int, stage_bytes: int | None = None, stages: int = STAGES) -> None:
         self.name = path
         self._fd: int | None = fd
         self._align = align
+        stage_bytes = STAGE_BYTES if stage_bytes is None else stage_bytes
         size = max(stage_bytes - stage_bytes % align, align)
         self._device = _Writer(fd, [mmap.mmap(-1, size) for _ in range(stages)])
         self._stage = self._device.take()

@@ -8,6 +8,7 @@ import fcntl
 import os
 import random
 import threading
+import zipfile
 
 import pytest
 
@@ -151,3 +152,45 @@ def test_a_failed_direct_write_is_raised_in_the_writer_and_its_thread_ends(tmp_p
         f.close()  # (its flush meets the same full disk; the file is closed all the same)
     assert f.closed
     assert not [t for t in threading.enumerate() if t.name == "preflight-direct-write"]
+
+
+def _contents(root) -> dict[str, bytes]:
+    """Each file's bytes; a torch file (``.pt``, a zip) as its records, each CRC-32 checked (``testzip``: a header patched
+    wrong fails here). The pickled object tree (``data.pkl``) and what depends on it (the file's serialization id,
+    integrity.json's hashes) are left out: its memo of repeated strings differs from one save to the next in the same
+    process, whatever writes it."""
+    out: dict[str, bytes] = {}
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            path = os.path.join(d, f)
+            rel = os.path.relpath(path, root)
+            if f.endswith(".pt"):  # (a .distcp file is torch.save blobs end to end: compared as bytes)
+                with zipfile.ZipFile(path) as z:
+                    assert z.testzip() is None, rel
+                    out.update({f"{rel}:{n}": z.read(n) for n in z.namelist() if not n.endswith(("data.pkl", "serialization_id"))})
+            elif f != "integrity.json":
+                with open(path, "rb") as fh:
+                    out[rel] = fh.read()
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_reshard_written_direct_equals_one_written_buffered(tmp_path, monkeypatch, fmt):
+    """The same reshard (the real TP2 checkpoint to TP1, legacy and torch_dist output) written through each strategy:
+    the same files, every zip record's CRC-32 right, the same tensor bytes (where this file system takes direct
+    writes: the direct path; else both are buffered and the test says nothing new). Staging buffers of 64 KiB: the
+    ~0.6 MB shards span several, and the records' headers are patched on blocks already written."""
+    from megatron_preflight.reshard import write_resharded  # (a test that writes checkpoints)
+    from megatron_preflight.reshard.target import TargetLayout
+    from tests.conftest import fixture_path
+
+    monkeypatch.setattr(output_file, "STAGE_BYTES", 64 << 10)
+    outs = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("MEGATRON_PREFLIGHT_DIRECT_IO", env)
+        out = tmp_path / f"out{env}"
+        write_resharded(fixture_path("tp2_torch"), str(out), TargetLayout(tp=1, ckpt_format=fmt))
+        outs[env] = _contents(out)
+    assert outs["1"].keys() == outs["0"].keys()
+    assert sum(len(v) for v in outs["1"].values()) > 256 << 10
+    assert [k for k in outs["1"] if outs["1"][k] != outs["0"][k]] == []
