@@ -25,7 +25,6 @@ from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.plan.types import RankPlan, flat_parts, planned
 from megatron_preflight.reshard.sources.byte_ranges import read_plans
 from megatron_preflight.reshard.sources.files import SourceFiles
-from megatron_preflight.reshard.targets.output_file import open_output
 
 PROBE_BYTES = 64 * 2**20  # the quick read (and write) that measure the filesystems
 
@@ -199,12 +198,14 @@ def measure_write_bandwidth(limit: int = PROBE_BYTES) -> float:
     """Bytes per second of writing and fsyncing ``limit`` bytes to a temp file of the OS temp dir, the way a shard is
     written there (:func:`~.targets.output_file.open_output`: direct where the file system supports it); removed at
     once: nothing is written near the checkpoint (pass --bandwidth when the destination is another filesystem)."""
+    from megatron_preflight.reshard.targets import output_file  # (deferred: a verdict writes nothing)
+
     block = b"\0" * (4 * 2**20)
     fd, path = tempfile.mkstemp(prefix="preflight-bandwidth-")
     os.close(fd)
     try:
         t0 = time.perf_counter()
-        with open_output(path) as fh:
+        with output_file.open_output(path) as fh:
             for _ in range(max(1, limit // len(block))):
                 fh.write(block)
             fh.commit()
