@@ -541,11 +541,18 @@ class TorchFile:
         if ref.numel == 0:
             return np.empty(ref.shape, dtype=elem)
         start, nbytes = self._mapped_record(ref, verify)
-        size = elem.itemsize
-        flat = np.frombuffer(self._mmap, dtype=elem, count=nbytes // size, offset=self._base + start)
-        # (the extent was checked against the storage when the metadata was read: _check_extent)
-        return np.lib.stride_tricks.as_strided(flat[ref.offset:], ref.shape, tuple(st * size for st in ref.stride),
-                                               writeable=False)
+        return strided_array(self._mmap, self._base + start, nbytes, ref)
+
+    def record_extent(self, key: str) -> tuple[int, int]:
+        """(offset in :attr:`path`, bytes) of storage record ``data/<key>``."""
+        start, nbytes = self._record_offset(key)
+        return self._base + start, nbytes
+
+    def check_record(self, key: str, got: int) -> None:
+        """Raise :class:`CorruptFileError` unless ``got`` is the CRC-32 the zip directory holds for record
+        ``data/<key>`` (a record read by other means than this file's own)."""
+        _start, nbytes = self._record_offset(key)
+        self._crc_verdict(key, nbytes, got)
 
     def _mapped_record(self, ref: TensorRef, verify: bool) -> tuple[int, int]:
         """(start, bytes) of ``ref``'s storage record, the file mapped, the record's CRC-32 checked on its first read
@@ -661,6 +668,18 @@ class TorchFile:
                                 "was saved (bit rot, a damaged copy, or an edit)", path=self.path,
                                 fix="restore the file from a good copy (or the checkpoint from its source); nothing "
                                     "was written from it", code="corrupt_file")
+
+
+def strided_array(buffer: Any, start: int, nbytes: int, ref: TensorRef) -> Any:
+    """``ref`` as a read-only numpy view of its storage record's ``nbytes`` at ``start`` of ``buffer``: unsigned
+    integers as wide as its elements (the extent was checked against the storage when the metadata was read)."""
+    import numpy as np  # deferred, as in TorchFile.array
+
+    elem = dtypes.byte_element(ref.dtype)
+    size = elem.itemsize
+    flat = np.frombuffer(buffer, dtype=elem, count=nbytes // size, offset=start)
+    return np.lib.stride_tricks.as_strided(flat[ref.offset:], ref.shape, tuple(st * size for st in ref.stride),
+                                           writeable=False)
 
 
 def release_mapped(mapping: mmap.mmap, start: int, length: int) -> None:

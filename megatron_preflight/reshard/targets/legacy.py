@@ -23,6 +23,7 @@ from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets import durable
 from megatron_preflight.reshard.targets.output_file import read_back
+from megatron_preflight.reshard.targets.read_back import ReadBack
 from megatron_preflight.reshard.targets.stream_save import bytes_only, save_streaming, save_tree
 from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tapping
 from megatron_preflight.torch_file import TensorRef, TorchFile
@@ -67,23 +68,30 @@ def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
         meta = out.load_metadata()
         planned = [((tp.chunk, tp.key), tp) for tp in plan.tensors]
         planned += [(("optimizer", *p), tp) for p, tp in iter_plans(plan.optimizer)]
-        for where, tp in planned:
-            written: Any = meta
-            for part in where:
-                try:
-                    written = written[part]
-                except (KeyError, IndexError, TypeError):
-                    written = "<missing>"
-                    break
-            _verify_tensor(tp, written, out, files, path)
-            checked += tp.shape is not None
-            if tp.shape is not None:
-                since += math.prod(tp.shape) * tp.dtype.itemsize
-            if since >= _RELEASE_BYTES:  # the written file's pages read back, dropped: the resident set stays small
-                out.release_pages()
-                read_back(path, "done")
-                since = 0
+        pairs = [(tp, _written(meta, where)) for where, tp in planned]
+        order = [w for tp, w in pairs if tp.shape is not None and isinstance(w, TensorRef) and bytes_only(tp)]
+        with ReadBack(out, path, order) as back:
+            for tp, written in pairs:
+                _verify_tensor(tp, written, out, files, path, back)
+                checked += tp.shape is not None
+                if tp.shape is not None:
+                    since += math.prod(tp.shape) * tp.dtype.itemsize
+                if since >= _RELEASE_BYTES:  # the written file's pages read back, dropped: the resident set stays
+                    out.release_pages()  # small
+                    read_back(path, "done")
+                    since = 0
     return checked
+
+
+def _written(meta: Any, where: tuple[Any, ...]) -> Any:
+    """The entry of a written file's object tree at ``where`` ("<missing>" where there is none)."""
+    written: Any = meta
+    for part in where:
+        try:
+            written = written[part]
+        except (KeyError, IndexError, TypeError):
+            return "<missing>"
+    return written
 
 
 _RELEASE_BYTES = 256 * 2**20  # bytes read back between two releases of the written file's mapped pages
@@ -95,31 +103,31 @@ def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
     checked = 0
     with TorchFile(path) as out:
         meta = out.load_metadata()
-        for where, fp in flat_parts(plan.dist_optimizer):
-            written: Any = meta
-            for part in where:
-                written = written[part]
-            if not isinstance(written, TensorRef) or tuple(written.shape) != (fp.numel,):
-                raise PreflightError(f"verify: {fp.key} is missing or has the wrong size", path=path, code="verify")
-            kit = BYTES if bytes_only(fp) else TORCH
-            flat = kit.written(out, written)
-            covered = kit.flags(fp.numel)
-            for start, tp in fp.parts:
-                assert tp.shape is not None
-                want = build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, kit=kit).reshape(-1)
-                if dtypes.name_of(tp.dtype) != dtypes.name_of(fp.dtype):
-                    want = kit.converted(want, tp.dtype, fp.dtype)
-                n = kit.nbytes(want) // fp.dtype.itemsize
-                if not kit.same_bits(want, flat[start:start + n]):
-                    raise PreflightError(f"verify: {tp.key} in {fp.key} does not match its source slices", path=path,
-                                         code="verify")
-                covered[start:start + n] = True
-            if kit.any_set(flat[~covered]):
-                raise PreflightError(f"verify: the padding of {fp.key} is not zero", path=path, code="verify")
-            del flat
-            out.release_pages()  # (a world tensor read back: its pages dropped)
-            read_back(path, "done")
-            checked += 1
+        parts = [(fp, _written(meta, where)) for where, fp in flat_parts(plan.dist_optimizer)]
+        order = [w for fp, w in parts if isinstance(w, TensorRef) and bytes_only(fp)]
+        with ReadBack(out, path, order) as back:
+            for fp, written in parts:
+                if not isinstance(written, TensorRef) or tuple(written.shape) != (fp.numel,):
+                    raise PreflightError(f"verify: {fp.key} is missing or has the wrong size", path=path, code="verify")
+                kit = BYTES if bytes_only(fp) else TORCH
+                flat = kit.written(back, written)
+                covered = kit.flags(fp.numel)
+                for start, tp in fp.parts:
+                    assert tp.shape is not None
+                    want = build_rows(tp, files, 0, tp.shape[0] if tp.shape else 1, kit=kit).reshape(-1)
+                    if dtypes.name_of(tp.dtype) != dtypes.name_of(fp.dtype):
+                        want = kit.converted(want, tp.dtype, fp.dtype)
+                    n = kit.nbytes(want) // fp.dtype.itemsize
+                    if not kit.same_bits(want, flat[start:start + n]):
+                        raise PreflightError(f"verify: {tp.key} in {fp.key} does not match its source slices", path=path,
+                                             code="verify")
+                    covered[start:start + n] = True
+                if kit.any_set(flat[~covered]):
+                    raise PreflightError(f"verify: the padding of {fp.key} is not zero", path=path, code="verify")
+                del flat
+                out.release_pages()  # (a world tensor read back: its pages dropped)
+                read_back(path, "done")
+                checked += 1
     return checked
 
 
@@ -140,7 +148,8 @@ def _same_value(written: Any, want: Any, out: TorchFile) -> bool:
     return bool(written == want)
 
 
-def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFiles, path: str) -> None:
+def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFiles, path: str,
+                   back: ReadBack) -> None:
     if tp.shape is None:
         if not _same_value(written, tp.value, out):
             raise PreflightError(f"verify: {tp.key} differs from its source value", path=path, code="verify")
@@ -148,7 +157,7 @@ def _verify_tensor(tp: TensorPlan, written: Any, out: TorchFile, files: SourceFi
     if not isinstance(written, TensorRef) or tuple(written.shape) != tuple(tp.shape):
         raise PreflightError(f"verify: {tp.key} is missing or has the wrong shape", path=path, code="verify")
     kit = BYTES if bytes_only(tp) else TORCH  # (legacy pieces: compared as bytes, no torch)
-    dst = kit.written(out, written)
+    dst = kit.written(back, written)
     for op in tp.ops:  # (bit for bit, in place: no copy of either side)
         src = kit.source(files, op.shard, op.ref)
         s = src if op.src is None else kit.narrow(src, *op.src)
