@@ -41,6 +41,13 @@ def discover_hf(path: str) -> Layout:
         layout.add(e.code or "hf_unsupported", e.path or config_path, e.message, e.fix or "")
         return layout
     table = tensor_table(path)
+    if cfg.dtype is None:  # (GPT-OSS's config.json on the hub names none)
+        stored = stored_dtype(table.tensors)
+        if stored is not None:
+            cfg = dataclasses.replace(cfg, dtype=stored)
+            layout.notes.append(f"config.json names no dtype (torch_dtype): the model's weights are stored in {stored}, "
+                                f"so it is read as a {stored} model" + (" (--bf16)" if stored == "bfloat16" else
+                                                                         " (--fp16)" if stored == "float16" else ""))
     layout.total_bytes = sum(table.files.values()) + os.path.getsize(config_path)
     for code, where, message, fix in table.problems:
         layout.add(code, where, message, fix)
@@ -105,6 +112,19 @@ def discover_hf(path: str) -> Layout:
     layout.parallel = parallel.from_args(args)
     layout.distributed_optimizer = False
     return layout
+
+
+_FLOATS = ("bfloat16", "float16", "float32")
+
+
+def stored_dtype(tensors: dict[str, Any]) -> str | None:
+    """The floating dtype that holds most of the model's float bytes (quantization scales aside): the dtype a
+    config.json without ``torch_dtype`` leaves to its files. None where no weight is stored as a float."""
+    held: dict[str, int] = {}
+    for name, t in tensors.items():
+        if t.dtype in _FLOATS and not name.endswith(quant.SCALE_SUFFIX):
+            held[t.dtype] = held.get(t.dtype, 0) + t.nbytes
+    return max(held, key=lambda d: held[d]) if held else None
 
 
 def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespace:

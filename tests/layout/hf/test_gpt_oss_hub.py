@@ -100,6 +100,9 @@ def test_the_hub_dir_reads_as_its_megatron_model(hub):
     assert (a.position_embedding_type, a.rotary_scaling_factor, a.yarn_correction_range_round_to_int) == \
         ("yarn", 32.0, False)
     assert any("48 stacked expert weights are MXFP4" in n and "dequantized to bfloat16" in n for n in lay.notes)
+    # its config.json names no dtype: its weights are bf16 (the experts' scales aside), so the model is a bf16 one
+    assert a.bf16 is True and not getattr(a, "fp16", False)
+    assert any("names no dtype" in n and "bfloat16" in n for n in lay.notes)
     model = lay.shards[0].meta["model"]
     fc1 = model["decoder.layers.3.mlp.experts.local_experts.31.linear_fc1.weight"]
     assert tuple(fc1.shape) == (2 * 2880, 2880)
@@ -108,10 +111,11 @@ def test_the_hub_dir_reads_as_its_megatron_model(hub):
 
 def test_its_printed_flags_pass_check_at_32_gpus_and_plan(hub):
     flags = [w for f in model_flags(discover(hub).saved_args) for w in shlex.split(f)]
+    assert "--bf16" in flags  # (from the stored dtype: config.json names none)
     run = flags + ["--tensor-model-parallel-size", "4", "--expert-model-parallel-size", "8",
                    "--expert-tensor-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
                    "--world-size", "32", "--tokenizer-type", "NullTokenizer", "--vocab-size", "201087",
-                   "--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16"]
+                   "--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "64"]
     plan = make_plan(hub, from_cli(run))
     assert plan.fatal == [] and plan.verdict == Verdict.RESHARD, [f.message for f in plan.fatal]
     bad = make_plan(hub, from_cli([w for w in run if w != "--quick-geglu"] + ["--swiglu"]))
