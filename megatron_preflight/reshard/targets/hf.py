@@ -265,6 +265,9 @@ class HfTarget:
         e = export_of(r)
         return {f: sum(e.nbytes(n) for n in names) for f, names in e.files.items()}
 
+    def least_bytes(self, r: Resharder) -> int | None:
+        return sum(self.weights(r).values())
+
     def out_dir(self, tmp: str, iteration: Any) -> str:
         return tmp  # the files at the root, as the hub holds them
 

@@ -183,6 +183,9 @@ class LegacyTarget(MegatronDirs):
     def weights(self, r: Resharder) -> dict[str, int]:
         return {name: plan.nbytes for name, plan in r.shard_plans().items()}
 
+    def least_bytes(self, r: Resharder) -> int | None:
+        return sum(self.weights(r).values())
+
     def write(self, r: Resharder, unit: str, iter_out: str, verify: bool, tapping: Tapping | None = None
               ) -> ShardResult:
         return write_shard(r, unit, iter_out, verify, tapping)

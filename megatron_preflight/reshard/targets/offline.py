@@ -35,6 +35,7 @@ from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
 from megatron_preflight.reshard.targets import destination, durable, lifeline, share
 from megatron_preflight.reshard.targets.unit import ShardResult, Tapping, Target
+from megatron_preflight.units import human_bytes
 
 
 @dataclass
@@ -200,6 +201,23 @@ def _check_parent(dst: str) -> None:
                              code="usage")
 
 
+def _check_room(parent: str, need: int | None, dst: str) -> None:
+    """The destination's file system has room for at least the new checkpoint's tensor bytes: a full disk is said
+    before the first byte is written, not hours into the write."""
+    if not need:
+        return
+    try:
+        st = os.statvfs(parent)
+    except OSError:
+        return  # (a file system that cannot say: the writes will)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise PreflightError(f"the new checkpoint needs at least {human_bytes(need)} (its tensors' bytes) and the "
+                             f"destination's file system has {human_bytes(free)} free", path=dst,
+                             fix="free space there, or write the new checkpoint to a file system with room",
+                             code="no_space")
+
+
 def check_destination(src: str, dst: str) -> None:
     """The destination is new (or empty), writable, and not inside the source."""
     storage.refuse_url(src, "source")
@@ -313,6 +331,7 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
                                      fix="pass a new directory (the source is never overwritten)", code="usage")
             tmp = dest.tmp
             shutil.rmtree(tmp, ignore_errors=True)
+            _check_room(parent, out.least_bytes(r), dst_abs)
             os.makedirs(out.out_dir(tmp, iteration_value), exist_ok=True)
         except BaseException as e:  # noqa: BLE001 - agreed on below, then re-raised
             error = e

@@ -58,6 +58,11 @@ class Target(Protocol):
 
     def weights(self, r: Resharder) -> dict[str, int]: ...
 
+    def least_bytes(self, r: Resharder) -> int | None:
+        """A lower bound of the bytes the output takes (its tensors' bytes), or None where it is not known before
+        writing: the destination's free space is checked against it before anything is written."""
+        ...
+
     def out_dir(self, tmp: str, iteration: Any) -> str: ...
 
     def write(self, r: Resharder, unit: str, iter_out: str, verify: bool, tapping: Tapping | None = None
@@ -71,6 +76,9 @@ class MegatronDirs:
 
     def out_dir(self, tmp: str, iteration: Any) -> str:
         return os.path.join(tmp, naming.iteration_dir_name(iteration))
+
+    def least_bytes(self, r: Resharder) -> int | None:
+        return None  # (a target whose weights() are not byte counts says nothing)
 
     integrity = False  # writes Megatron's integrity.json (torch_dist: what --verify-integrity checks)
 

@@ -42,6 +42,35 @@ def test_cli_writes_atomically_and_leaves_source_alone(real_fixture, tmp_path, c
     assert [p for p in os.listdir(tmp_path) if p.startswith(".new")] == []
 
 
+@pytest.mark.parametrize("fmt", ["torch", "hf"])
+def test_a_destination_without_room_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, fmt):
+    """A file system with less free space than the new checkpoint's tensors (legacy shards, an HF export): one clear
+    error naming the destination, both sizes and the fix, a non-zero exit, no temp dir left; the source untouched.
+    The free space is what statvfs says (a stand-in here: this box's disk has room)."""
+    import collections
+
+    from megatron_preflight.reshard.targets import offline
+
+    src = fixture_path("bf16_gqa_tp2_torch")
+    before = _snapshot(src)
+    real = os.statvfs
+    Stat = collections.namedtuple("Stat", "f_bavail f_frsize f_flag")
+
+    def nearly_full(path):
+        return Stat(10, 4096, real(path).f_flag)  # 40 KiB free
+
+    monkeypatch.setattr(offline.os, "statvfs", nearly_full)
+    dst = tmp_path / "new"
+    argv = ["reshard", src, str(dst), "--no-progress", "--tp", "1"] + (["--ckpt-format", "hf"] if fmt == "hf" else [])
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "needs at least" in err and "40.0 KB free" in err and str(dst) in err and "Fix: free space" in err, err
+    assert not dst.exists() and [p for p in os.listdir(tmp_path) if p.startswith(".new")] == []
+    assert _snapshot(src) == before
+    monkeypatch.setattr(offline.os, "statvfs", real)
+    assert main(argv) == 0  # (with room, the same command writes it)
+
+
 def test_existing_destination_and_dst_inside_src_refused(real_fixture, tmp_path, capsys):
     src = real_fixture("tp2_torch")
     (tmp_path / "full").mkdir()
