@@ -22,7 +22,7 @@ from megatron_preflight.reshard.plan.types import RankPlan, TensorPlan, flat_par
 from megatron_preflight.reshard.resharder import Resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.targets import durable
-from megatron_preflight.reshard.targets.output_file import read_back
+from megatron_preflight.reshard.targets.output_file import drop_read_back
 from megatron_preflight.reshard.targets.read_back import ReadBack
 from megatron_preflight.reshard.targets.stream_save import bytes_only, save_streaming, save_tree
 from megatron_preflight.reshard.targets.unit import MegatronDirs, ShardResult, Tapping
@@ -78,7 +78,7 @@ def verify_shard(plan: RankPlan, path: str, files: SourceFiles) -> int:
                     since += math.prod(tp.shape) * tp.dtype.itemsize
                 if since >= _RELEASE_BYTES:  # the written file's pages read back, dropped: the resident set stays
                     out.release_pages()  # small
-                    read_back(path, "done")
+                    drop_read_back(path)
                     since = 0
     return checked
 
@@ -126,7 +126,7 @@ def verify_dist_optimizer(plan: RankPlan, path: str, files: SourceFiles) -> int:
                     raise PreflightError(f"verify: the padding of {fp.key} is not zero", path=path, code="verify")
                 del flat
                 out.release_pages()  # (a world tensor read back: its pages dropped)
-                read_back(path, "done")
+                drop_read_back(path)
                 checked += 1
     return checked
 

@@ -3,8 +3,8 @@ CRC-32 is known) and made durable by :meth:`commit`, by the write strategy the f
 
 :func:`open_output` chooses per file, from what the kernel says of it, not from a flag:
 - **direct I/O** (:class:`DirectFile`) where ``statx`` reports direct-I/O alignment (ext4, XFS, btrfs on a block
-  device; Linux 6.1+): the bytes are gathered in one reused, aligned staging buffer and written with ``O_DIRECT`` a
-  few MiB at a time, straight to the device. Nothing lands in the page cache, so no page-cache page is allocated,
+  device; Linux 6.1+) and one aligned test write through ``O_DIRECT`` succeeds: the bytes are gathered in reused,
+  aligned staging buffers and written with ``O_DIRECT`` a few MiB at a time, straight to the device. Nothing lands in the page cache, so no page-cache page is allocated,
   zeroed or faulted in, no dirty page is throttled and no writeback has to catch up at the fsync. Measured on this
   project's box (a VM disk, docs/performance.md): a 0.66 GB file buffered 2.9 s when the kernel handed out page-cache
   pages the host had taken back (most of it in the kernel's copy into them), direct 0.59 s, every time.
@@ -12,8 +12,7 @@ CRC-32 is known) and made durable by :meth:`commit`, by the write strategy the f
   FUSE clients, which do not report an alignment; older kernels): the page cache with early writeback
   (:class:`~.durable.Writeback`), as before.
 
-``MEGATRON_PREFLIGHT_DIRECT_IO=0`` forces buffered writes (a file system that reports an alignment and then refuses
-direct writes is also caught: the file falls back to buffered at its first write, logged).
+``MEGATRON_PREFLIGHT_DIRECT_IO=0`` forces buffered writes (and ``--verify``'s mapped read-back: read_back.py).
 """
 
 from __future__ import annotations
@@ -47,22 +46,39 @@ def open_output(path: str) -> DirectFile | BufferedOutput:
     # (read-write: a patch of blocks already written reads them back)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        align = libc.dio_alignment(fd) if direct_io_wanted() and hasattr(os, "O_DIRECT") else None
-        if align is not None and max(align) <= mmap.PAGESIZE and _direct_writes_work(fd, max(align)):
-            return DirectFile(fd, path, max(align))
+        align = enable_direct(fd)
+        if align is not None and _direct_writes_work(fd, align):
+            return DirectFile(fd, path, align)
         return BufferedOutput(os.fdopen(fd, "wb"), path)
     except BaseException:
         os.close(fd)
         raise
 
 
+def enable_direct(fd: int) -> int | None:
+    """Turn ``O_DIRECT`` on for the open file ``fd`` where its file system reports a direct-I/O alignment no coarser
+    than a page (an ``mmap``'s buffers are page-aligned) and direct I/O is wanted: the alignment offsets, lengths and
+    buffers then need; None (the flag left off) elsewhere."""
+    align = libc.dio_alignment(fd) if direct_io_wanted() and hasattr(os, "O_DIRECT") else None
+    if align is None or max(align) > mmap.PAGESIZE:
+        return None
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError:
+        return None
+    return max(align)
+
+
+def aligned_span(offset: int, nbytes: int, align: int) -> tuple[int, int]:
+    """The aligned byte range ``[lo, hi)`` that holds ``[offset, offset + nbytes)``."""
+    return offset - offset % align, -(-(offset + nbytes) // align) * align
+
+
 def _direct_writes_work(fd: int, align: int) -> bool:
-    """Turn ``O_DIRECT`` on for the empty file ``fd`` and write one aligned block through it (then cut the file back
-    to empty): a file system that reports an alignment yet refuses direct writes is found here, not mid-file."""
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    """Write one aligned block through the empty file ``fd`` (``O_DIRECT`` on), then cut it back to empty: a file
+    system that reports an alignment yet refuses direct writes is found here, not mid-file (the flag turned off)."""
     block = mmap.mmap(-1, mmap.PAGESIZE)
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
         works = os.pwrite(fd, memoryview(block)[:align], 0) == align
     except OSError as exc:
         log.info("direct writes refused (%s): writing through the page cache", exc)
@@ -71,7 +87,7 @@ def _direct_writes_work(fd: int, align: int) -> bool:
         block.close()
     os.ftruncate(fd, 0)
     if not works:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
     return works
 
 
@@ -193,10 +209,9 @@ class DirectFile:
     def _apply_patches(self) -> None:
         """The patches of bytes already written: each block that holds one read, changed and written back."""
         assert self._fd is not None
-        a = self._align
         for lo, data in self._patches:
             hi = lo + len(data)
-            start, stop = lo - lo % a, -(-hi // a) * a
+            start, stop = aligned_span(lo, len(data), self._align)
             block = mmap.mmap(-1, stop - start)
             try:
                 if os.preadv(self._fd, [block], start) != stop - start:
@@ -320,12 +335,10 @@ class _Writer:
 
 
 
-def read_back(path: str, advice: str) -> None:
-    """Advice on ``path``, a file just written and now read back whole (``--verify``), best effort: ``"start"`` —
-    read it ahead in large requests (``POSIX_FADV_WILLNEED``: a file written direct is not in the page cache, and
-    through a mapping's page faults it would come a readahead window, 128 KiB, at a time); ``"done"`` — its pages read
-    so far are not needed again (``POSIX_FADV_DONTNEED``: the page cache keeps recycling the same few pages rather
-    than taking fresh ones, which the kernel must zero and, in a VM, the host may have to fault in)."""
+def drop_read_back(path: str) -> None:
+    """``path``, a file just written and being read back (``--verify``), needs none of its cached pages again
+    (``POSIX_FADV_DONTNEED``, best effort): the page cache keeps recycling the same few pages rather than taking fresh
+    ones, which the kernel must zero and, in a VM, the host may have to fault in."""
     if not hasattr(os, "posix_fadvise"):
         return
     try:
@@ -333,7 +346,7 @@ def read_back(path: str, advice: str) -> None:
     except OSError:
         return
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED if advice == "start" else os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError:
         pass
     finally:

@@ -11,16 +11,14 @@ file's own mapped reads serve (:class:`~megatron_preflight.torch_file.TorchFile`
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from megatron_preflight import libc
 from megatron_preflight.crc import crc32
 from megatron_preflight.errors import CorruptFileError
-from megatron_preflight.reshard.targets.output_file import direct_io_wanted
+from megatron_preflight.reshard.targets.output_file import aligned_span, enable_direct
 from megatron_preflight.torch_file import TensorRef, TorchFile, strided_array
 
 
@@ -41,16 +39,11 @@ class ReadBack:
         self._pending: tuple[TensorRef, Future[tuple[int, int]]] | None = None
         self._pool: ThreadPoolExecutor | None = None
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        align = libc.dio_alignment(fd) if hasattr(os, "O_DIRECT") and direct_io_wanted() else None
-        if align is None or max(align) > mmap.PAGESIZE:
+        align = enable_direct(fd)
+        if align is None:
             os.close(fd)
             return
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-        except OSError:
-            os.close(fd)
-            return
-        self._fd, self._align = fd, max(align)
+        self._fd, self._align = fd, align
         # both buffers as big as the biggest record asked (made once: a buffer grown record by record would fault in
         # fresh pages again and again)
         self._size = max((self._extent(ref) for ref in self._order), default=0)
@@ -90,8 +83,7 @@ class ReadBack:
         """Record ``ref`` into buffer ``slot``, its CRC-32 checked: (where it starts there, its bytes)."""
         assert self._fd is not None
         offset, nbytes = self.out.record_extent(ref.storage.key)
-        a = self._align
-        lo, hi = offset - offset % a, -(-(offset + nbytes) // a) * a
+        lo, hi = aligned_span(offset, nbytes, self._align)
         buf = self._bufs[slot]
         if buf is None or len(buf) < hi - lo:  # (a smaller one goes with the last array viewing it)
             buf = self._bufs[slot] = mmap.mmap(-1, max(hi - lo, self._size, 1 << 20))
@@ -117,8 +109,8 @@ class ReadBack:
 
     def _extent(self, ref: TensorRef) -> int:
         """The aligned bytes that hold ``ref``'s record."""
-        offset, nbytes = self.out.record_extent(ref.storage.key)
-        return -(-(offset + nbytes) // self._align) * self._align - (offset - offset % self._align)
+        lo, hi = aligned_span(*self.out.record_extent(ref.storage.key), self._align)
+        return hi - lo
 
     def close(self) -> None:
         if self._pending is not None:
