@@ -86,6 +86,26 @@ def write(name: str, path: str, seed: int = 0, **overrides: Any) -> str:
     return path
 
 
+def write_vlm(name: str, path: str, seed: int = 0, **top: Any) -> str:
+    """Save a tiny random Qwen3.5 vision-language model (``qwen3_5_moe`` or ``qwen3_5``: the form the hub publishes
+    Qwen3.5 in) whose language model is :func:`configs`' text model of that name, with a 2-block vision encoder;
+    ``top``: top-level config fields."""
+    import transformers as T
+
+    kinds = {"qwen3_5_moe": (T.Qwen3_5MoeConfig, T.Qwen3_5MoeVisionConfig, T.Qwen3_5MoeForConditionalGeneration),
+             "qwen3_5": (T.Qwen3_5Config, T.Qwen3_5VisionConfig, T.Qwen3_5ForConditionalGeneration)}
+    config_cls, vision_cls, model_cls = kinds[name]
+    vision = vision_cls(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                        patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    text = configs()[name].to_dict()
+    # (the hub's: M-RoPE over RoPE's quarter of each head; one position in every section on text)
+    text["rope_parameters"] = {**text.get("rope_parameters", {}), "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    cfg = config_cls(text_config=text, vision_config=vision.to_dict(), tie_word_embeddings=False, **top)
+    torch.manual_seed(seed)
+    model_cls(cfg).save_pretrained(path)
+    return path
+
+
 def tokens(batch: int = 2, seed: int = 7, vocab: int = COMMON["vocab_size"]) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 

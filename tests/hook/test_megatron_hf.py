@@ -246,6 +246,33 @@ def test_qwen3_next_trains_with_transformers_loss(tmp_path, data, nproc, layout,
     assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
 
 
+HUB_QWEN3_5 = [("qwen3_5_moe", 2, ["--expert-model-parallel-size", "2"]),
+               ("qwen3_5_moe", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+               ("qwen3_5", 2, ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "G-G-|G-*-"])]
+
+
+@pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
+                                                       "stand-ins for Transformer Engine, mamba_ssm and fla)")
+@pytest.mark.parametrize("name, nproc, layout", HUB_QWEN3_5,
+                         ids=[f"{c[0]}-{'-'.join(c[2][:2])}" for c in HUB_QWEN3_5])
+def test_qwen3_5_as_the_hub_publishes_it_trains_with_its_language_models_loss(tmp_path, data, nproc, layout, name):
+    """Qwen3.5 as the hub publishes it (the vision-language model: text_config, the language model under
+    model.language_model., a vision encoder) started by pretrain_hybrid.py with the printed flags (te_cpu and
+    mamba_cpu, CPU stand-ins): the loss of the language model transformers reads from the same dir
+    (AutoModelForCausalLM, as users load it)."""
+    from tests.helpers import hf_data, hf_models
+
+    path = hf_models.write_vlm(name, str(tmp_path / name))
+    flags = printed_flags(path)
+    if "--hybrid-layer-pattern" in layout:  # (the run's pattern with its pipeline cut replaces the printed one)
+        i = flags.index("--hybrid-layer-pattern")
+        flags = flags[:i] + flags[i + 2:]
+    rc, log = run(tmp_path, path, nproc, *flags, "--data-path", data, *layout, "--preflight", "auto",
+                  script="pretrain_hybrid.py", base=BASE, port=29753, verify=False, te=True)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
+
+
 HYBRID_EXPORTS = [("nemotron_h", ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
                   ("qwen3_next", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format",
                                   "torch_dist"]),

@@ -19,6 +19,7 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.hf import families, files, quant, stacked
 from megatron_preflight.layout.hf.config import architecture_of, load_raw
+from megatron_preflight.layout.hf.families.spec import TEXT_PREFIX
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import Run, SafeRef, safe_ref, tensor_table
 from megatron_preflight.layout.model import Format, Layout, Shard
@@ -33,16 +34,22 @@ def discover_hf(path: str) -> Layout:
     raw, config_path = load_raw(path)
     arch = architecture_of(raw)
     layout.looks_like = f"a Hugging Face model ({arch})"
+    wrapper = families.wrapper_for(arch)
     try:
         family = families.family_for(arch, config_path)
-        cfg = families.read_config(family, raw, config_path)
+        cfg = families.read_config(family, wrapper.text_config(raw, config_path) if wrapper else raw, config_path)
         scheme = quant.scheme_of(raw, config_path)
     except PreflightError as e:
         layout.add(e.code or "hf_unsupported", e.path or config_path, e.message, e.fix or "")
         return layout
     table = tensor_table(path)
+    # (a multimodal model's language model; or the text model itself as transformers 5 saves one it read from the
+    # multimodal model's files: under the same prefix)
+    stored_in = wrapper or next((w for w in family.wrappers if any(n.startswith(w.prefix) for n in table.tensors)),
+                                None)
+    found, others = _unwrap(stored_in, table.tensors, layout) if stored_in else (table.tensors, {})
     if cfg.dtype is None:  # (GPT-OSS's config.json on the hub names none)
-        stored = stored_dtype(table.tensors)
+        stored = stored_dtype(found)
         if stored is not None:
             cfg = dataclasses.replace(cfg, dtype=stored)
             layout.notes.append(f"config.json names no dtype (torch_dtype): the model's weights are stored in {stored}, "
@@ -55,7 +62,7 @@ def discover_hf(path: str) -> Layout:
         layout.add("hf_unsupported", config_path, f"{arch}: Megatron's GPT model cannot express {reason}",
                    "convert it with a tool that maps this model (e.g. Megatron-Bridge), or train it elsewhere")
     args = saved_args(family, cfg, path)
-    depth = families.mtp_depth(cfg, {k: 1 for k in table.tensors})
+    depth = families.mtp_depth(cfg, {k: 1 for k in found})
     if depth:
         args.mtp_num_layers = depth
     elif cfg.mtp_layers:
@@ -64,11 +71,17 @@ def discover_hf(path: str) -> Layout:
     layout.saved_args = args
     layout.notes.append(f"Hugging Face {arch} ({family.name} family): read as a TP1 PP1 EP1 Megatron checkpoint, "
                         "weights only (iteration 0, no optimizer or RNG state)")
+    if wrapper:
+        layout.notes.append(_wrapper_note(wrapper, cfg, others))
+    elif stored_in:
+        layout.notes.append(f"its tensors are stored under {stored_in.prefix!r} (as transformers 5 saves a {arch} it "
+                            f"read from {stored_in.architecture}'s files): read as {arch}'s own"
+                            + (f"; {len(others)} tensors of a {stored_in.what} are not loaded" if others else ""))
     if cfg.sliding_window and cfg.max_position_embeddings and cfg.sliding_window < cfg.max_position_embeddings \
             and not getattr(args, "window_size", None):
         layout.notes.append(f"the model attends over a sliding window of {cfg.sliding_window} tokens: Megatron's "
                             "GPT model attends over the whole sequence (the same for sequences up to the window)")
-    tensors, covers, errors = stacked.expand(table.tensors, family.stacked, quant.dequantized_dtype(cfg.dtype),
+    tensors, covers, errors = stacked.expand(found, family.stacked, quant.dequantized_dtype(cfg.dtype),
                                              isinstance(scheme, quant.Mxfp4), path)
     model, missing, needed, more = _model(family, cfg, tensors, path, scheme)
     errors += more
@@ -93,9 +106,10 @@ def discover_hf(path: str) -> Layout:
                                 "copy that kept its quantization_config): the weights are read as stored")
     for e in errors:
         layout.add(e.code or "hf_shape", e.path or path, e.message, e.fix or "")
+    stored_as = stored_in.stored if stored_in else str
     for name in missing:
-        layout.add("missing_tensor", path, f"the model has no tensor {name!r}, which {arch} with this config.json "
-                   "has", "download the model again (or check that config.json belongs to these weights)")
+        layout.add("missing_tensor", path, f"the model has no tensor {stored_as(name)!r}, which {arch} with this "
+                   "config.json has", "download the model again (or check that config.json belongs to these weights)")
     unloaded = sorted(k for k in tensors if family.unloaded and k.startswith(family.unloaded))
     if unloaded:
         layout.notes.append(f"{len(unloaded)} tensor(s) under {', '.join(family.unloaded)} (the multi-token prediction "
@@ -104,7 +118,7 @@ def discover_hf(path: str) -> Layout:
                    and not (family.unloaded and k.startswith(family.unloaded)))
     if stray and not missing:
         layout.add("unmapped_tensor", path, f"{len(stray)} tensor(s) that {arch} with this config.json does not "
-                   f"have, first {stray[0]!r} (never dropped silently)",
+                   f"have, first {stored_as(stray[0])!r} (never dropped silently)",
                    "check that config.json belongs to these weights")
     shard = Shard("mp_rank_00", 0, None, None, files=dict(table.files), path=path,
                   meta={"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "model": model})
@@ -112,6 +126,39 @@ def discover_hf(path: str) -> Layout:
     layout.parallel = parallel.from_args(args)
     layout.distributed_optimizer = False
     return layout
+
+
+def _unwrap(wrapper: families.Wrapper, tensors: dict[str, Any], layout: Layout) \
+        -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the language model's tensors under the text model's names, the other parts' tensors) of a multimodal
+    model's files (:class:`~.families.Wrapper`); a tensor stored under both names is a problem, never overwritten."""
+    text: dict[str, Any] = {}
+    others: dict[str, Any] = {}
+    for name, t in tensors.items():
+        if name.startswith(wrapper.others):
+            others[name] = t
+            continue
+        own = TEXT_PREFIX + name[len(wrapper.prefix):] if name.startswith(wrapper.prefix) else name
+        if own in text:
+            layout.add("unmapped_tensor", layout.path, f"the files hold {name!r} and {own!r}: both are the "
+                       f"language model's {own!r} ({wrapper.architecture} keeps its language model under "
+                       f"{wrapper.prefix!r})", "remove the tensor that does not belong to this model")
+            continue
+        text[own] = t
+    return text, others
+
+
+def _wrapper_note(wrapper: families.Wrapper, cfg: Any, others: dict[str, Any]) -> str:
+    rope = cfg.raw.get("rope_parameters") or cfg.raw.get("rope_scaling") or {}
+    mrope = rope.get("mrope_section") if isinstance(rope, dict) else None
+    size = sum(t.nbytes for t in others.values())
+    return (f"{wrapper.architecture} is a multimodal model: its language model ({wrapper.text}, the tensors under "
+            f"{wrapper.prefix!r} and the head) is what is read; its {wrapper.what} ({len(others)} tensors under "
+            f"{', '.join(repr(p) for p in wrapper.others)}, {size / 2**20:,.1f} MiB) is no part of a Megatron GPT or "
+            f"hybrid run and is not loaded"
+            + (f"; its M-RoPE (mrope_section {mrope}) gives every section a text token's position, which is RoPE as "
+               "Megatron applies it" if mrope else "")
+            + f". An export writes the language model as {wrapper.text}, which transformers also reads from this dir")
 
 
 _FLOATS = ("bfloat16", "float16", "float32")

@@ -31,6 +31,7 @@ from megatron_preflight.layout.hf.families.spec import (
     MAX_TP,
     MLA_YARN_ORIGINAL,
     Family,
+    Wrapper,
     arg,
     config_from_args,
     config_json,
@@ -52,14 +53,19 @@ FAMILIES: tuple[Family, ...] = tuple(f for m in (llama, qwen2, qwen3, mixtral, q
                                      for f in getattr(m, "FAMILIES", None) or (m.FAMILY,))
 
 __all__ = ["FAMILIES", "LLAMA3_FIXED", "MAX_TP", "MLA_YARN_ORIGINAL", "Block", "Family", "Mapping", "Moe",
-           "UnsupportedModel", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",
+           "UnsupportedModel", "Wrapper", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",
            "fitting_families", "ignored", "mappings", "megatron_args", "mtp_copies", "mtp_depth", "qk_norm",
-           "qkv_bias", "read_config", "refusals", "supported", "true_vocab"]
+           "qkv_bias", "read_config", "refusals", "supported", "true_vocab", "wrapper_for"]
 
 
 def supported() -> list[str]:
-    """Every architecture a family covers."""
-    return [a for f in FAMILIES for a in f.architectures]
+    """Every architecture a family covers (the multimodal ones whose language model it is, too)."""
+    return [a for f in FAMILIES for a in (*f.architectures, *(w.architecture for w in f.wrappers))]
+
+
+def wrapper_for(architecture: str) -> Wrapper | None:
+    """The multimodal model ``architecture`` names whose language model a family here is (None: not one)."""
+    return next((w for f in FAMILIES for w in f.wrappers if w.architecture == architecture), None)
 
 
 class UnsupportedModel(PreflightError):
@@ -68,6 +74,9 @@ class UnsupportedModel(PreflightError):
 
 def family_for(architecture: str, path: str) -> Family:
     """The family of ``architecture``; an unsupported one is refused, naming what is supported."""
+    wrapper = wrapper_for(architecture)
+    if wrapper is not None:
+        architecture = wrapper.text
     for f in FAMILIES:
         if architecture in f.architectures:
             return f

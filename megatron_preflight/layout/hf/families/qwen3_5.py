@@ -2,8 +2,10 @@
 nets beside gated attention, zero-centred norms, MoE layers with a gated shared expert) with its gated delta nets'
 input projections stored section by section — ``in_proj_qkv`` ``[q, k, v]`` (all heads of each), ``in_proj_z``,
 ``in_proj_b``, ``in_proj_a`` — which are Megatron's ``in_proj`` rows ``[q, k, v, z, b, a]`` as they are; every layer
-a MoE layer whose top-k probabilities are always renormalised (the dense models: every layer a dense MLP). The hub's Qwen3.5 checkpoints are the vision-language
-model (``Qwen3_5MoeForConditionalGeneration``): refused, naming it (its language model alone is this family)."""
+a MoE layer whose top-k probabilities are always renormalised (the dense models: every layer a dense MLP). The hub
+publishes Qwen3.5 (and Qwen3.6, the same classes) as the vision-language model (``Qwen3_5MoeForConditionalGeneration``,
+``Qwen3_5ForConditionalGeneration``): its language model is read (the tensors under ``model.language_model.``, the
+config's ``text_config``), its vision encoder (``model.visual.``) is not loaded, said in a note."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 from megatron_preflight.layout.hf.config import HfConfig, Key
 from megatron_preflight.layout.hf.families import qwen_hybrid as qh
 from megatron_preflight.layout.hf.families.rows import stack
-from megatron_preflight.layout.hf.families.spec import Family
+from megatron_preflight.layout.hf.families.spec import Family, Wrapper
 
 
 def _gdn_in_proj(la: str, cfg: HfConfig) -> Any:
@@ -39,6 +41,7 @@ MOE_FAMILY = Family(
     qkv_bias="never", qk_norm="always", moe=qh.MOE, args=_args, tensors=qh.tensors(_gdn_in_proj), refuse=qh.refuse,
     impl="transformer_engine", inert=frozenset({"router_aux_loss_coef", "output_router_logits"}),
     unloaded=("mtp.",), back=qh.back, expresses=qh.expresses, rank=9,
+    wrappers=(Wrapper("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),),
 )
 
 DENSE_FAMILY = Family(
@@ -48,5 +51,6 @@ DENSE_FAMILY = Family(
     qkv_bias="never", qk_norm="always", moe=qh.MOE, args=qh.args, tensors=qh.tensors(_gdn_in_proj),
     refuse=qh.refuse, impl="transformer_engine", unloaded=("mtp.",), back=qh.back,
     expresses=lambda args: qh.expresses(args, dense=True), rank=9,
+    wrappers=(Wrapper("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),),
 )
 FAMILIES = (MOE_FAMILY, DENSE_FAMILY)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from megatron_preflight import parallel
+from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.hf.config import HfConfig, Key, RopeScaling
 from megatron_preflight.layout.hf.families.rows import Mapping, Moe, Rows, gqa_layer, mla_layer, stack
 from megatron_preflight.layout.hf.stacked import Stacked
@@ -64,6 +65,58 @@ def _nothing(*_: Any) -> list:
 
 
 @dataclass(frozen=True)
+class Wrapper:
+    """A multimodal model as the hub publishes it whose language model is one of the family's text models (Qwen3.5:
+    ``Qwen3_5MoeForConditionalGeneration`` holds a ``Qwen3_5MoeForCausalLM``): the text model's config.json is the
+    wrapper's ``config_key`` object, its tensors are the text model's under ``prefix`` in place of ``model.`` (the
+    head, ``lm_head.``, as it is), and the tensors under ``others`` (the ``what``) are no part of a Megatron GPT or
+    hybrid run: not loaded, said in a note. transformers reads the language model of such a dir the same way (its
+    text model class drops the prefix and ignores the rest), and an export writes the text model."""
+
+    architecture: str
+    text: str  # the family's architecture of the language model it holds
+    prefix: str = "model.language_model."
+    others: tuple[str, ...] = ("model.visual.",)
+    what: str = "vision encoder"
+    config_key: str = "text_config"
+    # top-level config.json keys the text model takes where its own object leaves them out (transformers' multimodal
+    # configs keep the dtype and the tied head there)
+    shared: tuple[str, ...] = ("torch_dtype", "dtype", "tie_word_embeddings")
+
+    def text_config(self, raw: dict[str, Any], path: str) -> dict[str, Any]:
+        """The language model's config.json: the wrapper's ``config_key`` object, with the top-level keys it leaves
+        out (:attr:`shared`), naming the text architecture. A key set at both levels to different values is refused
+        (transformers' multimodal class reads the top level, its text model class the object: they would differ)."""
+        text = raw.get(self.config_key)
+        if not isinstance(text, dict):
+            raise PreflightError(f"config.json names {self.architecture} but holds no {self.config_key} object (the "
+                                 "language model's config)", path=path, fix="download config.json again",
+                                 code="hf_config")
+        out = dict(text)
+        for name in self.shared:
+            top = raw.get(name)
+            if top is None:
+                continue
+            if out.get(name) is None:
+                out[name] = top
+            elif out[name] != top:
+                raise PreflightError(f"config.json's {name} is {top!r} and its {self.config_key}.{name} is "
+                                     f"{out[name]!r}: {self.architecture} reads the first, its language model class "
+                                     f"({self.text}) the second", path=path,
+                                     fix="set both to the model's value (download config.json again)",
+                                     code="hf_config")
+        out["architectures"] = [self.text]
+        return out
+
+    def stored(self, name: str) -> str:
+        """The name the wrapper's files give the text model's tensor ``name``."""
+        return self.prefix + name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
+
+
+TEXT_PREFIX = "model."  # the text models' own prefix (a wrapper's ``prefix`` stands in its place)
+
+
+@dataclass(frozen=True)
 class Family:
     """One family's declaration: the HF architectures it covers, its config table, its tensor rows and what it
     refuses. Its module holds everything that differs from the shared code here."""
@@ -95,6 +148,7 @@ class Family:
     stacked: tuple[Stacked, ...] = ()  # its experts' tensors stored stacked, one per layer (layout/hf/stacked.py)
     linear_bias: bool = False  # every linear carries a bias (Megatron's add_bias_linear; GPT-OSS)
     sinks: bool = False  # attention sinks: a learnable logit per head in each softmax (--softmax-type learnable)
+    wrappers: tuple[Wrapper, ...] = ()  # the multimodal models on the hub whose language model is this family's
 
     @property
     def mla(self) -> bool:

@@ -1,0 +1,121 @@
+"""A multimodal model as the hub publishes it whose language model a family reads (Qwen3.5 and Qwen3.6:
+``Qwen3_5MoeForConditionalGeneration``, ``Qwen3_5ForConditionalGeneration``; spec.Wrapper): read as the text model
+``transformers`` itself extracts from the same dir (its ``Qwen3_5*ForCausalLM.from_pretrained``, the oracle), tensor
+for tensor, at the saved layout and resharded; the vision encoder named in a note, never silently dropped; an export
+writes that text model; a config whose two levels disagree is refused naming both."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+
+import pytest
+
+torch = pytest.importorskip("torch")
+T = pytest.importorskip("transformers")
+
+from megatron_preflight.cli.main import main  # noqa: E402
+from megatron_preflight.layout.discover import discover  # noqa: E402
+from tests.helpers import hf_models  # noqa: E402
+
+TEXT = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(argv))
+        except SystemExit as exc:
+            rc = int(exc.code or 0)
+    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="module", params=sorted(TEXT))
+def pair(request, tmp_path_factory):
+    """(name, the VLM dir, the text model transformers reads from it, saved as its own dir)."""
+    root = tmp_path_factory.mktemp(request.param)
+    vlm = hf_models.write_vlm(request.param, str(root / "vlm"))
+    text = getattr(T, TEXT[request.param]).from_pretrained(vlm, dtype=torch.float32)
+    text.save_pretrained(str(root / "text"))
+    return request.param, vlm, str(root / "text"), text
+
+
+def test_the_language_model_reads_as_the_text_model_transformers_extracts(pair):
+    name, vlm, text_dir, _ = pair
+    # (transformers 5 saves the text model it read from the multimodal files under their prefix, as they were)
+    assert any(n.startswith("model.language_model.") for n in hf_models_names(text_dir))
+    assert any("stored under 'model.language_model.'" in n for n in discover(text_dir).notes)
+    lay = discover(vlm)
+    assert lay.problems == [], lay.problems
+    note = next(n for n in lay.notes if "multimodal" in n)
+    assert "vision encoder (33 tensors under 'model.visual.'" in note and "M-RoPE" in note
+    assert f"writes the language model as {TEXT[name]}" in note
+    ours, theirs = lay.saved_args, discover(text_dir).saved_args
+    assert {k: v for k, v in vars(ours).items() if k != "tokenizer_model"} == \
+        {k: v for k, v in vars(theirs).items() if k != "tokenizer_model"}
+    done = cli("diff", vlm, text_dir)  # every Megatron tensor, bit for bit
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert cli("flags", vlm).stdout.split("\n", 1)[1] == cli("flags", text_dir).stdout.split("\n", 1)[1]
+
+
+def hf_models_names(path: str) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as fh:
+        return list(fh.keys())
+
+
+def test_on_text_the_multimodal_model_computes_its_text_models_logits(pair):
+    """What a Megatron run trains (the language model on text) is what the published model computes on text."""
+    name, vlm, _, text = pair
+    full = getattr(T, f"{TEXT[name].replace('ForCausalLM', 'ForConditionalGeneration')}").from_pretrained(
+        vlm, dtype=torch.float32)
+    ids = hf_models.tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(full.eval()(ids).logits, text.eval()(ids).logits, atol=0, rtol=0)
+
+
+def test_resharded_and_exported_it_is_the_text_model(pair, tmp_path):
+    name, vlm, text_dir, _ = pair
+    layout = ["--tensor-model-parallel-size", "2"] + (["--expert-model-parallel-size", "2"] if "moe" in name else [])
+    mid, back = str(tmp_path / "megatron"), str(tmp_path / "back")
+    assert cli("reshard", vlm, mid, "--no-progress", "--ckpt-format", "torch_dist", "--", *layout).returncode == 0
+    done = cli("diff", mid, text_dir, "--weights-only")
+    assert done.returncode == 0, done.stdout
+    done = cli("reshard", mid, back, "--no-progress", "--ckpt-format", "hf")
+    assert done.returncode == 0, done.stderr
+    with open(os.path.join(back, "config.json")) as fh:
+        assert json.load(fh)["architectures"] == [TEXT[name]]
+    assert cli("diff", back, text_dir).returncode == 0
+    torch.testing.assert_close(hf_models.hf_logits(back), hf_models.hf_logits(text_dir), atol=0, rtol=0)
+
+
+def test_a_tied_head_the_two_levels_disagree_on_is_refused_naming_both(tmp_path):
+    vlm = hf_models.write_vlm("qwen3_5", str(tmp_path / "vlm"))
+    path = os.path.join(vlm, "config.json")
+    with open(path) as fh:
+        raw = json.load(fh)
+    raw["tie_word_embeddings"] = True  # (the text_config says false)
+    with open(path, "w") as fh:
+        json.dump(raw, fh)
+    done = cli("inspect", vlm)
+    assert done.returncode == 1 and "Traceback" not in done.stderr + done.stdout
+    text = done.stdout + done.stderr
+    assert "tie_word_embeddings is True and its text_config.tie_word_embeddings is False" in text
+    assert "Qwen3_5ForConditionalGeneration reads the first" in text
+
+
+def test_a_multimodal_config_without_its_text_config_is_named(tmp_path):
+    vlm = hf_models.write_vlm("qwen3_5", str(tmp_path / "vlm"))
+    path = os.path.join(vlm, "config.json")
+    with open(path) as fh:
+        raw = json.load(fh)
+    del raw["text_config"]
+    with open(path, "w") as fh:
+        json.dump(raw, fh)
+    done = cli("inspect", vlm)
+    assert done.returncode == 1 and "holds no text_config object" in done.stdout + done.stderr
