@@ -37,6 +37,7 @@ FUNCTION_FIELDS = (
     ("moe_router_num_groups", "the router's expert groups"),
     ("moe_router_group_topk", "how many expert groups each token may use"),
     ("moe_router_topk_scaling_factor", "the routed experts' scaling factor"),
+    ("moe_latent_size", "the latent width the experts compute in (NemotronH's fc1/fc2_latent_proj)"),
     ("rope_type", "the rotary embedding's kind (MLA takes yarn unless told)"),
     ("rotary_scaling_factor", "YaRN's scaling factor"),
     ("mscale", "YaRN's attention scale (mscale)"),
@@ -60,6 +61,11 @@ FUNCTION_FIELDS = (
     ("glu_linear_offset", "the offset added to the GLU's linear half"),
     ("activation_func_clamp_value", "the clamp of the GLU's halves"),
 )
+
+# fields whose unset value in the model's args means the feature is off (this value, where a run may also write it):
+# a run that sets one otherwise computes another model (the fix: remove the flag)
+OFF_WHEN_UNSET: dict[str, Any] = {"rotary_seq_len_interpolation_factor": None, "moe_router_topk_scaling_factor": 1.0,
+                                  "moe_latent_size": None, "moe_router_num_groups": 1}
 
 # the model flags of a run, in the order a launch script lists them: (field, flag); a bool is the flag alone
 MODEL_FLAGS = (
@@ -86,6 +92,7 @@ MODEL_FLAGS = (
     ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
     ("moe_router_num_groups", "--moe-router-num-groups"), ("moe_router_group_topk", "--moe-router-group-topk"),
     ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"), ("moe_router_dtype", "--moe-router-dtype"),
+    ("moe_latent_size", "--moe-latent-size"),
     ("mtp_num_layers", "--mtp-num-layers"), ("transformer_impl", "--transformer-impl"),
     # a HybridModel (pretrain_hybrid.py): its layer spec, pattern and Mamba-2 mixers; its squared-ReLU MLP
     ("spec", "--spec"), ("hybrid_layer_pattern", "--hybrid-layer-pattern"), ("mamba_num_heads", "--mamba-num-heads"),
@@ -255,9 +262,9 @@ def hf_findings(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
             continue
         if field == "rope_scaling_factor" and not getattr(saved, "use_rope_scaling", False):
             continue
-        if ck is None and field != "rotary_seq_len_interpolation_factor":
-            continue
         run = getattr(rt, field, None)
+        if ck is None and (field not in OFF_WHEN_UNSET or run is None or _same(OFF_WHEN_UNSET[field], run)):
+            continue
         if field == "moe_layer_freq":  # compared as the layers it makes MoE layers
             ck, run = _moe_layers(saved, ck), _moe_layers(saved, 1 if run is None else run)
         if field == "window_attn_skip_freq":  # compared as the layers it makes windowed

@@ -76,6 +76,7 @@ class RuntimeArgs:
     moe_router_group_topk: int | None = None
     moe_router_topk_scaling_factor: float | None = None
     moe_router_dtype: str | None = None
+    moe_latent_size: int | None = None
     rope_type: str | None = None  # MLA's default is yarn
     rotary_scaling_factor: float = 1.0  # YaRN (MLA)
     mscale: float = 1.0

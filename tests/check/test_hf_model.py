@@ -17,8 +17,9 @@ hf_models = pytest.importorskip("tests.helpers.hf_models")
 pytest.importorskip("transformers")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "nemotron_h",
-            "qwen3_next", "gpt_oss", "qwen3_5_moe", "qwen3_5"]
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "qwen3_5_moe")
+            "nemotron_h_moe", "nemotron_h_latent", "qwen3_next", "gpt_oss", "qwen3_5_moe", "qwen3_5"]
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "qwen3_5_moe", "nemotron_h_moe",
+       "nemotron_h_latent")
 # (GPT-OSS's MoE biases take expert-tensor-parallel size 1: a Megatron rule, checked as any layout rule)
 RUN = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--tokenizer-type",
        "NullTokenizer", "--vocab-size", "127", "--seq-length", "16", "--micro-batch-size", "1",
@@ -97,6 +98,13 @@ HYBRID_EDITS = [("hybrid_layer_pattern", ["--hybrid-layer-pattern", "MM*-"]),
                 ("mamba_state_dim", ["--mamba-state-dim", "8"]), ("mamba_head_dim", ["--mamba-head-dim", "8"]),
                 ("mamba_num_groups", ["--mamba-num-groups", "1"]), ("mamba_num_heads", ["--mamba-num-heads", "2"])]
 HYBRID_DROPS = [("squared_relu", "--squared-relu")]
+# NemotronH's MoE layers (Nemotron 3): its router (sigmoid, bias, groups, scaling), shared experts, latent width
+HYBRID_MOE_EDITS = [("moe_router_score_function", ["--moe-router-score-function", "softmax"]),
+                    ("moe_router_topk_scaling_factor", ["--moe-router-topk-scaling-factor", "3.0"]),
+                    ("moe_shared_expert_intermediate_size", ["--moe-shared-expert-intermediate-size", "32"])]
+HYBRID_MOE_DROPS = [("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias")]
+HYBRID_GROUPS = [("moe_router_num_groups", ["--moe-router-num-groups", "4"])]  # (nemotron_h_moe: 2 groups)
+HYBRID_LATENT = [("moe_latent_size", ["--moe-latent-size", "8"])]  # (nemotron_h_latent)
 # Qwen3-Next's own fields: its layer pattern, gated delta nets, partial RoPE, gates and zero-centred norms
 NEXT_EDITS = [("hybrid_layer_pattern", ["--hybrid-layer-pattern", "GE*EGE*E"]),
               ("linear_key_head_dim", ["--linear-key-head-dim", "16"]),
@@ -119,7 +127,7 @@ OSS_DROPS = [("quick_geglu", "--quick-geglu"),
 # (its MoE layers are its pattern's E layers; two Megatron layers per HF layer)
 NOT_NEXT = ("num_layers", "moe_layer_freq", "use_rope_scaling")
 # (no RoPE, no QK norm or QKV bias to edit; its layers are its pattern's, compared as the pattern)
-NOT_HYBRID = ("rotary_base", "use_rope_scaling", "qk_layernorm", "add_qkv_bias", "num_layers")
+NOT_HYBRID = ("rotary_base", "use_rope_scaling", "qk_layernorm", "add_qkv_bias", "num_layers", "moe_layer_freq")
 NOT_MLA = ("num_query_groups", "kv_channels", "group_query_attention")  # MLA has neither groups nor kv channels
 DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
          ("qk_layernorm", "--qk-layernorm"), ("add_qkv_bias", "--add-qkv-bias"),
@@ -128,16 +136,19 @@ DROPS = [("swiglu", "--swiglu"), ("untie_embeddings_and_output_weights", "--unti
 
 def _cases():
     for name in FAMILIES:
-        mla, glm, hyb = name == "deepseek_v3", name == "glm4_moe", name == "nemotron_h"
+        mla, glm, hyb = name == "deepseek_v3", name == "glm4_moe", name.startswith("nemotron_h")
         nxt = name in ("qwen3_next", "qwen3_5_moe", "qwen3_5")
         oss = name == "gpt_oss"
+        hyb_moe = (HYBRID_MOE_EDITS if hyb and name in MOE else []) + (
+            HYBRID_GROUPS if name == "nemotron_h_moe" else []) + (HYBRID_LATENT if name == "nemotron_h_latent" else [])
         for field, edit in EDITS + (MOE_EDITS if name in MOE else []) + (MLA_EDITS if mla else []) + (
                 GLM_EDITS if glm else []) + (HYBRID_EDITS if hyb else []) + (NEXT_EDITS if nxt else []) + (
-                OSS_EDITS if oss else []):
+                OSS_EDITS if oss else []) + hyb_moe:
             if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID) and not (nxt and field in NOT_NEXT):
                 yield name, field, edit, None
         for field, flag in DROPS + (MLA_DROPS if mla else []) + (GLM_DROPS if glm else []) + (
-                HYBRID_DROPS if hyb else []) + (NEXT_DROPS if nxt else []) + (OSS_DROPS if oss else []):
+                HYBRID_DROPS if hyb else []) + (NEXT_DROPS if nxt else []) + (OSS_DROPS if oss else []) + (
+                HYBRID_MOE_DROPS if hyb and name in MOE else []):
             if not (mla and field in NOT_MLA) and not (hyb and field in NOT_HYBRID) and not (nxt and field in NOT_NEXT) \
                     and not (name not in MOE and field.startswith("moe_")):  # (an expert flag on a dense model)
                 yield name, field, None, flag
@@ -158,7 +169,8 @@ def test_each_wrong_flag_is_named_and_its_fix_clears_it(models, name, field, edi
     names = set(found)
     if field == "group_query_attention":
         field = "num_query_groups"  # GQA off means one group per head: the groups differ
-    if field == "moe_router_score_function" and name in ("deepseek_v3", "glm4_moe"):
+    if field == "moe_router_score_function" and name in ("deepseek_v3", "glm4_moe", "nemotron_h_moe",
+                                                         "nemotron_h_latent"):
         names.discard("moe_router_enable_expert_bias")  # (an expert bias needs sigmoid: said as well)
     assert field in names, f"{name}: {bad} -> {found}"
     fixed = apply(bad, found[field])

@@ -47,6 +47,22 @@ def configs() -> dict[str, Any]:
                                         hybrid_override_pattern="M*M-", head_dim=8, mamba_num_heads=4,
                                         mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
                                         chunk_size=8, tie_word_embeddings=False),
+        # NemotronH with MoE layers (Nemotron 3): Mamba-2, MoE, attention, MoE; 8 squared-ReLU experts in 2 groups
+        # behind a sigmoid router with its expert bias and a scaling factor, shared experts of their own size
+        "nemotron_h_moe": T.NemotronHConfig(**{k: v for k, v in COMMON.items() if k != "num_hidden_layers"},
+                                            hybrid_override_pattern="ME*E", head_dim=8, mamba_num_heads=4,
+                                            mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+                                            chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+                                            n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                            tie_word_embeddings=False),
+        # ... and its experts computing in a latent width (Nemotron 3 Super's moe_latent_size)
+        "nemotron_h_latent": T.NemotronHConfig(**{k: v for k, v in COMMON.items() if k != "num_hidden_layers"},
+                                               hybrid_override_pattern="M*E", head_dim=8, mamba_num_heads=4,
+                                               mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+                                               chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+                                               moe_latent_size=16, tie_word_embeddings=False),
         # Qwen3-Next: 3 gated delta nets (2 key / 4 value heads of 8) then gated attention (RoPE on a quarter of each
         # head, QK norm), every layer a MoE of 4 experts with a gated shared expert, zero-centred norms
         "qwen3_next": T.Qwen3NextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=8, num_experts=4,
@@ -82,6 +98,10 @@ def write(name: str, path: str, seed: int = 0, **overrides: Any) -> str:
         setattr(cfg, k, v)
     torch.manual_seed(seed)
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():  # (transformers starts a router's expert bias at zero: one that was not read would pass)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed + 5)) * 0.1)
     model.save_pretrained(path)
     return path
 

@@ -220,6 +220,36 @@ def test_nemotron_h_trains_with_transformers_loss(tmp_path, data, nproc, layout)
     assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
 
 
+# NemotronH's MoE layers (Nemotron 3): at each layout, and with its experts in a latent width (Nemotron 3 Super)
+NEMOTRON_H_MOE = [("nemotron_h_moe", 1, []),
+                  ("nemotron_h_moe", 2, ["--expert-model-parallel-size", "2"]),
+                  ("nemotron_h_moe", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                  ("nemotron_h_moe", 2, ["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "ME|*E"]),
+                  ("nemotron_h_latent", 2, ["--expert-model-parallel-size", "2"]),
+                  ("nemotron_h_latent", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])]
+
+
+@pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
+                                                       "stand-ins for Transformer Engine and mamba_ssm)")
+@pytest.mark.parametrize("name, nproc, layout", NEMOTRON_H_MOE,
+                         ids=[f"{c[0]}-{'-'.join(c[2][:2]) or 'tp1'}" for c in NEMOTRON_H_MOE])
+def test_nemotron_h_moe_trains_with_transformers_loss(tmp_path, data, name, nproc, layout):
+    """NemotronH with MoE layers (a sigmoid router with its expert bias, groups and scaling, squared-ReLU experts,
+    shared experts; latent projections) started by pretrain_hybrid.py with the printed flags (te_cpu and mamba_cpu,
+    CPU stand-ins, not TE or mamba_ssm): transformers' own loss on the same tokens."""
+    from tests.helpers import hf_data, hf_models
+
+    path = hf_models.write(name, str(tmp_path / name))
+    flags = printed_flags(path)
+    if "--hybrid-layer-pattern" in layout:  # (the run's pattern with its pipeline cut replaces the printed one)
+        i = flags.index("--hybrid-layer-pattern")
+        flags = flags[:i] + flags[i + 2:]
+    rc, log = run(tmp_path, path, nproc, *flags, "--data-path", data, *layout, "--preflight", "auto",
+                  script="pretrain_hybrid.py", base=BASE, port=29754, verify=False, te=True)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
+
+
 QWEN3_NEXT = [(1, []), (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
               (2, ["--expert-model-parallel-size", "2"])]
 
@@ -274,6 +304,9 @@ def test_qwen3_5_as_the_hub_publishes_it_trains_with_its_language_models_loss(tm
 
 
 HYBRID_EXPORTS = [("nemotron_h", ["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
+                  ("nemotron_h_moe", ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
+                  ("nemotron_h_latent", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format",
+                                         "torch"]),
                   ("qwen3_next", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt-format",
                                   "torch_dist"]),
                   # (Megatron's save does not say which of Qwen3-Next and Qwen3.5 it came from: named on export)

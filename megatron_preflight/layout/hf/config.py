@@ -92,6 +92,7 @@ class HfConfig:
     mamba_state: int | None = None
     mamba_groups: int | None = None
     mamba_conv: int | None = None
+    moe_latent: int | None = None  # NemotronH's MoE layers: the experts compute in this latent width (moe_latent_size)
     # Qwen3-Next: each layer's kind (layer_types: linear_attention / full_attention), its gated delta nets' sizes, the
     # size of its one gated shared expert
     layer_kinds: tuple[str, ...] = ()
@@ -118,6 +119,8 @@ class HfConfig:
         ``mlp_only_layers``)."""
         if not self.num_experts:
             return [False] * self.num_layers
+        if self.hybrid_pattern:  # (a hybrid model's MoE layers are its pattern's E layers)
+            return [kind == "E" for kind in self.hybrid_pattern]
         step = max(1, self.decoder_sparse_step)
         return [i not in self.mlp_only_layers and (i + 1) % step == 0 and i >= self.first_k_dense
                 for i in range(self.num_layers)]
@@ -392,6 +395,7 @@ READERS: dict[str, _Reader] = {
     "mamba_state": lambda f, n, d, g: f.int(*n, default=d),
     "mamba_groups": lambda f, n, d, g: f.int(*n, hi=MAX_HEADS, default=d),
     "mamba_conv": lambda f, n, d, g: f.int(*n, hi=64, default=d),
+    "moe_latent": lambda f, n, d, g: f.int(*n, default=d),
     "layer_kinds": _kinds,
     "linear_key_head_dim": lambda f, n, d, g: f.int(*n, default=d),
     "linear_value_head_dim": lambda f, n, d, g: f.int(*n, default=d),

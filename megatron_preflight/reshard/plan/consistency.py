@@ -147,9 +147,13 @@ def expected_shapes(args: Any) -> dict[tuple[bool, str], tuple[int | None, ...]]
     if ffn:
         out[(False, "mlp.linear_fc1.weight")] = (ffn * glu, hidden)
         out[(False, "mlp.linear_fc2.weight")] = (hidden, ffn)
-    if moe_ffn:
-        out[(True, "linear_fc1.weight")] = (moe_ffn * glu, hidden)
-        out[(True, "linear_fc2.weight")] = (hidden, moe_ffn)
+    if moe_ffn:  # (the experts compute in the latent width where the model has one: --moe-latent-size)
+        width = get("moe_latent_size") or hidden
+        out[(True, "linear_fc1.weight")] = (moe_ffn * glu, width)
+        out[(True, "linear_fc2.weight")] = (width, moe_ffn)
+        if get("moe_latent_size"):
+            out[(False, "mlp.fc1_latent_proj.weight")] = (width, hidden)
+            out[(False, "mlp.fc2_latent_proj.weight")] = (hidden, width)
     return out
 
 

@@ -88,6 +88,8 @@ _TABLE: list[tuple[str, Rule]] = [
     (r"mlp\.linear_fc2\.bias", REPL),
     # MoE router (replicated over TP and EP)
     (r"mlp\.router\.(weight|bias|expert_bias)", REPL),
+    # MoE latent projections (NemotronH: the experts compute in a latent width): "duplicated" on every rank
+    (r"mlp\.fc(1|2)_latent_proj\.(weight|bias)", REPL),
     # shared experts use dense TP
     (r"mlp\.shared_experts\.linear_fc1\.(weight|bias)", Rule("fc1")),
     (r"mlp\.shared_experts\.linear_fc2\.weight", ROW),

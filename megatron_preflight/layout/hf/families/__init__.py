@@ -108,6 +108,9 @@ def export_refusals(args: Any) -> list[str]:
         out.append(f"{arg(args, 'normalization', 'LayerNorm')} (the architectures here use RMSNorm)")
     if arg(args, "add_bias_linear", True) and not biased:
         out.append("biases on every linear layer (--disable-bias-linear was not given)")
+    if arg(args, "moe_latent_size") and not hybrid:
+        out.append("MoE latent projections (--moe-latent-size: the architecture here with them is NemotronH, a hybrid "
+                   "model)")
     return out
 
 

@@ -1,11 +1,16 @@
-"""NemotronH (``NemotronHForCausalLM``): a hybrid of Mamba-2 mixers (``M``), attention without positional embedding
-(``*``) and squared-ReLU MLPs (``-``), one pre-norm per layer, as Megatron's HybridModel builds it
-(``pretrain_hybrid.py``, the Transformer Engine hybrid stack spec: each layer's norm fused into its first linear).
+"""NemotronH (``NemotronHForCausalLM``, Nemotron-H and Nemotron 3): a hybrid of Mamba-2 mixers (``M``), attention
+without positional embedding (``*``), squared-ReLU MLPs (``-``) and MoE layers (``E``), one pre-norm per layer, as
+Megatron's HybridModel builds it (``pretrain_hybrid.py``, the Transformer Engine hybrid stack spec: each layer's norm
+fused into its first linear, a MoE layer's its own ``pre_mlp_layernorm``).
 
 The layer pattern comes from ``hybrid_override_pattern`` (the hub) or ``layers_block_type`` (transformers 5). A Mamba
 mixer's ``in_proj`` rows are ``[z, x, B, C, dt]`` and its ``conv1d`` channels ``[x, B, C]`` in both, its gated norm
-normalises groups of ``d_inner / n_groups`` after the gate in both. NemotronH's MoE layers (``E``: Nemotron 3, with a
-latent projection) are refused, as is a Mamba convolution other than Megatron's 4 taps."""
+normalises groups of ``d_inner / n_groups`` after the gate in both. A MoE layer: a sigmoid router in fp32 with its
+expert bias (``e_score_correction_bias``), expert groups and a scaling factor (DeepSeek-V3's); squared-ReLU experts
+without a gate, one by one in the files, Transformer Engine's grouped linears in Megatron's; shared experts beside
+them; with ``moe_latent_size`` (Nemotron 3 Super) the experts compute in the latent width between
+``fc1_latent_proj`` and ``fc2_latent_proj`` (Megatron's ``--moe-latent-size``). A Mamba convolution other than
+Megatron's 4 taps is refused; the files' MTP layers (``mtp.``) are not loaded, said in a note."""
 
 from __future__ import annotations
 
@@ -44,21 +49,57 @@ def _tensors(r: Rows, cfg: HfConfig) -> list[Mapping]:
         elif kind == "-":
             out += te_mlp(r, mg, norm, r.copy(mg + "mlp.linear_fc1.weight", mix + "up_proj.weight"),
                           mix + "down_proj.weight")
+        elif kind == "E":
+            out += _moe(r, cfg, mix, mg, norm)
     return out + hybrid_tail(r, cfg, "backbone.norm_f.weight")
 
 
+def _moe(r: Rows, cfg: HfConfig, mix: str, mg: str, norm: str) -> list[Mapping]:
+    """A MoE layer under the hybrid stack spec's names: its norm, the router and its expert bias, the latent
+    projections (where the model has them), the experts as Transformer Engine's grouped linears (the hybrid layer
+    specs build no other), the shared experts; each Transformer Engine module's extra state."""
+    m = mg + "mlp."
+    out = [r.copy(mg + "pre_mlp_layernorm.weight", norm), r.extra(mg + "pre_mlp_layernorm._extra_state"),
+           r.copy(m + "router.weight", mix + "gate.weight"),
+           r.copy(m + "router.expert_bias", mix + "gate.e_score_correction_bias")]
+    if cfg.moe_latent:
+        for proj in ("fc1_latent_proj", "fc2_latent_proj"):
+            out += [r.copy(f"{m}{proj}.weight", f"{mix}{proj}.weight"), r.extra(f"{m}{proj}._extra_state")]
+    for fc, proj in (("linear_fc1", "up_proj"), ("linear_fc2", "down_proj")):
+        out += [r.copy(f"{m}experts.{fc}.weight{j}", f"{mix}experts.{j}.{proj}.weight")
+                for j in range(cfg.num_experts or 0)]
+        out.append(r.extra(f"{m}experts.{fc}._extra_state"))
+    for fc, proj in (("linear_fc1", "up_proj"), ("linear_fc2", "down_proj")):
+        out += [r.copy(f"{m}shared_experts.{fc}.weight", f"{mix}shared_experts.{proj}.weight"),
+                r.extra(f"{m}shared_experts.{fc}._extra_state")]
+    return out
+
+
 def _args(cfg: HfConfig) -> dict[str, Any]:
-    return {"hybrid_layer_pattern": cfg.hybrid_pattern, "is_hybrid_model": True, "spec": list(HYBRID_SPEC),
-            "mamba_num_heads": cfg.mamba_heads, "mamba_head_dim": cfg.mamba_head_dim,
-            "mamba_state_dim": cfg.mamba_state, "mamba_num_groups": cfg.mamba_groups,
-            "position_embedding_type": "none", "rotary_base": None, "rotary_percent": None, "swiglu": False,
-            "squared_relu": True}
+    out = {"hybrid_layer_pattern": cfg.hybrid_pattern, "is_hybrid_model": True, "spec": list(HYBRID_SPEC),
+           "mamba_num_heads": cfg.mamba_heads, "mamba_head_dim": cfg.mamba_head_dim,
+           "mamba_state_dim": cfg.mamba_state, "mamba_num_groups": cfg.mamba_groups,
+           "position_embedding_type": "none", "rotary_base": None, "rotary_percent": None, "swiglu": False,
+           "squared_relu": True}
+    if cfg.moe:  # (the pattern places the MoE layers; the shared experts have their own size)
+        out.update(moe_layer_freq=1, moe_shared_expert_intermediate_size=cfg.shared_expert_size or None)
+        if cfg.moe_latent:
+            out["moe_latent_size"] = cfg.moe_latent
+    return out
+
+
+def _back(values: dict[str, Any], args: Any) -> dict[str, Any]:
+    values.update(shared_expert_size=arg(args, "moe_shared_expert_intermediate_size"), shared_experts=0)
+    if "E" not in hybrid_layers(hybrid_pattern(args) or ""):  # (no MoE layer: its fields are written as _json says)
+        values.update({k.field: None for k in MOE_KEYS})
+    return values
 
 
 def _refuse(cfg: HfConfig) -> list[str]:
     out = []
-    if "E" in (cfg.hybrid_pattern or ""):
-        out.append("MoE layers (E in the layer pattern: Nemotron 3's latent experts are not mapped here)")
+    if cfg.moe and not cfg.shared_expert_size:
+        out.append("MoE layers without shared experts (moe_shared_expert_intermediate_size 0: NemotronH's MoE layer "
+                   "always runs them)")
     if cfg.mamba_conv not in (None, CONV):
         out.append(f"conv_kernel {cfg.mamba_conv} (Megatron's Mamba mixer convolves over {CONV} positions)")
     for key, neutral in (("mamba_proj_bias", False), ("use_bias", False), ("use_conv_bias", True),
@@ -73,11 +114,9 @@ def _refuse(cfg: HfConfig) -> list[str]:
     return out
 
 
-# what NemotronH's config class holds for its MoE layers (refused above when the pattern has any), its MTP layers
-# and its initialisation: read for nothing here
-INERT = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
-                   "moe_shared_expert_intermediate_size", "moe_latent_size", "moe_shared_expert_overlap", "n_group",
-                   "topk_group", "routed_scaling_factor", "norm_topk_prob", "mtp_layers_block_type",
+# what NemotronH's config class holds for its MTP layers (whose weights are not loaded), how it overlaps the shared
+# experts' compute, and its initialisation: read for nothing here
+INERT = frozenset({"n_shared_experts", "moe_shared_expert_overlap", "mtp_layers_block_type",
                    "num_nextn_predict_layers", "time_step_limit", "time_step_min", "time_step_max", "time_step_floor",
                    "rescale_prenorm_residual", "residual_in_fp32", "mamba_ssm_cache_dtype", "use_mamba_kernels",
                    "num_logits_to_keep", "chunk_size", "expand", "mamba_proj_bias", "use_bias", "use_conv_bias",
@@ -87,8 +126,27 @@ INERT = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok"
 def _expresses(args: Any) -> bool:
     t = traits(args)
     pattern = hybrid_layers(hybrid_pattern(args) or "")  # (its layers: the pipeline cuts and MTP depths aside)
-    return t.hybrid and not t.gated and bool(arg(args, "squared_relu", False)) and set(pattern) <= set("M*-") \
-        and not (t.moe or t.mla or t.mtp or t.zero_centred)
+    moe = "E" in pattern
+    return t.hybrid and not t.gated and bool(arg(args, "squared_relu", False)) and set(pattern) <= set("M*-E") \
+        and (not moe or (t.moe and t.sigmoid and t.expert_bias and t.shared
+                         and not arg(args, "moe_shared_expert_gate", False))) \
+        and not (t.mla or t.mtp or t.zero_centred)
+
+
+# its MoE layers' config rows (transformers' NemotronHConfig defaults; its typed fields refuse a null)
+MOE_KEYS = (Key("n_routed_experts", "num_experts", 8, ("num_local_experts",)),
+            Key("num_experts_per_tok", "experts_per_token", 2),
+            Key("moe_intermediate_size", "moe_intermediate_size", 7688),
+            Key("moe_shared_expert_intermediate_size", "shared_expert_size", 7688),
+            Key("moe_latent_size", "moe_latent", None), Key("n_group", "n_group", 1),
+            Key("topk_group", "topk_group", 1), Key("routed_scaling_factor", "routed_scaling_factor", 1.0),
+            Key("norm_topk_prob", "norm_topk_prob", True))
+
+
+def _json(cfg: HfConfig) -> dict[str, Any]:
+    """A model without MoE layers (its args name no experts) written with transformers' defaults for their fields,
+    which it reads for nothing (a null there is refused by its config class)."""
+    return {k.hf: k.default for k in MOE_KEYS if k.default is not None and getattr(cfg, k.field) is None}
 
 
 FAMILY = Family(
@@ -101,7 +159,8 @@ FAMILY = Family(
                Key("hybrid_override_pattern", "hybrid_pattern", REQUIRED, ("layers_block_type",)),
                Key("mamba_num_heads", "mamba_heads", REQUIRED), Key("mamba_head_dim", "mamba_head_dim", REQUIRED),
                Key("ssm_state_size", "mamba_state", REQUIRED), Key("n_groups", "mamba_groups", REQUIRED),
-               Key("conv_kernel", "mamba_conv", CONV)),
+               Key("conv_kernel", "mamba_conv", CONV), *MOE_KEYS),
+    fixed={"scoring_func": "sigmoid"}, json=_json,
     qkv_bias="never", acts=("relu2",), args=_args, tensors=_tensors, refuse=_refuse, impl="transformer_engine",
-    inert=INERT, expresses=_expresses, rank=7,
+    inert=INERT, expresses=_expresses, back=_back, unloaded=("mtp.",), rank=7,
 )

@@ -249,7 +249,15 @@ def refusals(family: Family, cfg: HfConfig) -> list[str]:
         out.append(f"the router's scoring function {cfg.scoring_func!r}")
     if cfg.scoring_func == "sigmoid" and cfg.norm_topk_prob is False and (cfg.experts_per_token or 1) > 1:
         out.append("sigmoid routing without norm_topk_prob (Megatron normalises the top-k sigmoid scores)")
+    if cfg.moe and (cfg.n_group or 1) > 1 and cfg.scoring_func == "sigmoid" \
+            and (cfg.experts_per_token or 1) // (cfg.topk_group or 1) != GROUP_RANK:
+        out.append(f"grouped routing with num_experts_per_tok {cfg.experts_per_token} over topk_group "
+                   f"{cfg.topk_group}: the model ranks each expert group by its top {GROUP_RANK} scores, Megatron by "
+                   f"its top num_experts_per_tok // topk_group = {(cfg.experts_per_token or 1) // (cfg.topk_group or 1)}")
     return out
+
+
+GROUP_RANK = 2  # how many of a group's expert scores rank the group (DeepSeek-V3's and NemotronH's routers: the top 2)
 
 
 def _yarn_mscales(sc: RopeScaling) -> tuple[float, float]:
@@ -504,7 +512,7 @@ def config_from_args(family: Family, args: Any, path: str, architecture: str | N
         n_group=arg(args, "moe_router_num_groups"), topk_group=arg(args, "moe_router_group_topk"),
         routed_scaling_factor=arg(args, "moe_router_topk_scaling_factor"),
         scoring_func=arg(args, "moe_router_score_function", "softmax"),
-        mtp_layers=int(arg(args, "mtp_num_layers", 0) or 0))
+        mtp_layers=int(arg(args, "mtp_num_layers", 0) or 0), moe_latent=arg(args, "moe_latent_size"))
     pattern = parallel.hybrid_pattern(args)
     if pattern:  # a HybridModel: its layers in order, its Mamba-2 mixers (Megatron's d_inner: 2 x hidden)
         head_dim = int(arg(args, "mamba_head_dim", 64))
