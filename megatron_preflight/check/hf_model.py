@@ -188,7 +188,8 @@ def tokenizer_flags(layout: Layout) -> list[str]:
     saved = layout.saved_args
     if layout.format == Format.HF:
         if getattr(saved, "tokenizer_model", None):
-            return ["--tokenizer-type HuggingFaceTokenizer", f"--tokenizer-model {shlex.quote(layout.path)}"]
+            return ["--tokenizer-type HuggingFaceTokenizer", f"--tokenizer-model {shlex.quote(layout.path)}",
+                    *(["--trust-remote-code"] if getattr(saved, "trust_remote_code", False) else [])]
         return ["--tokenizer-type NullTokenizer", f"--vocab-size {int(saved.vocab_size) - 1}"]
     kind = getattr(saved, "tokenizer_type", None)
     if not kind:

@@ -77,6 +77,7 @@ class RuntimeArgs:
     moe_router_topk_scaling_factor: float | None = None
     moe_router_dtype: str | None = None
     moe_latent_size: int | None = None
+    trust_remote_code: bool = False  # (the HuggingFace tokenizer's own code may run)
     rope_type: str | None = None  # MLA's default is yarn
     rotary_scaling_factor: float = 1.0  # YaRN (MLA)
     mscale: float = 1.0

@@ -13,6 +13,7 @@ import os
 
 from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
+from megatron_preflight.layout.hf.files import tokenizer_code
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 
 FATAL, INFO = Severity.FATAL, Severity.INFO
@@ -55,6 +56,13 @@ def tokenizer_findings(rt: RuntimeArgs) -> list[Finding]:
         if not model:
             return [Finding("tokenizer", None, kind, FATAL, "--tokenizer-type HuggingFaceTokenizer needs "
                             "--tokenizer-model (a local directory or a hub name)", "add --tokenizer-model")]
+        code = tokenizer_code(model) if os.path.isdir(model) else None
+        if code and not rt.trust_remote_code:
+            out.append(Finding("tokenizer", "trust_remote_code", model, FATAL,
+                               f"the tokenizer in {model} is its own code (tokenizer_config.json's auto_map names "
+                               f"{code}): Megatron's HuggingFaceTokenizer (transformers' AutoTokenizer) refuses to "
+                               "load it unless the run trusts that code, after the job has started",
+                               "add --trust-remote-code (it runs that file from the model dir: read it first)"))
         if os.path.isdir(model) and not any(os.path.isfile(os.path.join(model, n)) for n in TOKENIZER_FILES):
             out.append(Finding("tokenizer", None, model, FATAL,
                                f"--tokenizer-model {model} holds no tokenizer files (none of "

@@ -104,7 +104,7 @@ HYBRID_MOE_EDITS = [("moe_router_score_function", ["--moe-router-score-function"
                     ("moe_shared_expert_intermediate_size", ["--moe-shared-expert-intermediate-size", "32"])]
 HYBRID_MOE_DROPS = [("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias")]
 HYBRID_GROUPS = [("moe_router_num_groups", ["--moe-router-num-groups", "4"])]  # (nemotron_h_moe: 2 groups)
-HYBRID_LATENT = [("moe_latent_size", ["--moe-latent-size", "8"])]  # (nemotron_h_latent)
+HYBRID_LATENT = [("moe_latent_size", ["--moe-latent-size", "8"])]  # (nemotron_h_latent: 16)
 # Qwen3-Next's own fields: its layer pattern, gated delta nets, partial RoPE, gates and zero-centred norms
 NEXT_EDITS = [("hybrid_layer_pattern", ["--hybrid-layer-pattern", "GE*EGE*E"]),
               ("linear_key_head_dim", ["--linear-key-head-dim", "16"]),
@@ -139,8 +139,8 @@ def _cases():
         mla, glm, hyb = name == "deepseek_v3", name == "glm4_moe", name.startswith("nemotron_h")
         nxt = name in ("qwen3_next", "qwen3_5_moe", "qwen3_5")
         oss = name == "gpt_oss"
-        hyb_moe = (HYBRID_MOE_EDITS if hyb and name in MOE else []) + (
-            HYBRID_GROUPS if name == "nemotron_h_moe" else []) + (HYBRID_LATENT if name == "nemotron_h_latent" else [])
+        # (each model has one of groups and a latent width and not the other: a run that sets the other is named)
+        hyb_moe = HYBRID_MOE_EDITS + HYBRID_GROUPS + HYBRID_LATENT if hyb and name in MOE else []
         for field, edit in EDITS + (MOE_EDITS if name in MOE else []) + (MLA_EDITS if mla else []) + (
                 GLM_EDITS if glm else []) + (HYBRID_EDITS if hyb else []) + (NEXT_EDITS if nxt else []) + (
                 OSS_EDITS if oss else []) + hyb_moe:
@@ -224,3 +224,39 @@ def test_biased_experts_at_ep1_on_the_local_spec_are_refused_before_megatron(mod
     assert ("expert_model_parallel_size" in got) == named, got
     if named:
         assert "expert_model_parallel_size" not in found(apply(run, got["expert_model_parallel_size"]))
+
+
+def test_a_tokenizer_that_is_the_models_own_code_is_trusted_in_the_printed_flags(models, tmp_path):
+    """Kimi K2's tokenizer is its own code (tokenizer_config.json's auto_map: tokenization_kimi.TikTokenTokenizer):
+    transformers' AutoTokenizer, which Megatron's HuggingFaceTokenizer calls, refuses it without trust_remote_code.
+    flags prints --trust-remote-code; a run without it is fatal, and the fix, applied as printed, clears it; an
+    export carries the tokenizer's module and vocabulary with it."""
+    import json
+    import os
+    import shutil
+
+    from megatron_preflight.check.hf_model import tokenizer_flags
+
+    path = str(tmp_path / "kimi")
+    shutil.copytree(models["deepseek_v3"], path)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
+        json.dump({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+                   "tokenizer_class": "TikTokenTokenizer"}, fh)
+    for name in ("tokenization_kimi.py", "tiktoken.model"):
+        with open(os.path.join(path, name), "w") as fh:
+            fh.write("# the model's own tokenizer\n")
+    layout = open_index(path).layout
+    assert "--trust-remote-code" in tokenizer_flags(layout)
+    assert any("tokenization_kimi.TikTokenTokenizer" in n for n in layout.notes)
+    run = [w for f in tokenizer_flags(layout) for w in shlex.split(f)] + RUN[:4] + RUN[8:]
+    without = [w for w in run if w != "--trust-remote-code"]
+    found = {f.field: f for f in make_plan(path, from_cli(printed(path) + without)).fatal}
+    assert "tokenization_kimi.TikTokenTokenizer" in found["tokenizer"].message
+    fixed = apply(printed(path) + without, found["tokenizer"].fix)
+    assert "tokenizer" not in {f.field for f in make_plan(path, from_cli(fixed)).fatal}
+    assert "tokenizer" not in {f.field for f in make_plan(path, from_cli(printed(path) + run)).fatal}
+    from megatron_preflight.cli.main import main
+
+    out = str(tmp_path / "exported")
+    assert main(["reshard", path, out, "--no-progress", "--ckpt-format", "hf"]) == 0
+    assert {"tokenization_kimi.py", "tiktoken.model", "tokenizer_config.json"} <= set(os.listdir(out))

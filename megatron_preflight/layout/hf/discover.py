@@ -69,6 +69,11 @@ def discover_hf(path: str) -> Layout:
         layout.notes.append(f"config.json names {cfg.mtp_layers} multi-token prediction layer(s) whose weights are not "
                             "in these files (transformers drops them on save): the model loads without them")
     layout.saved_args = args
+    code = files.tokenizer_code(path) if getattr(args, "trust_remote_code", False) else None
+    if code:
+        layout.notes.append(f"the tokenizer is the model's own code (tokenizer_config.json's auto_map names {code}): "
+                            "Megatron's HuggingFaceTokenizer loads it only with --trust-remote-code, which runs that "
+                            "file from the model dir (flags prints it; read the file first)")
     layout.notes.append(f"Hugging Face {arch} ({family.name} family): read as a TP1 PP1 EP1 Megatron checkpoint, "
                         "weights only (iteration 0, no optimizer or RNG state)")
     if wrapper:
@@ -186,6 +191,8 @@ def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespa
                   hf_architecture=cfg.architecture)
     if files.present(path, TOKENIZER_FILES):
         values.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path)
+        if files.tokenizer_code(path):  # (Kimi K2's: transformers runs it only with trust_remote_code)
+            values["trust_remote_code"] = True
     return argparse.Namespace(**values)
 
 

@@ -17,7 +17,7 @@ import os
 import stat
 from typing import Any
 
-from megatron_preflight.errors import CorruptFileError
+from megatron_preflight.errors import CorruptFileError, PreflightError
 
 MAX_JSON = 64 * 2**20  # config.json ~2 kB, a DeepSeek-V3 index ~2 MB: anything this large is not one
 
@@ -192,3 +192,25 @@ def present(model_dir: str, names: tuple[str, ...]) -> tuple[str, ...]:
             os.close(open_regular(path))  # raises, naming what it is
         found.append(name)
     return tuple(found)
+
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def tokenizer_code(model_dir: str) -> str | None:
+    """The class of the model's own tokenizer code that ``tokenizer_config.json`` names for ``AutoTokenizer``
+    (its ``auto_map``: Kimi K2's ``tokenization_kimi.TikTokenTokenizer``), which transformers runs only when trusted
+    (``trust_remote_code``); None where the tokenizer is transformers' own (or the file cannot be read: its other
+    checks name that)."""
+    path = os.path.join(model_dir, TOKENIZER_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    try:
+        doc = load_json(path, "download tokenizer_config.json again")
+    except (PreflightError, OSError):
+        return None
+    auto = doc.get("auto_map") if isinstance(doc, dict) else None
+    entry = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    names = [entry] if isinstance(entry, str) else [e for e in entry if isinstance(e, str)] \
+        if isinstance(entry, list) else []
+    return names[0] if names else None

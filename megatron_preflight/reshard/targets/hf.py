@@ -25,6 +25,7 @@ from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.hf import families
+from megatron_preflight.layout.hf.files import tokenizer_code
 from megatron_preflight.layout.hf.names import INDEX, TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import NAMES
 from megatron_preflight.layout.hf.stacked import Stacked, stored_of
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 SHARD_BYTES = 4 * 2**30  # an output file's tensor bytes at most (a tensor larger than this has a file of its own)
 CHUNK_BYTES = 64 * 2**20  # rows built and written at a time
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-TOKENIZER_EXTRA = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_EXTRA = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+                   "tiktoken.model")  # (tiktoken's vocabulary: Kimi K2's tokenizer)
 
 
 @dataclass
@@ -333,7 +335,9 @@ def _tokenizer(r: Resharder, out: str) -> list[str]:
     found: list[str] = []
     for where in (os.path.join(r.layout.iter_dir or "", "tokenizer"), getattr(args, "tokenizer_model", None) or ""):
         if where and os.path.isdir(where):
-            for name in TOKENIZER_FILES + TOKENIZER_EXTRA:
+            code = tokenizer_code(where)  # (the model's own tokenizer code: its module travels with it)
+            own = (code.rsplit(".", 1)[0].split("--")[-1] + ".py",) if code and "." in code else ()
+            for name in TOKENIZER_FILES + TOKENIZER_EXTRA + own:
                 src = os.path.join(where, name)
                 if os.path.isfile(src) and name != "generation_config.json" and \
                         not os.path.exists(os.path.join(out, name)):

@@ -184,3 +184,14 @@ def _nemotron_hub(raw: dict) -> dict:
     return {**raw, "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern),
             "attention_head_dim": head_dim, "time_step_limit": [0.0, "INF"], "use_bias": False,
             "use_conv_bias": True, "mamba_hidden_act": "silu", "rescale_prenorm_residual": True}
+
+
+def test_grouped_routing_megatron_ranks_otherwise_is_refused(written):
+    """DeepSeek-V3's and NemotronH's routers rank an expert group by its top 2 scores; Megatron by its top
+    topk // group_topk: a model where those differ is refused, naming both."""
+    raw, _ = load_raw(written["deepseek_v3"])
+    family, cfg = _read(written["deepseek_v3"], {**raw, "num_experts_per_tok": 4, "n_group": 2, "topk_group": 1})
+    reasons = families.refusals(family, cfg)
+    assert any("top 2 scores, Megatron by its top num_experts_per_tok // topk_group = 4" in r for r in reasons)
+    family, cfg = _read(written["deepseek_v3"], {**raw, "num_experts_per_tok": 4, "n_group": 2, "topk_group": 2})
+    assert not any("grouped routing" in r for r in families.refusals(family, cfg))
