@@ -42,12 +42,16 @@ class Stacked:
     """One stacked tensor a family's layers store: ``stored`` (under the layer, e.g. ``mlp.experts.gate_up_proj``)
     holds, for each expert ``j``, the tensors ``{experts}.{j}.{part}`` for each of ``parts`` (``{experts}``: the
     stored name's module, ``mlp.experts``); ``interleaved``: the parts' rows alternate (else each part's rows follow
-    the previous part's); ``transposed``: each expert's matrix is stored ``[in, out]`` (a bias: ``[out]``)."""
+    the previous part's); ``transposed``: each expert's matrix is stored ``[in, out]`` (a bias: ``[out]``);
+    ``written``: an export writes it stacked."""
 
     stored: str
     parts: tuple[str, ...]
     interleaved: bool = False
     transposed: bool = False
+    # an export writes this stacked form (else the per-expert tensors, as transformers saves the family: the files
+    # on the hub may hold either, and both read alike)
+    written: bool = True
 
     def module(self) -> str:
         return self.stored.rsplit(".", 1)[0]

@@ -151,8 +151,9 @@ def _plan(r: Resharder) -> Export:
                 raise PreflightError(f"{t.name}: rows {at}..{hf0} have no source", path=where, code="internal")
             at += n
     parts = tensors
-    if family.stacked:
-        tensors = _stack(tensors, family.stacked)
+    written = tuple(s for s in family.stacked if s.written)
+    if written:
+        tensors = _stack(tensors, written)
     dtype = DTYPES.get(r.target.dtype or "", None) or cfg.dtype or "float32"
     config = families.config_json(family, cfg)
     config["torch_dtype"] = dtype

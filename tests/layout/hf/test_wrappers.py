@@ -119,3 +119,48 @@ def test_a_multimodal_config_without_its_text_config_is_named(tmp_path):
         json.dump(raw, fh)
     done = cli("inspect", vlm)
     assert done.returncode == 1 and "holds no text_config object" in done.stdout + done.stderr
+
+
+def _fuse_experts(src: str, dst: str) -> None:
+    """``src``'s files with each MoE layer's experts stacked as the hub's Qwen3.5-MoE files may hold them:
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and ``mlp.experts.down_proj``
+    [E, H, I] — transformers' own parameter layout (test-only)."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors*"))
+    flat = load_file(os.path.join(src, "model.safetensors"))
+    out, experts = {}, {}
+    for name, t in flat.items():
+        m = re.match(r"(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        else:
+            out[name] = t
+    for layer, by in experts.items():
+        n = len(by)
+        out[layer + "gate_up_proj"] = torch.stack([torch.cat([by[j]["gate_proj"], by[j]["up_proj"]]) for j in range(n)])
+        out[layer + "down_proj"] = torch.stack([by[j]["down_proj"] for j in range(n)])
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_experts_stacked_as_the_hub_holds_them_read_alike(pair, tmp_path):
+    """The same Qwen3.5-MoE with its experts stacked per layer: transformers reads it to the same logits (the oracle
+    of the layout), and so does megatron-preflight (bit for bit the same Megatron tensors); an export writes them one
+    by one, as transformers saves them."""
+    name, vlm, text_dir, _ = pair
+    if name != "qwen3_5_moe":
+        pytest.skip("the dense model has no experts")
+    fused = str(tmp_path / "fused")
+    _fuse_experts(vlm, fused)
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in hf_models_names(fused))
+    torch.testing.assert_close(hf_models.hf_logits(fused), hf_models.hf_logits(vlm), atol=0, rtol=0)
+    assert discover(fused).problems == []
+    done = cli("diff", fused, text_dir)
+    assert done.returncode == 0, done.stdout + done.stderr
+    back = str(tmp_path / "back")
+    assert cli("reshard", fused, back, "--no-progress", "--ckpt-format", "hf").returncode == 0
+    assert any(".mlp.experts.0.gate_proj.weight" in n for n in hf_models_names(back))
+    torch.testing.assert_close(hf_models.hf_logits(back), hf_models.hf_logits(vlm), atol=0, rtol=0)

@@ -15,6 +15,13 @@ from megatron_preflight.layout.hf.config import HfConfig, Key
 from megatron_preflight.layout.hf.families import qwen_hybrid as qh
 from megatron_preflight.layout.hf.families.rows import stack
 from megatron_preflight.layout.hf.families.spec import Family, Wrapper
+from megatron_preflight.layout.hf.stacked import Stacked
+
+# the experts as the hub's Qwen3.5-MoE files may hold them, stacked per layer in transformers' own layout
+# (gate_up_proj [E, 2I, H]: each expert's gate rows then its up rows; down_proj [E, H, I]); transformers saves them
+# one by one, and so does an export
+STACKED = (Stacked("mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight"), written=False),
+           Stacked("mlp.experts.down_proj", ("down_proj.weight",), written=False))
 
 
 def _gdn_in_proj(la: str, cfg: HfConfig) -> Any:
@@ -41,7 +48,7 @@ MOE_FAMILY = Family(
     qkv_bias="never", qk_norm="always", moe=qh.MOE, args=_args, tensors=qh.tensors(_gdn_in_proj), refuse=qh.refuse,
     impl="transformer_engine", inert=frozenset({"router_aux_loss_coef", "output_router_logits"}),
     unloaded=("mtp.",), back=qh.back, expresses=qh.expresses, rank=9,
-    wrappers=(Wrapper("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),),
+    wrappers=(Wrapper("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),), stacked=STACKED,
 )
 
 DENSE_FAMILY = Family(
