@@ -250,6 +250,34 @@ def test_nemotron_h_moe_trains_with_transformers_loss(tmp_path, data, name, npro
     assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
 
 
+HYBRID_OFFLINE = [("nemotron_h_moe", "torch_dist", ["--expert-model-parallel-size", "2"]),
+                  ("nemotron_h_latent", "torch", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                  ("qwen3_5_moe-hub", "torch_dist", ["--expert-model-parallel-size", "2"])]
+
+
+@pytest.mark.skipif(not (TE_CPU and MAMBA_CPU), reason="needs MEGATRON_LM_TE_CPU and MEGATRON_LM_MAMBA_CPU (the CPU "
+                                                       "stand-ins for Transformer Engine, mamba_ssm and fla)")
+@pytest.mark.parametrize("name, fmt, layout", HYBRID_OFFLINE, ids=[f"{c[0]}-{c[1]}" for c in HYBRID_OFFLINE])
+def test_the_offline_conversion_of_a_hybrid_loads_in_plain_megatron(tmp_path, data, name, fmt, layout):
+    """NemotronH's MoE layers (latent too) and Qwen3.5 as the hub publishes it, converted offline (`reshard`) and
+    loaded by plain pretrain_hybrid.py (no plugin; te_cpu and mamba_cpu, CPU stand-ins): transformers' loss, as the
+    in-memory load gives it."""
+    from tests.helpers import hf_data, hf_models
+
+    path = (hf_models.write_vlm("qwen3_5_moe", str(tmp_path / "hub")) if name.endswith("-hub")
+            else hf_models.write(name, str(tmp_path / name)))
+    out = str(tmp_path / "converted")
+    # (after --: the run's flags, as printed — its vocab padding among them — with its layout)
+    done = subprocess.run([sys.executable, "-m", "megatron_preflight", "reshard", path, out, "--no-progress",
+                           "--ckpt-format", fmt, "--", *printed_flags(path), *layout], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rc, log = run(tmp_path, out, 2, *printed_flags(path), "--data-path", data, *layout, "--ckpt-format", fmt,
+                  plugin=False, script="pretrain_hybrid.py", base=BASE, port=29755, verify=False, te=True)
+    assert rc == 0, log[-4000:]
+    assert first_loss(log) == pytest.approx(hf_data.hf_loss(path, SEQ, VOCAB), abs=1e-5)
+
+
 QWEN3_NEXT = [(1, []), (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
               (2, ["--expert-model-parallel-size", "2"])]
 
