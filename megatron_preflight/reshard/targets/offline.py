@@ -30,6 +30,7 @@ from megatron_preflight.layout.dist import DCP_METADATA
 from megatron_preflight.layout.model import Format
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex
 from megatron_preflight.reshard.execute.replicas import Drifted
+from megatron_preflight.reshard.plan.topology import saved_arg
 from megatron_preflight.reshard.resharder import Resharder, open_resharder
 from megatron_preflight.reshard.sources.files import SourceFiles
 from megatron_preflight.reshard.target import TargetLayout
@@ -83,6 +84,27 @@ class Summary:
         for key, why in self.dropped.items():
             lines.append(f"not carried: {key} — {why}")
         return "\n".join(lines)
+
+
+def _vocab_note(r: Resharder, target: TargetLayout) -> list[str]:
+    """Where the padded vocab changed and Megatron's default divisor is not what both sides use: what a run of the new
+    checkpoint must pass (a run with another ``--make-vocab-size-divisible-by`` builds an embedding of another size
+    and fails to load it)."""
+    v = r.vocab
+    if v is None or v.target_padded == v.source_padded or target.ckpt_format == "hf":
+        return []
+    saved = int(saved_arg(r.layout.saved_args, "make_vocab_size_divisible_by", DEFAULT_DIVISOR) or DEFAULT_DIVISOR)
+    div = int(target.make_vocab_size_divisible_by or saved)
+    if div == saved == DEFAULT_DIVISOR:
+        return []
+    why = (f"; the source's model takes {saved} (`megatron-preflight flags` prints it): give the run's flags after --, "
+           f"or add --make-vocab-size-divisible-by {saved} there" if div != saved else "")
+    return [f"note: the embedding and output layer hold {v.target_padded:,} rows ({v.source_padded:,} in the source): "
+            f"its {v.real:,} vocab rows padded for --make-vocab-size-divisible-by {div} at TP{r.tgt.tp} (a run of it "
+            f"must use the same){why}"]
+
+
+DEFAULT_DIVISOR = 128  # Megatron's --make-vocab-size-divisible-by
 
 
 def _peak_rss() -> int:
@@ -348,6 +370,7 @@ def _write_claimed(r: Resharder, src: str, dst_abs: str, target: TargetLayout, *
     summary.source_notes = [f"note: the source's tracker is unusable ({p.message.split(';')[0]}): resharded "
                             f"iteration {r.layout.iteration}, the latest present; the new checkpoint's tracker names it"
                             for p in r.layout.problems if p.code in ("no_tracker", "bad_tracker")]
+    summary.source_notes += _vocab_note(r, target)
     if dest is not None:
         summary.stale_removed, summary.stale_kept = list(dest.stale_removed), list(dest.stale_kept)
     results: list[ShardResult] = []

@@ -264,3 +264,33 @@ def _record_of(path, where):
         if isinstance(v, dict):
             stack.extend(v.values())
     raise AssertionError("no tensor")
+
+
+def test_a_vocab_padded_otherwise_than_the_source_model_takes_is_said_and_its_fix_runs(tmp_path):
+    """A Hugging Face model resharded to TP2 with run flags after -- that leave --make-vocab-size-divisible-by out
+    (Megatron's default, 128) is padded to other rows than the model's printed flags (16) build: the summary says so
+    with the fix; the fix, applied as printed, gives the rows the printed flags build, and no note."""
+    pytest.importorskip("transformers")
+    import contextlib
+    import io
+    import re
+    import shlex
+
+    from megatron_preflight.cli.main import main
+    from megatron_preflight.reshard import open_index
+    from tests.helpers import hf_models
+
+    src = hf_models.write("llama", str(tmp_path / "hf"))
+
+    def reshard(dst: str, *flags: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["reshard", src, dst, "--no-progress", "--ckpt-format", "torch", "--", *flags]) == 0
+        return out.getvalue()
+
+    said = reshard(str(tmp_path / "a"), "--tensor-model-parallel-size", "2")
+    assert "hold 256 rows (128 in the source)" in said and "the source's model takes 16" in said
+    fix = re.search(r"or add (--make-vocab-size-divisible-by \d+) there", said).group(1)
+    said = reshard(str(tmp_path / "b"), "--tensor-model-parallel-size", "2", *shlex.split(fix))
+    assert "note: the embedding" not in said
+    assert open_index(str(tmp_path / "b")).layout.saved_args.padded_vocab_size == 128
