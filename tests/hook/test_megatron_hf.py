@@ -61,6 +61,16 @@ def printed_flags(path: str) -> list[str]:
     return [word for line in lines for word in shlex.split(line)]  # (as a shell reads the launch script)
 
 
+def run_flags(path: str, layout: list[str]) -> list[str]:
+    """The printed flags a run of ``layout`` starts with: a hybrid layer pattern in ``layout`` (the printed one with
+    its pipeline cut) replaces the printed one."""
+    flags = printed_flags(path)
+    if "--hybrid-layer-pattern" in layout:
+        i = flags.index("--hybrid-layer-pattern")
+        flags = flags[:i] + flags[i + 2:]
+    return flags
+
+
 def first_loss(log: str) -> float:
     m = re.search(r"iteration +1/ +1 .*?lm loss: ([0-9.E+-]+)", log)
     assert m, log[-4000:]
@@ -210,10 +220,7 @@ def test_nemotron_h_trains_with_transformers_loss(tmp_path, data, nproc, layout)
     from tests.helpers import hf_data, hf_models
 
     path = hf_models.write("nemotron_h", str(tmp_path / "nemotron_h"))
-    flags = printed_flags(path)
-    if "--hybrid-layer-pattern" in layout:  # (the run's pattern with its pipeline cut replaces the printed one)
-        i = flags.index("--hybrid-layer-pattern")
-        flags = flags[:i] + flags[i + 2:]
+    flags = run_flags(path, layout)
     rc, log = run(tmp_path, path, nproc, *flags, "--data-path", data, *layout, "--preflight", "auto",
                   script="pretrain_hybrid.py", base=BASE, port=29749, verify=False, te=True)
     assert rc == 0, log[-4000:]
@@ -240,10 +247,7 @@ def test_nemotron_h_moe_trains_with_transformers_loss(tmp_path, data, name, npro
     from tests.helpers import hf_data, hf_models
 
     path = hf_models.write(name, str(tmp_path / name))
-    flags = printed_flags(path)
-    if "--hybrid-layer-pattern" in layout:  # (the run's pattern with its pipeline cut replaces the printed one)
-        i = flags.index("--hybrid-layer-pattern")
-        flags = flags[:i] + flags[i + 2:]
+    flags = run_flags(path, layout)
     rc, log = run(tmp_path, path, nproc, *flags, "--data-path", data, *layout, "--preflight", "auto",
                   script="pretrain_hybrid.py", base=BASE, port=29754, verify=False, te=True)
     assert rc == 0, log[-4000:]
@@ -321,10 +325,7 @@ def test_qwen3_5_as_the_hub_publishes_it_trains_with_its_language_models_loss(tm
     from tests.helpers import hf_data, hf_models
 
     path = hf_models.write_vlm(name, str(tmp_path / name))
-    flags = printed_flags(path)
-    if "--hybrid-layer-pattern" in layout:  # (the run's pattern with its pipeline cut replaces the printed one)
-        i = flags.index("--hybrid-layer-pattern")
-        flags = flags[:i] + flags[i + 2:]
+    flags = run_flags(path, layout)
     rc, log = run(tmp_path, path, nproc, *flags, "--data-path", data, *layout, "--preflight", "auto",
                   script="pretrain_hybrid.py", base=BASE, port=29753, verify=False, te=True)
     assert rc == 0, log[-4000:]

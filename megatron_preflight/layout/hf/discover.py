@@ -61,7 +61,8 @@ def discover_hf(path: str) -> Layout:
     for reason in families.refusals(family, cfg):
         layout.add("hf_unsupported", config_path, f"{arch}: Megatron's GPT model cannot express {reason}",
                    "convert it with a tool that maps this model (e.g. Megatron-Bridge), or train it elsewhere")
-    args = saved_args(family, cfg, path)
+    code = files.tokenizer_code(path)  # (the model's own tokenizer code: read once, for the args and the note)
+    args = saved_args(family, cfg, path, code)
     depth = families.mtp_depth(cfg, {k: 1 for k in found})
     if depth:
         args.mtp_num_layers = depth
@@ -69,8 +70,7 @@ def discover_hf(path: str) -> Layout:
         layout.notes.append(f"config.json names {cfg.mtp_layers} multi-token prediction layer(s) whose weights are not "
                             "in these files (transformers drops them on save): the model loads without them")
     layout.saved_args = args
-    code = files.tokenizer_code(path) if getattr(args, "trust_remote_code", False) else None
-    if code:
+    if getattr(args, "trust_remote_code", False):
         layout.notes.append(f"the tokenizer is the model's own code (tokenizer_config.json's auto_map names {code}): "
                             "Megatron's HuggingFaceTokenizer loads it only with --trust-remote-code, which runs that "
                             "file from the model dir (flags prints it; read the file first)")
@@ -179,8 +179,9 @@ def stored_dtype(tensors: dict[str, Any]) -> str | None:
     return max(held, key=lambda d: held[d]) if held else None
 
 
-def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespace:
-    """The args a Megatron run that saved this model at TP1 would have saved."""
+def saved_args(family: families.Family, cfg: Any, path: str, tokenizer_code: str | None = None) -> argparse.Namespace:
+    """The args a Megatron run that saved this model at TP1 would have saved (``tokenizer_code``: the class of the
+    model's own tokenizer code, which the run must trust)."""
     values = families.megatron_args(family, cfg)
     values.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
                   expert_tensor_parallel_size=1, context_parallel_size=1,
@@ -191,7 +192,7 @@ def saved_args(family: families.Family, cfg: Any, path: str) -> argparse.Namespa
                   hf_architecture=cfg.architecture)
     if files.present(path, TOKENIZER_FILES):
         values.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path)
-        if files.tokenizer_code(path):  # (Kimi K2's: transformers runs it only with trust_remote_code)
+        if tokenizer_code:  # (Kimi K2's: transformers runs it only with trust_remote_code)
             values["trust_remote_code"] = True
     return argparse.Namespace(**values)
 

@@ -199,14 +199,13 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 
 def tokenizer_code(model_dir: str) -> str | None:
     """The class of the model's own tokenizer code that ``tokenizer_config.json`` names for ``AutoTokenizer``
-    (its ``auto_map``: Kimi K2's ``tokenization_kimi.TikTokenTokenizer``), which transformers runs only when trusted
-    (``trust_remote_code``); None where the tokenizer is transformers' own (or the file cannot be read: its other
-    checks name that)."""
-    path = os.path.join(model_dir, TOKENIZER_CONFIG)
-    if not os.path.isfile(path):
-        return None
+    (its ``auto_map``: Kimi K2's ``tokenization_kimi.TikTokenTokenizer``, a module of the model dir and a class),
+    which transformers runs only when trusted (``trust_remote_code``); None where the tokenizer is transformers' own
+    (or the file cannot be read: its other checks name that). The file is read only as a regular file inside the dir."""
     try:
-        doc = load_json(path, "download tokenizer_config.json again")
+        if not present(model_dir, (TOKENIZER_CONFIG,)):
+            return None
+        doc = load_json(os.path.join(model_dir, TOKENIZER_CONFIG), "download tokenizer_config.json again")
     except (PreflightError, OSError):
         return None
     auto = doc.get("auto_map") if isinstance(doc, dict) else None
@@ -214,3 +213,10 @@ def tokenizer_code(model_dir: str) -> str | None:
     names = [entry] if isinstance(entry, str) else [e for e in entry if isinstance(e, str)] \
         if isinstance(entry, list) else []
     return names[0] if names else None
+
+
+def tokenizer_module(code: str) -> str | None:
+    """The file of the module a tokenizer class ``module.Class`` (or a hub repo's ``repo--module.Class``) lives in,
+    beside the model: a plain module name, never a path."""
+    module = code.split("--")[-1].rpartition(".")[0]
+    return module + ".py" if module.isidentifier() else None

@@ -25,7 +25,7 @@ from megatron_preflight import dtypes
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.hf import families
-from megatron_preflight.layout.hf.files import tokenizer_code
+from megatron_preflight.layout.hf.files import present, tokenizer_code, tokenizer_module
 from megatron_preflight.layout.hf.names import INDEX, TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import NAMES
 from megatron_preflight.layout.hf.stacked import Stacked, stored_of
@@ -337,11 +337,11 @@ def _tokenizer(r: Resharder, out: str) -> list[str]:
     for where in (os.path.join(r.layout.iter_dir or "", "tokenizer"), getattr(args, "tokenizer_model", None) or ""):
         if where and os.path.isdir(where):
             code = tokenizer_code(where)  # (the model's own tokenizer code: its module travels with it)
-            own = (code.rsplit(".", 1)[0].split("--")[-1] + ".py",) if code and "." in code else ()
-            for name in TOKENIZER_FILES + TOKENIZER_EXTRA + own:
+            module = tokenizer_module(code) if code else None
+            # (each a regular file inside the dir: a link out of it is refused, never copied)
+            for name in present(where, TOKENIZER_FILES + TOKENIZER_EXTRA + ((module,) if module else ())):
                 src = os.path.join(where, name)
-                if os.path.isfile(src) and name != "generation_config.json" and \
-                        not os.path.exists(os.path.join(out, name)):
+                if name != "generation_config.json" and not os.path.exists(os.path.join(out, name)):
                     shutil.copyfile(src, os.path.join(out, name))
                     found.append(name)
             if found:

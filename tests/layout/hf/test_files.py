@@ -227,3 +227,26 @@ def test_the_reader_refuses_a_name_outside_the_dir_on_its_own(model, tmp_path):
     _outside(model, tmp_path)
     with pytest.raises(CorruptFileError, match="outside the model dir"):
         HfReader(str(model))._fd("../other/model.safetensors")
+
+
+def test_the_tokenizer_code_is_named_and_its_module_is_a_plain_name_inside_the_dir(tmp_path):
+    """tokenizer_config.json's auto_map names the model's own tokenizer class; its module is a file of the model dir
+    by a plain name (a path in a hostile auto_map is no module), and a config linked from outside the dir is not read."""
+    import json
+
+    from megatron_preflight.layout.hf.files import tokenizer_code, tokenizer_module
+
+    model = tmp_path / "model"
+    model.mkdir()
+    assert tokenizer_code(str(model)) is None
+    (model / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}))
+    assert tokenizer_code(str(model)) == "tokenization_kimi.TikTokenTokenizer"
+    assert tokenizer_module("tokenization_kimi.TikTokenTokenizer") == "tokenization_kimi.py"
+    assert tokenizer_module("moonshotai/Kimi-K2--tokenization_kimi.TikTokenTokenizer") == "tokenization_kimi.py"
+    assert tokenizer_module("../../etc/passwd.X") is None and tokenizer_module("a/b.X") is None
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").unlink()
+    (model / "tokenizer_config.json").symlink_to(outside)
+    assert tokenizer_code(str(model)) is None

@@ -6,32 +6,19 @@ writes that text model; a config whose two levels disagree is refused naming bot
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
-import subprocess
 
 import pytest
 
 torch = pytest.importorskip("torch")
 T = pytest.importorskip("transformers")
 
-from megatron_preflight.cli.main import main  # noqa: E402
 from megatron_preflight.layout.discover import discover  # noqa: E402
 from tests.helpers import hf_models  # noqa: E402
+from tests.helpers.cli_inproc import run as cli  # noqa: E402
 
 TEXT = {"qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
-
-
-def cli(*argv: str) -> subprocess.CompletedProcess:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as exc:
-            rc = int(exc.code or 0)
-    return subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module", params=sorted(TEXT))
@@ -57,9 +44,9 @@ def test_the_language_model_reads_as_the_text_model_transformers_extracts(pair):
     ours, theirs = lay.saved_args, discover(text_dir).saved_args
     assert {k: v for k, v in vars(ours).items() if k != "tokenizer_model"} == \
         {k: v for k, v in vars(theirs).items() if k != "tokenizer_model"}
-    done = cli("diff", vlm, text_dir)  # every Megatron tensor, bit for bit
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert cli("flags", vlm).stdout.split("\n", 1)[1] == cli("flags", text_dir).stdout.split("\n", 1)[1]
+    rc, said = cli("diff", vlm, text_dir)  # every Megatron tensor, bit for bit
+    assert rc == 0, said
+    assert cli("flags", vlm)[1].split("\n", 1)[1] == cli("flags", text_dir)[1].split("\n", 1)[1]
 
 
 def hf_models_names(path: str) -> list[str]:
@@ -83,14 +70,14 @@ def test_resharded_and_exported_it_is_the_text_model(pair, tmp_path):
     name, vlm, text_dir, _ = pair
     layout = ["--tensor-model-parallel-size", "2"] + (["--expert-model-parallel-size", "2"] if "moe" in name else [])
     mid, back = str(tmp_path / "megatron"), str(tmp_path / "back")
-    assert cli("reshard", vlm, mid, "--no-progress", "--ckpt-format", "torch_dist", "--", *layout).returncode == 0
-    done = cli("diff", mid, text_dir, "--weights-only")
-    assert done.returncode == 0, done.stdout
-    done = cli("reshard", mid, back, "--no-progress", "--ckpt-format", "hf")
-    assert done.returncode == 0, done.stderr
+    assert cli("reshard", vlm, mid, "--no-progress", "--ckpt-format", "torch_dist", "--", *layout)[0] == 0
+    rc, said = cli("diff", mid, text_dir, "--weights-only")
+    assert rc == 0, said
+    rc, said = cli("reshard", mid, back, "--no-progress", "--ckpt-format", "hf")
+    assert rc == 0, said
     with open(os.path.join(back, "config.json")) as fh:
         assert json.load(fh)["architectures"] == [TEXT[name]]
-    assert cli("diff", back, text_dir).returncode == 0
+    assert cli("diff", back, text_dir)[0] == 0
     torch.testing.assert_close(hf_models.hf_logits(back), hf_models.hf_logits(text_dir), atol=0, rtol=0)
 
 
@@ -102,9 +89,8 @@ def test_a_tied_head_the_two_levels_disagree_on_is_refused_naming_both(tmp_path)
     raw["tie_word_embeddings"] = True  # (the text_config says false)
     with open(path, "w") as fh:
         json.dump(raw, fh)
-    done = cli("inspect", vlm)
-    assert done.returncode == 1 and "Traceback" not in done.stderr + done.stdout
-    text = done.stdout + done.stderr
+    rc, text = cli("inspect", vlm)
+    assert rc == 1 and "Traceback" not in text
     assert "tie_word_embeddings is True and its text_config.tie_word_embeddings is False" in text
     assert "Qwen3_5ForConditionalGeneration reads the first" in text
 
@@ -117,8 +103,8 @@ def test_a_multimodal_config_without_its_text_config_is_named(tmp_path):
     del raw["text_config"]
     with open(path, "w") as fh:
         json.dump(raw, fh)
-    done = cli("inspect", vlm)
-    assert done.returncode == 1 and "holds no text_config object" in done.stdout + done.stderr
+    rc, text = cli("inspect", vlm)
+    assert rc == 1 and "holds no text_config object" in text
 
 
 def _fuse_experts(src: str, dst: str) -> None:
@@ -158,9 +144,9 @@ def test_experts_stacked_as_the_hub_holds_them_read_alike(pair, tmp_path):
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in hf_models_names(fused))
     torch.testing.assert_close(hf_models.hf_logits(fused), hf_models.hf_logits(vlm), atol=0, rtol=0)
     assert discover(fused).problems == []
-    done = cli("diff", fused, text_dir)
-    assert done.returncode == 0, done.stdout + done.stderr
+    rc, said = cli("diff", fused, text_dir)
+    assert rc == 0, said
     back = str(tmp_path / "back")
-    assert cli("reshard", fused, back, "--no-progress", "--ckpt-format", "hf").returncode == 0
+    assert cli("reshard", fused, back, "--no-progress", "--ckpt-format", "hf")[0] == 0
     assert any(".mlp.experts.0.gate_proj.weight" in n for n in hf_models_names(back))
     torch.testing.assert_close(hf_models.hf_logits(back), hf_models.hf_logits(vlm), atol=0, rtol=0)
