@@ -26,6 +26,7 @@ from megatron_preflight.reshard.optimizer.status import OptimizerStatus, optimiz
 from megatron_preflight.reshard.plan import sections
 from megatron_preflight.reshard.plan.consistency import args_problems, checkpoint_problems, complete_problems
 from megatron_preflight.reshard.plan.index import GlobalIndex, has_mtp, index_sources
+from megatron_preflight.reshard.plan.planner import Groups, by_layer
 from megatron_preflight.reshard.plan.topology import is_tied, source_topology
 from megatron_preflight.reshard.plan.types import SourcePiece
 from megatron_preflight.reshard.sources.files import SourceFiles
@@ -166,6 +167,12 @@ class CheckpointIndex:
         """Every global tensor and every source piece of it (built once per process)."""
         _built[0] += 1
         return index_sources(self.view, self.topology, check=False)
+
+    @cached_property
+    def layer_groups(self) -> Groups:
+        """The index's entries by layer and expert (:func:`~.plan.planner.by_layer`), made once: every resharder of
+        the checkpoint index plans its ranks from them."""
+        return by_layer(self.tensors)
 
     @cached_property
     def tied(self) -> bool:

@@ -219,11 +219,15 @@ class Resharder:
         return self._plans[key]
 
     def _plan(self, coords: dict[str, int], name: str) -> RankPlan:
-        made = self._layer_groups.get(id(self.index))
-        if made is None or made[0] is not self.index:  # (made once per index: the index is final once planned)
-            made = self._layer_groups[id(self.index)] = (self.index, by_layer(self.index))
+        if self.index is self.checkpoint.tensors:  # (the checkpoint's own: every resharder of it shares them)
+            groups = self.checkpoint.layer_groups
+        else:
+            made = self._layer_groups.get(id(self.index))
+            if made is None or made[0] is not self.index:  # (made once per index: the index is final once planned)
+                made = self._layer_groups[id(self.index)] = (self.index, by_layer(self.index))
+            groups = made[1]
         plan = plan_rank(self.index, self.src, self.tgt, coords, tied=self.tied, mtp=self.checkpoint.mtp,
-                         vocab=self.vocab, shard_name=name, groups=made[1])
+                         vocab=self.vocab, shard_name=name, groups=groups)
         if self.optimizer_index is not None and self.keep_optimizer:
             plan.optimizer = plan_optimizer(self.optimizer_index, plan, self.src, self.tgt, self.vocab)
         if self.dist_index is not None and self.keep_optimizer and self.target_distributed:
@@ -328,7 +332,8 @@ def open_resharder(checkpoint: str | Layout | CheckpointIndex, target: TargetLay
     view = index.view
     tgt = resolve_target(index, target)
     raise_first(index.model_problems)
-    vocab_entries = [e for k, e in index.tensors.items() if k.suffix in VOCAB_KEYS and e.rule.kind == "vocab"]
+    vocab_entries = [e for e in (index.tensors.get(GlobalKey(None, None, "plain", k)) for k in VOCAB_KEYS)
+                     if e is not None and e.rule.kind == "vocab"]
     vocab = target_vocab(view, tgt, target.padded_vocab_size, target.vocab_size, target.make_vocab_size_divisible_by,
                          vocab_entries[0].global_len() or 0) if vocab_entries else None
     meta = view.shards[0].meta or {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 from collections import OrderedDict
 from typing import Any
@@ -63,7 +64,7 @@ def discover_hf(path: str) -> Layout:
                    "convert it with a tool that maps this model (e.g. Megatron-Bridge), or train it elsewhere")
     code = files.tokenizer_code(path)  # (the model's own tokenizer code: read once, for the args and the note)
     args = saved_args(family, cfg, path, code)
-    depth = families.mtp_depth(cfg, {k: 1 for k in found})
+    depth = families.mtp_depth(cfg, found)
     if depth:
         args.mtp_num_layers = depth
     elif cfg.mtp_layers:
@@ -99,7 +100,8 @@ def discover_hf(path: str) -> Layout:
                             "config.json names MXFP4 quantization but no weight is stored as MXFP4 blocks: the "
                             "weights are read as stored")
     elif scheme is not None:
-        fp8 = sum(1 for n in needed if n.endswith(quant.SCALE_SUFFIX))  # (each FP8 weight's scale is needed: _model)
+        # (each FP8 weight's scale is needed: _model; counted at C speed, a DeepSeek-V3 needs 92k tensors)
+        fp8 = sum(map(str.endswith, needed, itertools.repeat(quant.SCALE_SUFFIX)))
         if fp8:
             layout.notes.append(f"{fp8} weights are {scheme.describe()}: dequantized to "
                                 f"{quant.dequantized_dtype(cfg.dtype)} as they are read (each "
@@ -115,7 +117,7 @@ def discover_hf(path: str) -> Layout:
     for name in missing:
         layout.add("missing_tensor", path, f"the model has no tensor {stored_as(name)!r}, which {arch} with this "
                    "config.json has", "download the model again (or check that config.json belongs to these weights)")
-    unloaded = sorted(k for k in tensors if family.unloaded and k.startswith(family.unloaded))
+    unloaded = sorted(k for k in tensors if k.startswith(family.unloaded)) if family.unloaded else []
     if unloaded:
         layout.notes.append(f"{len(unloaded)} tensor(s) under {', '.join(family.unloaded)} (the multi-token prediction "
                             f"weights of {arch}'s files) are not loaded: the model trains without them")
@@ -201,98 +203,110 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
            scheme: quant.BlockFp8 | quant.Mxfp4 | None = None) \
         -> tuple[OrderedDict[str, Any], list[str], set[str], list[PreflightError]]:
     """(the Megatron state dict of SafeRefs, in Megatron's order; the HF tensors it needs that are missing; every
-    HF tensor it reads; the tensors that do not fit their Megatron tensor)."""
+    HF tensor it reads; the tensors that do not fit their Megatron tensor). One pass over the mappings (a DeepSeek-V3
+    in FP8: 31k Megatron tensors of 46k weights and their 46k scales)."""
     rows = {k: (t.shape[0] if t.shape else 1) for k, t in tensors.items()}
     model: OrderedDict[str, Any] = OrderedDict()
-    missing: list[str] = []
-    needed: set[str] = set()
+    missing: dict[str, None] = {}
+    taken: dict[str, int] = {}  # every HF tensor read -> the rows the mappings take of it
     errors: list[PreflightError] = []
-    maps = families.mappings(family, cfg, rows)  # (a DeepSeek-V3: 31k tensors, computed once)
-    checked: set[str] = set()  # FP8 weights whose scales were checked
-    for m in maps:
+    refs = _Refs(tensors, path, scheme, cfg)
+    for m in families.mappings(family, cfg, rows):
         if not m.blocks:
             model[m.key] = None  # an extra state: no FP8 metadata
             continue
-        gone = []
+        gone = False
         for b in m.blocks:
-            needed.add(b.hf)
+            taken[b.hf] = taken.get(b.hf, 0) + b.rows
             if b.hf not in tensors:
-                gone.append(b.hf)
+                missing[b.hf] = None
+                gone = True
         if gone:
-            missing.extend(n for n in dict.fromkeys(gone) if n not in missing)
             continue
         try:
-            ref = _ref(m, tensors, path, scheme, cfg, checked)
+            ref = refs.ref(m)
             model[m.key] = dataclasses.replace(ref, add=m.add) if m.add else ref
         except PreflightError as e:
             errors.append(e)
+    needed = set(taken)
     if isinstance(scheme, quant.BlockFp8):  # the scales are the weights' too
-        needed |= {n + quant.SCALE_SUFFIX for n in list(needed) if n in tensors and tensors[n].dtype == quant.FP8}
-    else:  # (a block-FP8 model's weights are read with their scales: _ref)
-        for name in sorted(n for n in needed if n in tensors and tensors[n].dtype.startswith("float8")):
+        needed |= {n + quant.SCALE_SUFFIX for n in taken if n in rows and tensors[n].dtype == quant.FP8}
+    else:  # (a block-FP8 model's weights are read with their scales: _Refs)
+        for name in sorted(n for n in taken if n in tensors and tensors[n].dtype.startswith("float8")):
             t = tensors[name]
             errors.append(PreflightError(
                 f"tensor {name!r} is {t.dtype} and config.json names no FP8 quantization_config: without the "
                 "scales its values are not the model's weights", path=os.path.join(path, t.file), code="hf_quantized",
                 fix="use the model's config.json with its quantization_config (or a bf16 / fp32 copy of the model)"))
-    taken: dict[str, int] = {}
-    for m in maps:
-        for b in m.blocks:
-            taken[b.hf] = taken.get(b.hf, 0) + b.rows
     for name, n in taken.items():
-        if name in tensors and n != rows[name]:
+        if name in rows and n != rows[name]:
             t = tensors[name]
             errors.append(PreflightError(f"tensor {name!r} has {rows[name]} rows ({list(t.shape)}); config.json's "
                                          f"sizes make it {n}", path=os.path.join(path, t.file), code="hf_shape",
                                          fix="check that config.json belongs to these weights"))
-    return model, missing, needed, errors
+    return model, list(missing), needed, errors
 
 
-def _ref(m: families.Mapping, tensors: dict[str, Any], path: str,
-         scheme: quant.BlockFp8 | quant.Mxfp4 | None = None, cfg: Any = None, checked: set[str] | None = None) -> SafeRef:
-    first = tensors[m.blocks[0].hf]
-    if isinstance(first, stacked.Part):
-        return _stacked(m, tensors, path)
-    if isinstance(scheme, quant.BlockFp8) and first.dtype == quant.FP8:
-        return _dequantized(m, tensors, path, scheme, cfg, set() if checked is None else checked)
-    if len(m.blocks) == 1 and m.blocks[0].src0 == 0 and m.blocks[0].rows == (first.shape[0] if first.shape else 1):
-        return safe_ref(m.key, first.dtype, first.shape, (Run(first.file, first.start, first.nbytes, 0),))  # a copy
-    tail = first.shape[1:]
-    runs = []
-    at = 0
-    for b in m.blocks:
-        t = tensors[b.hf]
-        if t.dtype != first.dtype or t.shape[1:] != tail or b.src0 + b.rows > (t.shape[0] if t.shape else 1):
-            raise _misfit(m, b.hf, t, first, path)
-        row = t.nbytes // (t.shape[0] if t.shape else 1)
-        runs.append(Run(t.file, t.start + b.src0 * row, b.rows * row, at))
-        at += b.rows * row
-    rows = sum(b.rows for b in m.blocks)
-    shape = (rows, *tail) if first.shape else ()
-    return safe_ref(m.key, first.dtype, shape, tuple(runs))
+class _Refs:
+    """Builds the SafeRef of each mapping from the tensor table; remembers the block-scale forms already checked
+    (the experts of a layer share one)."""
 
+    def __init__(self, tensors: dict[str, Any], path: str, scheme: quant.BlockFp8 | quant.Mxfp4 | None,
+                 cfg: Any) -> None:
+        self.tensors, self.path, self.cfg = tensors, path, cfg
+        self.fp8 = scheme if isinstance(scheme, quant.BlockFp8) else None
+        self.dtype = quant.dequantized_dtype(cfg.dtype if cfg is not None else None)
+        self.checked: set[tuple] = set()  # (weight shape, scale dtype, scale shape) that fit the scheme
 
-def _dequantized(m: families.Mapping, tensors: dict[str, Any], path: str, scheme: quant.BlockFp8, cfg: Any,
-                 checked: set[str]) -> SafeRef:
-    """The Megatron tensor ``m`` from the rows of FP8 weights, each with its block scales, in the model's dtype."""
-    first = tensors[m.blocks[0].hf]
-    runs = []
-    at = 0
-    for b in m.blocks:
-        t = tensors[b.hf]
-        if t.dtype != quant.FP8 or t.shape[1:] != first.shape[1:] or b.src0 + b.rows > t.shape[0]:
-            raise _misfit(m, b.hf, t, first, path)
-        scale = tensors.get(b.hf + quant.SCALE_SUFFIX)
-        if b.hf not in checked:  # (a tensor's rows may make many blocks: checked once)
-            problem = quant.check_scale(b.hf, t.shape, scale, scheme, path)
-            if problem is not None:
-                raise problem
-            checked.add(b.hf)
-        runs.append(quant.QRun(b.hf, t.file, t.start, t.shape[1], b.src0, b.rows, at, scale.file, scale.start,
-                               scale.dtype, scale.shape[1], scheme.block))
-        at += b.rows
-    return safe_ref(m.key, quant.dequantized_dtype(cfg.dtype if cfg is not None else None), (at, *first.shape[1:]), (),
-                    tuple(runs))
+    def ref(self, m: families.Mapping) -> SafeRef:
+        tensors = self.tensors
+        first = tensors[m.blocks[0].hf]
+        if isinstance(first, stacked.Part):
+            return _stacked(m, tensors, self.path)
+        if self.fp8 is not None and first.dtype == quant.FP8:
+            return self._dequantized(m, first)
+        if len(m.blocks) == 1 and m.blocks[0].src0 == 0 and m.blocks[0].rows == (first.shape[0] if first.shape else 1):
+            return safe_ref(m.key, first.dtype, first.shape,
+                            (Run(first.file, first.start, first.end - first.start, 0),))  # a copy
+        dtype, tail = first.dtype, first.shape[1:]
+        runs = []
+        at = rows = 0
+        for hf, src0, n, _ in m.blocks:
+            t = tensors[hf]
+            shape = t.shape
+            held = shape[0] if shape else 1
+            if t.dtype != dtype or shape[1:] != tail or src0 + n > held:
+                raise _misfit(m, hf, t, first, self.path)
+            row = (t.end - t.start) // held
+            runs.append(Run(t.file, t.start + src0 * row, n * row, at))
+            at += n * row
+            rows += n
+        return safe_ref(m.key, dtype, (rows, *tail) if first.shape else (), tuple(runs))
+
+    def _dequantized(self, m: families.Mapping, first: Any) -> SafeRef:
+        """The Megatron tensor ``m`` from the rows of FP8 weights, each with its block scales, in the model's
+        dtype."""
+        scheme = self.fp8
+        assert scheme is not None
+        tensors, checked, tail = self.tensors, self.checked, first.shape[1:]
+        runs = []
+        at = 0
+        for hf, src0, rows, _ in m.blocks:
+            t = tensors[hf]
+            shape = t.shape
+            if t.dtype != quant.FP8 or shape[1:] != tail or src0 + rows > shape[0]:
+                raise _misfit(m, hf, t, first, self.path)
+            scale = tensors.get(hf + quant.SCALE_SUFFIX)
+            form = (shape, scale.dtype, scale.shape) if scale is not None else None
+            if form not in checked:
+                problem = quant.check_scale(hf, shape, scale, scheme, self.path)
+                if problem is not None:
+                    raise problem
+                checked.add(form)
+            runs.append(quant.QRun(hf, t.file, t.start, shape[1], src0, rows, at, scale.file, scale.start,
+                                   scale.dtype, scale.shape[1], scheme.block))
+            at += rows
+        return safe_ref(m.key, self.dtype, (at, *tail), (), tuple(runs))
 
 
 def _stacked(m: families.Mapping, tensors: dict[str, Any], path: str) -> SafeRef:

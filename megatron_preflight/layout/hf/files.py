@@ -12,6 +12,7 @@ one name would silently win)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import stat
@@ -148,7 +149,7 @@ def parse_json(raw: bytes | str, path: str, fix: str, counted: tuple[str, ...] =
 
     ``counted``: keys that each object of the top level's values holds once (a safetensors header's ``dtype``,
     ``shape``, ``data_offsets``); their occurrences counted in ``raw`` decide, at C speed, whether the exact duplicate
-    check (a Python call per object) is needed: without a duplicate, each is met as often as there are entries."""
+    check (a Python call per object) is needed: without a duplicate, each is met as often as the objects hold it."""
     try:
         if not counted:  # (the exact check in the one parse)
             return json.loads(raw, parse_constant=_infinity_only if infinity else _refuse_constant,
@@ -156,8 +157,10 @@ def parse_json(raw: bytes | str, path: str, fix: str, counted: tuple[str, ...] =
         value = json.loads(raw, parse_constant=_refuse_constant)
         if isinstance(value, dict):
             data = raw.encode() if isinstance(raw, str) else raw
-            sub = [v for v in value.values() if isinstance(v, dict)]
-            need_exact = any(data.count(b'"' + k.encode() + b'"') != sum(1 for v in sub if k in v) for k in counted)
+            sub = [v for v in value.values() if type(v) is dict]
+            # (the objects holding each key, counted at C speed: a DeepSeek-V3 header has 92k)
+            need_exact = any(data.count(b'"' + k.encode() + b'"')
+                             != sum(map(dict.__contains__, sub, itertools.repeat(k))) for k in counted)
             if need_exact:
                 json.loads(raw, object_pairs_hook=_refuse_duplicates)
     except _NotANumber as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import struct
 from dataclasses import dataclass, field
@@ -84,51 +85,75 @@ def read_header(path: str) -> tuple[dict, int]:
     return header, 8 + n
 
 
+_new = tuple.__new__  # (a SafeTensor made without the named tuple's own __new__, a Python call: 92k of them)
+
+
+def _kind(code: Any, shape: tuple) -> tuple[str, int]:
+    """(torch's dtype name, bytes) of a header entry's dtype and shape; TypeError / KeyError when they are not a
+    safetensors dtype and a shape of non-negative ints."""
+    numel = math.prod(shape)  # (a float, a string, a list among the dims: not an int, or a TypeError)
+    if type(numel) is not int or any(type(d) is not int for d in shape) or (shape and min(shape) < 0):
+        raise TypeError
+    return DTYPES[code], numel * ITEMSIZE[code]
+
+
 def _file_tensors(model_dir: str, name: str, table: TensorTable, named_by: str) -> None:
     path = files.member(model_dir, name, named_by)
     header, base = read_header(path)
     size = os.path.getsize(path)
     table.files[name] = size
-    spans: list[tuple[int, int, str]] = []
-    cut: list[str] = []
+    tensors = table.tensors
+    kinds: dict[tuple, tuple[str, int]] = {}  # (dtype code, shape) -> checked (dtype, bytes): experts share a few
+    los: list[int] = []
+    his: list[int] = []
+    top = base
     for key, info in header.items():
         if key == "__metadata__":
             continue
         try:
-            code = info["dtype"]
-            dtype, item = DTYPES[code], ITEMSIZE[code]
             shape = tuple(info["shape"])
             lo, hi = info["data_offsets"]
-            numel = math.prod(shape)  # (a float, a string, a list among the dims: not an int, or a TypeError)
-            if type(numel) is not int or type(lo) is not int or type(hi) is not int or (shape and min(shape) < 0):
+            kind = kinds.get((info["dtype"], shape))
+            if kind is None:
+                kind = kinds[(info["dtype"], shape)] = _kind(info["dtype"], shape)
+            if type(lo) is not int or type(hi) is not int:
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise CorruptFileError(f"tensor {key!r}: its header entry is malformed ({info!r:.200})", path=path,
                                    fix="download the file again", code="corrupt_file") from None
-        if hi - lo != numel * item or lo < 0:
+        if hi - lo != kind[1] or lo < 0:
             raise CorruptFileError(f"tensor {key!r}: {hi - lo} bytes for shape {list(shape)} of {info['dtype']}",
                                    path=path, fix="download the file again", code="corrupt_file")
-        if key in table.tensors:
-            other = table.tensors[key].file
-            raise CorruptFileError(f"tensor {key!r} is defined in this file and in {other}: which one is the model's "
-                                   "is not known", path=path, fix="download the model again", code="corrupt_file")
-        if base + hi > size:
-            cut.append(key)
+        t = _new(SafeTensor, (key, name, kind[0], shape, base + lo, base + hi))
+        if tensors.setdefault(key, t) is not t:
+            raise CorruptFileError(f"tensor {key!r} is defined in this file and in {tensors[key].file}: which one is "
+                                   "the model's is not known", path=path, fix="download the model again",
+                                   code="corrupt_file")
         if hi > lo:
-            spans.append((lo, hi, key))
-        table.tensors[key] = SafeTensor(key, name, dtype, shape, base + lo, base + hi)
-    spans.sort()
+            los.append(lo)
+            his.append(hi)
+            if base + hi > top:
+                top = base + hi
+    spans = sorted(zip(los, his, strict=True))  # (C-level passes: a DeepSeek-V3 dir has 92k entries)
+    if any(map(operator.lt, [lo for lo, _ in spans[1:]], [hi for _, hi in spans[:-1]])):
+        _overlap(header, path)
+    if top > size:
+        cut = [k for k, t in tensors.items() if t.file == name and t.end > size]
+        table.problems.append(("truncated_file", path, f"the file is truncated: it has {size:,} bytes, its header "
+                               f"places tensors up to byte {top:,}; {len(cut)} tensor(s) cut: "
+                               + ", ".join(repr(k) for k in cut[:8]) + (", ..." if len(cut) > 8 else ""),
+                               "download the file again"))
+
+
+def _overlap(header: dict, path: str) -> None:
+    """Raises naming two tensors of ``header`` whose bytes overlap (the table found that some do)."""
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], key) for key, info in header.items()
+                   if key != "__metadata__" and info["data_offsets"][1] > info["data_offsets"][0])
     for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
         if start < end:
             raise CorruptFileError(f"tensors {a!r} and {b!r} share bytes (their data_offsets overlap): writing one "
                                    "would change the other", path=path, fix="download the file again",
                                    code="corrupt_file")
-    if cut:
-        end = max(table.tensors[k].end for k in cut)
-        table.problems.append(("truncated_file", path, f"the file is truncated: it has {size:,} bytes, its header "
-                               f"places tensors up to byte {end:,}; {len(cut)} tensor(s) cut: "
-                               + ", ".join(repr(k) for k in cut[:8]) + (", ..." if len(cut) > 8 else ""),
-                               "download the file again"))
 
 
 def tensor_table(model_dir: str) -> TensorTable:
@@ -216,11 +241,21 @@ def _dtype(name: str) -> Any:
     return dtypes.dtype(name)
 
 
+_row_major = functools.lru_cache(maxsize=4096)(row_major)  # (a model has a few hundred shapes, 31k tensors)
+
+
 def safe_ref(key: str, dtype: str, shape: tuple[int, ...], runs: tuple[Run, ...], quant: tuple[Any, ...] = (),
              add: float = 0.0) -> SafeRef:
     """The ref of a tensor of ``shape`` made of ``runs`` (or of dequantized FP8 ``quant`` runs)."""
     dt = _dtype(dtype)
+    shape = tuple(shape)
     n = math.prod(shape)
     first = runs[0].file if runs else quant[0].file if quant else ""
-    return SafeRef(first, StorageRef(key, dt, n), 0, tuple(shape), row_major(tuple(shape)), runs=runs, quant=quant,
-                   add=add)
+    # (the frozen dataclasses' __init__ sets each field through object.__setattr__: a DeepSeek-V3 builds 31k refs,
+    # so they are filled directly, every field given)
+    storage = object.__new__(StorageRef)
+    storage.__dict__.update(key=key, dtype=dt, numel=n)
+    ref = object.__new__(SafeRef)
+    ref.__dict__.update(file=first, storage=storage, offset=0, shape=shape, stride=_row_major(shape), runs=runs,
+                        quant=quant, add=add)
+    return ref

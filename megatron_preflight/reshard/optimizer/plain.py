@@ -21,7 +21,6 @@ The distributed optimizer keeps its tensors in ``distrib_optim.pt`` (flat per-bu
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -258,7 +257,7 @@ def packed_params(layout: Layout, shard_name: str, keys: list[SourceKey]
             continue
         where = f"{sk.chunk}:{sk.key}"
         if where not in experts:
-            out.append(dataclasses.replace(sk, value=meta[chunk_names[sk.chunk]][sk.key]))
+            out.append(sk._replace(value=meta[chunk_names[sk.chunk]][sk.key]))
         experts.setdefault(where, []).append(sk)
     return out, experts
 

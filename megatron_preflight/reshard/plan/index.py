@@ -52,6 +52,8 @@ def iter_source_keys(layout: Layout, src: ParallelLayout) -> Any:
             continue
         for chunk_idx, ck in model_chunks(shard.meta):
             orders = _layer_orders(list(shard.meta[ck]))
+            layers: dict[int, int] = {}
+            experts: dict[int, int] = {}
             for key, value in shard.meta[ck].items():
                 info = parse_key(key)
                 if info.style == "legacy_grouped":
@@ -65,8 +67,16 @@ def iter_source_keys(layout: Layout, src: ParallelLayout) -> Any:
                                         src.etp_eff, orders[key])
                     continue
                 rule = rule_for(info, swiglu=swiglu)
-                layer = src.global_layer(coords["pp"], chunk_idx, info.layer) if info.layer is not None else None
-                expert = src.global_expert(coords["ep"], info.expert) if info.expert is not None else None
+                layer = info.layer
+                if layer is not None:  # (asked once per local layer and expert: they recur in every key of them)
+                    layer = layers.get(layer)
+                    if layer is None:
+                        layer = layers[info.layer] = src.global_layer(coords["pp"], chunk_idx, info.layer)
+                expert = info.expert
+                if expert is not None:
+                    expert = experts.get(expert)
+                    if expert is None:
+                        expert = experts[info.expert] = src.global_expert(coords["ep"], info.expert)
                 if rule.dim is None:  # replicated: every holder is a replica of one piece
                     grank, gsize = 0, 1
                 elif rule.group == "etp":
@@ -115,7 +125,7 @@ def index_sources(layout: Layout, src: ParallelLayout, *, check: bool = True
 
 def has_mtp(index: GlobalIndex) -> bool:
     """Whether the model has multi-token prediction layers."""
-    return any(mtp_index(k.suffix) is not None for k in index)
+    return any(k.suffix.startswith("mtp.layers.") and mtp_index(k.suffix) is not None for k in index)
 
 
 def has_legacy_grouped(layout: Layout) -> bool:

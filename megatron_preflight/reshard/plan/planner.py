@@ -75,20 +75,23 @@ def target_vocab(layout: Layout, tgt: ParallelLayout, padded_vocab_size: int | N
     return VocabPlan(real, source_padded, target)
 
 
-def by_layer(index: OrderedDict[GlobalKey, GlobalEntry]) -> dict[int | None, list[tuple[GlobalKey, GlobalEntry]]]:
-    """The index's entries by global layer (None: the embedding, final norm, MTP and head), each group in index order:
-    a rank plans its own stage's layers, not every entry of the model (a DeepSeek-V3 at PP16: 1/16 of its 31k entries
-    per rank). The resharder makes it once per index (:meth:`~megatron_preflight.reshard.resharder.Resharder._plan`)."""
-    groups: dict[int | None, list[tuple[GlobalKey, GlobalEntry]]] = {}
+Groups = dict[int | None, dict[int | None, list[tuple[GlobalKey, GlobalEntry]]]]
+
+
+def by_layer(index: OrderedDict[GlobalKey, GlobalEntry]) -> Groups:
+    """The index's entries by global layer (None: the embedding, final norm, MTP and head), then by global expert
+    (None: not an expert's), each group in index order: a rank plans its own stage's layers and its own experts, not
+    every entry of the model (a DeepSeek-V3 at PP16 EP64: 1/16 of its layers' 31k entries per rank, 4 of each layer's
+    256 experts). The resharder makes it once per index (:meth:`~megatron_preflight.reshard.resharder.Resharder._plan`)."""
+    groups: Groups = {}
     for gkey, entry in index.items():
-        groups.setdefault(gkey[0], []).append((gkey, entry))
+        groups.setdefault(gkey[0], {}).setdefault(gkey[1], []).append((gkey, entry))
     return groups
 
 
 def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, tgt: ParallelLayout,
               coords: dict[str, int], *, tied: bool, vocab: VocabPlan | None, shard_name: str = "",
-              mtp: bool = False, groups: dict[int | None, list[tuple[GlobalKey, GlobalEntry]]] | None = None,
-              ) -> RankPlan:
+              mtp: bool = False, groups: Groups | None = None) -> RankPlan:
     """The plan for the target rank at ``coords`` (its tp, pp, ep, etp ranks; ``mtp``: the model has MTP layers);
     see :func:`validate_plan`. ``groups``: :func:`by_layer` of ``index``, when the caller keeps it."""
     stage, ep_rank = coords["pp"], coords["ep"]
@@ -100,8 +103,20 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, t
     mtp_embedding = mtp and last > 0 and stage == last
     groups = by_layer(index) if groups is None else groups
     placed = {layer: tgt.place_layer(layer) for layer in groups if layer is not None}
-    here = [x for layer, at in placed.items() if at[0] == stage for x in groups[layer]]  # (this stage's layers only)
-    for gkey, entry in groups.get(None, []) + here:
+    experts: dict[int, tuple[int, int]] = {}  # global expert -> (its EP rank, its local index), asked once each
+    here = []  # this stage's layers and the model's other entries; of experts, this rank's only
+    for layer, by_expert in groups.items():
+        if layer is not None and placed[layer][0] != stage:
+            continue
+        for e, items in by_expert.items():
+            if e is not None:
+                at = experts.get(e)
+                if at is None:
+                    at = experts[e] = tgt.place_expert(e)
+                if at[0] != ep_rank:
+                    continue
+            here += items
+    for gkey, entry in here:
         layer, expert, _style, suffix = gkey
         if layer is not None:
             _, chunk, local = placed[layer]
@@ -127,11 +142,7 @@ def plan_rank(index: OrderedDict[GlobalKey, GlobalEntry], src: ParallelLayout, t
                 chunk, section = tgt.chunks - 1, 4
             else:
                 raise PreflightError(f"no placement rule for non-layer key {suffix}", code="unknown_key")
-        local_expert = None
-        if expert is not None:
-            e_rank, local_expert = tgt.place_expert(expert)
-            if e_rank != ep_rank:
-                continue
+        local_expert = None if expert is None else experts[expert][1]
         key = entry.info.render(local, local_expert)
         if entry.rule.kind == "extra" and own is not None:
             entry = own(entry)

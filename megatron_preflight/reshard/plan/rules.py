@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatron_preflight.errors import PreflightError
 
@@ -172,8 +173,7 @@ _TE_GROUPED_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)
 _LEGACY_GROUPED_RE = re.compile(r"^mlp\.experts\.weight[12]$")
 
 
-@dataclass(frozen=True)
-class KeyInfo:
+class KeyInfo(NamedTuple):  # (a tuple: every key of every shard is parsed, a DeepSeek-V3 has 62k)
     """A local state-dict key split into its parts: layer (local index), expert (local index), suffix."""
 
     layer: int | None

@@ -64,7 +64,11 @@ class GlobalEntry:
     def add(self, piece: SourcePiece) -> None:
         # kept in shard-name order as pieces arrive (a layernorm has one replica per TP x EP rank: sorting the whole
         # list on every arrival was quadratic in them)
-        bisect.insort(self.pieces.setdefault(piece.group_rank, []), piece, key=_by_shard)
+        held = self.pieces.get(piece.group_rank)
+        if held is None:  # (the first piece of a rank: most entries have one)
+            self.pieces[piece.group_rank] = [piece]
+            return
+        bisect.insort(held, piece, key=_by_shard)
         self._replicas.pop(piece.group_rank, None)
 
     def replicas(self, group_rank: int) -> tuple[tuple[str, TensorRef], ...]:
@@ -151,8 +155,7 @@ class RankPlan:
         return total
 
 
-@dataclass(frozen=True)
-class SourceKey:
+class SourceKey(NamedTuple):  # (a tuple: a DeepSeek-V3's index is made of 62k of them)
     """One entry of a source shard's model chunk, placed in the global model."""
 
     shard: str

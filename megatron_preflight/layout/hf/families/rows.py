@@ -80,10 +80,11 @@ class Rows:
         return self.rows.get(hf, 0)
 
     def copy(self, key: str, hf: str) -> Mapping:
-        return Mapping(key, stack([(hf, 0, self.size(hf, key, 1))]))
+        return Mapping(key, (Block(hf, 0, self.size(hf, key, 1), 0),))
 
     def glu(self, key: str, gate: str, up: str) -> Mapping:
-        return Mapping(key, stack([(gate, 0, self.size(gate, key, 2)), (up, 0, self.size(up, key, 2))]))
+        rows = self.size(gate, key, 2)
+        return Mapping(key, (Block(gate, 0, rows, 0), Block(up, 0, self.size(up, key, 2), rows)))
 
     @staticmethod
     def extra(key: str) -> Mapping:
@@ -128,18 +129,18 @@ def moe_block(r: Rows, moe: Moe, cfg: HfConfig, hf: str, mg: str, extras: bool) 
         out.append(r.copy(mg + "mlp.router.expert_bias", block + moe.gate + ".e_score_correction_bias"))
     g, u, d = moe.experts
     assert cfg.num_experts
-    for j in range(cfg.num_experts):
+    for j in range(cfg.num_experts):  # (a DeepSeek-V3: 58 layers of 256, each row made directly)
         e, me = f"{block}experts.{j}.", f"{mg}mlp.experts.local_experts.{j}."
-        out.append(r.glu(me + "linear_fc1.weight", f"{e}{g}.weight", f"{e}{u}.weight"))
+        out.append(r.glu(me + "linear_fc1.weight", e + g + ".weight", e + u + ".weight"))
         if moe.bias:
-            out.append(r.glu(me + "linear_fc1.bias", f"{e}{g}.bias", f"{e}{u}.bias"))
+            out.append(r.glu(me + "linear_fc1.bias", e + g + ".bias", e + u + ".bias"))
         if extras:
-            out.append(r.extra(me + "linear_fc1._extra_state"))
-        out.append(r.copy(me + "linear_fc2.weight", f"{e}{d}.weight"))
+            out.append(Mapping(me + "linear_fc1._extra_state", ()))
+        out.append(r.copy(me + "linear_fc2.weight", e + d + ".weight"))
         if moe.bias:
-            out.append(r.copy(me + "linear_fc2.bias", f"{e}{d}.bias"))
+            out.append(r.copy(me + "linear_fc2.bias", e + d + ".bias"))
         if extras:
-            out.append(r.extra(me + "linear_fc2._extra_state"))
+            out.append(Mapping(me + "linear_fc2._extra_state", ()))
     if cfg.shared_experts:
         sh, ms = block + moe.shared + ".", mg + "mlp.shared_experts."
         out += [r.glu(ms + "linear_fc1.weight", sh + f"{g}.weight", sh + f"{u}.weight"),

@@ -7,7 +7,7 @@ Nothing here branches on a family's name: what differs is declared in the family
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -371,9 +371,9 @@ def megatron_args(family: Family, cfg: HfConfig) -> dict[str, Any]:
 
 
 # -- the tensors ----------------------------------------------------------------------------------------------------
-def mtp_depth(cfg: HfConfig, rows: dict[str, int]) -> int:
+def mtp_depth(cfg: HfConfig, rows: Container[str]) -> int:
     """How many multi-token prediction layers the files hold (DeepSeek-V3 and GLM-4.5 store them after the decoder's
-    layers; ``transformers`` drops them on save, so a model it wrote has none)."""
+    layers; ``transformers`` drops them on save, so a model it wrote has none). ``rows``: the names of its tensors."""
     return sum(1 for d in range(cfg.mtp_layers) if f"model.layers.{cfg.num_layers + d}.eh_proj.weight" in rows)
 
 
