@@ -142,19 +142,22 @@ def _infinity_only(name: str) -> Any:
     return float(name)  # (Infinity / -Infinity: a config's unbounded limit; every number used is checked finite)
 
 
-def parse_json(raw: bytes | str, path: str, fix: str, counted: tuple[str, ...] = (), infinity: bool = False) -> Any:
+def parse_json(raw: bytes | str, path: str, fix: str, counted: tuple[str, ...] = (), infinity: bool = False,
+               floats_as_text: bool = False) -> Any:
     """``raw`` parsed as JSON: nesting bounded (the parser's recursion limit), a duplicate key refused, naming it, and
     ``NaN`` / ``Infinity`` (which Python's parser accepts) refused (``infinity``: ``Infinity`` taken, as transformers 4
     writes an unbounded limit such as NemotronH's ``time_step_limit``; each number a reader uses is checked finite).
 
     ``counted``: keys that each object of the top level's values holds once (a safetensors header's ``dtype``,
     ``shape``, ``data_offsets``); their occurrences counted in ``raw`` decide, at C speed, whether the exact duplicate
-    check (a Python call per object) is needed: without a duplicate, each is met as often as the objects hold it."""
+    check (a Python call per object) is needed: without a duplicate, each is met as often as the objects hold it.
+    ``floats_as_text``: a number with a fraction or an exponent is kept as its text (where only integers belong, one
+    is then no number at all, never equal to one)."""
     try:
         if not counted:  # (the exact check in the one parse)
             return json.loads(raw, parse_constant=_infinity_only if infinity else _refuse_constant,
                               object_pairs_hook=_refuse_duplicates)
-        value = json.loads(raw, parse_constant=_refuse_constant)
+        value = json.loads(raw, parse_constant=_refuse_constant, parse_float=str if floats_as_text else None)
         if isinstance(value, dict):
             data = raw.encode() if isinstance(raw, str) else raw
             sub = [v for v in value.values() if type(v) is dict]

@@ -56,9 +56,10 @@ class TensorTable:
     problems: list[tuple[str, str, str, str]] = field(default_factory=list)  # (code, path, message, fix)
 
 
-def read_header(path: str) -> tuple[dict, int]:
-    """(the JSON header, the byte offset where tensor data begins) of one safetensors file (a regular file only;
-    nesting, size and duplicate names bounded by :func:`~.files.parse_json`)."""
+def read_header(path: str) -> tuple[dict, int, bool]:
+    """(the JSON header, the byte offset where tensor data begins, whether its text holds a JSON ``true`` / ``false``)
+    of one safetensors file (a regular file only; nesting, size and duplicate names bounded by
+    :func:`~.files.parse_json`; a number with a fraction or exponent kept as its text: no shape or offset is one)."""
     fd = files.open_regular(path)
     try:
         head = os.pread(fd, 8, 0)
@@ -78,11 +79,19 @@ def read_header(path: str) -> tuple[dict, int]:
     if len(raw) < n:
         raise CorruptFileError("the file ends inside its header (truncated)", path=path,
                                fix="download the file again", code="corrupt_file")
-    header = files.parse_json(raw, path, "download the file again", counted=("dtype", "shape", "data_offsets"))
+    header = files.parse_json(raw, path, "download the file again", counted=("dtype", "shape", "data_offsets"),
+                              floats_as_text=True)
     if not isinstance(header, dict):
         raise CorruptFileError("its header is not a JSON object", path=path, fix="download the file again",
                                code="corrupt_file")
-    return header, 8 + n
+    return header, 8 + n, b"true" in raw or b"false" in raw
+
+
+class _Forgetful(dict):
+    """A memo that keeps nothing: each entry of a header with a JSON bool is checked on its own."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
 
 
 _new = tuple.__new__  # (a SafeTensor made without the named tuple's own __new__, a Python call: 92k of them)
@@ -99,11 +108,13 @@ def _kind(code: Any, shape: tuple) -> tuple[str, int]:
 
 def _file_tensors(model_dir: str, name: str, table: TensorTable, named_by: str) -> None:
     path = files.member(model_dir, name, named_by)
-    header, base = read_header(path)
+    header, base, bools = read_header(path)
     size = os.path.getsize(path)
     table.files[name] = size
     tensors = table.tensors
-    kinds: dict[tuple, tuple[str, int]] = {}  # (dtype code, shape) -> checked (dtype, bytes): experts share a few
+    # (dtype code, shape) -> checked (dtype, bytes): experts share a few. A shape equal to a checked one is the same
+    # shape of ints (a float dim is text here), unless the header holds a bool, equal to 1 or 0: then none is kept
+    kinds: dict[tuple, tuple[str, int]] = {} if not bools else _Forgetful()
     los: list[int] = []
     his: list[int] = []
     top = base
