@@ -100,10 +100,9 @@ _new = tuple.__new__  # (a SafeTensor made without the named tuple's own __new__
 def _kind(code: Any, shape: tuple) -> tuple[str, int]:
     """(torch's dtype name, bytes) of a header entry's dtype and shape; TypeError / KeyError when they are not a
     safetensors dtype and a shape of non-negative ints."""
-    numel = math.prod(shape)  # (a float, a string, a list among the dims: not an int, or a TypeError)
-    if type(numel) is not int or any(type(d) is not int for d in shape) or (shape and min(shape) < 0):
+    if any(type(d) is not int for d in shape) or (shape and min(shape) < 0):  # (before any product: "2" * 10**12)
         raise TypeError
-    return DTYPES[code], numel * ITEMSIZE[code]
+    return DTYPES[code], math.prod(shape) * ITEMSIZE[code]
 
 
 def _file_tensors(model_dir: str, name: str, table: TensorTable, named_by: str) -> None:

@@ -120,3 +120,11 @@ def test_a_dim_equal_to_a_checked_one_but_not_an_int_is_refused(tmp_path, dim):
         fh.write(struct.pack("<Q", len(raw)) + raw + b"\0" * 32)
     with pytest.raises(CorruptFileError, match="tensor 'b': its header entry is malformed"):
         tensor_table(str(tmp_path))
+
+
+def test_a_text_dim_beside_a_huge_one_is_refused_without_building_anything(tmp_path):
+    """``"2" * 10**15`` would be a petabyte string: the dims' types are checked before any product."""
+    _raw(tmp_path / "model.safetensors", {"a": {"dtype": "F32", "shape": ["2", 10**15], "data_offsets": [0, 8]},
+                                          "b": {"dtype": "F32", "shape": [1.5, 10**15], "data_offsets": [8, 16]}}, 16)
+    with pytest.raises(CorruptFileError, match="tensor 'a': its header entry is malformed"):
+        tensor_table(str(tmp_path))
