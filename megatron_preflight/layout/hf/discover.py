@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import os
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from megatron_preflight import dtypes, parallel
@@ -205,13 +206,12 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
     """(the Megatron state dict of SafeRefs, in Megatron's order; the HF tensors it needs that are missing; every
     HF tensor it reads; the tensors that do not fit their Megatron tensor). One pass over the mappings (a DeepSeek-V3
     in FP8: 31k Megatron tensors of 46k weights and their 46k scales)."""
-    rows = {k: (t.shape[0] if t.shape else 1) for k, t in tensors.items()}
     model: OrderedDict[str, Any] = OrderedDict()
     missing: dict[str, None] = {}
     taken: dict[str, int] = {}  # every HF tensor read -> the rows the mappings take of it
     errors: list[PreflightError] = []
     refs = _Refs(tensors, path, scheme, cfg)
-    for m in families.mappings(family, cfg, rows):
+    for m in families.mappings(family, cfg, _Rows(tensors)):
         if not m.blocks:
             model[m.key] = None  # an extra state: no FP8 metadata
             continue
@@ -230,7 +230,7 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
             errors.append(e)
     needed = set(taken)
     if isinstance(scheme, quant.BlockFp8):  # the scales are the weights' too
-        needed |= {n + quant.SCALE_SUFFIX for n in taken if n in rows and tensors[n].dtype == quant.FP8}
+        needed |= {n + quant.SCALE_SUFFIX for n in taken if n in tensors and tensors[n].dtype == quant.FP8}
     else:  # (a block-FP8 model's weights are read with their scales: _Refs)
         for name in sorted(n for n in taken if n in tensors and tensors[n].dtype.startswith("float8")):
             t = tensors[name]
@@ -239,12 +239,37 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
                 "scales its values are not the model's weights", path=os.path.join(path, t.file), code="hf_quantized",
                 fix="use the model's config.json with its quantization_config (or a bf16 / fp32 copy of the model)"))
     for name, n in taken.items():
-        if name in rows and n != rows[name]:
-            t = tensors[name]
-            errors.append(PreflightError(f"tensor {name!r} has {rows[name]} rows ({list(t.shape)}); config.json's "
+        t = tensors.get(name)
+        if t is not None and n != (t.shape[0] if t.shape else 1):
+            errors.append(PreflightError(f"tensor {name!r} has {t.shape[0] if t.shape else 1} rows "
+                                         f"({list(t.shape)}); config.json's "
                                          f"sizes make it {n}", path=os.path.join(path, t.file), code="hf_shape",
                                          fix="check that config.json belongs to these weights"))
     return model, list(missing), needed, errors
+
+
+class _Rows(Mapping[str, int]):
+    """Each HF tensor's dim-0 size (a scalar's: 1), read from the table as the mappings ask for it."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> int:
+        shape = self.tensors[name].shape
+        return shape[0] if shape else 1
+
+    def get(self, name: str, default: Any = None) -> Any:  # (the mixin's goes through a raised KeyError)
+        t = self.tensors.get(name)
+        return default if t is None else t.shape[0] if t.shape else 1
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 class _Refs:

@@ -21,6 +21,7 @@ resharder's bridge (:mod:`megatron_preflight.reshard.plan.spec`), not these rows
 
 from __future__ import annotations
 
+from collections import abc
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -71,7 +72,7 @@ class Rows:
     safetensors headers) or writing one (``megatron_rows``: each Megatron tensor's; a copied tensor has its rows,
     each SwiGLU half half of them)."""
 
-    def __init__(self, rows: dict[str, int], megatron_rows: dict[str, int] | None) -> None:
+    def __init__(self, rows: abc.Mapping[str, int], megatron_rows: dict[str, int] | None) -> None:
         self.rows, self.megatron_rows = rows, megatron_rows
 
     def size(self, hf: str, key: str, parts: int) -> int:

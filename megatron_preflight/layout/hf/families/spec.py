@@ -7,6 +7,7 @@ Nothing here branches on a family's name: what differs is declared in the family
 from __future__ import annotations
 
 import math
+from collections import abc
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -385,7 +386,7 @@ def layer(family: Family, r: Rows, cfg: HfConfig, hf: str, mg: str, is_moe: bool
                      out_bias=family.linear_bias, sinks=family.sinks)
 
 
-def mappings(family: Family, cfg: HfConfig, rows: dict[str, int],
+def mappings(family: Family, cfg: HfConfig, rows: abc.Mapping[str, int],
              megatron_rows: dict[str, int] | None = None) -> list[Mapping]:
     """Every Megatron tensor of the model, in Megatron's state-dict order, with its HF blocks. ``rows``: each HF
     tensor's dim-0 size (from the safetensors headers); writing an HF model, ``megatron_rows`` instead: each Megatron
