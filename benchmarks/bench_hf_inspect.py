@@ -11,6 +11,7 @@ Usage: python benchmarks/bench_hf_inspect.py [--work DIR] [--repeat 3]
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -97,6 +98,7 @@ def write(path: str, fp8: bool = False) -> tuple[int, int]:
 
 
 PYCACHE = tempfile.mkdtemp(prefix="bench_hf_inspect_pyc_")  # bytecode cached, as in an installed package
+atexit.register(shutil.rmtree, PYCACHE, True)
 
 
 def timed(argv: list[str]) -> tuple[float, float, int]:

@@ -12,7 +12,9 @@ legacy checkpoint at TP2·PP2·EP2, its torch_dist twin, a distributed-optimizer
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,7 @@ CASES = [
 
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 ENV.update(PYTHONWARNINGS="ignore", PYTHONPYCACHEPREFIX=tempfile.mkdtemp(prefix="bench_verdict_pyc_"))
+atexit.register(shutil.rmtree, ENV["PYTHONPYCACHEPREFIX"], True)
 
 
 def _wall(cmd: list[str]) -> float:
