@@ -28,6 +28,9 @@ class LayoutError(PreflightError):
         self.field = field
 
 
+VOCAB_DIVISOR = 128  # Megatron's default --make-vocab-size-divisible-by
+
+
 def pad_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's padded vocab: the true vocab rounded up to a multiple of ``make_vocab_size_divisible_by × TP``."""
     m = divisible_by * tp

@@ -15,6 +15,7 @@ import shlex
 
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.layout.model import Layout
+from megatron_preflight.parallel import VOCAB_DIVISOR
 
 PLACEHOLDER = "NEW_DIR"
 
@@ -56,7 +57,7 @@ def layout_flags(rt: RuntimeArgs) -> list[str]:
     flags = size_flags(rt)
     if rt.vocab_size is not None:
         flags += ["--vocab-size", str(rt.vocab_size)]
-    if rt.make_vocab_size_divisible_by != 128:
+    if rt.make_vocab_size_divisible_by != VOCAB_DIVISOR:
         flags += ["--make-vocab-size-divisible-by", str(rt.make_vocab_size_divisible_by)]
     for name in ("use_distributed_optimizer", "moe_grouped_gemm"):
         if getattr(rt, name):

@@ -11,7 +11,7 @@ from megatron_preflight.check.findings import Finding, Severity
 from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.parallel import LayoutError, divisor_keeping, pad_vocab
+from megatron_preflight.parallel import VOCAB_DIVISOR, LayoutError, divisor_keeping, pad_vocab
 from megatron_preflight.reshard.plan.rules import mamba_conv_name, mtp_layer_name
 
 FATAL, RESHARD, INFO = Severity.FATAL, Severity.RESHARD, Severity.INFO
@@ -334,7 +334,7 @@ def _compare_vocab(layout: Layout, rt: RuntimeArgs) -> list[Finding]:
     out: list[Finding] = []
     ck_padded = _get(saved, "padded_vocab_size")
     ck_vocab = _get(saved, "vocab_size")
-    ck_div = _get(saved, "make_vocab_size_divisible_by", 128) or 128
+    ck_div = _get(saved, "make_vocab_size_divisible_by", VOCAB_DIVISOR) or VOCAB_DIVISOR
     ck_tp = layout.tp or 1
     if rt.vocab_size is None:
         if ck_padded is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_preflight import parallel
 from megatron_preflight.errors import PreflightError
-from megatron_preflight.parallel import pad_vocab
+from megatron_preflight.parallel import VOCAB_DIVISOR, pad_vocab
 
 
 @dataclass(init=False, repr=False)  # both written below: dataclass's cost ~3 ms (__init__) and 1.3 ms to compile
@@ -51,7 +51,7 @@ class RuntimeArgs:
     vocab_size: int | None = None
     padded_vocab_size: int | None = None
     null_tokenizer_adds_eod: bool | None = None  # the release's NullTokenizer (check/releases.py); None: not known
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = VOCAB_DIVISOR
     max_position_embeddings: int | None = None
     seq_length: int | None = None
     position_embedding_type: str = "learned_absolute"

@@ -13,7 +13,7 @@ from megatron_preflight.check.runtime_args import RuntimeArgs
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.fit.profile import ModelProfile
 from megatron_preflight.layout import naming
-from megatron_preflight.parallel import ParallelLayout, pad_vocab
+from megatron_preflight.parallel import VOCAB_DIVISOR, ParallelLayout, pad_vocab
 
 
 def vocab_rows(profile: ModelProfile, view: Any, tgt: ParallelLayout, rt: RuntimeArgs) -> tuple[int, bool]:
@@ -27,7 +27,7 @@ def vocab_rows(profile: ModelProfile, view: Any, tgt: ParallelLayout, rt: Runtim
         plan = reshard.target_vocab(view, tgt, None, rt.vocab_size, rt.make_vocab_size_divisible_by, profile.padded_vocab)
         return plan.target_padded, True
     except PreflightError:
-        return pad_vocab(profile.padded_vocab, rt.make_vocab_size_divisible_by or 128, tgt.tp), False
+        return pad_vocab(profile.padded_vocab, rt.make_vocab_size_divisible_by or VOCAB_DIVISOR, tgt.tp), False
 
 
 def stage_memory(profile: ModelProfile, tgt: ParallelLayout, rt: RuntimeArgs, world: int, rows: int

@@ -87,13 +87,6 @@ def read_header(path: str) -> tuple[dict, int, bool]:
     return header, 8 + n, b"true" in raw or b"false" in raw
 
 
-class _Forgetful(dict):
-    """A memo that keeps nothing: each entry of a header with a JSON bool is checked on its own."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-
 _new = tuple.__new__  # (a SafeTensor made without the named tuple's own __new__, a Python call: 92k of them)
 
 
@@ -113,7 +106,7 @@ def _file_tensors(model_dir: str, name: str, table: TensorTable, named_by: str) 
     tensors = table.tensors
     # (dtype code, shape) -> checked (dtype, bytes): experts share a few. A shape equal to a checked one is the same
     # shape of ints (a float dim is text here), unless the header holds a bool, equal to 1 or 0: then none is kept
-    kinds: dict[tuple, tuple[str, int]] = {} if not bools else _Forgetful()
+    kinds: dict[tuple, tuple[str, int]] = {}
     los: list[int] = []
     his: list[int] = []
     top = base
@@ -125,7 +118,9 @@ def _file_tensors(model_dir: str, name: str, table: TensorTable, named_by: str) 
             lo, hi = info["data_offsets"]
             kind = kinds.get((info["dtype"], shape))
             if kind is None:
-                kind = kinds[(info["dtype"], shape)] = _kind(info["dtype"], shape)
+                kind = _kind(info["dtype"], shape)
+                if not bools:
+                    kinds[(info["dtype"], shape)] = kind
             if type(lo) is not int or type(hi) is not int:
                 raise TypeError
         except (KeyError, TypeError, ValueError):

@@ -14,7 +14,7 @@ from typing import Any
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.model import Format, Layout
-from megatron_preflight.parallel import ParallelLayout, pad_vocab
+from megatron_preflight.parallel import VOCAB_DIVISOR, ParallelLayout, pad_vocab
 from megatron_preflight.reshard.plan.index import EMBEDDING
 from megatron_preflight.reshard.plan.rules import Rule, mtp_index, mtp_place, segments
 from megatron_preflight.reshard.plan.topology import saved_arg
@@ -39,7 +39,7 @@ def target_vocab(layout: Layout, tgt: ParallelLayout, padded_vocab_size: int | N
         # run's padded vocab are ids its tokenizer never produces (dropped); the rest are the model's, copied
         target = int(padded_vocab_size)
         return VocabPlan(min(source_padded, target), source_padded, target)
-    div = divisible_by or int(saved_arg(args, "make_vocab_size_divisible_by", 128) or 128)
+    div = divisible_by or int(saved_arg(args, "make_vocab_size_divisible_by", VOCAB_DIVISOR) or VOCAB_DIVISOR)
     true = vocab_size or saved_arg(args, "vocab_size")
     real = int(true) if true else source_padded
     if true and int(true) > source_padded:
@@ -72,7 +72,7 @@ def target_vocab(layout: Layout, tgt: ParallelLayout, padded_vocab_size: int | N
             f"{pad_vocab(real, div, tgt.tp):,} rows); the run could not load it", path=layout.iter_dir,
             fix=f"leave --padded-vocab-size out (it follows the target TP), or pass at most {most} (to pad further, "
                 "give the new run's --make-vocab-size-divisible-by after --)", code="usage")
-    return VocabPlan(real, source_padded, target)
+    return VocabPlan(real, source_padded, target, None if padded_vocab_size else div)
 
 
 Groups = dict[int | None, dict[int | None, list[tuple[GlobalKey, GlobalEntry]]]]

@@ -128,6 +128,7 @@ class VocabPlan:
     real: int
     source_padded: int
     target_padded: int
+    divisor: int | None = None  # the --make-vocab-size-divisible-by the target was padded for (None: a size given)
 
 
 @dataclass

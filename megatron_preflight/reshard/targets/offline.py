@@ -93,18 +93,15 @@ def _vocab_note(r: Resharder, target: TargetLayout) -> list[str]:
     v = r.vocab
     if v is None or v.target_padded == v.source_padded or target.ckpt_format == "hf":
         return []
-    saved = int(saved_arg(r.layout.saved_args, "make_vocab_size_divisible_by", DEFAULT_DIVISOR) or DEFAULT_DIVISOR)
-    div = int(target.make_vocab_size_divisible_by or saved)
-    if div == saved == DEFAULT_DIVISOR:
+    saved = int(saved_arg(r.layout.saved_args, "make_vocab_size_divisible_by", parallel.VOCAB_DIVISOR) or parallel.VOCAB_DIVISOR)
+    div = v.divisor  # (the planner's: the run's flag, else the source's)
+    if div is None or div == saved == parallel.VOCAB_DIVISOR:
         return []
     why = (f"; the source's model takes {saved} (`megatron-preflight flags` prints it): give the run's flags after --, "
            f"or add --make-vocab-size-divisible-by {saved} there" if div != saved else "")
     return [f"note: the embedding and output layer hold {v.target_padded:,} rows ({v.source_padded:,} in the source): "
             f"its {v.real:,} vocab rows padded for --make-vocab-size-divisible-by {div} at TP{r.tgt.tp} (a run of it "
             f"must use the same){why}"]
-
-
-DEFAULT_DIVISOR = 128  # Megatron's --make-vocab-size-divisible-by
 
 
 def _peak_rss() -> int:

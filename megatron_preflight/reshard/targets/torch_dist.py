@@ -30,7 +30,7 @@ from megatron_preflight import pickling
 from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.optimizer_kinds import Split
-from megatron_preflight.parallel import hybrid_pattern
+from megatron_preflight.parallel import VOCAB_DIVISOR, hybrid_pattern
 from megatron_preflight.reshard.carried import TO_TORCH_DIST
 from megatron_preflight.reshard.checkpoint_index import CheckpointIndex, open_index
 from megatron_preflight.reshard.execute.executor import build_tensor
@@ -408,7 +408,7 @@ def global_resharders(src: str | CheckpointIndex, target: TargetLayout, *, itera
     r = open_resharder(index, target, keep_optimizer=keep_optimizer)
     carry = keep_optimizer and r.writes_optimizer
     divisible = (target.make_vocab_size_divisible_by
-                 or int(getattr(r.layout.saved_args, "make_vocab_size_divisible_by", 128) or 128)) * r.tgt.tp
+                 or int(getattr(r.layout.saved_args, "make_vocab_size_divisible_by", VOCAB_DIVISOR) or VOCAB_DIVISOR)) * r.tgt.tp
     g = open_resharder(index, TargetLayout(tp=1, pp=1, ep=1, etp=1, padded_vocab_size=r.padded_vocab,
                                          vocab_size=target.vocab_size, make_vocab_size_divisible_by=divisible,
                                          distributed_optimizer=False),

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 
 import pytest
 
+from megatron_preflight import dtypes
 from megatron_preflight.errors import CorruptFileError
-from megatron_preflight.layout.hf.safetensors import INDEX, tensor_table
+from megatron_preflight.layout.hf.safetensors import INDEX, Run, SafeRef, safe_ref, tensor_table
+from megatron_preflight.torch_file import StorageRef, row_major
 
 
 def _write(path: str, tensors: dict[str, tuple[str, list[int]]], truncate: int = 0) -> None:
@@ -128,3 +131,15 @@ def test_a_text_dim_beside_a_huge_one_is_refused_without_building_anything(tmp_p
                                           "b": {"dtype": "F32", "shape": [1.5, 10**15], "data_offsets": [8, 16]}}, 16)
     with pytest.raises(CorruptFileError, match="tensor 'a': its header entry is malformed"):
         tensor_table(str(tmp_path))
+
+
+def test_a_ref_filled_directly_is_the_one_its_constructor_makes():
+    """``safe_ref`` fills SafeRef / StorageRef without their ``__init__``: every field of both must be given (a field
+    added to either dataclass later fails here, not in a load)."""
+    runs = (Run("a.safetensors", 8, 48, 0),)
+    made = safe_ref("k", "bfloat16", (4, 6), runs, add=1.0)
+    built = SafeRef("a.safetensors", StorageRef("k", dtypes.dtype("bfloat16"), 24), 0, (4, 6), row_major((4, 6)),
+                    runs=runs, add=1.0)
+    assert made == built and hash(made) == hash(built)
+    assert set(vars(made)) == {f.name for f in dataclasses.fields(SafeRef)}
+    assert set(vars(made.storage)) == {f.name for f in dataclasses.fields(StorageRef)}
