@@ -322,29 +322,82 @@ def _quantized_pair(src: str, dst: str, quantize: Any, quantization_config: dict
     return dst, deq_dir
 
 
+def _fp8(w: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` ``[R, C]`` as FP8 e4m3 with one scale per ``br`` x ``bc`` block (test-only; amax / 448, the edge blocks
+    partial): (the float8_e4m3fn weight, the float32 scales ``[ceil(R / br), ceil(C / bc)]``, the dequantized value in
+    ``w``'s dtype — fp8 x scale, the plain formula)."""
+    r, c = w.shape
+    br, bc = min(br, r), min(bc, c)
+    rb, cb = -(-r // br), -(-c // bc)
+    padded = torch.zeros(rb * br, cb * bc, dtype=torch.float32)
+    padded[:r, :c] = w.float()
+    amax = padded.reshape(rb, br, cb, bc).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = (amax / FP8_MAX).float()
+    full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:r, :c]
+    q = (w.float() / full).to(torch.float8_e4m3fn)
+    return q, scale, (q.float() * full).to(w.dtype)
+
+
 def write_fp8(src: str, dst: str, block: tuple[int, int] = (16, 16), dtype: torch.dtype | None = None) \
         -> tuple[str, str]:
     """The model at ``src`` as the hub publishes an FP8 model (test-only): each decoder linear weight float8_e4m3fn
     with a float32 ``weight_scale_inv`` per ``block`` (amax / 448, the edge blocks partial), config.json naming the
     scheme; and beside it ``dst + "_dequantized"``: the same model with the dequantized weights (fp8 x scale, in the
     model's dtype: ``dtype``, default the source's), the oracle's model. Returns (the FP8 dir, the dequantized dir)."""
-    br, bc = block
 
     def quantize(name: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
         if not (_quantized(name) and w.dim() == 2):
             return {name: w}, w
-        r, c = w.shape
-        rb, cb = -(-r // br), -(-c // bc)
-        padded = torch.zeros(rb * br, cb * bc, dtype=torch.float32)
-        padded[:r, :c] = w.float()
-        amax = padded.reshape(rb, br, cb, bc).abs().amax(dim=(1, 3)).clamp(min=1e-12)
-        scale = (amax / FP8_MAX).float()
-        full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:r, :c]
-        q = (w.float() / full).to(torch.float8_e4m3fn)
-        return {name: q, name + "_scale_inv": scale}, (q.float() * full).to(w.dtype)
+        q, scale, value = _fp8(w, *block)
+        return {name: q, name + "_scale_inv": scale}, value
 
     return _quantized_pair(src, dst, quantize, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                                 "weight_block_size": list(block)}, dtype)
+
+
+def write_compressed_fp8(src: str, dst: str, strategy: str = "channel", size: Any = None,
+                         dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """The model at ``src`` as llm-compressor publishes an FP8 model (test-only; compressed-tensors
+    ``float-quantized``): each decoder linear weight float8_e4m3fn beside ``weight_scale`` for its ``strategy`` —
+    ``tensor`` (shape [1]), ``channel`` ([R, 1]), ``group`` (``size`` columns: [R, ceil(C / size)]) or ``block``
+    (``size`` = [bR, bC]) — in the model's dtype, and config.json's quantization_config as llm-compressor writes it
+    (dynamic per-token activations); beside it ``dst + "_dequantized"`` (fp8 x scale: the oracle's model)."""
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        if not (_quantized(name) and w.dim() == 2):
+            return {name: w}, w
+        r, c = w.shape
+        br, bc = {"tensor": (r, c), "channel": (1, c), "group": (1, size), "block": size}[strategy]
+        q, scale, _ = _fp8(w, br, bc)
+        scale = scale.to(w.dtype)  # (llm-compressor keeps the scales in the model's dtype)
+        value = (q.float() * scale.float().repeat_interleave(min(br, r), 0).repeat_interleave(min(bc, c), 1)[:r, :c])
+        return {name: q, name + "_scale": scale.reshape(1) if strategy == "tensor" else scale}, value.to(w.dtype)
+
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+               "group_size": size if strategy == "group" else None, "actorder": None, "observer": "minmax",
+               "block_structure": list(size) if strategy == "block" else None, "observer_kwargs": {}}
+    config = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+              "config_groups": {"group_0": {
+                  "targets": ["Linear"], "weights": weights, "output_activations": None, "format": "float-quantized",
+                  "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                        "strategy": "token"}}},
+              "ignore": ["lm_head", "re:.*mlp[.]gate$", "re:.*kv_a_proj_with_mqa$"], "kv_cache_scheme": None,
+              "sparsity_config": {}, "transform_config": {}, "global_compression_ratio": None, "version": "0.11.0"}
+    return _quantized_pair(src, dst, quantize, config, dtype)
+
+
+def write_modelopt_fp8(src: str, dst: str, dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """The model at ``src`` as NVIDIA ModelOpt publishes an FP8 model (test-only; ``quant_algo: FP8``): each decoder
+    linear weight float8_e4m3fn with a float32 ``weight_scale`` of shape [] (per tensor) and a static
+    ``input_scale`` [] beside it (an activation scale: no weight); beside it ``dst + "_dequantized"``."""
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        if not (_quantized(name) and w.dim() == 2):
+            return {name: w}, w
+        q, scale, value = _fp8(w, *w.shape)
+        module = name.removesuffix(".weight")
+        return {name: q, name + "_scale": scale.reshape(()), module + ".input_scale": torch.tensor(0.02)}, value
+
+    return _quantized_pair(src, dst, quantize, {"quant_method": "modelopt", "quant_algo": "FP8",
+                                                "kv_cache_quant_algo": None, "ignore": ["lm_head"]}, dtype)
 
 
 FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1's magnitudes by code

@@ -459,24 +459,43 @@ def test_deepseek_yarn(tmp_path, data):
 
 
 # (a model, its published quantized form, the layout): FP8 with block scales (float8_e4m3fn weights, a float32 scale
-# per 24x20 block), GPT-OSS's MXFP4 experts (e2m1 blocks, e8m0 scales)
+# per 24x20 block), GPT-OSS's MXFP4 experts (e2m1 blocks, e8m0 scales), llm-compressor's FP8 (compressed-tensors
+# float-quantized: a scale per channel; per 24x20 block), ModelOpt's FP8 (a scale per tensor, static input scales)
 QUANTIZED = [("llama", "fp8", ["--tensor-model-parallel-size", "2"]),
              ("qwen3_moe", "fp8", ["--expert-model-parallel-size", "2"]),
-             ("gpt_oss", "mxfp4", ["--expert-model-parallel-size", "2"])]
+             ("gpt_oss", "mxfp4", ["--expert-model-parallel-size", "2"]),
+             ("llama", "compressed-channel", ["--tensor-model-parallel-size", "2"]),
+             ("qwen3_moe", "compressed-block", ["--expert-model-parallel-size", "2"]),
+             ("llama", "modelopt", ["--pipeline-model-parallel-size", "2"])]
+
+
+def _quantized(name: str, scheme: str, src: str, where: str) -> tuple[str, str]:
+    """(the model at ``src`` in the published form ``scheme``, its dequantized twin: the oracle's model)."""
+    from tests.helpers import hf_models
+
+    if scheme == "fp8":
+        return hf_models.write_fp8(src, where, (24, 20))
+    if scheme == "mxfp4":
+        return hf_models.write_mxfp4(src, where)
+    if scheme == "compressed-channel":
+        return hf_models.write_compressed_fp8(src, where, "channel")
+    if scheme == "compressed-block":
+        return hf_models.write_compressed_fp8(src, where, "block", [24, 20])
+    return hf_models.write_modelopt_fp8(src, where)
 
 
 @pytest.mark.parametrize("name, scheme, layout", QUANTIZED, ids=[f"{c[0]}-{c[1]}" for c in QUANTIZED])
 def test_a_quantized_model_as_published_trains_with_transformers_loss_of_it_dequantized(tmp_path, data, models, name,
                                                                                         scheme, layout):
-    """The model quantized as the hub publishes it (tests/helpers/hf_models.write_fp8 / write_mxfp4), loaded at job
+    """The model quantized as the hub publishes it (tests/helpers/hf_models.write_fp8 / write_mxfp4 /
+    write_compressed_fp8 / write_modelopt_fp8), loaded at job
     start with the printed flags: iteration 1's loss is transformers' own on the same model dequantized (by the test
     for FP8, by transformers' convert_moe_packed_tensors for MXFP4); its offline conversion, loaded by plain Megatron,
     the same."""
-    from tests.helpers import hf_data, hf_models
+    from tests.helpers import hf_data
 
     where = str(tmp_path / f"{name}_{scheme}")
-    quantized, deq = hf_models.write_fp8(models[name][0], where, (24, 20)) if scheme == "fp8" else \
-        hf_models.write_mxfp4(models[name][0], where)
+    quantized, deq = _quantized(name, scheme, models[name][0], where)
     oracle = hf_data.hf_loss(deq, SEQ, VOCAB)
     flags = printed_flags(quantized)
     rc, log = run(tmp_path, quantized, 2, *flags, "--data-path", data, *layout, "--preflight", "auto", base=BASE,

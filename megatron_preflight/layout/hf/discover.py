@@ -102,7 +102,7 @@ def discover_hf(path: str) -> Layout:
                             "weights are read as stored")
     elif scheme is not None:
         # (each FP8 weight's scale is needed: _model; counted at C speed, a DeepSeek-V3 needs 92k tensors)
-        fp8 = sum(map(str.endswith, needed, itertools.repeat(quant.SCALE_SUFFIX)))
+        fp8 = sum(map(str.endswith, needed, itertools.repeat("weight" + scheme.suffix)))
         if fp8:
             layout.notes.append(f"{fp8} weights are {scheme.describe()}: dequantized to "
                                 f"{quant.dequantized_dtype(cfg.dtype)} as they are read (each "
@@ -122,8 +122,16 @@ def discover_hf(path: str) -> Layout:
     if unloaded:
         layout.notes.append(f"{len(unloaded)} tensor(s) under {', '.join(family.unloaded)} (the multi-token prediction "
                             f"weights of {arch}'s files) are not loaded: the model trains without them")
+    calibration = sorted(k for k in tensors if k not in needed and scheme.ignores(k)) \
+        if isinstance(scheme, quant.ScaledFp8) else []
+    not_weights = set(calibration)
+    if calibration:
+        layout.notes.append(f"{len(calibration)} activation / KV-cache scale(s) of the {scheme.method} quantization "
+                            f"(first {stored_as(calibration[0])!r}) calibrate inference, not the weights: not loaded "
+                            "(a training run computes its activations in the run's dtype)")
     stray = sorted(k for k in tensors if k not in needed and not families.ignored(k, cfg)
-                   and not (family.unloaded and k.startswith(family.unloaded)))
+                   and not (family.unloaded and k.startswith(family.unloaded))
+                   and k not in not_weights)
     if stray and not missing:
         layout.add("unmapped_tensor", path, f"{len(stray)} tensor(s) that {arch} with this config.json does not "
                    f"have, first {stored_as(stray[0])!r} (never dropped silently)",
@@ -177,7 +185,7 @@ def stored_dtype(tensors: dict[str, Any]) -> str | None:
     config.json without ``torch_dtype`` leaves to its files. None where no weight is stored as a float."""
     held: dict[str, int] = {}
     for name, t in tensors.items():
-        if t.dtype in _FLOATS and not name.endswith(quant.SCALE_SUFFIX):
+        if t.dtype in _FLOATS and not name.endswith((quant.SCALE_SUFFIX, quant.WEIGHT_SCALE)):
             held[t.dtype] = held.get(t.dtype, 0) + t.nbytes
     return max(held, key=lambda d: held[d]) if held else None
 
@@ -201,7 +209,7 @@ def saved_args(family: families.Family, cfg: Any, path: str, tokenizer_code: str
 
 
 def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str,
-           scheme: quant.BlockFp8 | quant.Mxfp4 | None = None) \
+           scheme: quant.ScaledFp8 | quant.Mxfp4 | None = None) \
         -> tuple[OrderedDict[str, Any], list[str], set[str], list[PreflightError]]:
     """(the Megatron state dict of SafeRefs, in Megatron's order; the HF tensors it needs that are missing; every
     HF tensor it reads; the tensors that do not fit their Megatron tensor). One pass over the mappings (a DeepSeek-V3
@@ -229,8 +237,8 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
         except PreflightError as e:
             errors.append(e)
     needed = set(taken)
-    if isinstance(scheme, quant.BlockFp8):  # the scales are the weights' too
-        needed |= {n + quant.SCALE_SUFFIX for n in taken if n in tensors and tensors[n].dtype == quant.FP8}
+    if isinstance(scheme, quant.ScaledFp8):  # the scales are the weights' too
+        needed |= {n + scheme.suffix for n in taken if n in tensors and tensors[n].dtype == quant.FP8}
     else:  # (a block-FP8 model's weights are read with their scales: _Refs)
         for name in sorted(n for n in taken if n in tensors and tensors[n].dtype.startswith("float8")):
             t = tensors[name]
@@ -276,12 +284,12 @@ class _Refs:
     """Builds the SafeRef of each mapping from the tensor table; remembers the block-scale forms already checked
     (the experts of a layer share one)."""
 
-    def __init__(self, tensors: dict[str, Any], path: str, scheme: quant.BlockFp8 | quant.Mxfp4 | None,
+    def __init__(self, tensors: dict[str, Any], path: str, scheme: quant.ScaledFp8 | quant.Mxfp4 | None,
                  cfg: Any) -> None:
         self.tensors, self.path, self.cfg = tensors, path, cfg
-        self.fp8 = scheme if isinstance(scheme, quant.BlockFp8) else None
+        self.fp8 = scheme if isinstance(scheme, quant.ScaledFp8) else None
         self.dtype = quant.dequantized_dtype(cfg.dtype if cfg is not None else None)
-        self.checked: set[tuple] = set()  # (weight shape, scale dtype, scale shape) that fit the scheme
+        self.blocks: dict[tuple, tuple[int, int]] = {}  # (weight shape, scale dtype, scale shape) -> its block
 
     def ref(self, m: families.Mapping) -> SafeRef:
         tensors = self.tensors
@@ -313,7 +321,7 @@ class _Refs:
         dtype."""
         scheme = self.fp8
         assert scheme is not None
-        tensors, checked, tail = self.tensors, self.checked, first.shape[1:]
+        tensors, blocks, tail, suffix = self.tensors, self.blocks, first.shape[1:], scheme.suffix
         runs = []
         at = 0
         for hf, src0, rows, _ in m.blocks:
@@ -321,15 +329,16 @@ class _Refs:
             shape = t.shape
             if t.dtype != quant.FP8 or shape[1:] != tail or src0 + rows > shape[0]:
                 raise _misfit(m, hf, t, first, self.path)
-            scale = tensors.get(hf + quant.SCALE_SUFFIX)
+            scale = tensors.get(hf + suffix)
             form = (shape, scale.dtype, scale.shape) if scale is not None else None
-            if form not in checked:
-                problem = quant.check_scale(hf, shape, scale, scheme, self.path)
-                if problem is not None:
-                    raise problem
-                checked.add(form)
+            block = blocks.get(form)
+            if block is None:
+                block = quant.scale_block(hf, shape, scale, scheme, self.path)
+                if isinstance(block, PreflightError):
+                    raise block
+                blocks[form] = block
             runs.append(quant.QRun(hf, t.file, t.start, shape[1], src0, rows, at, scale.file, scale.start,
-                                   scale.dtype, scale.shape[1], scheme.block))
+                                   scale.dtype, -(-shape[1] // block[1]), block, hf + suffix))
             at += rows
         return safe_ref(m.key, self.dtype, (at, *tail), (), tuple(runs))
 

@@ -1,11 +1,22 @@
 """Quantized weights as the hub publishes them, read as the model's float weights.
 
-FP8 with block scales (``quantization_config``: ``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size: [bR, bC]``;
-DeepSeek-V3 / V3.1 / R1, Kimi K2, the Qwen3 ``-FP8`` models): each quantized linear weight ``X.weight`` is
-``float8_e4m3fn`` of shape ``[R, C]`` beside ``X.weight_scale_inv``, float32 of shape ``[ceil(R / bR), ceil(C / bC)]``
-(the edge blocks partial); the weight's value is ``float(X.weight[i, j]) * X.weight_scale_inv[i // bR, j // bC]``
-(DeepSeek's ``weight_dequant``: the name says inverse, the value multiplies), cast to the model's dtype. What the
-quantization leaves alone (norms, the router, embeddings, the output layer) is stored in that dtype and read as is.
+FP8 e4m3 weights with scales: each quantized linear weight ``X.weight`` is ``float8_e4m3fn`` of shape ``[R, C]``
+beside a scale tensor whose every element multiplies one block of it: ``value[i, j] = float(X.weight[i, j]) *
+scale[i // bR, j // bC]``, cast to the model's dtype (what the quantization leaves alone — norms, the router,
+embeddings, the output layer — is stored in that dtype and read as is). Three publishers' forms:
+
+- ``quant_method: fp8`` (DeepSeek-V3 / V3.1 / R1, Kimi K2, the Qwen3 ``-FP8`` models): ``X.weight_scale_inv``,
+  float32 ``[ceil(R / bR), ceil(C / bC)]`` for ``weight_block_size: [bR, bC]``, the edge blocks partial (DeepSeek's
+  ``weight_dequant``: the name says inverse, the value multiplies).
+- ``quant_method: compressed-tensors``, ``format: float-quantized`` (llm-compressor's FP8: GLM-4.5 / 4.6 ``-FP8``, the
+  ``FP8-Dynamic`` / ``FP8_BLOCK`` releases): ``X.weight_scale`` per the weights' ``strategy`` of each config group —
+  ``tensor`` (one scale), ``channel`` (``[R, 1]``: one per output row), ``group`` (``[R, ceil(C / group_size)]``),
+  ``block`` (``block_structure: [bR, bC]``). Activation and KV-cache scales (``input_scale``, ``k_scale``, ...) only
+  calibrate inference: not weights, not loaded.
+- ``quant_method: modelopt``, ``quant_algo: FP8`` (NVIDIA ModelOpt; per tensor) or ``FP8_PER_CHANNEL_PER_TOKEN``:
+  ``X.weight_scale``, as compressed-tensors' ``tensor`` / ``channel``.
+
+Each weight's block is read from its scale's shape among the forms its config allows (one scale element per block).
 
 MXFP4 (``quant_method: mxfp4``; GPT-OSS): its experts' stacked weights as e2m1 blocks with e8m0 scales
 (:mod:`.stacked`), everything else stored in the model's dtype.
@@ -23,22 +34,54 @@ from typing import Any, NamedTuple
 
 from megatron_preflight.errors import PreflightError
 
-SCALE_SUFFIX = "_scale_inv"
+SCALE_SUFFIX = "_scale_inv"  # quant_method fp8's (DeepSeek's) weight scale: X.weight_scale_inv
+WEIGHT_SCALE = "_scale"  # compressed-tensors' and ModelOpt's: X.weight_scale
 FP8 = "float8_e4m3fn"
-SCALE_DTYPES = ("float32", "bfloat16")
+SCALE_DTYPES = ("float32", "bfloat16", "float16")
+# scales of activations and of the KV cache (compressed-tensors, ModelOpt): they calibrate inference, a training run
+# has none of them
+ACTIVATION_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".q_scale", ".input_zero_point",
+                     ".output_zero_point")
 
 
 @dataclass(frozen=True)
-class BlockFp8:
-    """FP8 e4m3 weights with one scale per ``block`` (rows, columns) of elements."""
+class Form:
+    """A scale layout: one scale per ``rows`` x ``cols`` elements of a weight (None: the whole dim)."""
 
-    block: tuple[int, int]
+    rows: int | None
+    cols: int | None
+    name: str  # as its config names it ("128x128 block", "per-channel", ...)
+
+    def block(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(rows, columns) of ``shape`` one scale covers, each at most the dim (one block: the whole weight)."""
+        return min(self.rows or shape[0], shape[0]) or 1, min(self.cols or shape[1], shape[1]) or 1
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        return math.ceil(shape[0] / self.block[0]), math.ceil(shape[1] / self.block[1])
+        br, bc = self.block(shape)
+        return math.ceil(shape[0] / br), math.ceil(shape[1] / bc)
+
+
+TENSOR = Form(None, None, "per-tensor")
+CHANNEL = Form(1, None, "per-channel")
+
+
+@dataclass(frozen=True)
+class ScaledFp8:
+    """FP8 e4m3 weights, each beside its scale ``name + suffix``, laid out in one of ``forms``."""
+
+    forms: tuple[Form, ...]
+    suffix: str = SCALE_SUFFIX
+    method: str = "fp8"  # quantization_config's quant_method (and format), for messages
+    calibration: tuple[str, ...] = ()  # name endings of the scheme's activation / KV-cache scales
 
     def describe(self) -> str:
-        return f"{FP8} with {self.block[0]}x{self.block[1]} block scales (weight{SCALE_SUFFIX})"
+        forms = " or ".join(f.name for f in self.forms)
+        return f"{FP8} with {forms} scales (weight{self.suffix}" + ("" if self.method == "fp8" else f"; {self.method}") \
+            + ")"
+
+    def ignores(self, name: str) -> bool:
+        """Whether ``name`` is an activation / KV-cache scale of this scheme (not a weight: not loaded)."""
+        return bool(self.calibration) and name.endswith(self.calibration)
 
 
 @dataclass(frozen=True)
@@ -50,34 +93,111 @@ class Mxfp4:
         return "MXFP4 (e2m1 values in *_blocks, an e8m0 exponent per 32 in *_scales)"
 
 
-def scheme_of(raw: dict[str, Any], path: str) -> BlockFp8 | Mxfp4 | None:
+_FIX = ("use a bf16 / fp32 copy of the model (e.g. the publisher's unquantized one); megatron-preflight "
+        "dequantizes FP8 e4m3 weights with tensor, channel, group or block scales and MXFP4 experts as it reads them")
+
+
+def scheme_of(raw: dict[str, Any], path: str) -> ScaledFp8 | Mxfp4 | None:
     """The quantization ``config.json`` names (None: none); a scheme megatron-preflight does not read is an error
     naming the field and its value."""
     quant = raw.get("quantization_config")
     if quant is None:
         return None
-    fix = ("use a bf16 / fp32 copy of the model (e.g. the publisher's unquantized one); megatron-preflight "
-           "dequantizes FP8 e4m3 weights with block scales as it reads them")
     if not isinstance(quant, dict):
-        raise PreflightError(f"config.json's quantization_config is {quant!r:.80}: not an object", path=path,
-                             fix=fix, code="hf_quantized")
+        raise _refused(f"config.json's quantization_config is {quant!r:.80}: not an object", path)
     method = quant.get("quant_method")
     if method == "mxfp4":
         return Mxfp4()
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant, path)
+    if method == "modelopt":
+        return _modelopt(quant, path)
     if method != "fp8":
-        raise PreflightError(f"config.json's quantization_config holds quant_method {method!r}, which "
-                             "megatron-preflight does not dequantize (it reads FP8 e4m3 with block scales and MXFP4)",
-                             path=path, fix=fix, code="hf_quantized")
+        raise _refused(f"config.json's quantization_config holds quant_method {method!r}, which megatron-preflight "
+                       "does not dequantize (it reads FP8 e4m3 — quant_method fp8, compressed-tensors "
+                       "float-quantized, modelopt FP8 — and MXFP4)", path)
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
-        raise PreflightError(f"config.json's quantization_config.fmt is {fmt!r}: FP8 e4m3 is read", path=path,
-                             fix=fix, code="hf_quantized")
+        raise _refused(f"config.json's quantization_config.fmt is {fmt!r}: FP8 e4m3 is read", path)
     block = quant.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and 0 < b <= 2**16 for b in block)):
-        raise PreflightError(f"config.json's quantization_config.weight_block_size is {block!r:.80}: two positive "
-                             "integers are needed (per-tensor or per-channel FP8 scales are not read)", path=path,
-                             fix=fix, code="hf_quantized")
-    return BlockFp8((block[0], block[1]))
+    if not (isinstance(block, list) and len(block) == 2 and all(_positive(b) for b in block)):
+        raise _refused(f"config.json's quantization_config.weight_block_size is {block!r:.80}: two positive integers "
+                       "are needed (per-tensor or per-channel FP8 scales are not read under quant_method fp8)", path)
+    return ScaledFp8((Form(block[0], block[1], f"{block[0]}x{block[1]} block"),))
+
+
+def _compressed_tensors(quant: dict[str, Any], path: str) -> ScaledFp8:
+    """llm-compressor's ``compressed-tensors`` config: every config group float-quantized FP8 weights (symmetric, 8
+    bits), each group's strategy one scale form; sparsity or transforms (whose stored weights are not the model's
+    values times a scale) refused."""
+    where = "config.json's quantization_config"
+    for key in ("sparsity_config", "transform_config"):
+        extra = quant.get(key)
+        if extra and not (key == "sparsity_config" and isinstance(extra, dict)
+                          and extra.get("format") in (None, "dense")):
+            raise _refused(f"{where}.{key} is {extra!r:.120}: weights stored compressed by sparsity or rotated by "
+                           "transforms are not read", path)
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _refused(f"{where} (compressed-tensors) has no config_groups: which weights are quantized, and how, is "
+                       "not known", path)
+    forms: list[Form] = []
+    for gname, group in groups.items():
+        at = f"{where}.config_groups.{gname}"
+        if not isinstance(group, dict):
+            raise _refused(f"{at} is {group!r:.80}: not an object", path)
+        fmt = group.get("format") or quant.get("format")
+        if fmt != "float-quantized":
+            raise _refused(f"{at} is stored in format {fmt!r}: compressed-tensors' float-quantized (FP8 e4m3) "
+                           "is read", path)
+        w = group.get("weights")
+        if not isinstance(w, dict):
+            raise _refused(f"{at}.weights is {w!r:.80}: the weights' quantization is not named", path)
+        if w.get("type", "float") != "float" or w.get("num_bits") != 8 or w.get("symmetric", True) is not True \
+                or w.get("dynamic", False) not in (False, None):
+            raise _refused(f"{at}.weights is {_brief(w)}: symmetric 8-bit float weights (FP8 e4m3) are read", path)
+        strategy = w.get("strategy")
+        if strategy == "tensor":
+            forms.append(TENSOR)
+        elif strategy == "channel":
+            forms.append(CHANNEL)
+        elif strategy == "group" and _positive(w.get("group_size")):
+            forms.append(Form(1, w["group_size"], f"per-group ({w['group_size']})"))
+        elif strategy == "block" and isinstance(w.get("block_structure"), list) \
+                and len(w["block_structure"]) == 2 and all(_positive(b) for b in w["block_structure"]):
+            br, bc = w["block_structure"]
+            forms.append(Form(br, bc, f"{br}x{bc} block"))
+        else:
+            raise _refused(f"{at}.weights has strategy {strategy!r} ({_brief(w)}): tensor, channel, group (with "
+                           "group_size) or block (with block_structure) is read", path)
+    return ScaledFp8(tuple(dict.fromkeys(forms)), WEIGHT_SCALE, "compressed-tensors float-quantized", ACTIVATION_SCALES)
+
+
+_MODELOPT = {"FP8": TENSOR, "FP8_PER_CHANNEL_PER_TOKEN": CHANNEL}
+
+
+def _modelopt(quant: dict[str, Any], path: str) -> ScaledFp8:
+    """NVIDIA ModelOpt's config (``quant_algo`` at the top, or under ``quantization`` as in hf_quant_config.json)."""
+    algo = quant.get("quant_algo", (quant.get("quantization") or {}).get("quant_algo")
+                     if isinstance(quant.get("quantization"), dict) else None)
+    form = _MODELOPT.get(algo) if isinstance(algo, str) else None
+    if form is None:
+        raise _refused(f"config.json's quantization_config (modelopt) holds quant_algo {algo!r}, which "
+                       f"megatron-preflight does not dequantize (it reads {' and '.join(_MODELOPT)})", path)
+    return ScaledFp8((form,), WEIGHT_SCALE, f"modelopt {algo}", ACTIVATION_SCALES)
+
+
+def _positive(b: Any) -> bool:
+    return type(b) is int and 0 < b <= 2**16
+
+
+def _brief(d: dict[str, Any]) -> str:
+    keys = ("type", "num_bits", "symmetric", "dynamic", "strategy", "group_size", "block_structure")
+    return "{" + ", ".join(f"{k}: {d[k]!r}" for k in keys if k in d) + "}"
+
+
+def _refused(message: str, path: str) -> PreflightError:
+    return PreflightError(message, path=path, fix=_FIX, code="hf_quantized")
 
 
 def dequantized_dtype(model_dtype: str | None) -> str:
@@ -90,7 +210,7 @@ class QRun(NamedTuple):
     """Rows ``src_row0 ..`` (``rows`` of them) of an FP8 tensor, dequantized into rows ``dst_row0 ..`` of the tensor a
     :class:`~megatron_preflight.layout.hf.safetensors.SafeRef` describes."""
 
-    name: str  # the FP8 tensor (its scale: name + SCALE_SUFFIX), for messages
+    name: str  # the FP8 tensor, for messages
     file: str
     start: int  # absolute byte offset of the FP8 tensor's first element
     cols: int
@@ -100,24 +220,38 @@ class QRun(NamedTuple):
     scale_file: str
     scale_start: int
     scale_dtype: str
-    scale_cols: int
-    block: tuple[int, int]
+    scale_cols: int  # scales per row of blocks (the stored scale's elements: rows of blocks x this)
+    block: tuple[int, int]  # (rows, columns) of the weight one scale covers
+    scale_name: str  # the scale tensor, for messages
 
 
-def check_scale(name: str, shape: tuple[int, ...], scale: Any, scheme: BlockFp8, model_dir: str) -> PreflightError | None:
-    """Why the scale tensor ``scale`` (a SafeTensor, or None) cannot serve the FP8 weight ``name`` of ``shape``."""
-    scale_name = name + SCALE_SUFFIX
+def scale_block(name: str, shape: tuple[int, ...], scale: Any, scheme: ScaledFp8, model_dir: str) \
+        -> tuple[int, int] | PreflightError:
+    """The block of the FP8 weight ``name`` of ``shape`` that one element of its scale ``scale`` (a SafeTensor, or
+    None) covers: the form of ``scheme`` whose scale shape the stored one is (a trailing dim of 1 may be left out, as a
+    per-tensor scale of shape ``[]`` or ``[1]``); or why none is."""
+    scale_name = name + scheme.suffix
     fix = "download the model again (the weights and their scales come from the same files)"
     if len(shape) != 2:
-        return PreflightError(f"tensor {name!r} is {FP8} of shape {list(shape)}: block scales are read for matrices "
-                              "only", path=model_dir, fix=fix, code="hf_quantized")
+        return PreflightError(f"tensor {name!r} is {FP8} of shape {list(shape)}: scales are read for matrices only",
+                              path=model_dir, fix=fix, code="hf_quantized")
     if scale is None:
         return PreflightError(f"tensor {name!r} is {FP8} but the model has no {scale_name!r}: without its scales "
                               "its values are not the model's weights", path=model_dir, fix=fix, code="hf_quantized")
-    want = scheme.scale_shape(shape)
-    if scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != want:
-        return PreflightError(f"tensor {scale_name!r} is {scale.dtype} of shape {list(scale.shape)}; the "
-                              f"{list(shape)} weight with {scheme.block[0]}x{scheme.block[1]} blocks needs "
-                              f"float32 of shape {list(want)}", path=os.path.join(model_dir, scale.file), fix=fix,
-                              code="hf_quantized")
-    return None
+    stored = tuple(scale.shape)
+    fits = {f.block(shape) for f in scheme.forms if _same_layout(stored, f.scale_shape(shape))}
+    if scale.dtype in SCALE_DTYPES and len(fits) == 1:
+        return fits.pop()
+    wants = " or ".join(f"{list(f.scale_shape(shape))} ({f.name})" for f in scheme.forms)
+    if len(fits) > 1:
+        return PreflightError(f"tensor {scale_name!r} of shape {list(stored)} fits more than one scale form of the "
+                              f"{list(shape)} weight ({wants}): which blocks it scales is not known",
+                              path=os.path.join(model_dir, scale.file), fix=fix, code="hf_quantized")
+    return PreflightError(f"tensor {scale_name!r} is {scale.dtype} of shape {list(stored)}; the {list(shape)} weight "
+                          f"needs {' / '.join(SCALE_DTYPES)} of shape {wants}", path=os.path.join(model_dir, scale.file),
+                          fix=fix, code="hf_quantized")
+
+
+def _same_layout(stored: tuple[int, ...], want: tuple[int, int]) -> bool:
+    """Whether a stored scale of shape ``stored`` holds a ``want`` matrix's elements in its order."""
+    return stored == want or (want[1] == 1 and stored == want[:1]) or (want == (1, 1) and stored == ())

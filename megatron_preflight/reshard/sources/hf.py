@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import crc, dtypes
 from megatron_preflight.errors import CorruptFileError
-from megatron_preflight.layout.hf import files, quant, stacked
+from megatron_preflight.layout.hf import files, stacked
 from megatron_preflight.layout.hf.safetensors import SafeRef
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
@@ -138,7 +138,7 @@ class HfReader:
             self._pread(q.scale_file, q.scale_start + lo * width, memoryview(scale.view(torch.uint8).numpy()).cast("B"))
             scale = scale.to(torch.float32)
             if not bool(torch.isfinite(scale).all()):
-                raise CorruptFileError(f"tensor {q.name + quant.SCALE_SUFFIX!r} holds a non-finite scale (rows {lo}..{hi - 1})",
+                raise CorruptFileError(f"tensor {q.scale_name!r} holds a non-finite scale (rows {lo}..{hi - 1})",
                                        path=os.path.join(self.model_dir, q.scale_file), code="corrupt_file",
                                        fix="download the model again")
             # each block row's scales spread over its columns (block-row count x columns, not rows x columns), then
@@ -146,6 +146,9 @@ class HfReader:
             # temporaries beside the float32 values)
             scale = scale.repeat_interleave(bc, 1)[:, :q.cols]
             dst = out[a - first:b - first].view(k, q.cols)
+            if br == 1:  # (a scale per row: per-channel or per-group)
+                torch.mul(values, scale, out=dst)
+                continue
             row = s0
             while row < s0 + k:
                 end = min((row // br + 1) * br, s0 + k)

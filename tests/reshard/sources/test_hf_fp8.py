@@ -81,7 +81,7 @@ SCALE = "model.layers.0.mlp.down_proj.weight_scale_inv"
 
 @pytest.mark.parametrize("damage, words", [
     ("missing", ["has no 'model.layers.0.mlp.down_proj.weight_scale_inv'"]),
-    ("shape", [SCALE, "needs float32 of shape [2, 4]"]),
+    ("shape", [SCALE, "needs float32 / bfloat16 / float16 of shape [2, 4] (24x20 block)"]),
 ])
 def test_a_malformed_scale_is_refused_naming_the_tensor(fp8_models, tmp_path, damage, words):
     import shutil
@@ -126,3 +126,108 @@ def test_another_quantization_is_refused_naming_it(fp8_models, tmp_path):
     json.dump(cfg, open(os.path.join(fp8, "config.json"), "w"))
     rc, text = run_cli("inspect", fp8)
     assert rc == 1 and "'gptq'" in text and "does not dequantize" in text, text
+
+
+# FP8 as llm-compressor publishes it (compressed-tensors float-quantized: weight_scale per tensor / channel / group /
+# block, in the model's dtype) and as NVIDIA ModelOpt does (quant_algo FP8: a float32 weight_scale per tensor beside a
+# static input_scale): name -> (model, strategy, size, dtype)
+COMPRESSED = {"llama_channel": ("llama", "channel", None, torch.bfloat16), "llama_group": ("llama", "group", 16, None),
+              "llama_tensor": ("llama", "tensor", None, torch.bfloat16),
+              "llama_block": ("llama", "block", [24, 20], torch.bfloat16),
+              "qwen3_moe_block": ("qwen3_moe", "block", [24, 20], None),
+              "deepseek_v3_channel": ("deepseek_v3", "channel", None, torch.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def compressed_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compressed")
+    srcs = {name: hf_models.write(name, str(root / name)) for name in ("llama", "qwen3_moe", "deepseek_v3")}
+    out = {key: hf_models.write_compressed_fp8(srcs[name], str(root / key), strategy, size, dtype)
+           for key, (name, strategy, size, dtype) in COMPRESSED.items()}
+    out["llama_modelopt"] = hf_models.write_modelopt_fp8(srcs["llama"], str(root / "llama_modelopt"))
+    return out
+
+
+@pytest.mark.parametrize("key", [*COMPRESSED, "llama_modelopt"])
+def test_compressed_tensors_and_modelopt_fp8_convert_to_the_dequantized_model(compressed_models, key, tmp_path):
+    fp8, deq = compressed_models[key]
+    rc, text = run_cli("inspect", fp8)
+    form = "per-tensor" if key.endswith(("tensor", "modelopt")) else \
+        {"channel": "per-channel", "group": "per-group (16)", "block": "24x20 block"}[key.rsplit("_", 1)[1]]
+    assert rc == 0 and f"float8_e4m3fn with {form} scales (weight_scale; " in text, text
+    assert ("activation / KV-cache scale(s) of the modelopt FP8" in text) == (key == "llama_modelopt"), text
+    hf, legacy = str(tmp_path / "hf"), str(tmp_path / "legacy")
+    flags = ["--ep", "2"] if "moe" in key else ["--tp", "2"]
+    assert run_cli("reshard", fp8, legacy, "--no-progress", *flags)[0] == 0
+    assert run_cli("reshard", legacy, hf, "--ckpt-format", "hf", "--no-progress")[0] == 0
+    for a, b in ((deq, legacy), (deq, hf)):
+        rc, text = run_cli("diff", a, b)
+        assert rc == 0 and "EQUAL" in text, text
+
+
+@pytest.mark.parametrize("key, layout", [("llama_channel", dict(tp=2)), ("qwen3_moe_block", dict(ep=2))])
+def test_compressed_fp8_in_memory_logits_equal_transformers_on_the_dequantized_model(mcore_pool, compressed_models,
+                                                                                    key, layout):
+    pytest.importorskip("megatron.core")
+    fp8, deq = compressed_models[key]
+    ref = hf_models.hf_logits(deq)
+    out = mcore_pool.run("tests.helpers.hf_models:load_and_forward", hf_dir=fp8, **layout)
+    torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("key", ["llama_channel", "llama_group", "llama_tensor", "llama_block"])
+def test_compressed_fp8_reads_as_the_publishers_own_library_decompresses_it(compressed_models, key, tmp_path):
+    """The oracle is compressed-tensors itself (llm-compressor's library, through transformers'
+    CompressedTensorsConfig(dequantize=True)): the weights it decompresses are our export's, bit for bit. Not in
+    requirements-test.txt (it pins its own torch): skipped where it is not installed."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    fp8, _ = compressed_models[key]
+    hf = str(tmp_path / "hf")
+    assert run_cli("reshard", fp8, hf, "--ckpt-format", "hf", "--no-progress")[0] == 0
+    ours = {}
+    for f in os.listdir(hf):
+        if f.endswith(".safetensors"):
+            ours.update(load_file(os.path.join(hf, f)))
+    theirs = AutoModelForCausalLM.from_pretrained(fp8, quantization_config=CompressedTensorsConfig(dequantize=True),
+                                                  dtype=COMPRESSED[key][3] or torch.float32).state_dict()
+    assert set(ours) == set(theirs)
+    for name, t in ours.items():
+        assert theirs[name].dtype == t.dtype and torch.equal(theirs[name], t), name
+
+
+def test_a_rank_reads_only_its_rows_per_channel_scales(compressed_models):
+    from megatron_preflight import reshard
+    from megatron_preflight.reshard.sources.hf import HfReader
+
+    fp8, _ = compressed_models["llama_channel"]
+    ref = reshard.open_index(fp8).layout.shards[0].meta["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
+    q = ref.quant[0]
+    assert q.block == (1, 64) and q.scale_cols == 1 and q.scale_name.endswith("down_proj.weight_scale")
+    reader, seen = HfReader(fp8), []
+    real = reader._pread
+    reader._pread = lambda name, start, out: (seen.append((start, len(out))), real(name, start, out))[1]
+    whole = reader.tensor("", ref)
+    reader._last = None
+    seen.clear()
+    half = reader.rows("", ref, 16, 16)
+    torch.testing.assert_close(half, whole[16:], atol=0, rtol=0)
+    assert seen == [(q.start + 16 * 64, 16 * 64), (q.scale_start + 16 * 2, 16 * 2)]  # its rows, their bf16 scales
+
+
+def test_a_stray_zero_point_is_named_not_dropped(compressed_models, tmp_path):
+    import shutil
+
+    fp8 = str(tmp_path / "m")
+    shutil.copytree(compressed_models["llama_channel"][0], fp8)
+    name = "model.layers.0.mlp.down_proj.weight_zero_point"
+
+    def fn(header, body):
+        header[name] = {"dtype": "BF16", "shape": [32, 1], "data_offsets": [len(body), len(body) + 64]}
+        body.extend(bytes(64))
+
+    edit_header(os.path.join(fp8, "model.safetensors"), fn)
+    rc, text = run_cli("inspect", fp8)
+    assert rc == 1 and "unmapped_tensor" in text and name in text, text
