@@ -385,6 +385,46 @@ def write_compressed_fp8(src: str, dst: str, strategy: str = "channel", size: An
     return _quantized_pair(src, dst, quantize, config, dtype)
 
 
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric integers ``q`` ``[R, C]`` packed as compressed-tensors stores them (test-only, written from the
+    format's description): each value plus 2^(bits - 1), ``32 / bits`` a little-endian int32 word, the first in the
+    lowest bits — INT4 two a byte, the low nibble first. ``[R, C * bits / 32]`` int32."""
+    u = (q.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    if bits == 4:
+        u = u[:, 0::2] | (u[:, 1::2] << 4)
+    return u.contiguous().view(torch.int32)
+
+
+def write_compressed_int(src: str, dst: str, bits: int = 4, group: int | None = 16,
+                         dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """The model at ``src`` as llm-compressor publishes an INT4 / INT8 weight-only model (test-only; compressed-tensors
+    ``pack-quantized``, as Kimi K2 Thinking's experts): each decoder linear weight as ``weight_packed`` (int32),
+    ``weight_scale`` (the model's dtype; per ``group`` columns, None: per channel) and ``weight_shape`` (int64 [R, C]);
+    beside it ``dst + "_dequantized"`` ((stored - 2^(bits - 1)) x scale: the oracle's model)."""
+    top = (1 << (bits - 1)) - 1
+
+    def quantize(name: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        if not (_quantized(name) and w.dim() == 2):
+            return {name: w}, w
+        r, c = w.shape
+        g = group or c
+        scale = (w.float().reshape(r, c // g, g).abs().amax(-1).clamp(min=1e-12) / top).to(w.dtype)
+        full = scale.float().repeat_interleave(g, 1)
+        q = torch.clamp(torch.round(w.float() / full), -top - 1, top).to(torch.int8)
+        module = name.removesuffix("weight")
+        return ({module + "weight_packed": _pack(q, bits), module + "weight_scale": scale,
+                 module + "weight_shape": torch.tensor([r, c], dtype=torch.int64)}, (q.float() * full).to(w.dtype))
+
+    weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
+               "strategy": "group" if group else "channel", "group_size": group, "actorder": None,
+               "observer": "minmax", "block_structure": None, "observer_kwargs": {}}
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                            "output_activations": None}},
+              "ignore": ["lm_head", "re:.*mlp[.]gate$", "re:.*kv_a_proj_with_mqa$"], "kv_cache_scheme": None}
+    return _quantized_pair(src, dst, quantize, config, dtype)
+
+
 def write_modelopt_fp8(src: str, dst: str, dtype: torch.dtype | None = None) -> tuple[str, str]:
     """The model at ``src`` as NVIDIA ModelOpt publishes an FP8 model (test-only; ``quant_algo: FP8``): each decoder
     linear weight float8_e4m3fn with a float32 ``weight_scale`` of shape [] (per tensor) and a static

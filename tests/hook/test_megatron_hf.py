@@ -460,13 +460,15 @@ def test_deepseek_yarn(tmp_path, data):
 
 # (a model, its published quantized form, the layout): FP8 with block scales (float8_e4m3fn weights, a float32 scale
 # per 24x20 block), GPT-OSS's MXFP4 experts (e2m1 blocks, e8m0 scales), llm-compressor's FP8 (compressed-tensors
-# float-quantized: a scale per channel; per 24x20 block), ModelOpt's FP8 (a scale per tensor, static input scales)
+# float-quantized: a scale per channel; per 24x20 block), ModelOpt's FP8 (a scale per tensor, static input scales),
+# llm-compressor's INT4 (pack-quantized, a scale per 16 columns: Kimi K2 Thinking's experts' form)
 QUANTIZED = [("llama", "fp8", ["--tensor-model-parallel-size", "2"]),
              ("qwen3_moe", "fp8", ["--expert-model-parallel-size", "2"]),
              ("gpt_oss", "mxfp4", ["--expert-model-parallel-size", "2"]),
              ("llama", "compressed-channel", ["--tensor-model-parallel-size", "2"]),
              ("qwen3_moe", "compressed-block", ["--expert-model-parallel-size", "2"]),
-             ("llama", "modelopt", ["--pipeline-model-parallel-size", "2"])]
+             ("llama", "modelopt", ["--pipeline-model-parallel-size", "2"]),
+             ("qwen3_moe", "compressed-int4", ["--expert-model-parallel-size", "2"])]
 
 
 def _quantized(name: str, scheme: str, src: str, where: str) -> tuple[str, str]:
@@ -481,6 +483,8 @@ def _quantized(name: str, scheme: str, src: str, where: str) -> tuple[str, str]:
         return hf_models.write_compressed_fp8(src, where, "channel")
     if scheme == "compressed-block":
         return hf_models.write_compressed_fp8(src, where, "block", [24, 20])
+    if scheme == "compressed-int4":
+        return hf_models.write_compressed_int(src, where, 4, 16)
     return hf_models.write_modelopt_fp8(src, where)
 
 
@@ -488,7 +492,7 @@ def _quantized(name: str, scheme: str, src: str, where: str) -> tuple[str, str]:
 def test_a_quantized_model_as_published_trains_with_transformers_loss_of_it_dequantized(tmp_path, data, models, name,
                                                                                         scheme, layout):
     """The model quantized as the hub publishes it (tests/helpers/hf_models.write_fp8 / write_mxfp4 /
-    write_compressed_fp8 / write_modelopt_fp8), loaded at job
+    write_compressed_fp8 / write_modelopt_fp8 / write_compressed_int), loaded at job
     start with the printed flags: iteration 1's loss is transformers' own on the same model dequantized (by the test
     for FP8, by transformers' convert_moe_packed_tensors for MXFP4); its offline conversion, loaded by plain Megatron,
     the same."""

@@ -90,6 +90,9 @@ def discover_hf(path: str) -> Layout:
                             "GPT model attends over the whole sequence (the same for sequences up to the window)")
     tensors, covers, errors = stacked.expand(found, family.stacked, quant.dequantized_dtype(cfg.dtype),
                                              isinstance(scheme, quant.Mxfp4), path)
+    if isinstance(scheme, quant.ScaledFp8):
+        tensors, more = quant.expand_packed(tensors, scheme, path)
+        errors += more
     model, missing, needed, more = _model(family, cfg, tensors, path, scheme)
     errors += more
     if isinstance(scheme, quant.Mxfp4):
@@ -110,8 +113,8 @@ def discover_hf(path: str) -> Layout:
                                 "other tensors are read as stored. An export back writes them in the run's dtype (not "
                                 "re-quantized)")
         else:
-            layout.notes.append("config.json names FP8 block quantization but no weight is float8 (a dequantized "
-                                "copy that kept its quantization_config): the weights are read as stored")
+            layout.notes.append(f"config.json names {scheme.method} quantization but no weight is stored quantized (a "
+                                "dequantized copy that kept its quantization_config): the weights are read as stored")
     for e in errors:
         layout.add(e.code or "hf_shape", e.path or path, e.message, e.fix or "")
     stored_as = stored_in.stored if stored_in else str
@@ -238,7 +241,10 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
             errors.append(e)
     needed = set(taken)
     if isinstance(scheme, quant.ScaledFp8):  # the scales are the weights' too
-        needed |= {n + scheme.suffix for n in taken if n in tensors and tensors[n].dtype == quant.FP8}
+        scaled = [n for n in taken if n in tensors and tensors[n].dtype in quant.QUANTIZED]
+        needed.update([n + scheme.suffix for n in scaled])
+        if scheme.packed:
+            needed.update([n + quant.SHAPE for n in scaled])
     else:  # (a block-FP8 model's weights are read with their scales: _Refs)
         for name in sorted(n for n in taken if n in tensors and tensors[n].dtype.startswith("float8")):
             t = tensors[name]
@@ -296,7 +302,7 @@ class _Refs:
         first = tensors[m.blocks[0].hf]
         if isinstance(first, stacked.Part):
             return _stacked(m, tensors, self.path)
-        if self.fp8 is not None and first.dtype == quant.FP8:
+        if self.fp8 is not None and first.dtype in quant.QUANTIZED:
             return self._dequantized(m, first)
         if len(m.blocks) == 1 and m.blocks[0].src0 == 0 and m.blocks[0].rows == (first.shape[0] if first.shape else 1):
             return safe_ref(m.key, first.dtype, first.shape,
@@ -327,7 +333,7 @@ class _Refs:
         for hf, src0, rows, _ in m.blocks:
             t = tensors[hf]
             shape = t.shape
-            if t.dtype != quant.FP8 or shape[1:] != tail or src0 + rows > shape[0]:
+            if t.dtype != first.dtype or shape[1:] != tail or src0 + rows > shape[0]:
                 raise _misfit(m, hf, t, first, self.path)
             scale = tensors.get(hf + suffix)
             form = (shape, scale.dtype, scale.shape) if scale is not None else None
@@ -337,8 +343,12 @@ class _Refs:
                 if isinstance(block, PreflightError):
                     raise block
                 blocks[form] = block
+            check = ()
+            if t.dtype != quant.FP8:  # (pack-quantized: its stored [R, C], checked when the rows are read)
+                stored = tensors[hf + quant.SHAPE]
+                check = (stored.file, stored.start, stored.dtype, shape)
             runs.append(quant.QRun(hf, t.file, t.start, shape[1], src0, rows, at, scale.file, scale.start,
-                                   scale.dtype, -(-shape[1] // block[1]), block, hf + suffix))
+                                   scale.dtype, -(-shape[1] // block[1]), block, hf + suffix, t.dtype, check))
             at += rows
         return safe_ref(m.key, self.dtype, (at, *tail), (), tuple(runs))
 

@@ -16,6 +16,13 @@ embeddings, the output layer — is stored in that dtype and read as is). Three 
 - ``quant_method: modelopt``, ``quant_algo: FP8`` (NVIDIA ModelOpt; per tensor) or ``FP8_PER_CHANNEL_PER_TOKEN``:
   ``X.weight_scale``, as compressed-tensors' ``tensor`` / ``channel``.
 
+Integers the same way: compressed-tensors ``pack-quantized`` (Kimi K2 Thinking / K2.5's INT4 experts, the ``W4A16`` /
+``W8A16`` releases): ``X.weight_packed``, int32 ``[R, ceil(C * bits / 32)]`` holding ``32 / bits`` symmetric values a
+word, the first in the lowest bits, each stored plus ``2^(bits - 1)`` (as little-endian bytes: INT4 two values a byte,
+the low nibble first; INT8 one), beside ``X.weight_scale`` and ``X.weight_shape`` (``[R, C]``, int); the value is
+``(stored - 2^(bits - 1)) * scale``. Each such weight is read as a virtual ``X.weight`` of ``[R, 32 / bits *
+packed columns]`` (:func:`expand_packed`); its stored ``weight_shape`` is checked when its rows are read.
+
 Each weight's block is read from its scale's shape among the forms its config allows (one scale element per block).
 
 MXFP4 (``quant_method: mxfp4``; GPT-OSS): its experts' stacked weights as e2m1 blocks with e8m0 scales
@@ -33,10 +40,15 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.hf.safetensors import SafeTensor
 
 SCALE_SUFFIX = "_scale_inv"  # quant_method fp8's (DeepSeek's) weight scale: X.weight_scale_inv
 WEIGHT_SCALE = "_scale"  # compressed-tensors' and ModelOpt's: X.weight_scale
 FP8 = "float8_e4m3fn"
+INT4, INT8 = "int4 (packed)", "int8 (packed)"  # the values of a pack-quantized weight (a virtual table entry's dtype)
+QUANTIZED = (FP8, INT4, INT8)  # the dtypes of the table's entries that are read with their scales
+BITS = {FP8: 8, INT8: 8, INT4: 4}
+PACKED, SHAPE = "_packed", "_shape"  # X.weight_packed, X.weight_shape beside X.weight_scale
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 # scales of activations and of the KV cache (compressed-tensors, ModelOpt): they calibrate inference, a training run
 # has none of them
@@ -73,11 +85,12 @@ class ScaledFp8:
     suffix: str = SCALE_SUFFIX
     method: str = "fp8"  # quantization_config's quant_method (and format), for messages
     calibration: tuple[str, ...] = ()  # name endings of the scheme's activation / KV-cache scales
+    packed: str | None = None  # INT4 / INT8: the weights are pack-quantized integers (compressed-tensors)
 
     def describe(self) -> str:
         forms = " or ".join(f.name for f in self.forms)
-        return f"{FP8} with {forms} scales (weight{self.suffix}" + ("" if self.method == "fp8" else f"; {self.method}") \
-            + ")"
+        return f"{self.packed or FP8} with {forms} scales (weight{self.suffix}" \
+            + ("" if self.method == "fp8" else f"; {self.method}") + ")"
 
     def ignores(self, name: str) -> bool:
         """Whether ``name`` is an activation / KV-cache scale of this scheme (not a weight: not loaded)."""
@@ -142,20 +155,24 @@ def _compressed_tensors(quant: dict[str, Any], path: str) -> ScaledFp8:
         raise _refused(f"{where} (compressed-tensors) has no config_groups: which weights are quantized, and how, is "
                        "not known", path)
     forms: list[Form] = []
+    values: set[str] = set()
     for gname, group in groups.items():
         at = f"{where}.config_groups.{gname}"
         if not isinstance(group, dict):
             raise _refused(f"{at} is {group!r:.80}: not an object", path)
         fmt = group.get("format") or quant.get("format")
-        if fmt != "float-quantized":
-            raise _refused(f"{at} is stored in format {fmt!r}: compressed-tensors' float-quantized (FP8 e4m3) "
-                           "is read", path)
+        if fmt not in ("float-quantized", "pack-quantized"):
+            raise _refused(f"{at} is stored in format {fmt!r}: compressed-tensors' float-quantized (FP8 e4m3) and "
+                           "pack-quantized (INT4 / INT8) are read", path)
         w = group.get("weights")
         if not isinstance(w, dict):
             raise _refused(f"{at}.weights is {w!r:.80}: the weights' quantization is not named", path)
-        if w.get("type", "float") != "float" or w.get("num_bits") != 8 or w.get("symmetric", True) is not True \
-                or w.get("dynamic", False) not in (False, None):
-            raise _refused(f"{at}.weights is {_brief(w)}: symmetric 8-bit float weights (FP8 e4m3) are read", path)
+        kind = {("float-quantized", "float", 8): FP8, ("pack-quantized", "int", 4): INT4,
+                ("pack-quantized", "int", 8): INT8}.get((fmt, w.get("type", "float"), w.get("num_bits")))
+        if kind is None or w.get("symmetric", True) is not True or w.get("dynamic", False) not in (False, None):
+            raise _refused(f"{at}.weights is {_brief(w)} ({fmt}): symmetric 8-bit float weights (float-quantized) "
+                           "or symmetric 4- / 8-bit integers (pack-quantized) are read", path)
+        values.add(kind)
         strategy = w.get("strategy")
         if strategy == "tensor":
             forms.append(TENSOR)
@@ -170,7 +187,13 @@ def _compressed_tensors(quant: dict[str, Any], path: str) -> ScaledFp8:
         else:
             raise _refused(f"{at}.weights has strategy {strategy!r} ({_brief(w)}): tensor, channel, group (with "
                            "group_size) or block (with block_structure) is read", path)
-    return ScaledFp8(tuple(dict.fromkeys(forms)), WEIGHT_SCALE, "compressed-tensors float-quantized", ACTIVATION_SCALES)
+    if len(values) > 1:
+        raise _refused(f"{where}'s config groups store weights as {' and '.join(sorted(values))}: one model in two "
+                       "value forms is not read", path)
+    kind = values.pop()
+    fmt = "float-quantized" if kind == FP8 else "pack-quantized"
+    return ScaledFp8(tuple(dict.fromkeys(forms)), WEIGHT_SCALE, f"compressed-tensors {fmt}", ACTIVATION_SCALES,
+                     None if kind == FP8 else kind)
 
 
 _MODELOPT = {"FP8": TENSOR, "FP8_PER_CHANNEL_PER_TOKEN": CHANNEL}
@@ -223,6 +246,13 @@ class QRun(NamedTuple):
     scale_cols: int  # scales per row of blocks (the stored scale's elements: rows of blocks x this)
     block: tuple[int, int]  # (rows, columns) of the weight one scale covers
     scale_name: str  # the scale tensor, for messages
+    values: str = FP8  # how the values are stored: FP8, INT4 or INT8 (packed)
+    # a pack-quantized weight's stored X.weight_shape, checked when it is read: (file, start, dtype, its [R, C])
+    shape_check: tuple[Any, ...] = ()
+
+    @property
+    def row_bytes(self) -> int:
+        return self.cols * BITS[self.values] // 8
 
 
 def scale_block(name: str, shape: tuple[int, ...], scale: Any, scheme: ScaledFp8, model_dir: str) \
@@ -232,11 +262,12 @@ def scale_block(name: str, shape: tuple[int, ...], scale: Any, scheme: ScaledFp8
     per-tensor scale of shape ``[]`` or ``[1]``); or why none is."""
     scale_name = name + scheme.suffix
     fix = "download the model again (the weights and their scales come from the same files)"
+    kind = scheme.packed or FP8
     if len(shape) != 2:
-        return PreflightError(f"tensor {name!r} is {FP8} of shape {list(shape)}: scales are read for matrices only",
+        return PreflightError(f"tensor {name!r} is {kind} of shape {list(shape)}: scales are read for matrices only",
                               path=model_dir, fix=fix, code="hf_quantized")
     if scale is None:
-        return PreflightError(f"tensor {name!r} is {FP8} but the model has no {scale_name!r}: without its scales "
+        return PreflightError(f"tensor {name!r} is {kind} but the model has no {scale_name!r}: without its scales "
                               "its values are not the model's weights", path=model_dir, fix=fix, code="hf_quantized")
     stored = tuple(scale.shape)
     fits = {f.block(shape) for f in scheme.forms if _same_layout(stored, f.scale_shape(shape))}
@@ -255,3 +286,35 @@ def scale_block(name: str, shape: tuple[int, ...], scale: Any, scheme: ScaledFp8
 def _same_layout(stored: tuple[int, ...], want: tuple[int, int]) -> bool:
     """Whether a stored scale of shape ``stored`` holds a ``want`` matrix's elements in its order."""
     return stored == want or (want[1] == 1 and stored == want[:1]) or (want == (1, 1) and stored == ())
+
+
+def expand_packed(tensors: dict[str, Any], scheme: ScaledFp8, model_dir: str) \
+        -> tuple[dict[str, Any], list[PreflightError]]:
+    """The tensor table with each pack-quantized weight ``X.weight_packed`` replaced by
+    a virtual ``X.weight`` of ``scheme.packed`` values, ``[R, 32 / bits * packed columns]``, its bytes the packed
+    tensor's (``X.weight_shape`` stays in the table); (the table, the packed weights that do not fit)."""
+    if scheme.packed is None:
+        return tensors, []
+    per_word = 32 // BITS[scheme.packed]
+    out = dict(tensors)
+    errors: list[PreflightError] = []
+    fix = "download the model again (a packed weight, its scale and its shape come from the same files)"
+    for name, t in tensors.items():
+        if not name.endswith("weight" + PACKED):
+            continue
+        weight = name[:-len(PACKED)]
+        shape = tensors.get(weight + SHAPE)
+        problem = None
+        if t.dtype != "int32" or len(t.shape) != 2:
+            problem = f"tensor {name!r} is {t.dtype} of shape {list(t.shape)}: pack-quantized weights are int32 matrices"
+        elif shape is None or shape.dtype not in ("int64", "int32") or tuple(shape.shape) != (2,):
+            problem = (f"the pack-quantized weight {name!r} has no {weight + SHAPE!r} of two integers (its "
+                       "[rows, columns])")
+        elif weight in tensors:
+            problem = f"the files hold {weight!r} and its pack-quantized form {name!r}: which one is the model's is not known"
+        if problem is not None:
+            errors.append(PreflightError(problem, path=os.path.join(model_dir, t.file), fix=fix, code="hf_quantized"))
+            continue
+        del out[name]  # (its X.weight_shape stays: the weight's ref checks it when its rows are read)
+        out[weight] = SafeTensor(weight, t.file, scheme.packed, (t.shape[0], t.shape[1] * per_word), t.start, t.end)
+    return out, errors

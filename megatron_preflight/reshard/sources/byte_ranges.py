@@ -72,7 +72,10 @@ def _safe_ranges(ref: SafeRef, op: CopyOp | None, model_dir: str, out: Ranges) -
                     out[os.path.join(model_dir, file)].append((start, n))
                 continue
             s0, k = q.src_row0 + a - q.dst_row0, b - a
-            out[os.path.join(model_dir, q.file)].append((q.start + s0 * q.cols, k * q.cols))  # one byte an FP8 value
+            out[os.path.join(model_dir, q.file)].append((q.start + s0 * q.row_bytes, k * q.row_bytes))
+            if q.shape_check:  # (a pack-quantized weight's stored [R, C], checked as it is read)
+                file, start, dtype, _ = q.shape_check
+                out[os.path.join(model_dir, file)].append((start, 2 * dtypes.dtype(dtype).itemsize))
             br = q.block[0]
             lo, hi = s0 // br, (s0 + k - 1) // br + 1
             width = q.scale_cols * dtypes.dtype(q.scale_dtype).itemsize

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_preflight import crc, dtypes
 from megatron_preflight.errors import CorruptFileError
-from megatron_preflight.layout.hf import files, stacked
+from megatron_preflight.layout.hf import files, quant, stacked
 from megatron_preflight.layout.hf.safetensors import SafeRef
 
 if TYPE_CHECKING:  # tensors are made only when a plan runs: planning and costing need no torch
@@ -45,6 +45,18 @@ def _pow2(exps: torch.Tensor, dtype: Any) -> torch.Tensor:
     return scale
 
 
+def _values(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """The stored values of quantized bytes ``raw`` (uint8; layout/hf/quant.py): FP8 e4m3 one a byte; a
+    pack-quantized INT8 one a byte, INT4 two (the low nibble first), each stored plus 2^(bits - 1)."""
+    import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+    if kind == quant.FP8:
+        return raw.view(torch.float8_e4m3fn)
+    if kind == quant.INT8:
+        return raw.to(torch.int16) - 128
+    return torch.stack((raw & 0xF, raw >> 4), dim=-1).reshape(-1).to(torch.int8) - 8
+
+
 class HfReader:
     """Reads the SafeRefs of one Hugging Face model dir (each file opened once)."""
 
@@ -54,6 +66,7 @@ class HfReader:
         self._last: tuple[SafeRef, torch.Tensor] | None = None
         # the last expert matrix stored [in, out] read whole (its parts' rows are its columns): ((file, start, bytes), it)
         self._matrix: tuple[tuple[str, int, int], torch.Tensor] | None = None
+        self._shapes: set[tuple[str, int]] = set()  # the pack-quantized weights' stored shapes already checked
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
@@ -127,9 +140,11 @@ class HfReader:
                 self._stacked(q, a, b, out[a - first:b - first])
                 continue
             s0, k = q.src_row0 + a - q.dst_row0, b - a
-            raw = torch.empty(k * q.cols, dtype=torch.uint8)
-            self._pread(q.file, q.start + s0 * q.cols, memoryview(raw.numpy()))
-            values = raw.view(torch.float8_e4m3fn).reshape(k, q.cols).to(torch.float32)
+            if q.shape_check:
+                self._check_shape(q)
+            raw = torch.empty(k * q.row_bytes, dtype=torch.uint8)
+            self._pread(q.file, q.start + s0 * q.row_bytes, memoryview(raw.numpy()))
+            values = _values(raw, q.values).reshape(k, q.cols).to(torch.float32)
             br, bc = q.block
             lo, hi = s0 // br, (s0 + k - 1) // br + 1
             sdt = dtypes.to_torch(dtypes.dtype(q.scale_dtype))
@@ -154,6 +169,24 @@ class HfReader:
                 end = min((row // br + 1) * br, s0 + k)
                 torch.mul(values[row - s0:end - s0], scale[row // br - lo], out=dst[row - s0:end - s0])
                 row = end
+
+    def _check_shape(self, q: quant.QRun) -> None:
+        """Refuses a pack-quantized weight whose stored ``weight_shape`` is not the [R, C] it is read as (a column
+        count that is no multiple of the values a word holds: padded)."""
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+        file, start, dtype, want = q.shape_check
+        if (file, start) in self._shapes:
+            return
+        got = torch.empty(2, dtype=dtypes.to_torch(dtypes.dtype(dtype)))
+        self._pread(file, start, memoryview(got.view(torch.uint8).numpy()))
+        if tuple(got.tolist()) != tuple(want):
+            raise CorruptFileError(f"tensor {q.name + quant.SHAPE!r} holds "
+                                   f"{got.tolist()}; its packed weight reads as {list(want)} (columns that are no "
+                                   "multiple of the values a 32-bit word holds are not read)",
+                                   path=os.path.join(self.model_dir, file), code="corrupt_file",
+                                   fix="use a bf16 copy of the model")
+        self._shapes.add((file, start))
 
     def _stacked(self, x: stacked.XRun, a: int, b: int, out: torch.Tensor) -> None:
         """Rows ``a .. b`` of a SafeRef (within the run ``x``) into ``out``: rows of one expert's stored matrix, every

@@ -43,9 +43,24 @@ def test_every_config_group_adds_its_form():
     assert quant.scheme_of(cfg, "c").forms == (quant.CHANNEL, quant.Form(64, 32, "64x32 block"))
 
 
+@pytest.mark.parametrize("bits, weights, form", [
+    (4, {"strategy": "group", "group_size": 32}, quant.Form(1, 32, "per-group (32)")),  # (Kimi K2 Thinking's)
+    (8, {"strategy": "channel"}, quant.CHANNEL),
+])
+def test_compressed_tensors_pack_quantized_integers_are_read_with_their_scales(bits, weights, form):
+    scheme = quant.scheme_of(compressed(dict(weights, num_bits=bits, type="int"), fmt="pack-quantized"), "c")
+    assert scheme.forms == (form,) and scheme.packed == (quant.INT4 if bits == 4 else quant.INT8)
+    assert scheme.describe().startswith(f"int{bits} (packed) with ") and "pack-quantized" in scheme.describe()
+
+
 @pytest.mark.parametrize("cfg, words", [
-    (compressed({"strategy": "group", "num_bits": 4, "type": "int", "group_size": 128}, fmt="pack-quantized"),
-     ["format 'pack-quantized'", "float-quantized"]),
+    (compressed({"strategy": "tensor_group", "num_bits": 4, "type": "float", "group_size": 16},
+                fmt="nvfp4-pack-quantized"), ["format 'nvfp4-pack-quantized'", "pack-quantized (INT4 / INT8)"]),
+    (compressed({"strategy": "group", "num_bits": 4, "type": "int", "group_size": 128, "symmetric": False},
+                fmt="pack-quantized"), ["symmetric: False", "symmetric 4- / 8-bit integers"]),
+    (compressed({"strategy": "group", "num_bits": 2, "type": "int", "group_size": 128}, fmt="pack-quantized"),
+     ["num_bits: 2"]),
+    (compressed({"strategy": "channel", "num_bits": 8, "type": "int"}), ["type: 'int'", "(float-quantized)"]),
     (compressed({"strategy": "channel", "symmetric": False}), ["symmetric: False", "symmetric 8-bit float"]),
     (compressed({"strategy": "channel", "num_bits": 4}), ["num_bits: 4"]),
     (compressed({"strategy": "tensor_group", "group_size": 16}), ["strategy 'tensor_group'"]),
@@ -112,3 +127,50 @@ def test_a_scale_two_forms_explain_differently_is_refused():
     # two forms that mean the same blocks are one
     same = quant.ScaledFp8((quant.TENSOR, quant.Form(512, 512, "b")), "_scale", "ct")
     assert quant.scale_block("w.weight", (300, 64), _scale((1,)), same, "/m") == (300, 64)
+
+
+def test_mixed_value_forms_are_refused():
+    cfg = compressed({"strategy": "channel"}, fmt="mixed-precision")
+    groups = cfg["quantization_config"]["config_groups"]
+    groups["group_0"]["format"] = "float-quantized"
+    groups["group_1"] = {"format": "pack-quantized", "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                                 "group_size": 32}}
+    with pytest.raises(PreflightError) as e:
+        quant.scheme_of(cfg, "c")
+    assert "float8_e4m3fn and int4 (packed)" in e.value.message
+
+
+def _t(name, dtype, shape, start=0):
+    from megatron_preflight.layout.hf.safetensors import SafeTensor
+
+    n = 1
+    for d in shape:
+        n *= d
+    return SafeTensor(name, "model.safetensors", dtype, tuple(shape), start, start + 4 * n)
+
+
+def test_a_packed_weight_reads_as_a_virtual_weight_of_its_values():
+    scheme = quant.scheme_of(compressed({"strategy": "group", "group_size": 32, "num_bits": 4, "type": "int"},
+                                        fmt="pack-quantized"), "c")
+    table = {"a.weight_packed": _t("a.weight_packed", "int32", (64, 16), 100),
+             "a.weight_scale": _t("a.weight_scale", "bfloat16", (64, 4)),
+             "a.weight_shape": _t("a.weight_shape", "int64", (2,))}
+    out, errors = quant.expand_packed(table, scheme, "/m")
+    assert not errors and "a.weight_packed" not in out and "a.weight_shape" in out
+    w = out["a.weight"]
+    assert (w.dtype, w.shape, w.start, w.end) == (quant.INT4, (64, 128), 100, 100 + 64 * 16 * 4)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda t: t.update({"a.weight_packed": _t("a.weight_packed", "int8", (64, 16))}), ["int8", "int32 matrices"]),
+    (lambda t: t.pop("a.weight_shape"), ["no 'a.weight_shape'"]),
+    (lambda t: t.update({"a.weight": _t("a.weight", "bfloat16", (64, 128))}), ["'a.weight' and its pack-quantized"]),
+])
+def test_a_packed_weight_that_does_not_fit_is_named(change, words):
+    scheme = quant.scheme_of(compressed({"strategy": "channel", "num_bits": 8, "type": "int"}, fmt="pack-quantized"),
+                             "c")
+    table = {"a.weight_packed": _t("a.weight_packed", "int32", (64, 16)),
+             "a.weight_shape": _t("a.weight_shape", "int64", (2,))}
+    change(table)
+    _, errors = quant.expand_packed(table, scheme, "/m")
+    assert len(errors) == 1 and all(w in errors[0].message for w in words), errors

@@ -1,5 +1,6 @@
-"""FP8 weights with block scales, as the hub publishes them (DeepSeek-V3, Kimi K2, Qwen3-FP8), read as the model's
-weights: each rank dequantizes its own rows with the scales that cover them. The oracle is the same model dequantized
+"""FP8 weights with block scales, as the hub publishes them (DeepSeek-V3, Kimi K2, Qwen3-FP8; llm-compressor's and
+ModelOpt's FP8, llm-compressor's packed INT4 / INT8), read as the model's weights: each rank dequantizes its own rows
+with the scales that cover them. The oracle is the same model dequantized
 by the test itself (fp8 x scale, in the model's dtype; tests/helpers/hf_models.write_fp8) — its tensors, and
 ``transformers``' own logits of it."""
 
@@ -136,6 +137,10 @@ COMPRESSED = {"llama_channel": ("llama", "channel", None, torch.bfloat16), "llam
               "llama_block": ("llama", "block", [24, 20], torch.bfloat16),
               "qwen3_moe_block": ("qwen3_moe", "block", [24, 20], None),
               "deepseek_v3_channel": ("deepseek_v3", "channel", None, torch.bfloat16)}
+# and its INT4 / INT8 weight-only form (compressed-tensors pack-quantized, as Kimi K2 Thinking's experts):
+# name -> (model, bits, group size (None: per channel), dtype)
+PACKED = {"llama_int4": ("llama", 4, 16, torch.bfloat16), "llama_int8": ("llama", 8, None, None),
+          "qwen3_moe_int4": ("qwen3_moe", 4, 16, None), "deepseek_v3_int4": ("deepseek_v3", 4, 8, torch.bfloat16)}
 
 
 @pytest.fixture(scope="module")
@@ -145,16 +150,20 @@ def compressed_models(tmp_path_factory):
     out = {key: hf_models.write_compressed_fp8(srcs[name], str(root / key), strategy, size, dtype)
            for key, (name, strategy, size, dtype) in COMPRESSED.items()}
     out["llama_modelopt"] = hf_models.write_modelopt_fp8(srcs["llama"], str(root / "llama_modelopt"))
+    for key, (name, bits, group, dtype) in PACKED.items():
+        out[key] = hf_models.write_compressed_int(srcs[name], str(root / key), bits, group, dtype)
     return out
 
 
-@pytest.mark.parametrize("key", [*COMPRESSED, "llama_modelopt"])
-def test_compressed_tensors_and_modelopt_fp8_convert_to_the_dequantized_model(compressed_models, key, tmp_path):
+@pytest.mark.parametrize("key", [*COMPRESSED, "llama_modelopt", *PACKED])
+def test_compressed_tensors_and_modelopt_forms_convert_to_the_dequantized_model(compressed_models, key, tmp_path):
     fp8, deq = compressed_models[key]
     rc, text = run_cli("inspect", fp8)
     form = "per-tensor" if key.endswith(("tensor", "modelopt")) else \
-        {"channel": "per-channel", "group": "per-group (16)", "block": "24x20 block"}[key.rsplit("_", 1)[1]]
-    assert rc == 0 and f"float8_e4m3fn with {form} scales (weight_scale; " in text, text
+        {"channel": "per-channel", "group": "per-group (16)", "block": "24x20 block",
+         "int4": f"per-group ({PACKED.get(key, (0, 0, 0))[2]})", "int8": "per-channel"}[key.rsplit("_", 1)[1]]
+    values = {"int4": "int4 (packed)", "int8": "int8 (packed)"}.get(key.rsplit("_", 1)[1], "float8_e4m3fn")
+    assert rc == 0 and f"{values} with {form} scales (weight_scale; " in text, text
     assert ("activation / KV-cache scale(s) of the modelopt FP8" in text) == (key == "llama_modelopt"), text
     hf, legacy = str(tmp_path / "hf"), str(tmp_path / "legacy")
     flags = ["--ep", "2"] if "moe" in key else ["--tp", "2"]
@@ -165,7 +174,8 @@ def test_compressed_tensors_and_modelopt_fp8_convert_to_the_dequantized_model(co
         assert rc == 0 and "EQUAL" in text, text
 
 
-@pytest.mark.parametrize("key, layout", [("llama_channel", dict(tp=2)), ("qwen3_moe_block", dict(ep=2))])
+@pytest.mark.parametrize("key, layout", [("llama_channel", dict(tp=2)), ("qwen3_moe_block", dict(ep=2)),
+                                         ("qwen3_moe_int4", dict(ep=2))])
 def test_compressed_fp8_in_memory_logits_equal_transformers_on_the_dequantized_model(mcore_pool, compressed_models,
                                                                                     key, layout):
     pytest.importorskip("megatron.core")
@@ -175,8 +185,9 @@ def test_compressed_fp8_in_memory_logits_equal_transformers_on_the_dequantized_m
     torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("key", ["llama_channel", "llama_group", "llama_tensor", "llama_block"])
-def test_compressed_fp8_reads_as_the_publishers_own_library_decompresses_it(compressed_models, key, tmp_path):
+@pytest.mark.parametrize("key", ["llama_channel", "llama_group", "llama_tensor", "llama_block", "llama_int4",
+                                 "llama_int8"])
+def test_compressed_forms_read_as_the_publishers_own_library_decompresses_them(compressed_models, key, tmp_path):
     """The oracle is compressed-tensors itself (llm-compressor's library, through transformers'
     CompressedTensorsConfig(dequantize=True)): the weights it decompresses are our export's, bit for bit. Not in
     requirements-test.txt (it pins its own torch): skipped where it is not installed."""
@@ -192,7 +203,7 @@ def test_compressed_fp8_reads_as_the_publishers_own_library_decompresses_it(comp
         if f.endswith(".safetensors"):
             ours.update(load_file(os.path.join(hf, f)))
     theirs = AutoModelForCausalLM.from_pretrained(fp8, quantization_config=CompressedTensorsConfig(dequantize=True),
-                                                  dtype=COMPRESSED[key][3] or torch.float32).state_dict()
+                                                  dtype={**COMPRESSED, **PACKED}[key][3] or torch.float32).state_dict()
     assert set(ours) == set(theirs)
     for name, t in ours.items():
         assert theirs[name].dtype == t.dtype and torch.equal(theirs[name], t), name
@@ -231,3 +242,40 @@ def test_a_stray_zero_point_is_named_not_dropped(compressed_models, tmp_path):
     edit_header(os.path.join(fp8, "model.safetensors"), fn)
     rc, text = run_cli("inspect", fp8)
     assert rc == 1 and "unmapped_tensor" in text and name in text, text
+
+
+def test_a_rank_reads_only_its_rows_of_packed_int4_and_their_scales(compressed_models):
+    from megatron_preflight import reshard
+    from megatron_preflight.reshard.sources.hf import HfReader
+
+    packed, _ = compressed_models["llama_int4"]
+    ref = reshard.open_index(packed).layout.shards[0].meta["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
+    q = ref.quant[0]
+    assert q.values == "int4 (packed)" and q.block == (1, 16) and q.scale_cols == 4 and q.row_bytes == 32
+    reader, seen = HfReader(packed), []
+    real = reader._pread
+    reader._pread = lambda name, start, out: (seen.append((start, len(out))), real(name, start, out))[1]
+    whole = reader.tensor("", ref)
+    reader._last = None
+    seen.clear()
+    half = reader.rows("", ref, 16, 16)
+    torch.testing.assert_close(half, whole[16:], atol=0, rtol=0)
+    # its rows (two values a byte), their bf16 scales (4 a row); the stored shape was checked by the first read
+    assert seen == [(q.start + 16 * 32, 16 * 32), (q.scale_start + 16 * 4 * 2, 16 * 4 * 2)]
+
+
+def test_a_packed_weight_whose_stored_shape_differs_is_refused_when_read(compressed_models, tmp_path):
+    import shutil
+
+    packed = str(tmp_path / "m")
+    shutil.copytree(compressed_models["llama_int4"][0], packed)
+    name = "model.layers.0.mlp.down_proj.weight_shape"
+
+    def fn(header, body):
+        lo = header[name]["data_offsets"][0]
+        body[lo + 8:lo + 16] = struct.pack("<q", 60)  # (a padded [32, 60] weight: read as [32, 64] it is not)
+
+    edit_header(os.path.join(packed, "model.safetensors"), fn)
+    rc, text = run_cli("reshard", packed, str(tmp_path / "out"), "--no-progress")
+    assert rc == 1 and name in text and "[32, 60]" in text and "[32, 64]" in text, text
+    assert not os.path.exists(tmp_path / "out")
