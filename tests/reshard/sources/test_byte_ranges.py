@@ -106,3 +106,22 @@ def test_an_fp8_model_is_read_by_its_rows_and_their_scale_rows(tmp_path):
     weights = sum(os.path.getsize(os.path.join(fp8, f)) for f in os.listdir(fp8) if f.endswith(".safetensors"))
     assert total(ranges) < 0.75 * weights  # half the split rows (TP2), and the replicated ones whole
     _equal(_state(r, plan), want)
+
+
+@pytest.mark.parametrize("form", ["int4", "channel"])
+def test_a_compressed_model_is_read_by_its_rows_their_scales_and_shapes(tmp_path, form):
+    """llm-compressor's forms (packed INT4 per group, FP8 per channel): the bytes a rank's plan names are all it
+    reads — a packed weight's stored weight_shape among them (checked as its rows are read: a hole there would read
+    as zeros and be refused)."""
+    from tests.helpers import hf_models
+
+    src = hf_models.write("qwen3", str(tmp_path / "bf16"))
+    model, _ = hf_models.write_compressed_int(src, str(tmp_path / "m"), 4, 16) if form == "int4" else \
+        hf_models.write_compressed_fp8(src, str(tmp_path / "m"), "channel")
+    target = TargetLayout(tp=2)
+    coords = {"tp": 1, "pp": 0, "ep": 0, "etp": 0}
+    want = _state(open_resharder(model, target), open_resharder(model, target).plan_for_coords(coords, "mp_rank_01"))
+    r, plan, ranges = _holed(model, str(tmp_path / "holed"), target, coords, "mp_rank_01")
+    weights = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
+    assert total(ranges) < 0.75 * weights
+    _equal(_state(r, plan), want)
