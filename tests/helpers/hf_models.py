@@ -126,6 +126,52 @@ def write_vlm(name: str, path: str, seed: int = 0, **top: Any) -> str:
     return path
 
 
+def write_kimi_k25(src: str, dst: str, quant_in_text: bool = False) -> str:
+    """The DeepSeek-V3 model dir ``src`` (bf16 / fp32, or its quantized form) as Moonshot publishes Kimi K2.5 / K2.6
+    (test-built: transformers ships no KimiK25 class, the hub's is custom code): ``KimiK25ForConditionalGeneration``
+    whose ``text_config`` is the Kimi K2 config (``model_type: kimi_k2``, DeepseekV3ForCausalLM), its tensors under
+    ``language_model.model.`` and ``language_model.lm_head.``, beside a small random vision tower and projector
+    (``vision_tower.``, ``mm_projector.``); ``quant_in_text``: the quantization_config in text_config alone (else at
+    the top level, as Moonshot's)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(dst)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(dst, f)))
+            os.remove(os.path.join(dst, f))
+    if os.path.exists(os.path.join(dst, "model.safetensors.index.json")):
+        os.remove(os.path.join(dst, "model.safetensors.index.json"))
+    out = {("language_model.lm_head." + k[len("lm_head."):] if k.startswith("lm_head.") else
+            "language_model." + k): v for k, v in tensors.items()}
+    g = torch.Generator().manual_seed(11)
+    for name, shape in (("vision_tower.patch_embed.proj.weight", (16, 3, 2, 2)),
+                        ("vision_tower.encoder.blocks.0.wqkv.weight", (48, 16)),
+                        ("vision_tower.encoder.blocks.0.norm0.weight", (16,)),
+                        ("mm_projector.proj.0.weight", (32, 64)), ("mm_projector.pre_norm.weight", (16,))):
+        out[name] = torch.randn(shape, generator=g).to(next(iter(tensors.values())).dtype)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as fh:
+        text = json.load(fh)
+    quant = text.pop("quantization_config", None)
+    text.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
+    top = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+           "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                        "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+           "text_config": text, "tie_word_embeddings": text.get("tie_word_embeddings", False),
+           "vision_config": {"model_type": "moonvit", "hidden_size": 16, "num_hidden_layers": 1},
+           "media_placeholder_token_id": 163605, "use_unified_vision_chunk": True}
+    if quant is not None:
+        (text if quant_in_text else top)["quantization_config"] = quant
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(top, fh)
+    return dst
+
+
 def tokens(batch: int = 2, seed: int = 7, vocab: int = COMMON["vocab_size"]) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 

@@ -461,14 +461,16 @@ def test_deepseek_yarn(tmp_path, data):
 # (a model, its published quantized form, the layout): FP8 with block scales (float8_e4m3fn weights, a float32 scale
 # per 24x20 block), GPT-OSS's MXFP4 experts (e2m1 blocks, e8m0 scales), llm-compressor's FP8 (compressed-tensors
 # float-quantized: a scale per channel; per 24x20 block), ModelOpt's FP8 (a scale per tensor, static input scales),
-# llm-compressor's INT4 (pack-quantized, a scale per 16 columns: Kimi K2 Thinking's experts' form)
+# llm-compressor's INT4 (pack-quantized, a scale per 16 columns: Kimi K2 Thinking's experts' form), Kimi K2.5's
+# (its language model under language_model., INT4 per 8 columns)
 QUANTIZED = [("llama", "fp8", ["--tensor-model-parallel-size", "2"]),
              ("qwen3_moe", "fp8", ["--expert-model-parallel-size", "2"]),
              ("gpt_oss", "mxfp4", ["--expert-model-parallel-size", "2"]),
              ("llama", "compressed-channel", ["--tensor-model-parallel-size", "2"]),
              ("qwen3_moe", "compressed-block", ["--expert-model-parallel-size", "2"]),
              ("llama", "modelopt", ["--pipeline-model-parallel-size", "2"]),
-             ("qwen3_moe", "compressed-int4", ["--expert-model-parallel-size", "2"])]
+             ("qwen3_moe", "compressed-int4", ["--expert-model-parallel-size", "2"]),
+             ("deepseek_v3", "kimi-k25-int4", ["--expert-model-parallel-size", "2"])]
 
 
 def _quantized(name: str, scheme: str, src: str, where: str) -> tuple[str, str]:
@@ -485,6 +487,9 @@ def _quantized(name: str, scheme: str, src: str, where: str) -> tuple[str, str]:
         return hf_models.write_compressed_fp8(src, where, "block", [24, 20])
     if scheme == "compressed-int4":
         return hf_models.write_compressed_int(src, where, 4, 16)
+    if scheme == "kimi-k25-int4":  # (Kimi K2.5 as Moonshot publishes it, test-built: write_kimi_k25)
+        int4, deq = hf_models.write_compressed_int(src, where + "_text", 4, 8)
+        return hf_models.write_kimi_k25(int4, where), deq
     return hf_models.write_modelopt_fp8(src, where)
 
 
@@ -495,15 +500,18 @@ def test_a_quantized_model_as_published_trains_with_transformers_loss_of_it_dequ
     write_compressed_fp8 / write_modelopt_fp8 / write_compressed_int), loaded at job
     start with the printed flags: iteration 1's loss is transformers' own on the same model dequantized (by the test
     for FP8, by transformers' convert_moe_packed_tensors for MXFP4); its offline conversion, loaded by plain Megatron,
-    the same."""
+    the same. DeepSeek-V3's MLA is built under the Transformer Engine spec only: through te_cpu (a CPU stand-in)."""
     from tests.helpers import hf_data
 
+    te = name == "deepseek_v3"
+    if te and not TE_CPU:
+        pytest.skip("MEGATRON_LM_TE_CPU is not set (the CPU stand-in for Transformer Engine)")
     where = str(tmp_path / f"{name}_{scheme}")
     quantized, deq = _quantized(name, scheme, models[name][0], where)
     oracle = hf_data.hf_loss(deq, SEQ, VOCAB)
     flags = printed_flags(quantized)
     rc, log = run(tmp_path, quantized, 2, *flags, "--data-path", data, *layout, "--preflight", "auto", base=BASE,
-                  port=29786, verify=False)
+                  port=29786, verify=False, te=te)
     assert rc == 0, log[-4000:]
     assert "loaded through the in-memory resharder (iteration 0" in log
     assert first_loss(log) == pytest.approx(oracle, abs=1e-5)
@@ -512,7 +520,7 @@ def test_a_quantized_model_as_published_trains_with_transformers_loss_of_it_dequ
                            "--", *flags, *layout], capture_output=True, text=True, timeout=300)  # (the run's flags)
     assert done.returncode == 0, done.stderr
     rc, log2 = run(tmp_path, out, 2, *flags, "--data-path", data, *layout, "--ckpt-format", "torch", plugin=False,
-                   base=BASE, port=29787, verify=False)
+                   base=BASE, port=29787, verify=False, te=te)
     assert rc == 0, log2[-4000:]
     assert first_loss(log2) == first_loss(log)
 

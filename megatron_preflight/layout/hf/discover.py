@@ -21,7 +21,6 @@ from megatron_preflight.errors import PreflightError
 from megatron_preflight.layout import naming
 from megatron_preflight.layout.hf import families, files, quant, stacked
 from megatron_preflight.layout.hf.config import architecture_of, load_raw
-from megatron_preflight.layout.hf.families.spec import TEXT_PREFIX
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
 from megatron_preflight.layout.hf.safetensors import Run, SafeRef, safe_ref, tensor_table
 from megatron_preflight.layout.model import Format, Layout, Shard
@@ -40,7 +39,9 @@ def discover_hf(path: str) -> Layout:
     try:
         family = families.family_for(arch, config_path)
         cfg = families.read_config(family, wrapper.text_config(raw, config_path) if wrapper else raw, config_path)
-        scheme = quant.scheme_of(raw, config_path)
+        # (a multimodal model's quantization_config: at its top level, or in its language model's config alone)
+        scheme = quant.scheme_of(raw if wrapper is None or "quantization_config" in raw else
+                                 raw.get(wrapper.config_key) or {}, config_path)
     except PreflightError as e:
         layout.add(e.code or "hf_unsupported", e.path or config_path, e.message, e.fix or "")
         return layout
@@ -157,7 +158,7 @@ def _unwrap(wrapper: families.Wrapper, tensors: dict[str, Any], layout: Layout) 
         if name.startswith(wrapper.others):
             others[name] = t
             continue
-        own = TEXT_PREFIX + name[len(wrapper.prefix):] if name.startswith(wrapper.prefix) else name
+        own = wrapper.own(name)
         if own in text:
             layout.add("unmapped_tensor", layout.path, f"the files hold {name!r} and {own!r}: both are the "
                        f"language model's {own!r} ({wrapper.architecture} keeps its language model under "
@@ -177,7 +178,10 @@ def _wrapper_note(wrapper: families.Wrapper, cfg: Any, others: dict[str, Any]) -
             f"hybrid run and is not loaded"
             + (f"; its M-RoPE (mrope_section {mrope}) gives every section a text token's position, which is RoPE as "
                "Megatron applies it" if mrope else "")
-            + f". An export writes the language model as {wrapper.text}, which transformers also reads from this dir")
+            + f". An export writes the language model as {wrapper.text}"
+            + (", which transformers also reads from this dir" if wrapper.text_reads else
+               f" (transformers' own {wrapper.text} loads it; {wrapper.architecture}'s code keeps it under "
+               f"{wrapper.prefix!r})"))
 
 
 _FLOATS = ("bfloat16", "float16", "float32")

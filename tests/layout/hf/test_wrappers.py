@@ -150,3 +150,66 @@ def test_experts_stacked_as_the_hub_holds_them_read_alike(pair, tmp_path):
     assert cli("reshard", fused, back, "--no-progress", "--ckpt-format", "hf")[0] == 0
     assert any(".mlp.experts.0.gate_proj.weight" in n for n in hf_models_names(back))
     torch.testing.assert_close(hf_models.hf_logits(back), hf_models.hf_logits(vlm), atol=0, rtol=0)
+
+
+# Kimi K2.5 / K2.6 as Moonshot publishes them: Kimi K2's DeepseekV3ForCausalLM under language_model. beside a vision
+# tower, its routed experts INT4 (compressed-tensors pack-quantized). transformers ships no KimiK25 class (the hub's
+# is custom code), so the dir is test-built from a DeepSeek-V3 (tests/helpers/hf_models.write_kimi_k25) and the oracle
+# is that DeepSeek-V3 dir, tensor for tensor.
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kimi_k25")
+    text = hf_models.write("deepseek_v3", str(root / "text"))
+    int4, deq = hf_models.write_compressed_int(text, str(root / "int4"), 4, 8, dtype=torch.bfloat16)
+    return {"text": text, "k25": hf_models.write_kimi_k25(text, str(root / "k25")), "deq": deq,
+            "k25_int4": hf_models.write_kimi_k25(int4, str(root / "k25_int4")),
+            "k25_int4_text_quant": hf_models.write_kimi_k25(int4, str(root / "k25_int4_t"), quant_in_text=True)}
+
+
+def test_kimi_k25_reads_as_the_kimi_k2_language_model_it_holds(kimi):
+    lay, ref = discover(kimi["k25"]), discover(kimi["text"])
+    assert lay.problems == [], lay.problems
+    note = next(n for n in lay.notes if "multimodal" in n)
+    assert "vision encoder (5 tensors under 'vision_tower.', 'mm_projector.'" in note
+    assert "writes the language model as DeepseekV3ForCausalLM (transformers' own" in note
+    assert {k: v for k, v in vars(lay.saved_args).items() if k != "tokenizer_model"} == \
+        {k: v for k, v in vars(ref.saved_args).items() if k != "tokenizer_model"}
+    rc, said = cli("diff", kimi["k25"], kimi["text"])  # every Megatron tensor, bit for bit
+    assert rc == 0 and "EQUAL" in said, said
+    assert cli("flags", kimi["k25"])[1].split("\n", 1)[1] == cli("flags", kimi["text"])[1].split("\n", 1)[1]
+
+
+@pytest.mark.parametrize("key", ["k25_int4", "k25_int4_text_quant"])
+def test_kimi_k25_int4_reads_as_its_dequantized_language_model(kimi, key, tmp_path):
+    """Its INT4 experts (quantization_config at the top level, as Moonshot's; or in text_config alone) dequantized as
+    they are read: equal to the test's own dequantization, offline at EP2 and back as a DeepseekV3ForCausalLM."""
+    rc, said = cli("inspect", kimi[key])
+    assert rc == 0 and "int4 (packed) with per-group (8) scales" in said, said
+    rc, said = cli("diff", kimi[key], kimi["deq"])
+    assert rc == 0 and "EQUAL" in said, said
+    legacy, back = str(tmp_path / "legacy"), str(tmp_path / "back")
+    assert cli("reshard", kimi[key], legacy, "--no-progress", "--ep", "2")[0] == 0
+    assert cli("reshard", legacy, back, "--no-progress", "--ckpt-format", "hf")[0] == 0
+    with open(os.path.join(back, "config.json")) as fh:
+        assert json.load(fh)["architectures"] == ["DeepseekV3ForCausalLM"]
+    for other in (legacy, back):
+        rc, said = cli("diff", kimi["deq"], other)
+        assert rc == 0 and "EQUAL" in said, said
+
+
+def test_a_kimi_k25_tensor_under_language_model_that_fits_nothing_is_named(kimi, tmp_path):
+    import shutil
+
+    from tests.helpers.safetensors_edit import edit_header
+
+    path = str(tmp_path / "k")
+    shutil.copytree(kimi["k25"], path)
+    name = "language_model.model.layers.0.self_attn.extra.weight"
+
+    def fn(header, body):
+        header[name] = {"dtype": "F32", "shape": [2], "data_offsets": [len(body), len(body) + 8]}
+        body.extend(bytes(8))
+
+    edit_header(os.path.join(path, "model.safetensors"), fn)
+    rc, said = cli("inspect", path)
+    assert rc == 1 and "unmapped_tensor" in said and name in said, said

@@ -1,5 +1,5 @@
 """DeepSeek-V3 / V3.1 / R1 and Kimi K2 (``DeepseekV3ForCausalLM``; Kimi K2 under ``model_type: kimi_k2`` with its own
-code in ``auto_map``): multi-latent attention (q and kv low rank, rotary rows interleaved unless
+code in ``auto_map``; Kimi K2.5 / K2.6 the language model of ``KimiK25ForConditionalGeneration``): multi-latent attention (q and kv low rank, rotary rows interleaved unless
 ``rope_interleave: false``), dense first layers, routed experts with a sigmoid router, its expert bias and groups, a
 routed scaling factor, shared experts, multi-token prediction layers stored after the decoder's. Megatron builds MLA
 with the Transformer Engine spec only."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from megatron_preflight.layout.hf.config import REQUIRED, Key
 from megatron_preflight.layout.hf.families.rows import Moe
-from megatron_preflight.layout.hf.families.spec import Family, gpt, table, traits
+from megatron_preflight.layout.hf.families.spec import Family, Wrapper, gpt, table, traits
 
 FAMILY = Family(
     "deepseek_v3", ("DeepseekV3ForCausalLM",),
@@ -30,4 +30,9 @@ FAMILY = Family(
     attention="mla", qkv_bias="never", moe=Moe("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
     json=lambda cfg: {"topk_method": "noaux_tc"},
     expresses=lambda args: (lambda t: gpt(t) and t.mla and t.moe and t.sigmoid and t.expert_bias)(traits(args)), rank=5,
+    # Kimi K2.5 / K2.6 as Moonshot publishes them: Kimi K2's DeepseekV3ForCausalLM under language_model. beside a
+    # vision tower (its routed experts INT4, compressed-tensors pack-quantized: layout/hf/quant.py)
+    wrappers=(Wrapper("KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM", prefix="language_model.model.",
+                      head="language_model.lm_head.", others=("vision_tower.", "mm_projector."),
+                      what="vision encoder", text_reads=False),),
 )

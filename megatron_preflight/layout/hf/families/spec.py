@@ -80,6 +80,10 @@ class Wrapper:
     others: tuple[str, ...] = ("model.visual.",)
     what: str = "vision encoder"
     config_key: str = "text_config"
+    head: str = "lm_head."  # where the files keep the text model's lm_head.
+    # whether transformers' text model class reads these files itself (Qwen3.5's does; Kimi K2.5's custom code keeps
+    # a whole DeepseekV3ForCausalLM under language_model., which no text class reads)
+    text_reads: bool = True
     # top-level config.json keys the text model takes where its own object leaves them out (transformers' multimodal
     # configs keep the dtype and the tied head there)
     shared: tuple[str, ...] = ("torch_dtype", "dtype", "tie_word_embeddings")
@@ -111,10 +115,19 @@ class Wrapper:
 
     def stored(self, name: str) -> str:
         """The name the wrapper's files give the text model's tensor ``name``."""
-        return self.prefix + name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
+        if name.startswith(TEXT_PREFIX):
+            return self.prefix + name[len(TEXT_PREFIX):]
+        return self.head + name[len(HEAD):] if name.startswith(HEAD) else name
+
+    def own(self, name: str) -> str:
+        """The text model's name of the wrapper's tensor ``name`` (the inverse of :meth:`stored`)."""
+        if name.startswith(self.prefix):
+            return TEXT_PREFIX + name[len(self.prefix):]
+        return HEAD + name[len(self.head):] if name.startswith(self.head) else name
 
 
 TEXT_PREFIX = "model."  # the text models' own prefix (a wrapper's ``prefix`` stands in its place)
+HEAD = "lm_head."  # the text models' head (a wrapper's ``head``)
 
 
 @dataclass(frozen=True)
