@@ -40,8 +40,8 @@ def discover_hf(path: str) -> Layout:
         family = families.family_for(arch, config_path)
         cfg = families.read_config(family, wrapper.text_config(raw, config_path) if wrapper else raw, config_path)
         # (a multimodal model's quantization_config: at its top level, or in its language model's config alone)
-        scheme = quant.scheme_of(raw if wrapper is None or "quantization_config" in raw else
-                                 raw.get(wrapper.config_key) or {}, config_path)
+        scheme = quant.read_scheme(raw if wrapper is None or "quantization_config" in raw else
+                                   raw.get(wrapper.config_key) or {}, path, config_path)
     except PreflightError as e:
         layout.add(e.code or "hf_unsupported", e.path or config_path, e.message, e.fix or "")
         return layout

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from megatron_preflight.errors import PreflightError
+from megatron_preflight.layout.hf import files
 from megatron_preflight.layout.hf.safetensors import SafeTensor
 
 SCALE_SUFFIX = "_scale_inv"  # quant_method fp8's (DeepSeek's) weight scale: X.weight_scale_inv
@@ -108,6 +109,21 @@ class Mxfp4:
 
 _FIX = ("use a bf16 / fp32 copy of the model (e.g. the publisher's unquantized one); megatron-preflight "
         "dequantizes FP8 e4m3 weights with tensor, channel, group or block scales and MXFP4 experts as it reads them")
+
+
+MODELOPT_CONFIG = "hf_quant_config.json"  # ModelOpt's own record of the quantization, beside config.json
+
+
+def read_scheme(raw: dict[str, Any], model_dir: str, path: str) -> ScaledFp8 | Mxfp4 | None:
+    """:func:`scheme_of` ``config.json`` (``raw``, at ``path``); where it names no quantization, ModelOpt's
+    ``hf_quant_config.json`` beside it (a regular file inside the dir), as ModelOpt exports write it."""
+    if raw.get("quantization_config") is None and files.present(model_dir, (MODELOPT_CONFIG,)):
+        where = os.path.join(model_dir, MODELOPT_CONFIG)
+        own = files.load_json(files.member(model_dir, MODELOPT_CONFIG, model_dir), f"download {MODELOPT_CONFIG} again")
+        if not isinstance(own, dict):
+            raise _refused(f"{MODELOPT_CONFIG} is {own!r:.80}: not an object", where)
+        return _modelopt(own, where)
+    return scheme_of(raw, path)
 
 
 def scheme_of(raw: dict[str, Any], path: str) -> ScaledFp8 | Mxfp4 | None:
@@ -205,8 +221,9 @@ def _modelopt(quant: dict[str, Any], path: str) -> ScaledFp8:
                      if isinstance(quant.get("quantization"), dict) else None)
     form = _MODELOPT.get(algo) if isinstance(algo, str) else None
     if form is None:
-        raise _refused(f"config.json's quantization_config (modelopt) holds quant_algo {algo!r}, which "
-                       f"megatron-preflight does not dequantize (it reads {' and '.join(_MODELOPT)})", path)
+        where = os.path.basename(path) if path.endswith(MODELOPT_CONFIG) else "config.json's quantization_config"
+        raise _refused(f"{where} (modelopt) holds quant_algo {algo!r}, which megatron-preflight does not dequantize "
+                       f"(it reads {' and '.join(_MODELOPT)})", path)
     return ScaledFp8((form,), WEIGHT_SCALE, f"modelopt {algo}", ACTIVATION_SCALES)
 
 

@@ -279,3 +279,29 @@ def test_a_packed_weight_whose_stored_shape_differs_is_refused_when_read(compres
     rc, text = run_cli("reshard", packed, str(tmp_path / "out"), "--no-progress")
     assert rc == 1 and name in text and "[32, 60]" in text and "[32, 64]" in text, text
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("algo", ["FP8", "NVFP4"])
+def test_modelopts_own_hf_quant_config_is_read_where_config_json_names_none(compressed_models, tmp_path, algo):
+    """A ModelOpt export may record its quantization only in hf_quant_config.json: read from there (FP8), or refused
+    naming that file and its quant_algo (NVFP4)."""
+    import shutil
+
+    path = str(tmp_path / "m")
+    shutil.copytree(compressed_models["llama_modelopt"][0], path)
+    with open(os.path.join(path, "config.json")) as fh:
+        cfg = json.load(fh)
+    del cfg["quantization_config"]
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as fh:
+        json.dump({"producer": {"name": "modelopt", "version": "0.37.0"},
+                   "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}},
+                  fh)
+    rc, text = run_cli("inspect", path)
+    if algo == "NVFP4":
+        assert rc == 1 and "hf_quant_config.json (modelopt) holds quant_algo 'NVFP4'" in text, text
+        return
+    assert rc == 0 and "per-tensor scales (weight_scale; modelopt FP8)" in text, text
+    rc, text = run_cli("diff", path, compressed_models["llama_modelopt"][1])
+    assert rc == 0 and "EQUAL" in text, text
