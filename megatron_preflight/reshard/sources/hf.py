@@ -45,6 +45,9 @@ def _pow2(exps: torch.Tensor, dtype: Any) -> torch.Tensor:
     return scale
 
 
+_CHUNK = 1 << 22  # values dequantized at a time (their float32 temporary: 16 MiB)
+
+
 def _values(raw: torch.Tensor, kind: str) -> torch.Tensor:
     """The stored values of quantized bytes ``raw`` (uint8; layout/hf/quant.py): FP8 e4m3 one a byte; a
     pack-quantized INT8 one a byte, INT4 two (the low nibble first), each stored plus 2^(bits - 1)."""
@@ -129,7 +132,6 @@ class HfReader:
     def _dequantize(self, ref: SafeRef, first: int, out: torch.Tensor) -> None:
         """Rows ``first .. first + len(out)`` of the dequantized tensor ``ref`` into ``out``: each FP8 run's rows read
         with the scale rows that cover them (layout/hf/quant.py), multiplied in float32, cast to ``out``'s dtype."""
-        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
 
         last = first + out.shape[0]
         for q in ref.quant:
@@ -139,36 +141,45 @@ class HfReader:
             if isinstance(q, stacked.XRun):
                 self._stacked(q, a, b, out[a - first:b - first])
                 continue
-            s0, k = q.src_row0 + a - q.dst_row0, b - a
             if q.shape_check:
                 self._check_shape(q)
-            raw = torch.empty(k * q.row_bytes, dtype=torch.uint8)
-            self._pread(q.file, q.start + s0 * q.row_bytes, memoryview(raw.numpy()))
-            values = _values(raw, q.values).reshape(k, q.cols).to(torch.float32)
-            br, bc = q.block
-            lo, hi = s0 // br, (s0 + k - 1) // br + 1
-            sdt = dtypes.to_torch(dtypes.dtype(q.scale_dtype))
-            scale = torch.empty((hi - lo, q.scale_cols), dtype=sdt)
-            width = q.scale_cols * scale.element_size()
-            self._pread(q.scale_file, q.scale_start + lo * width, memoryview(scale.view(torch.uint8).numpy()).cast("B"))
-            scale = scale.to(torch.float32)
-            if not bool(torch.isfinite(scale).all()):
-                raise CorruptFileError(f"tensor {q.scale_name!r} holds a non-finite scale (rows {lo}..{hi - 1})",
-                                       path=os.path.join(self.model_dir, q.scale_file), code="corrupt_file",
-                                       fix="download the model again")
-            # each block row's scales spread over its columns (block-row count x columns, not rows x columns), then
-            # the rows of each block row multiplied by them straight into ``out`` (cast on the way: no full-size
-            # temporaries beside the float32 values)
-            scale = scale.repeat_interleave(bc, 1)[:, :q.cols]
-            dst = out[a - first:b - first].view(k, q.cols)
-            if br == 1:  # (a scale per row: per-channel or per-group)
-                torch.mul(values, scale, out=dst)
-                continue
-            row = s0
-            while row < s0 + k:
-                end = min((row // br + 1) * br, s0 + k)
-                torch.mul(values[row - s0:end - s0], scale[row // br - lo], out=dst[row - s0:end - s0])
-                row = end
+            # (in chunks of rows: the float32 values of a chunk are the one full-width temporary)
+            step = max(1, _CHUNK // max(q.cols, 1))
+            for c in range(a, b, step):
+                self._scaled(q, q.src_row0 + c - q.dst_row0, out[c - first:min(b, c + step) - first])
+
+    def _scaled(self, q: quant.QRun, s0: int, dst: torch.Tensor) -> None:
+        """Rows ``s0 .. s0 + len(dst)`` of the quantized tensor of ``q`` (FP8 or packed integers) read with the scale
+        rows that cover them, multiplied in float32 straight into ``dst`` (cast on the way)."""
+        import torch  # deferred: torch only where tensors are made (metadata paths run without it)
+
+        k, cols = dst.shape[0], q.cols
+        raw = torch.empty(k * q.row_bytes, dtype=torch.uint8)
+        self._pread(q.file, q.start + s0 * q.row_bytes, memoryview(raw.numpy()))
+        values = _values(raw, q.values).reshape(k, cols).to(torch.float32)
+        br, bc = q.block
+        lo, hi = s0 // br, (s0 + k - 1) // br + 1
+        sdt = dtypes.to_torch(dtypes.dtype(q.scale_dtype))
+        scale = torch.empty((hi - lo, q.scale_cols), dtype=sdt)
+        width = q.scale_cols * scale.element_size()
+        self._pread(q.scale_file, q.scale_start + lo * width, memoryview(scale.view(torch.uint8).numpy()).cast("B"))
+        scale = scale.to(torch.float32)
+        if not bool(torch.isfinite(scale).all()):
+            raise CorruptFileError(f"tensor {q.scale_name!r} holds a non-finite scale (rows {lo}..{hi - 1})",
+                                   path=os.path.join(self.model_dir, q.scale_file), code="corrupt_file",
+                                   fix="download the model again")
+        dst = dst.reshape(k, cols)
+        if br == 1 and cols % bc == 0:  # a scale per row and group of columns: broadcast, nothing spread
+            torch.mul(values.view(k, cols // bc, bc), scale.unsqueeze(-1), out=dst.view(k, cols // bc, bc))
+            return
+        # each block row's scales spread over its columns (block-row count x columns, not rows x columns), then the
+        # rows of each block row multiplied by them
+        scale = scale.repeat_interleave(bc, 1)[:, :cols]
+        row = s0
+        while row < s0 + k:
+            end = min((row // br + 1) * br, s0 + k)
+            torch.mul(values[row - s0:end - s0], scale[row // br - lo], out=dst[row - s0:end - s0])
+            row = end
 
     def _check_shape(self, q: quant.QRun) -> None:
         """Refuses a pack-quantized weight whose stored ``weight_shape`` is not the [R, C] it is read as (a column

@@ -305,3 +305,22 @@ def test_modelopts_own_hf_quant_config_is_read_where_config_json_names_none(comp
     assert rc == 0 and "per-tensor scales (weight_scale; modelopt FP8)" in text, text
     rc, text = run_cli("diff", path, compressed_models["llama_modelopt"][1])
     assert rc == 0 and "EQUAL" in text, text
+
+
+@pytest.mark.parametrize("form", ["fp8_block", "llama_channel", "llama_group", "llama_int4", "llama_int8"])
+def test_rows_dequantized_in_chunks_equal_them_dequantized_at_once(fp8_models, compressed_models, form, monkeypatch):
+    """A rank's rows are dequantized a chunk of rows at a time (bounded float32 temporaries): chunks of 5 rows, which
+    cut the 24-row scale blocks anywhere, give the same values bit for bit."""
+    from megatron_preflight import reshard
+    from megatron_preflight.reshard.sources import hf
+
+    model = fp8_models["llama"][0] if form == "fp8_block" else compressed_models[form][0]
+    refs = reshard.open_index(model).layout.shards[0].meta["model"]
+    names = [k for k, r in refs.items() if getattr(r, "quant", ())]
+    assert names
+    whole = {k: hf.HfReader(model).tensor("", refs[k]) for k in names}
+    monkeypatch.setattr(hf, "_CHUNK", 5 * 64)  # (5 rows of the 64-wide weights; 2 or 3 of the wider ones)
+    for k in names:
+        reader = hf.HfReader(model)
+        torch.testing.assert_close(reader.tensor("", refs[k]), whole[k], atol=0, rtol=0)
+        torch.testing.assert_close(reader.rows("", refs[k], 7, 11), whole[k][7:18], atol=0, rtol=0)
