@@ -80,7 +80,8 @@ CHANNEL = Form(1, None, "per-channel")
 
 @dataclass(frozen=True)
 class ScaledFp8:
-    """FP8 e4m3 weights, each beside its scale ``name + suffix``, laid out in one of ``forms``."""
+    """Quantized weights, each beside its scale ``name + suffix`` laid out in one of ``forms``: FP8 e4m3, or
+    pack-quantized integers (``packed``)."""
 
     forms: tuple[Form, ...]
     suffix: str = SCALE_SUFFIX
@@ -108,7 +109,8 @@ class Mxfp4:
 
 
 _FIX = ("use a bf16 / fp32 copy of the model (e.g. the publisher's unquantized one); megatron-preflight "
-        "dequantizes FP8 e4m3 weights with tensor, channel, group or block scales and MXFP4 experts as it reads them")
+        "dequantizes FP8 e4m3 and symmetric INT4 / INT8 weights with tensor, channel, group or block scales and MXFP4 "
+        "experts as it reads them")
 
 
 MODELOPT_CONFIG = "hf_quant_config.json"  # ModelOpt's own record of the quantization, beside config.json
@@ -247,12 +249,12 @@ def dequantized_dtype(model_dtype: str | None) -> str:
 
 
 class QRun(NamedTuple):
-    """Rows ``src_row0 ..`` (``rows`` of them) of an FP8 tensor, dequantized into rows ``dst_row0 ..`` of the tensor a
-    :class:`~megatron_preflight.layout.hf.safetensors.SafeRef` describes."""
+    """Rows ``src_row0 ..`` (``rows`` of them) of a quantized tensor (FP8, or packed integers), dequantized into rows
+    ``dst_row0 ..`` of the tensor a :class:`~megatron_preflight.layout.hf.safetensors.SafeRef` describes."""
 
-    name: str  # the FP8 tensor, for messages
+    name: str  # the quantized tensor, for messages
     file: str
-    start: int  # absolute byte offset of the FP8 tensor's first element
+    start: int  # absolute byte offset of the quantized tensor's first byte
     cols: int
     src_row0: int
     rows: int
@@ -274,7 +276,7 @@ class QRun(NamedTuple):
 
 def scale_block(name: str, shape: tuple[int, ...], scale: Any, scheme: ScaledFp8, model_dir: str) \
         -> tuple[int, int] | PreflightError:
-    """The block of the FP8 weight ``name`` of ``shape`` that one element of its scale ``scale`` (a SafeTensor, or
+    """The block of the quantized weight ``name`` of ``shape`` that one element of its scale ``scale`` (a SafeTensor, or
     None) covers: the form of ``scheme`` whose scale shape the stored one is (a trailing dim of 1 may be left out, as a
     per-tensor scale of shape ``[]`` or ``[1]``); or why none is."""
     scale_name = name + scheme.suffix
@@ -307,9 +309,9 @@ def _same_layout(stored: tuple[int, ...], want: tuple[int, int]) -> bool:
 
 def expand_packed(tensors: dict[str, Any], scheme: ScaledFp8, model_dir: str) \
         -> tuple[dict[str, Any], list[PreflightError]]:
-    """The tensor table with each pack-quantized weight ``X.weight_packed`` replaced by
-    a virtual ``X.weight`` of ``scheme.packed`` values, ``[R, 32 / bits * packed columns]``, its bytes the packed
-    tensor's (``X.weight_shape`` stays in the table); (the table, the packed weights that do not fit)."""
+    """The tensor table with each pack-quantized weight ``X.weight_packed`` replaced by a virtual ``X.weight`` of
+    ``scheme.packed`` values, ``[R, 32 / bits * packed columns]``, its bytes the packed tensor's (``X.weight_shape``
+    stays in the table); (the table, the packed weights that do not fit)."""
     if scheme.packed is None:
         return tensors, []
     per_word = 32 // BITS[scheme.packed]

@@ -132,7 +132,6 @@ class HfReader:
     def _dequantize(self, ref: SafeRef, first: int, out: torch.Tensor) -> None:
         """Rows ``first .. first + len(out)`` of the dequantized tensor ``ref`` into ``out``: each FP8 run's rows read
         with the scale rows that cover them (layout/hf/quant.py), multiplied in float32, cast to ``out``'s dtype."""
-
         last = first + out.shape[0]
         for q in ref.quant:
             a, b = max(first, q.dst_row0), min(last, q.dst_row0 + q.rows)

@@ -56,22 +56,26 @@ def test_in_memory_logits_equal_transformers_on_the_dequantized_model(mcore_pool
     torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_a_rank_reads_only_its_rows_and_the_scales_that_cover_them(fp8_models):
+def _second_half_reads(model: str) -> tuple:
+    """(the first run of linear_fc2's ref, the (start, bytes) reads of rows 16..31 — TP2 rank 1 of that row-split
+    [32, 64] weight — read alone, after checking them equal to those rows of the whole tensor)."""
     from megatron_preflight import reshard
     from megatron_preflight.reshard.sources.hf import HfReader
 
-    fp8, _ = fp8_models["llama"]
-    ref = reshard.open_index(fp8).layout.shards[0].meta["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
+    ref = reshard.open_index(model).layout.shards[0].meta["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
     assert ref.quant and ref.shape == (32, 64)
-    reader, seen = HfReader(fp8), []
+    reader, seen = HfReader(model), []
     real = reader._pread
     reader._pread = lambda name, start, out: (seen.append((start, len(out))), real(name, start, out))[1]
     whole = reader.tensor("", ref)
     reader._last = None
     seen.clear()
-    half = reader.rows("", ref, 16, 16)  # TP2 rank 1 of a row-split weight: rows 16..31
-    torch.testing.assert_close(half, whole[16:], atol=0, rtol=0)
-    q = ref.quant[0]
+    torch.testing.assert_close(reader.rows("", ref, 16, 16), whole[16:], atol=0, rtol=0)
+    return ref.quant[0], seen
+
+
+def test_a_rank_reads_only_its_rows_and_the_scales_that_cover_them(fp8_models):
+    q, seen = _second_half_reads(fp8_models["llama"][0])
     assert (q.start + 16 * 64, 16 * 64) in seen  # its rows' FP8 bytes only
     assert (q.scale_start + 0, 2 * 4 * 4) in seen  # scale rows 0..1 (rows 16..31 lie in blocks 0 and 1 of 24), 4 cols
     assert sum(n for _, n in seen) == 16 * 64 + 2 * 4 * 4
@@ -210,21 +214,8 @@ def test_compressed_forms_read_as_the_publishers_own_library_decompresses_them(c
 
 
 def test_a_rank_reads_only_its_rows_per_channel_scales(compressed_models):
-    from megatron_preflight import reshard
-    from megatron_preflight.reshard.sources.hf import HfReader
-
-    fp8, _ = compressed_models["llama_channel"]
-    ref = reshard.open_index(fp8).layout.shards[0].meta["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
-    q = ref.quant[0]
+    q, seen = _second_half_reads(compressed_models["llama_channel"][0])
     assert q.block == (1, 64) and q.scale_cols == 1 and q.scale_name.endswith("down_proj.weight_scale")
-    reader, seen = HfReader(fp8), []
-    real = reader._pread
-    reader._pread = lambda name, start, out: (seen.append((start, len(out))), real(name, start, out))[1]
-    whole = reader.tensor("", ref)
-    reader._last = None
-    seen.clear()
-    half = reader.rows("", ref, 16, 16)
-    torch.testing.assert_close(half, whole[16:], atol=0, rtol=0)
     assert seen == [(q.start + 16 * 64, 16 * 64), (q.scale_start + 16 * 2, 16 * 2)]  # its rows, their bf16 scales
 
 
@@ -245,21 +236,8 @@ def test_a_stray_zero_point_is_named_not_dropped(compressed_models, tmp_path):
 
 
 def test_a_rank_reads_only_its_rows_of_packed_int4_and_their_scales(compressed_models):
-    from megatron_preflight import reshard
-    from megatron_preflight.reshard.sources.hf import HfReader
-
-    packed, _ = compressed_models["llama_int4"]
-    ref = reshard.open_index(packed).layout.shards[0].meta["model"]["decoder.layers.0.mlp.linear_fc2.weight"]
-    q = ref.quant[0]
+    q, seen = _second_half_reads(compressed_models["llama_int4"][0])
     assert q.values == "int4 (packed)" and q.block == (1, 16) and q.scale_cols == 4 and q.row_bytes == 32
-    reader, seen = HfReader(packed), []
-    real = reader._pread
-    reader._pread = lambda name, start, out: (seen.append((start, len(out))), real(name, start, out))[1]
-    whole = reader.tensor("", ref)
-    reader._last = None
-    seen.clear()
-    half = reader.rows("", ref, 16, 16)
-    torch.testing.assert_close(half, whole[16:], atol=0, rtol=0)
     # its rows (two values a byte), their bf16 scales (4 a row); the stored shape was checked by the first read
     assert seen == [(q.start + 16 * 32, 16 * 32), (q.scale_start + 16 * 4 * 2, 16 * 4 * 2)]
 

@@ -1,8 +1,8 @@
 """DeepSeek-V3 / V3.1 / R1 and Kimi K2 (``DeepseekV3ForCausalLM``; Kimi K2 under ``model_type: kimi_k2`` with its own
-code in ``auto_map``; Kimi K2.5 / K2.6 the language model of ``KimiK25ForConditionalGeneration``): multi-latent attention (q and kv low rank, rotary rows interleaved unless
-``rope_interleave: false``), dense first layers, routed experts with a sigmoid router, its expert bias and groups, a
-routed scaling factor, shared experts, multi-token prediction layers stored after the decoder's. Megatron builds MLA
-with the Transformer Engine spec only."""
+code in ``auto_map``; Kimi K2.5 / K2.6 the language model of ``KimiK25ForConditionalGeneration``): multi-latent
+attention (q and kv low rank, rotary rows interleaved unless ``rope_interleave: false``), dense first layers, routed
+experts with a sigmoid router, its expert bias and groups, a routed scaling factor, shared experts, multi-token
+prediction layers stored after the decoder's. Megatron builds MLA with the Transformer Engine spec only."""
 
 from __future__ import annotations
 
