@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import operator
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -22,10 +23,12 @@ from megatron_preflight.layout import naming
 from megatron_preflight.layout.hf import families, files, quant, stacked
 from megatron_preflight.layout.hf.config import architecture_of, load_raw
 from megatron_preflight.layout.hf.names import TOKENIZER_FILES
-from megatron_preflight.layout.hf.safetensors import Run, SafeRef, safe_ref, tensor_table
+from megatron_preflight.layout.hf.safetensors import Run, SafeRef, SafeTensor, safe_ref, tensor_table
 from megatron_preflight.layout.model import Format, Layout, Shard
 
 CHECKPOINT_VERSION = 3.0
+_new = tuple.__new__  # (a QRun made without the named tuple's own __new__, a Python call: a DeepSeek-V3 makes 46k)
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 def discover_hf(path: str) -> Layout:
@@ -122,18 +125,19 @@ def discover_hf(path: str) -> Layout:
     for name in missing:
         layout.add("missing_tensor", path, f"the model has no tensor {stored_as(name)!r}, which {arch} with this "
                    "config.json has", "download the model again (or check that config.json belongs to these weights)")
-    unloaded = sorted(k for k in tensors if k.startswith(family.unloaded)) if family.unloaded else []
+    # (the tensors no mapping reads, found at C speed: a DeepSeek-V3 in FP8 has 92k tensors, all but a few needed)
+    unread = tensors.keys() - needed
+    unloaded = sorted(k for k in unread if k.startswith(family.unloaded)) if family.unloaded else []
     if unloaded:
         layout.notes.append(f"{len(unloaded)} tensor(s) under {', '.join(family.unloaded)} (the multi-token prediction "
                             f"weights of {arch}'s files) are not loaded: the model trains without them")
-    calibration = sorted(k for k in tensors if k not in needed and scheme.ignores(k)) \
-        if isinstance(scheme, quant.ScaledFp8) else []
+    calibration = sorted(k for k in unread if scheme.ignores(k)) if isinstance(scheme, quant.ScaledFp8) else []
     not_weights = set(calibration)
     if calibration:
         layout.notes.append(f"{len(calibration)} activation / KV-cache scale(s) of the {scheme.method} quantization "
                             f"(first {stored_as(calibration[0])!r}) calibrate inference, not the weights: not loaded "
                             "(a training run computes its activations in the run's dtype)")
-    stray = sorted(k for k in tensors if k not in needed and not families.ignored(k, cfg)
+    stray = sorted(k for k in unread if not families.ignored(k, cfg)
                    and not (family.unloaded and k.startswith(family.unloaded))
                    and k not in not_weights)
     if stray and not missing:
@@ -226,10 +230,12 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
     taken: dict[str, int] = {}  # every HF tensor read -> the rows the mappings take of it
     errors: list[PreflightError] = []
     refs = _Refs(tensors, path, scheme, cfg)
-    for m in families.mappings(family, cfg, _Rows(tensors)):
+    rows = _Rows(tensors)
+
+    def one(m: families.Mapping) -> None:
         if not m.blocks:
             model[m.key] = None  # an extra state: no FP8 metadata
-            continue
+            return
         gone = False
         for b in m.blocks:
             taken[b.hf] = taken.get(b.hf, 0) + b.rows
@@ -237,12 +243,24 @@ def _model(family: families.Family, cfg: Any, tensors: dict[str, Any], path: str
                 missing[b.hf] = None
                 gone = True
         if gone:
-            continue
+            return
         try:
             ref = refs.ref(m)
             model[m.key] = dataclasses.replace(ref, add=m.add) if m.add else ref
         except PreflightError as e:
             errors.append(e)
+
+    for m in families.mappings(family, cfg, rows, grouped=True):
+        if type(m) is families.Experts:
+            built = refs.experts(m)
+            if built is None:  # (not the regular case: expert by expert, naming what is wrong)
+                for e in m.mappings(families.Rows(rows, None)):
+                    one(e)
+            else:
+                model.update(built[0])
+                taken.update(built[1])
+            continue
+        one(m)
     needed = set(taken)
     if isinstance(scheme, quant.ScaledFp8):  # the scales are the weights' too
         scaled = [n for n in taken if n in tensors and tensors[n].dtype in quant.QUANTIZED]
@@ -299,7 +317,8 @@ class _Refs:
         self.tensors, self.path, self.cfg = tensors, path, cfg
         self.fp8 = scheme if isinstance(scheme, quant.ScaledFp8) else None
         self.dtype = quant.dequantized_dtype(cfg.dtype if cfg is not None else None)
-        self.blocks: dict[tuple, tuple[int, int]] = {}  # (weight shape, scale dtype, scale shape) -> its block
+        # (weight shape, scale dtype, scale shape) -> (its block, scales per row of blocks)
+        self.forms: dict[tuple | None, tuple[tuple[int, int], int]] = {}
 
     def ref(self, m: families.Mapping) -> SafeRef:
         tensors = self.tensors
@@ -326,33 +345,118 @@ class _Refs:
             rows += n
         return safe_ref(m.key, dtype, (rows, *tail) if first.shape else (), tuple(runs))
 
+    def experts(self, g: families.Experts) -> tuple[list[tuple[str, Any]], list[tuple[str, int]]] | None:
+        """A MoE layer's routed experts built a layer at a time, in the regular case (a DeepSeek-V3 has 58 layers of
+        256): every expert's three projections there, each projection of one form across the experts (stored
+        tensors of one dtype and shape; a quantized one's scales of one form), no bias. Then (each expert tensor's
+        (key, ref) in Megatron's order; each HF tensor read and its rows), the refs those of :meth:`ref`; else
+        None, for :meth:`ref` to build them expert by expert and name what is wrong."""
+        if g.bias or not g.count:
+            return None
+        tensors, n = self.tensors, g.count
+        names = g.names()
+        held = [list(map(tensors.get, col)) for col in names]
+        if any(set(map(type, col)) != {SafeTensor} for col in held):  # (a missing one is None)
+            return None
+        forms = [set(zip(map(_DTYPE, col), map(_SHAPE, col), strict=True)) for col in held]
+        if any(len(f) != 1 for f in forms):
+            return None
+        (dtype, shape), (up_dtype, up_shape), (down_dtype, down_shape) = (f.pop() for f in forms)
+        if len(shape) != 2 or not shape[0] or (up_dtype, up_shape[1:]) != (dtype, shape[1:]) \
+                or len(down_shape) != 2 or not down_shape[0] or down_dtype != dtype or not up_shape[0]:
+            return None
+        mg = g.mg
+        fc1 = [f"{mg}{j}.linear_fc1.weight" for j in range(n)]
+        fc2 = [f"{mg}{j}.linear_fc2.weight" for j in range(n)]
+        if dtype in quant.QUANTIZED:
+            built = self._quantized_experts(names, held, fc1, fc2)
+            if built is None:
+                return None
+            ones, twos = built
+        else:
+            gates, ups, downs = held
+            ones = [safe_ref(k, dtype, (shape[0] + up_shape[0], shape[1]),
+                             (Run(a.file, a.start, a.end - a.start, 0), Run(b.file, b.start, b.end - b.start,
+                                                                            a.end - a.start)))
+                    for k, a, b in zip(fc1, gates, ups, strict=True)]
+            twos = [safe_ref(k, dtype, down_shape, (Run(d.file, d.start, d.end - d.start, 0),))
+                    for k, d in zip(fc2, downs, strict=True)]
+        model: list[tuple[str, Any]] = []
+        for k1, r1, k2, r2 in zip(fc1, ones, fc2, twos, strict=True):
+            if g.extras:
+                model += [(k1, r1), (k1[:-6] + "_extra_state", None), (k2, r2), (k2[:-6] + "_extra_state", None)]
+            else:
+                model += [(k1, r1), (k2, r2)]
+        taken = [(name, rows) for col, rows in zip(names, (shape[0], up_shape[0], down_shape[0]), strict=True)
+                 for name in col]
+        return model, taken
+
+    def _quantized_experts(self, names: tuple[list[str], ...], held: list[list[Any]], fc1: list[str],
+                           fc2: list[str]) -> tuple[list[SafeRef], list[SafeRef]] | None:
+        """:meth:`experts`' refs of quantized projections (FP8: each with its scales, one form a projection); None
+        where the scheme is not one that reads them this way."""
+        scheme = self.fp8
+        if scheme is None or scheme.packed:
+            return None
+        suffix = scheme.suffix
+        runs = []
+        dst = (0, held[0][0].shape[0], 0)  # (up's rows follow gate's in fc1)
+        for col, ts, at in zip(names, held, dst, strict=True):
+            scale_names = [name + suffix for name in col]
+            scales = list(map(self.tensors.get, scale_names))
+            if set(map(type, scales)) != {SafeTensor}:
+                return None
+            forms = set(zip(map(_DTYPE, scales), map(_SHAPE, scales), strict=True))
+            if len(forms) != 1:
+                return None
+            (scale_dtype, scale_shape) = forms.pop()
+            shape, values = ts[0].shape, ts[0].dtype
+            form = self.forms.get((shape, scale_dtype, scale_shape))
+            if form is None:
+                block = quant.scale_block(col[0], shape, scales[0], scheme, self.path)
+                if isinstance(block, PreflightError):
+                    return None
+                form = self.forms[(shape, scale_dtype, scale_shape)] = (block, -(-shape[1] // block[1]))
+            runs.append([_new(quant.QRun, (name, t.file, t.start, shape[1], 0, shape[0], at, s.file, s.start,
+                                           scale_dtype, form[1], form[0], scale_name, values, ()))
+                         for name, t, s, scale_name in zip(col, ts, scales, scale_names, strict=True)])
+        gates, ups, downs = runs
+        rows, cols = held[0][0].shape
+        up_rows = held[1][0].shape[0]
+        ones = [safe_ref(k, self.dtype, (rows + up_rows, cols), (), (a, b))
+                for k, a, b in zip(fc1, gates, ups, strict=True)]
+        twos = [safe_ref(k, self.dtype, held[2][0].shape, (), (d,)) for k, d in zip(fc2, downs, strict=True)]
+        return ones, twos
+
     def _dequantized(self, m: families.Mapping, first: Any) -> SafeRef:
         """The Megatron tensor ``m`` from the rows of FP8 weights, each with its block scales, in the model's
         dtype."""
         scheme = self.fp8
         assert scheme is not None
-        tensors, blocks, tail, suffix = self.tensors, self.blocks, first.shape[1:], scheme.suffix
+        tensors, forms, suffix, kind = self.tensors, self.forms, scheme.suffix, first.dtype
+        tail = first.shape[1:]
         runs = []
         at = 0
         for hf, src0, rows, _ in m.blocks:
             t = tensors[hf]
             shape = t.shape
-            if t.dtype != first.dtype or shape[1:] != tail or src0 + rows > shape[0]:
+            if t.dtype != kind or shape[1:] != tail or src0 + rows > shape[0]:
                 raise _misfit(m, hf, t, first, self.path)
-            scale = tensors.get(hf + suffix)
-            form = (shape, scale.dtype, scale.shape) if scale is not None else None
-            block = blocks.get(form)
-            if block is None:
+            scale_name = hf + suffix
+            scale = tensors.get(scale_name)
+            # (the experts of a layer share one form: its block, checked once, and the scales per row of blocks)
+            form = forms.get((shape, scale.dtype, scale.shape) if scale is not None else None)
+            if form is None:
                 block = quant.scale_block(hf, shape, scale, scheme, self.path)
                 if isinstance(block, PreflightError):
                     raise block
-                blocks[form] = block
+                form = forms[(shape, scale.dtype, scale.shape)] = (block, -(-shape[1] // block[1]))
             check = ()
-            if t.dtype != quant.FP8:  # (pack-quantized: its stored [R, C], checked when the rows are read)
+            if kind != quant.FP8:  # (pack-quantized: its stored [R, C], checked when the rows are read)
                 stored = tensors[hf + quant.SHAPE]
                 check = (stored.file, stored.start, stored.dtype, shape)
-            runs.append(quant.QRun(hf, t.file, t.start, shape[1], src0, rows, at, scale.file, scale.start,
-                                   scale.dtype, -(-shape[1] // block[1]), block, hf + suffix, t.dtype, check))
+            runs.append(_new(quant.QRun, (hf, t.file, t.start, shape[1], src0, rows, at, scale.file, scale.start,
+                                          scale.dtype, form[1], form[0], scale_name, kind, check)))
             at += rows
         return safe_ref(m.key, self.dtype, (at, *tail), (), tuple(runs))
 

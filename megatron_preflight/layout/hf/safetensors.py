@@ -184,8 +184,10 @@ def tensor_table(model_dir: str) -> TensorTable:
                                        "download the missing shard (or the whole model) again"))
                 continue
             _file_tensors(model_dir, name, table, index_path)
-        for key, name in weight_map.items():
-            if key not in table.tensors and name in table.files:
+        absent = weight_map.keys() - table.tensors.keys()  # (C speed: a DeepSeek-V3's index names 92k tensors)
+        for key in [k for k in weight_map if k in absent] if absent else ():  # (in the index's order)
+            name = weight_map[key]
+            if name in table.files:
                 table.problems.append(("missing_tensor", os.path.join(model_dir, name),
                                        f"the index places tensor {key!r} in this file, which does not hold it",
                                        "download the model again"))
@@ -257,10 +259,13 @@ def safe_ref(key: str, dtype: str, shape: tuple[int, ...], runs: tuple[Run, ...]
     n = math.prod(shape)
     first = runs[0].file if runs else quant[0].file if quant else ""
     # (the frozen dataclasses' __init__ sets each field through object.__setattr__: a DeepSeek-V3 builds 31k refs,
-    # so they are filled directly, every field given)
-    storage = object.__new__(StorageRef)
-    storage.__dict__.update(key=key, dtype=dt, numel=n)
-    ref = object.__new__(SafeRef)
-    ref.__dict__.update(file=first, storage=storage, offset=0, shape=shape, stride=_row_major(shape), runs=runs,
-                        quant=quant, add=add)
+    # so each is given its filled __dict__, every field in it)
+    storage = _make(StorageRef)
+    _set(storage, "__dict__", {"key": key, "dtype": dt, "numel": n})
+    ref = _make(SafeRef)
+    _set(ref, "__dict__", {"file": first, "storage": storage, "offset": 0, "shape": shape, "stride": _row_major(shape),
+                           "runs": runs, "quant": quant, "add": add})
     return ref
+
+
+_make, _set = object.__new__, object.__setattr__

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -226,3 +227,62 @@ def test_kimi_k2_reads_as_the_deepseek_v3_it_is(models, tmp_path):
     assert lay.problems == []
     assert vars(lay.saved_args) | {"tokenizer_model": None} == vars(ref.saved_args) | {"tokenizer_model": None}
     assert lay.saved_args.moe_router_score_function == "sigmoid"
+
+
+@pytest.fixture(scope="module")
+def expert_models(models, tmp_path_factory):
+    """MoE models in each form the experts' layer-at-a-time read takes (plain, FP8 blocks, FP8 per channel) and one it
+    leaves to the expert-by-expert read (INT4 packed)."""
+    root = tmp_path_factory.mktemp("experts")
+    return {"qwen3_moe": models["qwen3_moe"], "deepseek_v3": models["deepseek_v3"],
+            "deepseek_v3_fp8": hf_models.write_fp8(models["deepseek_v3"], str(root / "fp8"), (24, 20))[0],
+            "qwen3_moe_channel": hf_models.write_compressed_fp8(models["qwen3_moe"], str(root / "ch"), "channel")[0],
+            "deepseek_v3_int4": hf_models.write_compressed_int(models["deepseek_v3"], str(root / "int4"), 4, 8)[0]}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "deepseek_v3_fp8", "qwen3_moe_channel",
+                                  "deepseek_v3_int4"])
+def test_experts_read_a_layer_at_a_time_are_the_refs_read_expert_by_expert(expert_models, name, monkeypatch):
+    """A MoE layer's routed experts are built a layer at a time (a DeepSeek-V3 has 58 x 256): the same refs, in the
+    same order, as the expert-by-expert read, which a layer that is not regular takes."""
+    from megatron_preflight.layout.hf import discover as hf_discover
+
+    taken = []
+    grouped = hf_discover._Refs.experts
+    monkeypatch.setattr(hf_discover._Refs, "experts", lambda self, g: taken.append(grouped(self, g)) or taken[-1])
+    fast = discover(expert_models[name])
+    monkeypatch.setattr(hf_discover._Refs, "experts", lambda self, g: None)
+    slow = discover(expert_models[name])
+    assert fast.problems == slow.problems == []
+    assert list(fast.shards[0].meta["model"].items()) == list(slow.shards[0].meta["model"].items())
+    assert taken and all((t is None) == name.endswith("int4") for t in taken)  # (packed: expert by expert)
+
+
+def test_an_expert_that_differs_from_its_layer_is_read_expert_by_expert(models, tmp_path):
+    """One expert's tensor missing (named), or of another shape than its layer's others (read as stored, for the
+    index to hold against the args): the expert-by-expert read of that layer."""
+    from tests.helpers.safetensors_edit import edit_header
+
+    for kind in ("missing", "shape"):
+        path = shutil.copytree(models["qwen3_moe"], str(tmp_path / kind))
+        name = "model.layers.1.mlp.experts.2.down_proj.weight"
+
+        def damage(header, body, name=name, kind=kind):
+            if kind == "missing":
+                del header[name]
+            else:  # (the same bytes as a matrix of another shape)
+                rows, cols = header[name]["shape"]
+                header[name]["shape"] = [rows * 2, cols // 2]
+
+        files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+        [target] = [f for f in files if name.encode() in open(os.path.join(path, f), "rb").read(1 << 20)]
+        edit_header(os.path.join(path, target), damage)
+        if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+            os.remove(os.path.join(path, "model.safetensors.index.json"))
+        lay = discover(path)
+        if kind == "missing":
+            assert [p.code for p in lay.problems] == ["missing_tensor"] and name in lay.problems[0].message
+            continue
+        model = lay.shards[0].meta["model"]
+        shapes = {model[f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc2.weight"].shape for j in (1, 2)}
+        assert lay.problems == [] and len(shapes) == 2

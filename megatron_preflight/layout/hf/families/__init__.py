@@ -25,7 +25,7 @@ from megatron_preflight.layout.hf.families import (
     qwen3_moe,
     qwen3_next,
 )
-from megatron_preflight.layout.hf.families.rows import Block, Mapping, Moe
+from megatron_preflight.layout.hf.families.rows import Block, Experts, Mapping, Moe, Rows
 from megatron_preflight.layout.hf.families.spec import (
     LLAMA3_FIXED,
     MAX_TP,
@@ -52,8 +52,8 @@ FAMILIES: tuple[Family, ...] = tuple(f for m in (llama, qwen2, qwen3, mixtral, q
                                                  nemotron_h, qwen3_next, gpt_oss, qwen3_5)
                                      for f in getattr(m, "FAMILIES", None) or (m.FAMILY,))
 
-__all__ = ["FAMILIES", "LLAMA3_FIXED", "MAX_TP", "MLA_YARN_ORIGINAL", "Block", "Family", "Mapping", "Moe",
-           "UnsupportedModel", "Wrapper", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",
+__all__ = ["FAMILIES", "LLAMA3_FIXED", "MAX_TP", "MLA_YARN_ORIGINAL", "Block", "Experts", "Family", "Mapping", "Moe",
+           "Rows", "UnsupportedModel", "Wrapper", "config_from_args", "config_json", "export_refusals", "family_for", "family_for_args",
            "fitting_families", "ignored", "mappings", "megatron_args", "mtp_copies", "mtp_depth", "qk_norm",
            "qkv_bias", "read_config", "refusals", "supported", "true_vocab", "wrapper_for"]
 

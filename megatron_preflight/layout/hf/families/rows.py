@@ -58,6 +58,53 @@ class Moe:
     bias: bool = False  # the router and every expert projection carry a bias (GPT-OSS; Megatron's add_bias_linear)
 
 
+class Experts(NamedTuple):
+    """A MoE layer's routed experts one by one, as one entry: expert ``j``'s Megatron tensors
+    ``{mg}{j}.linear_fc1.weight`` (SwiGLU's ``[gate; up]``), ``linear_fc2.weight`` (``down``), their biases and extra
+    states, in Megatron's order, from HF ``{hf}{j}.{gate,up,down}.weight`` (:meth:`mappings`: the mapping of each)."""
+
+    hf: str  # the HF experts' prefix, ``model.layers.{i}.mlp.experts.``
+    mg: str  # the Megatron experts' prefix, ``decoder.layers.{i}.mlp.experts.local_experts.``
+    count: int
+    projections: tuple[str, str, str]  # (gate, up, down) projection names of one expert
+    bias: bool
+    extras: bool
+
+    def names(self, what: str = "weight") -> tuple[list[str], list[str], list[str]]:
+        """Every expert's HF (gate, up, down) tensor names of ``what``, in expert order."""
+        return tuple([f"{self.hf}{j}.{p}.{what}" for j in range(self.count)]  # type: ignore[return-value]
+                     for p in self.projections)
+
+    def keys(self) -> list[tuple[str, ...]]:
+        """Each expert's Megatron keys, in Megatron's order."""
+        out = []
+        for j in range(self.count):
+            me = f"{self.mg}{j}."
+            out.append((me + "linear_fc1.weight",) + ((me + "linear_fc1.bias",) if self.bias else ())
+                       + ((me + "linear_fc1._extra_state",) if self.extras else ()) + (me + "linear_fc2.weight",)
+                       + ((me + "linear_fc2.bias",) if self.bias else ())
+                       + ((me + "linear_fc2._extra_state",) if self.extras else ()))
+        return out
+
+    def mappings(self, r: Rows) -> list[Mapping]:
+        """The mapping of each expert tensor."""
+        g, u, d = self.projections
+        out = []
+        for j in range(self.count):  # (a DeepSeek-V3: 58 layers of 256, each row made directly)
+            e, me = f"{self.hf}{j}.", f"{self.mg}{j}."
+            out.append(r.glu(me + "linear_fc1.weight", e + g + ".weight", e + u + ".weight"))
+            if self.bias:
+                out.append(r.glu(me + "linear_fc1.bias", e + g + ".bias", e + u + ".bias"))
+            if self.extras:
+                out.append(Mapping(me + "linear_fc1._extra_state", ()))
+            out.append(r.copy(me + "linear_fc2.weight", e + d + ".weight"))
+            if self.bias:
+                out.append(r.copy(me + "linear_fc2.bias", e + d + ".bias"))
+            if self.extras:
+                out.append(Mapping(me + "linear_fc2._extra_state", ()))
+        return out
+
+
 def stack(names: list[tuple[str, int, int]]) -> tuple[Block, ...]:
     """Blocks stacked along dim 0, each ``(hf, src0, rows)``."""
     out, at = [], 0
@@ -70,10 +117,12 @@ def stack(names: list[tuple[str, int, int]]) -> tuple[Block, ...]:
 class Rows:
     """The transforms for one direction: reading an HF model (``rows``: each HF tensor's dim-0 size, from the
     safetensors headers) or writing one (``megatron_rows``: each Megatron tensor's; a copied tensor has its rows,
-    each SwiGLU half half of them)."""
+    each SwiGLU half half of them). ``grouped``: a MoE layer's routed experts are one :class:`Experts` entry (the
+    reader builds them a layer at a time), not a mapping each."""
 
-    def __init__(self, rows: abc.Mapping[str, int], megatron_rows: dict[str, int] | None) -> None:
-        self.rows, self.megatron_rows = rows, megatron_rows
+    def __init__(self, rows: abc.Mapping[str, int], megatron_rows: dict[str, int] | None,
+                 grouped: bool = False) -> None:
+        self.rows, self.megatron_rows, self.grouped = rows, megatron_rows, grouped
 
     def size(self, hf: str, key: str, parts: int) -> int:
         if self.megatron_rows is not None:
@@ -130,18 +179,9 @@ def moe_block(r: Rows, moe: Moe, cfg: HfConfig, hf: str, mg: str, extras: bool) 
         out.append(r.copy(mg + "mlp.router.expert_bias", block + moe.gate + ".e_score_correction_bias"))
     g, u, d = moe.experts
     assert cfg.num_experts
-    for j in range(cfg.num_experts):  # (a DeepSeek-V3: 58 layers of 256, each row made directly)
-        e, me = f"{block}experts.{j}.", f"{mg}mlp.experts.local_experts.{j}."
-        out.append(r.glu(me + "linear_fc1.weight", e + g + ".weight", e + u + ".weight"))
-        if moe.bias:
-            out.append(r.glu(me + "linear_fc1.bias", e + g + ".bias", e + u + ".bias"))
-        if extras:
-            out.append(Mapping(me + "linear_fc1._extra_state", ()))
-        out.append(r.copy(me + "linear_fc2.weight", e + d + ".weight"))
-        if moe.bias:
-            out.append(r.copy(me + "linear_fc2.bias", e + d + ".bias"))
-        if extras:
-            out.append(Mapping(me + "linear_fc2._extra_state", ()))
+    experts = Experts(block + "experts.", mg + "mlp.experts.local_experts.", cfg.num_experts, moe.experts, moe.bias,
+                      extras)
+    out += [experts] if r.grouped else experts.mappings(r)  # type: ignore[list-item]
     if cfg.shared_experts:
         sh, ms = block + moe.shared + ".", mg + "mlp.shared_experts."
         out += [r.glu(ms + "linear_fc1.weight", sh + f"{g}.weight", sh + f"{u}.weight"),

@@ -400,11 +400,11 @@ def layer(family: Family, r: Rows, cfg: HfConfig, hf: str, mg: str, is_moe: bool
 
 
 def mappings(family: Family, cfg: HfConfig, rows: abc.Mapping[str, int],
-             megatron_rows: dict[str, int] | None = None) -> list[Mapping]:
+             megatron_rows: dict[str, int] | None = None, grouped: bool = False) -> list[Mapping]:
     """Every Megatron tensor of the model, in Megatron's state-dict order, with its HF blocks. ``rows``: each HF
     tensor's dim-0 size (from the safetensors headers); writing an HF model, ``megatron_rows`` instead: each Megatron
-    tensor's."""
-    r = Rows(rows, megatron_rows)
+    tensor's. ``grouped``: each MoE layer's routed experts as one :class:`~.rows.Experts` entry in the list."""
+    r = Rows(rows, megatron_rows, grouped)
     if family.tensors is not None:
         return family.tensors(r, cfg)
     out = [r.copy("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
