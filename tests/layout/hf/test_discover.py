@@ -231,17 +231,19 @@ def test_kimi_k2_reads_as_the_deepseek_v3_it_is(models, tmp_path):
 
 @pytest.fixture(scope="module")
 def expert_models(models, tmp_path_factory):
-    """MoE models in each form the experts' layer-at-a-time read takes (plain, FP8 blocks, FP8 per channel) and one it
-    leaves to the expert-by-expert read (INT4 packed)."""
+    """MoE models in each form the experts' layer-at-a-time read takes (plain, FP8 blocks, FP8 per channel) and those
+    it leaves to the expert-by-expert read (INT4 packed; GPT-OSS's experts, with biases, stacked in its files)."""
     root = tmp_path_factory.mktemp("experts")
-    return {"qwen3_moe": models["qwen3_moe"], "deepseek_v3": models["deepseek_v3"],
+    return {"qwen3_moe": models["qwen3_moe"], "deepseek_v3": models["deepseek_v3"], "mixtral": models["mixtral"],
+            "glm4_moe": hf_models.write("glm4_moe", str(root / "glm")),
+            "gpt_oss": hf_models.write("gpt_oss", str(root / "oss")),
             "deepseek_v3_fp8": hf_models.write_fp8(models["deepseek_v3"], str(root / "fp8"), (24, 20))[0],
             "qwen3_moe_channel": hf_models.write_compressed_fp8(models["qwen3_moe"], str(root / "ch"), "channel")[0],
             "deepseek_v3_int4": hf_models.write_compressed_int(models["deepseek_v3"], str(root / "int4"), 4, 8)[0]}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "deepseek_v3_fp8", "qwen3_moe_channel",
-                                  "deepseek_v3_int4"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe", "deepseek_v3_fp8",
+                                  "qwen3_moe_channel", "deepseek_v3_int4", "gpt_oss"])
 def test_experts_read_a_layer_at_a_time_are_the_refs_read_expert_by_expert(expert_models, name, monkeypatch):
     """A MoE layer's routed experts are built a layer at a time (a DeepSeek-V3 has 58 x 256): the same refs, in the
     same order, as the expert-by-expert read, which a layer that is not regular takes."""
@@ -255,7 +257,8 @@ def test_experts_read_a_layer_at_a_time_are_the_refs_read_expert_by_expert(exper
     slow = discover(expert_models[name])
     assert fast.problems == slow.problems == []
     assert list(fast.shards[0].meta["model"].items()) == list(slow.shards[0].meta["model"].items())
-    assert taken and all((t is None) == name.endswith("int4") for t in taken)  # (packed: expert by expert)
+    by_expert = name.endswith("int4") or name == "gpt_oss"
+    assert taken and all((t is None) == by_expert for t in taken)
 
 
 def test_an_expert_that_differs_from_its_layer_is_read_expert_by_expert(models, tmp_path):
