@@ -353,7 +353,7 @@ class _Refs:
         None, for :meth:`ref` to build them expert by expert and name what is wrong."""
         if g.bias or not g.count:
             return None
-        tensors, n = self.tensors, g.count
+        tensors = self.tensors
         names = g.names()
         held = [list(map(tensors.get, col)) for col in names]
         if any(set(map(type, col)) != {SafeTensor} for col in held):  # (a missing one is None)
@@ -365,9 +365,7 @@ class _Refs:
         if len(shape) != 2 or not shape[0] or (up_dtype, up_shape[1:]) != (dtype, shape[1:]) \
                 or len(down_shape) != 2 or not down_shape[0] or down_dtype != dtype or not up_shape[0]:
             return None
-        mg = g.mg
-        fc1 = [f"{mg}{j}.linear_fc1.weight" for j in range(n)]
-        fc2 = [f"{mg}{j}.linear_fc2.weight" for j in range(n)]
+        fc1, fc2 = g.keys("linear_fc1"), g.keys("linear_fc2")
         if dtype in quant.QUANTIZED:
             built = self._quantized_experts(names, held, fc1, fc2)
             if built is None:
@@ -381,12 +379,14 @@ class _Refs:
                     for k, a, b in zip(fc1, gates, ups, strict=True)]
             twos = [safe_ref(k, dtype, down_shape, (Run(d.file, d.start, d.end - d.start, 0),))
                     for k, d in zip(fc2, downs, strict=True)]
-        model: list[tuple[str, Any]] = []
-        for k1, r1, k2, r2 in zip(fc1, ones, fc2, twos, strict=True):
-            if g.extras:
-                model += [(k1, r1), (k1[:-6] + "_extra_state", None), (k2, r2), (k2[:-6] + "_extra_state", None)]
-            else:
-                model += [(k1, r1), (k2, r2)]
+        extra1 = [(k, None) for k in g.extra_keys("linear_fc1")] if g.extras else []
+        extra2 = [(k, None) for k in g.extra_keys("linear_fc2")] if g.extras else []
+        if g.grouped_linears:  # (every expert's fc1, its extra state, then fc2)
+            model = [*zip(fc1, ones, strict=True), *extra1, *zip(fc2, twos, strict=True), *extra2]
+        else:  # (expert by expert)
+            model = []
+            for j, (k1, r1, k2, r2) in enumerate(zip(fc1, ones, fc2, twos, strict=True)):
+                model += [(k1, r1), *extra1[j:j + 1], (k2, r2), *extra2[j:j + 1]]
         taken = [(name, rows) for col, rows in zip(names, (shape[0], up_shape[0], down_shape[0]), strict=True)
                  for name in col]
         return model, taken

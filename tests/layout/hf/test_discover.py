@@ -237,16 +237,18 @@ def expert_models(models, tmp_path_factory):
     return {"qwen3_moe": models["qwen3_moe"], "deepseek_v3": models["deepseek_v3"], "mixtral": models["mixtral"],
             "glm4_moe": hf_models.write("glm4_moe", str(root / "glm")),
             "gpt_oss": hf_models.write("gpt_oss", str(root / "oss")),
+            "qwen3_next": hf_models.write("qwen3_next", str(root / "next")),
             "deepseek_v3_fp8": hf_models.write_fp8(models["deepseek_v3"], str(root / "fp8"), (24, 20))[0],
             "qwen3_moe_channel": hf_models.write_compressed_fp8(models["qwen3_moe"], str(root / "ch"), "channel")[0],
             "deepseek_v3_int4": hf_models.write_compressed_int(models["deepseek_v3"], str(root / "int4"), 4, 8)[0]}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe", "deepseek_v3_fp8",
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe", "qwen3_next", "deepseek_v3_fp8",
                                   "qwen3_moe_channel", "deepseek_v3_int4", "gpt_oss"])
 def test_experts_read_a_layer_at_a_time_are_the_refs_read_expert_by_expert(expert_models, name, monkeypatch):
     """A MoE layer's routed experts are built a layer at a time (a DeepSeek-V3 has 58 x 256): the same refs, in the
-    same order, as the expert-by-expert read, which a layer that is not regular takes."""
+    same order, as the expert-by-expert read, which a layer that is not regular takes (sequential experts, and a
+    hybrid model's Transformer Engine grouped linears: Qwen3-Next)."""
     from megatron_preflight.layout.hf import discover as hf_discover
 
     taken = []

@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron_preflight import parallel
 from megatron_preflight.layout.hf.config import REQUIRED, HfConfig, Key
-from megatron_preflight.layout.hf.families.rows import Mapping, Moe, Rows, hybrid_tail, stack, te_mlp
+from megatron_preflight.layout.hf.families.rows import Experts, Mapping, Moe, Rows, hybrid_tail, stack, te_mlp
 from megatron_preflight.layout.hf.families.spec import HYBRID_SPEC, arg, table, traits
 
 
@@ -47,13 +47,9 @@ MOE = Moe("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 def grouped_experts(r: Rows, cfg: HfConfig, hf: str, mg: str) -> list[Mapping]:
     """The router and the routed experts as a HybridModel holds them: Transformer Engine's grouped linears (its layer
     specs build no other), one weight per expert and one extra state per grouped linear."""
-    n = cfg.num_experts or 0
-    out = [r.copy(mg + "router.weight", hf + "gate.weight")]
-    out += [r.glu(f"{mg}experts.linear_fc1.weight{j}", f"{hf}experts.{j}.gate_proj.weight",
-                  f"{hf}experts.{j}.up_proj.weight") for j in range(n)]
-    out.append(r.extra(mg + "experts.linear_fc1._extra_state"))
-    out += [r.copy(f"{mg}experts.linear_fc2.weight{j}", f"{hf}experts.{j}.down_proj.weight") for j in range(n)]
-    return out + [r.extra(mg + "experts.linear_fc2._extra_state")]
+    experts = Experts(hf + "experts.", mg + "experts.", cfg.num_experts or 0, MOE.experts, bias=False, extras=True,
+                      grouped_linears=True)
+    return [r.copy(mg + "router.weight", hf + "gate.weight"), *([experts] if r.grouped else experts.mappings(r))]
 
 
 def tensors(in_proj: Callable[[str, HfConfig], Any]) -> Callable[[Rows, HfConfig], list[Mapping]]:

@@ -59,49 +59,54 @@ class Moe:
 
 
 class Experts(NamedTuple):
-    """A MoE layer's routed experts one by one, as one entry: expert ``j``'s Megatron tensors
-    ``{mg}{j}.linear_fc1.weight`` (SwiGLU's ``[gate; up]``), ``linear_fc2.weight`` (``down``), their biases and extra
-    states, in Megatron's order, from HF ``{hf}{j}.{gate,up,down}.weight`` (:meth:`mappings`: the mapping of each)."""
+    """A MoE layer's routed experts one by one, as one entry: expert ``j``'s fc1 (SwiGLU's ``[gate; up]``) and fc2
+    (``down``) from HF ``{hf}{j}.{gate,up,down}.weight``, their biases and extra states, in Megatron's order — as
+    sequential experts, ``{mg}{j}.linear_fc1.weight`` (expert by expert), or with ``grouped_linears`` as Transformer
+    Engine's grouped linears, ``{mg}linear_fc1.weight{j}`` (every expert's fc1, its one extra state, then fc2).
+    :meth:`mappings` gives the mapping of each Megatron tensor; discovery reads a regular layer's at once."""
 
     hf: str  # the HF experts' prefix, ``model.layers.{i}.mlp.experts.``
-    mg: str  # the Megatron experts' prefix, ``decoder.layers.{i}.mlp.experts.local_experts.``
+    mg: str  # the Megatron experts' prefix: ``decoder.layers.{i}.mlp.experts.local_experts.`` / ``...mlp.experts.``
     count: int
     projections: tuple[str, str, str]  # (gate, up, down) projection names of one expert
     bias: bool
     extras: bool
+    grouped_linears: bool = False
 
     def names(self, what: str = "weight") -> tuple[list[str], list[str], list[str]]:
         """Every expert's HF (gate, up, down) tensor names of ``what``, in expert order."""
         return tuple([f"{self.hf}{j}.{p}.{what}" for j in range(self.count)]  # type: ignore[return-value]
                      for p in self.projections)
 
-    def keys(self) -> list[tuple[str, ...]]:
-        """Each expert's Megatron keys, in Megatron's order."""
-        out = []
-        for j in range(self.count):
-            me = f"{self.mg}{j}."
-            out.append((me + "linear_fc1.weight",) + ((me + "linear_fc1.bias",) if self.bias else ())
-                       + ((me + "linear_fc1._extra_state",) if self.extras else ()) + (me + "linear_fc2.weight",)
-                       + ((me + "linear_fc2.bias",) if self.bias else ())
-                       + ((me + "linear_fc2._extra_state",) if self.extras else ()))
-        return out
+    def keys(self, fc: str, what: str = "weight") -> list[str]:
+        """Every expert's Megatron key of ``fc`` (``linear_fc1`` / ``linear_fc2``) ``what``, in expert order."""
+        if self.grouped_linears:
+            return [f"{self.mg}{fc}.{what}{j}" for j in range(self.count)]
+        return [f"{self.mg}{j}.{fc}.{what}" for j in range(self.count)]
+
+    def extra_keys(self, fc: str) -> list[str]:
+        """The extra states of ``fc``: one per expert, or one per grouped linear."""
+        if self.grouped_linears:
+            return [f"{self.mg}{fc}._extra_state"]
+        return [f"{self.mg}{j}.{fc}._extra_state" for j in range(self.count)]
 
     def mappings(self, r: Rows) -> list[Mapping]:
-        """The mapping of each expert tensor."""
-        g, u, d = self.projections
-        out = []
-        for j in range(self.count):  # (a DeepSeek-V3: 58 layers of 256, each row made directly)
-            e, me = f"{self.hf}{j}.", f"{self.mg}{j}."
-            out.append(r.glu(me + "linear_fc1.weight", e + g + ".weight", e + u + ".weight"))
-            if self.bias:
-                out.append(r.glu(me + "linear_fc1.bias", e + g + ".bias", e + u + ".bias"))
-            if self.extras:
-                out.append(Mapping(me + "linear_fc1._extra_state", ()))
-            out.append(r.copy(me + "linear_fc2.weight", e + d + ".weight"))
-            if self.bias:
-                out.append(r.copy(me + "linear_fc2.bias", e + d + ".bias"))
-            if self.extras:
-                out.append(Mapping(me + "linear_fc2._extra_state", ()))
+        """The mapping of each expert tensor, in Megatron's order."""
+        gate, up, down = self.names()
+        fc1 = [r.glu(k, g, u) for k, g, u in zip(self.keys("linear_fc1"), gate, up, strict=True)]
+        fc2 = [r.copy(k, d) for k, d in zip(self.keys("linear_fc2"), down, strict=True)]
+        if self.bias:
+            gate_b, up_b, down_b = self.names("bias")
+            fc1_b = [r.glu(k, g, u) for k, g, u in zip(self.keys("linear_fc1", "bias"), gate_b, up_b, strict=True)]
+            fc2_b = [r.copy(k, d) for k, d in zip(self.keys("linear_fc2", "bias"), down_b, strict=True)]
+        extra1 = [Mapping(k, ()) for k in self.extra_keys("linear_fc1")] if self.extras else []
+        extra2 = [Mapping(k, ()) for k in self.extra_keys("linear_fc2")] if self.extras else []
+        if self.grouped_linears:
+            return fc1 + (fc1_b if self.bias else []) + extra1 + fc2 + (fc2_b if self.bias else []) + extra2
+        out: list[Mapping] = []
+        for j in range(self.count):
+            out += [fc1[j], *((fc1_b[j],) if self.bias else ()), *extra1[j:j + 1], fc2[j],
+                    *((fc2_b[j],) if self.bias else ()), *extra2[j:j + 1]]
         return out
 
 
